@@ -1,0 +1,57 @@
+"""Load a run config: YAML file + dotted overrides, merged onto the typed schema, validated once.
+
+    cfg = load_config("examples/tiny.yaml", ["actor.optim.lr=1e-5", "rollout.n=8"])
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from moeloop.config.schema import RunConfig
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:
+    """Return a validated `RunConfig`; errors name the file, the field and the rule."""
+    base = OmegaConf.structured(RunConfig)
+    try:
+        if path is not None:
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"config file not found: {path}")
+            base = OmegaConf.merge(base, OmegaConf.load(path))
+        base = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
+    except OmegaConfBaseException as err:
+        where = f" in {path}" if path else ""
+        raise ValueError(f"config{where}: {_explain(err)}") from None
+    cfg: RunConfig = OmegaConf.to_object(base)  # type: ignore[assignment]
+    validate(cfg)
+    return cfg
+
+
+def _explain(err: OmegaConfBaseException) -> str:
+    key = getattr(err, "full_key", None)
+    msg = str(err).splitlines()[0]
+    return f"{key}: {msg}" if key else msg
+
+
+def validate(cfg: RunConfig) -> None:
+    """Every section's own rules, then the rules that span sections."""
+    for section in (cfg.model, cfg.data, cfg.rollout, cfg.reward, cfg.algorithm, cfg.sync):
+        section.check()
+    cfg.actor.check("actor")
+    if cfg.critic.enable:
+        cfg.critic.check("critic")
+    if cfg.algorithm.adv_estimator == "gae" and not cfg.critic.enable:
+        raise ValueError("algorithm.adv_estimator=gae needs critic.enable=true")
+    if cfg.actor.ppo_mini_batch_size > cfg.data.train_batch_size:
+        raise ValueError(
+            f"actor.ppo_mini_batch_size={cfg.actor.ppo_mini_batch_size} must be <= data.train_batch_size={cfg.data.train_batch_size}")
+    if cfg.data.train_batch_size % cfg.actor.ppo_mini_batch_size:
+        raise ValueError(
+            f"data.train_batch_size={cfg.data.train_batch_size} must be a multiple of actor.ppo_mini_batch_size={cfg.actor.ppo_mini_batch_size}")
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

@@ -1,0 +1,1 @@
+"""moeloop.plan"""
