@@ -185,12 +185,12 @@ class ParallelSection:
 
 @dataclass
 class SyncSection:
-    transport: str = "inprocess"  # inprocess | cuda_ipc | broadcast | disk
+    transport: str = "inprocess"  # inprocess | broadcast | disk
     bucket_bytes: int = 64 << 20
     verify: bool = True
 
     def check(self) -> None:
-        _require(self.transport in ("inprocess", "cuda_ipc", "broadcast", "disk"), "sync.transport", "must be inprocess|cuda_ipc|broadcast|disk")
+        _require(self.transport in ("inprocess", "broadcast", "disk"), "sync.transport", "must be inprocess|broadcast|disk")
         _require(self.bucket_bytes > 0, "sync.bucket_bytes", "must be > 0")
 
 

@@ -1,0 +1,85 @@
+"""Pack a named tensor stream into flat byte buckets with a fingerprint each, and unpack them.
+
+A bucket is one contiguous uint8 buffer of at most `bucket_bytes` (a single tensor larger than
+that gets a bucket of its own) plus the metadata to cut it back into named tensors. The
+fingerprint is computed with tensor ops on the buffer's own device, so a GPU bucket is verified
+without a host copy, and the value is the same on CPU and CUDA.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+import torch
+
+_MOD_WEIGHTS = 65521  # position weights 1..65521 make the sum order-sensitive
+_ALIGN_BYTES = 16  # every tensor starts aligned so the byte view can be re-viewed as its dtype
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset_bytes: int
+    num_bytes: int
+
+
+@dataclass
+class Bucket:
+    index: int
+    buffer: torch.Tensor  # uint8, flat
+    metas: list[TensorMeta] = field(default_factory=list)
+    fingerprint: int = 0
+
+    @property
+    def num_bytes(self) -> int:
+        return self.buffer.numel()
+
+
+def fingerprint(buffer_u8: torch.Tensor) -> int:
+    """Order-sensitive 64-bit integer fingerprint of a flat uint8 buffer (same value on any device)."""
+    pad = (-buffer_u8.numel()) % 4
+    if pad:
+        buffer_u8 = torch.cat([buffer_u8, buffer_u8.new_zeros(pad)])
+    words = buffer_u8.view(torch.int32).to(torch.int64)
+    weights = torch.arange(words.numel(), device=words.device, dtype=torch.int64) % _MOD_WEIGHTS + 1
+    return int((words * weights).sum().item()) ^ (buffer_u8.numel() << 1)
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().contiguous().view(-1).view(torch.uint8)
+
+
+def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
+    """Yield buckets in stream order; each is fingerprinted once, when it is full."""
+    pending: list[tuple[str, torch.Tensor]] = []
+    pending_bytes, index = 0, 0
+    for name, tensor in named_tensors:
+        size = tensor.numel() * tensor.element_size()
+        if pending and pending_bytes + size > bucket_bytes:
+            yield _make_bucket(index, pending)
+            pending, pending_bytes, index = [], 0, index + 1
+        pending.append((name, tensor))
+        pending_bytes += size
+    if pending:
+        yield _make_bucket(index, pending)
+
+
+def _make_bucket(index: int, items: list[tuple[str, torch.Tensor]]) -> Bucket:
+    parts, metas, offset = [], [], 0
+    for name, tensor in items:
+        raw = _as_bytes(tensor)
+        metas.append(TensorMeta(name, tuple(tensor.shape), tensor.dtype, offset, raw.numel()))
+        pad = (-raw.numel()) % _ALIGN_BYTES
+        parts += [raw, raw.new_zeros(pad)] if pad else [raw]
+        offset += raw.numel() + pad
+    buffer = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+    return Bucket(index, buffer, metas, fingerprint(buffer))
+
+
+def unpack_bucket(bucket: Bucket) -> Iterator[tuple[str, torch.Tensor]]:
+    """Views into the bucket's buffer, one per tensor (no copy)."""
+    for meta in bucket.metas:
+        raw = bucket.buffer[meta.offset_bytes: meta.offset_bytes + meta.num_bytes]
+        yield meta.name, raw.view(meta.dtype).view(meta.shape)
