@@ -1,0 +1,163 @@
+"""Advantage estimators over a batch of `Sample`: grpo (and Dr.GRPO), rloo, reinforce_pp,
+reinforce_pp_baseline and gae; each writes per-response-token `sample.advantages` (gae also `returns`).
+
+Semantics follow verl's core_algos. Masked samples (`not sample.in_loss`) are left out of every
+group baseline and batch statistic and get zero advantages. A group (same `group_id`) with a
+single in-loss sample has no baseline: its advantage is its score (verl's convention).
+Call `compute_advantages(samples, cfg.algorithm)`; estimators work in float64.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Callable
+
+import torch
+
+from moeloop.algo.token_rewards import sequence_score, token_rewards
+from moeloop.config.schema import AlgorithmSection
+from moeloop.types import Sample
+
+GRPO_EPS = 1e-6  # added to the group std
+WHITEN_EPS = 1e-8  # added to the batch variance inside rsqrt (verl masked_whiten)
+
+
+def response_mask(sample: Sample) -> torch.Tensor:
+    """Float64 [R] 0/1 mask of the response tokens that count: `sample.loss_mask` if set, all ones
+    otherwise, all zeros for a masked sample."""
+    num = len(sample.response_ids)
+    if not sample.in_loss:
+        return torch.zeros(num, dtype=torch.float64)
+    if sample.loss_mask is None:
+        return torch.ones(num, dtype=torch.float64)
+    if len(sample.loss_mask) != num:
+        raise ValueError(f"loss_mask has {len(sample.loss_mask)} values for {num} response tokens")
+    return torch.tensor(sample.loss_mask, dtype=torch.float64)
+
+
+def _groups(samples: list[Sample]) -> dict[int, list[int]]:
+    """group_id -> indices of its in-loss samples."""
+    groups: dict[int, list[int]] = defaultdict(list)
+    for i, sample in enumerate(samples):
+        if sample.in_loss:
+            groups[sample.group_id].append(i)
+    return groups
+
+
+def _write_outcome(samples: list[Sample], scores: dict[int, float]) -> None:
+    """Broadcast one advantage per sample over its response tokens; zero where not in `scores`."""
+    for i, sample in enumerate(samples):
+        sample.advantages = (response_mask(sample) * scores.get(i, 0.0)).tolist()
+
+
+def whiten(values: list[torch.Tensor], masks: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Whiten per-token values across the whole batch over masked tokens (unbiased variance),
+    zero outside the mask. Fewer than 2 tokens: centre only."""
+    flat_v, flat_m = torch.cat(values), torch.cat(masks)
+    count = flat_m.sum()
+    if count == 0:
+        return [torch.zeros_like(v) for v in values]
+    mean = (flat_v * flat_m).sum() / count
+    var = ((flat_v - mean).square() * flat_m).sum() / (count - 1) if count > 1 else flat_v.new_zeros(())
+    return [(v - mean) * torch.rsqrt(var + WHITEN_EPS) * m for v, m in zip(values, masks)]
+
+
+def grpo(samples: list[Sample], cfg: AlgorithmSection) -> None:
+    """A_i = (s_i - mean_g) / (std_g + 1e-6) (unbiased std), or s_i - mean_g when not norm_adv_by_std (Dr.GRPO)."""
+    scores: dict[int, float] = {}
+    for members in _groups(samples).values():
+        s = torch.tensor([sequence_score(samples[i]) for i in members], dtype=torch.float64)
+        if len(s) == 1:
+            mean, std = s.new_zeros(()), s.new_ones(())
+        else:
+            mean, std = s.mean(), s.std()
+        adv = (s - mean) / (std + GRPO_EPS) if cfg.norm_adv_by_std else s - mean
+        scores.update(zip(members, adv.tolist()))
+    _write_outcome(samples, scores)
+
+
+def rloo(samples: list[Sample], cfg: AlgorithmSection) -> None:
+    """A_i = s_i - mean of the other in-loss samples of the group (= n/(n-1) (s_i - mean_g))."""
+    scores: dict[int, float] = {}
+    for members in _groups(samples).values():
+        s = torch.tensor([sequence_score(samples[i]) for i in members], dtype=torch.float64)
+        n = len(s)
+        adv = s if n == 1 else s - (s.sum() - s) / (n - 1)
+        scores.update(zip(members, adv.tolist()))
+    _write_outcome(samples, scores)
+
+
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = r_t + gamma * G_{t+1}, the running return reset after unmasked tokens (verl)."""
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros((), dtype=rewards.dtype)
+    for t in reversed(range(len(rewards))):
+        running = rewards[t] + gamma * running
+        returns[t] = running
+        running = running * mask[t]
+    return returns
+
+
+def reinforce_pp(samples: list[Sample], cfg: AlgorithmSection) -> None:
+    """REINFORCE++: discounted token-level returns (KL-shaped rewards if applied), whitened over the batch."""
+    masks = [response_mask(s) for s in samples]
+    returns = [discounted_returns(token_rewards(s), m, cfg.gamma) * m for s, m in zip(samples, masks)]
+    for sample, ret, adv in zip(samples, returns, whiten(returns, masks)):
+        sample.returns, sample.advantages = ret.tolist(), adv.tolist()
+
+
+def reinforce_pp_baseline(samples: list[Sample], cfg: AlgorithmSection) -> None:
+    """REINFORCE++-baseline: s_i - mean_g broadcast over the response, then whitened over the batch."""
+    centred: dict[int, float] = {}
+    for members in _groups(samples).values():
+        s = torch.tensor([sequence_score(samples[i]) for i in members], dtype=torch.float64)
+        centred.update(zip(members, (s - s.mean() if len(s) > 1 else s).tolist()))
+    masks = [response_mask(s) for s in samples]
+    values = [m * centred.get(i, 0.0) for i, m in enumerate(masks)]
+    for sample, adv in zip(samples, whiten(values, masks)):
+        sample.advantages = adv.tolist()
+
+
+def gae_one(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float) -> torch.Tensor:
+    """Generalised advantage estimate of one response (value after the last token = 0)."""
+    adv = torch.zeros_like(rewards)
+    last = torch.zeros((), dtype=rewards.dtype)
+    for t in reversed(range(len(rewards))):
+        next_value = values[t + 1] if t + 1 < len(rewards) else 0.0
+        delta = rewards[t] + gamma * next_value - values[t]
+        last = delta + gamma * lam * last
+        adv[t] = last
+    return adv
+
+
+def gae(samples: list[Sample], cfg: AlgorithmSection) -> None:
+    """GAE with the critic's `sample.values`: returns = adv + values, then adv whitened over the batch."""
+    masks, raw = [response_mask(s) for s in samples], []
+    for i, sample in enumerate(samples):
+        if not sample.in_loss:
+            raw.append(torch.zeros(len(sample.response_ids), dtype=torch.float64))
+            sample.returns = raw[-1].tolist()
+            continue
+        if sample.values is None or len(sample.values) != len(sample.response_ids):
+            raise ValueError(f"sample {i}: gae needs one critic value per response token in sample.values")
+        values = torch.tensor(sample.values, dtype=torch.float64)
+        raw.append(gae_one(token_rewards(sample), values, cfg.gamma, cfg.lam))
+        sample.returns = (raw[-1] + values).tolist()
+    for sample, adv in zip(samples, whiten(raw, masks)):
+        sample.advantages = adv.tolist()
+
+
+ADV_ESTIMATORS: dict[str, Callable[[list[Sample], AlgorithmSection], None]] = {
+    "grpo": grpo,
+    "rloo": rloo,
+    "reinforce_pp": reinforce_pp,
+    "reinforce_pp_baseline": reinforce_pp_baseline,
+    "gae": gae,
+}
+
+
+def compute_advantages(samples: list[Sample], cfg: AlgorithmSection) -> list[Sample]:
+    """Fill `advantages` (and `returns` for reinforce_pp / gae) of every sample in place; returns the list."""
+    if cfg.adv_estimator not in ADV_ESTIMATORS:
+        raise ValueError(f"algorithm.adv_estimator={cfg.adv_estimator!r}; expected one of {'|'.join(ADV_ESTIMATORS)}")
+    ADV_ESTIMATORS[cfg.adv_estimator](samples, cfg)
+    return samples

@@ -1,0 +1,162 @@
+"""Actor and critic losses on flat packed tokens: PPO clip (DAPO clip-higher, dual-clip), GSPO,
+KL-to-reference loss, entropy bonus, clipped value loss, all aggregated with a global denominator.
+
+Usage per micro-batch (see moeloop.algo.aggregation and moeloop.train.packing):
+    denom = global_loss_denominators(mini_batch_samples, cfg.loss_agg_mode, max_response_length)
+    for mb in micro_batches:
+        loss, metrics = actor_loss(PolicyInputs(...mb tensors...), cfg.actor, denom)
+        loss.backward()                       # shares add up to the mini-batch loss
+    metrics = reduce_metrics(all_micro_batch_metrics)
+Every `*_T` tensor is [T] over the packed tokens, aligned as `PackedBatch` documents.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from moeloop.algo.aggregation import aggregate_loss, per_seq_sum, seq_ids
+from moeloop.algo.kl import kl_estimate
+from moeloop.config.schema import ActorSection, CriticSection
+
+LOG_RATIO_CLAMP = 20.0  # PPO: clamp log(pi/pi_old) before exp (verl)
+GSPO_LOG_RATIO_MAX = 10.0  # GSPO: clamp of the sequence log-ratio (verl)
+SHARE_KEYS = ("pg_loss", "kl_loss", "entropy_loss", "vf_loss")  # metrics that add over micro-batches
+
+
+@dataclass
+class PolicyInputs:
+    """One micro-batch of packed per-token tensors for the actor loss."""
+
+    logprobs_T: torch.Tensor  # current policy, requires grad
+    old_logprobs_T: torch.Tensor
+    advantages_T: torch.Tensor
+    loss_mask_T: torch.Tensor
+    cu_seqlens: torch.Tensor  # int32 [S+1]
+    ref_logprobs_T: Optional[torch.Tensor] = None  # needed when use_kl_loss
+    entropy_T: Optional[torch.Tensor] = None  # needed when entropy_coeff != 0
+
+    def check(self) -> None:
+        shape = self.logprobs_T.shape
+        for name in ("old_logprobs_T", "advantages_T", "loss_mask_T", "ref_logprobs_T", "entropy_T"):
+            value = getattr(self, name)
+            if value is not None and value.shape != shape:
+                raise ValueError(f"{name} has shape {tuple(value.shape)}, logprobs_T has {tuple(shape)}")
+
+
+def _masked_mean(values_T: torch.Tensor, mask_T: torch.Tensor) -> float:
+    mask = mask_T.bool()
+    return float(values_T.detach()[mask].double().mean()) if mask.any() else 0.0
+
+
+def ppo_clip_loss_T(
+    logprobs_T: torch.Tensor, old_logprobs_T: torch.Tensor, advantages_T: torch.Tensor,
+    clip_low: float, clip_high: float, clip_c: Optional[float],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token PPO loss max(-A r, -A clip(r, 1-low, 1+high)); for A < 0 also capped at -A * clip_c
+    (dual-clip) unless clip_c is None. Returns (loss_T, ratio_T)."""
+    ratio = (logprobs_T - old_logprobs_T).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    clipped = torch.maximum(-advantages_T * ratio, -advantages_T * ratio.clamp(1 - clip_low, 1 + clip_high))
+    if clip_c is None:
+        return clipped, ratio
+    dual = torch.minimum(clipped, -advantages_T * clip_c)
+    return torch.where(advantages_T < 0, dual, clipped), ratio
+
+
+def gspo_ratio_T(logprobs_T: torch.Tensor, old_logprobs_T: torch.Tensor, loss_mask_T: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """GSPO token form s_it = sg[s_i] * pi_t / sg[pi_t], s_i = exp(mean_t log(pi_t / pi_old_t)) over the
+    sequence's loss tokens: its value is the sequence ratio s_i, its gradient s_i * grad log pi_t."""
+    mask = loss_mask_T.to(logprobs_T.dtype)
+    log_ratio_sum = per_seq_sum((logprobs_T - old_logprobs_T).detach() * mask, cu_seqlens)
+    seq_log_ratio = log_ratio_sum / per_seq_sum(mask, cu_seqlens).clamp(min=1)
+    token_seq_log_ratio = seq_log_ratio[seq_ids(cu_seqlens, logprobs_T.shape[0]).to(logprobs_T.device)]
+    log_ratio = logprobs_T - logprobs_T.detach() + token_seq_log_ratio
+    return log_ratio.clamp(max=GSPO_LOG_RATIO_MAX).exp()
+
+
+def gspo_loss_T(
+    logprobs_T: torch.Tensor, old_logprobs_T: torch.Tensor, advantages_T: torch.Tensor,
+    loss_mask_T: torch.Tensor, cu_seqlens: torch.Tensor, clip_low: float, clip_high: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token GSPO loss max(-A s, -A clip(s, 1-low, 1+high)) with the sequence ratio. Returns (loss_T, ratio_T)."""
+    ratio = gspo_ratio_T(logprobs_T, old_logprobs_T, loss_mask_T, cu_seqlens)
+    return torch.maximum(-advantages_T * ratio, -advantages_T * ratio.clamp(1 - clip_low, 1 + clip_high)), ratio
+
+
+def _policy_loss_T(inputs: PolicyInputs, cfg: ActorSection) -> tuple[torch.Tensor, torch.Tensor]:
+    if cfg.policy_loss == "ppo":
+        return ppo_clip_loss_T(inputs.logprobs_T, inputs.old_logprobs_T, inputs.advantages_T,
+                               cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c)
+    if cfg.policy_loss == "gspo":
+        return gspo_loss_T(inputs.logprobs_T, inputs.old_logprobs_T, inputs.advantages_T, inputs.loss_mask_T,
+                           inputs.cu_seqlens, cfg.clip_ratio_low, cfg.clip_ratio_high)
+    raise ValueError(f"actor.policy_loss={cfg.policy_loss!r}; expected ppo|gspo")
+
+
+def _ratio_metrics(inputs: PolicyInputs, ratio_T: torch.Tensor, cfg: ActorSection) -> dict[str, float]:
+    adv, mask, r = inputs.advantages_T, inputs.loss_mask_T, ratio_T.detach()
+    dual = cfg.policy_loss == "ppo"
+    return {
+        "pg_clipfrac_high": _masked_mean(((adv > 0) & (r > 1 + cfg.clip_ratio_high)).float(), mask),
+        "pg_clipfrac_low": _masked_mean(((adv < 0) & (r < 1 - cfg.clip_ratio_low)).float(), mask),
+        "pg_clipfrac_dual": _masked_mean(((adv < 0) & (r > cfg.clip_ratio_c)).float(), mask) if dual else 0.0,
+        "ppo_kl": _masked_mean(inputs.old_logprobs_T - inputs.logprobs_T, mask),
+        "num_loss_tokens": float(mask.bool().sum()),
+    }
+
+
+def actor_loss(inputs: PolicyInputs, cfg: ActorSection, denominator: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """pg_loss + kl_loss_coef * kl_loss - entropy_coeff * entropy, each aggregated with
+    `cfg.loss_agg_mode` over the global `denominator`. Returns (loss share, metrics)."""
+    inputs.check()
+    def agg(values_T: torch.Tensor) -> torch.Tensor:
+        return aggregate_loss(values_T, inputs.loss_mask_T, inputs.cu_seqlens, cfg.loss_agg_mode, denominator)
+
+    pg_T, ratio_T = _policy_loss_T(inputs, cfg)
+    pg_loss = agg(pg_T)
+    loss, metrics = pg_loss, {"pg_loss": float(pg_loss.detach()), **_ratio_metrics(inputs, ratio_T, cfg)}
+    if cfg.use_kl_loss:
+        if inputs.ref_logprobs_T is None:
+            raise ValueError("actor.use_kl_loss needs ref_logprobs_T")
+        kl_T = kl_estimate(inputs.logprobs_T, inputs.ref_logprobs_T, cfg.kl_loss_type)
+        kl_loss = agg(kl_T)
+        loss = loss + cfg.kl_loss_coef * kl_loss
+        metrics.update(kl_loss=float(kl_loss.detach()), kl_mean=_masked_mean(kl_T, inputs.loss_mask_T))
+    if cfg.entropy_coeff != 0 and inputs.entropy_T is None:
+        raise ValueError("actor.entropy_coeff != 0 needs entropy_T")
+    if inputs.entropy_T is not None:
+        entropy_loss = agg(inputs.entropy_T)
+        loss = loss - cfg.entropy_coeff * entropy_loss
+        metrics.update(entropy_loss=float(entropy_loss.detach()), entropy=_masked_mean(inputs.entropy_T, inputs.loss_mask_T))
+    return loss, metrics
+
+
+def value_loss(
+    values_T: torch.Tensor, old_values_T: torch.Tensor, returns_T: torch.Tensor, loss_mask_T: torch.Tensor,
+    cu_seqlens: torch.Tensor, cfg: CriticSection, denominator: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Critic loss 0.5 * agg(max((v - R)^2, (clip(v, v_old +- cliprange_value) - R)^2)). Returns (loss share, metrics)."""
+    clipped = old_values_T + (values_T - old_values_T).clamp(-cfg.cliprange_value, cfg.cliprange_value)
+    unclipped_T, clipped_T = (values_T - returns_T).square(), (clipped - returns_T).square()
+    loss = 0.5 * aggregate_loss(torch.maximum(unclipped_T, clipped_T), loss_mask_T, cu_seqlens, cfg.loss_agg_mode, denominator)
+    return loss, {
+        "vf_loss": float(loss.detach()),
+        "vf_clipfrac": _masked_mean((clipped_T > unclipped_T).float(), loss_mask_T),
+        "vpred_mean": _masked_mean(values_T, loss_mask_T),
+        "num_loss_tokens": float(loss_mask_T.bool().sum()),
+    }
+
+
+def reduce_metrics(per_micro_batch: list[dict[str, float]]) -> dict[str, float]:
+    """Combine micro-batch metrics: loss shares (SHARE_KEYS) are summed, the rest are
+    token-weighted means (weights = num_loss_tokens); num_loss_tokens is summed."""
+    total_tokens = sum(m.get("num_loss_tokens", 0.0) for m in per_micro_batch)
+    out: dict[str, float] = {}
+    for key in {k for m in per_micro_batch for k in m}:
+        values = [(m[key], m.get("num_loss_tokens", 0.0)) for m in per_micro_batch if key in m]
+        if key in SHARE_KEYS or key == "num_loss_tokens":
+            out[key] = sum(v for v, _ in values)
+        else:
+            out[key] = sum(v * w for v, w in values) / total_tokens if total_tokens else 0.0
+    return out

@@ -1,0 +1,59 @@
+"""Token-level rewards of a sample: its scalar score on the last response token, minus an optional
+per-token KL penalty (`use_kl_in_reward`).
+
+`Sample` has no token-reward field, so `apply_kl_in_reward` stores the shaped rewards in
+`sample.metadata[TOKEN_REWARDS_KEY]`; `token_rewards(sample)` reads them back (or builds the
+outcome-only form). Outcome estimators (GRPO, RLOO, REINFORCE++-baseline) use their sum as score.
+"""
+from __future__ import annotations
+
+import torch
+
+from moeloop.algo.kl import kl_estimate
+from moeloop.config.schema import AlgorithmSection
+from moeloop.types import Sample
+
+TOKEN_REWARDS_KEY = "token_rewards"
+
+
+def token_rewards(sample: Sample) -> torch.Tensor:
+    """Float64 [R] rewards per response token: the KL-shaped ones if set, else the score on the last token."""
+    shaped = sample.metadata.get(TOKEN_REWARDS_KEY)
+    if shaped is not None:
+        if len(shaped) != len(sample.response_ids):
+            raise ValueError(f"{TOKEN_REWARDS_KEY} has {len(shaped)} values for {len(sample.response_ids)} response tokens")
+        return torch.tensor(shaped, dtype=torch.float64)
+    rewards = torch.zeros(len(sample.response_ids), dtype=torch.float64)
+    if len(rewards):
+        rewards[-1] = sample.reward
+    return rewards
+
+
+def sequence_score(sample: Sample) -> float:
+    """Scalar score an outcome estimator sees: the sum of the token rewards (verl)."""
+    return float(token_rewards(sample).sum()) if sample.response_ids else float(sample.reward)
+
+
+def apply_kl_in_reward(samples: list[Sample], cfg: AlgorithmSection) -> float:
+    """Write reward - kl_coef * kl(old || ref) per token into each in-loss sample; return the mean KL.
+
+    Needs `old_logprobs` and `ref_logprobs` on every in-loss sample. A no-op returning 0.0 when
+    `cfg.use_kl_in_reward` is off. Masked samples are skipped and do not enter the mean.
+    """
+    if not cfg.use_kl_in_reward:
+        return 0.0
+    kl_sum, num_tokens = 0.0, 0
+    for i, sample in enumerate(samples):
+        if not sample.in_loss:
+            continue
+        if sample.old_logprobs is None or sample.ref_logprobs is None:
+            raise ValueError(f"sample {i}: use_kl_in_reward needs old_logprobs and ref_logprobs")
+        old = torch.tensor(sample.old_logprobs, dtype=torch.float64)
+        ref = torch.tensor(sample.ref_logprobs, dtype=torch.float64)
+        if len(old) != len(sample.response_ids):
+            raise ValueError(f"sample {i}: {len(old)} old_logprobs for {len(sample.response_ids)} response tokens")
+        kl = kl_estimate(old, ref, cfg.kl_penalty)
+        sample.metadata.pop(TOKEN_REWARDS_KEY, None)
+        sample.metadata[TOKEN_REWARDS_KEY] = (token_rewards(sample) - cfg.kl_coef * kl).tolist()
+        kl_sum, num_tokens = kl_sum + float(kl.sum()), num_tokens + len(kl)
+    return kl_sum / max(num_tokens, 1)

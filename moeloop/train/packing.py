@@ -1,0 +1,161 @@
+"""Packing of `Sample`s into flat token tensors (no padding) and token-budget micro-batching.
+
+Alignment (one sequence = prompt_ids + response_ids, P prompt and R response tokens, packed at
+offset o; `cu_seqlens` holds the offsets):
+  input_ids_T[o + t]     = token t of the sequence, t in [0, P + R)
+  position_ids_T[o + t]  = t (restarts at 0 per sequence)
+  labels_T[o + t]        = token t + 1 of the same sequence; 0 at the last position (no next token)
+  response token j (0-based) is PREDICTED at position o + P - 1 + j, so there
+    loss_mask_T = 1 (times sample.loss_mask[j]; 0 for a masked sample), and
+    old/ref/rollout logprobs, advantages, returns, values of token j are stored;
+  every other position has loss_mask_T = 0 and zeros in the per-token tensors.
+So logprobs_T = log_softmax(logits_T)[labels_T] lines up with every per-token tensor. P >= 1 is
+required (a response token needs a preceding token to be predicted from).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Optional
+
+import torch
+
+from moeloop.algo.advantages import response_mask
+from moeloop.algo.aggregation import loss_denominator
+from moeloop.types import Sample
+
+PER_TOKEN_FIELDS = {  # PackedBatch field -> Sample field (one value per response token)
+    "old_logprobs_T": "old_logprobs",
+    "ref_logprobs_T": "ref_logprobs",
+    "rollout_logprobs_T": "response_logprobs",
+    "advantages_T": "advantages",
+    "returns_T": "returns",
+    "values_T": "values",
+}
+
+
+@dataclass
+class PackedBatch:
+    """Flat packed tensors of S sequences, T tokens in all; per-token fields are None when absent."""
+
+    input_ids_T: torch.Tensor  # int64 [T]
+    position_ids_T: torch.Tensor  # int64 [T]
+    labels_T: torch.Tensor  # int64 [T]
+    loss_mask_T: torch.Tensor  # float [T], 0/1
+    cu_seqlens: torch.Tensor  # int32 [S+1]
+    max_seqlen: int
+    prompt_lens: list[int]
+    response_lens: list[int]
+    old_logprobs_T: Optional[torch.Tensor] = None
+    ref_logprobs_T: Optional[torch.Tensor] = None
+    rollout_logprobs_T: Optional[torch.Tensor] = None
+    advantages_T: Optional[torch.Tensor] = None
+    returns_T: Optional[torch.Tensor] = None
+    values_T: Optional[torch.Tensor] = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids_T.shape[0])
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.prompt_lens)
+
+    def response_slice(self, seq: int) -> slice:
+        """Positions that predict the response tokens of sequence `seq`."""
+        start = int(self.cu_seqlens[seq]) + self.prompt_lens[seq] - 1
+        return slice(start, start + self.response_lens[seq])
+
+    def to(self, device: torch.device | str) -> "PackedBatch":
+        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+        return replace(self, **moved)
+
+
+def _check_sample(i: int, sample: Sample) -> None:
+    if not sample.prompt_ids and sample.response_ids:
+        raise ValueError(f"sample {i}: empty prompt; a response token must be predicted from a preceding token")
+    for name in PER_TOKEN_FIELDS.values():
+        values = getattr(sample, name)
+        if values is not None and len(values) != len(sample.response_ids):
+            raise ValueError(f"sample {i}: {name} has {len(values)} values for {len(sample.response_ids)} response tokens")
+
+
+def _pack_field(batch: PackedBatch, samples: list[Sample], name: str, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    present = [getattr(s, name) is not None for s in samples]
+    if not any(present):
+        return None
+    if not all(present):
+        raise ValueError(f"sample {present.index(False)} has no {name} while others have it")
+    out = torch.zeros(batch.num_tokens, dtype=dtype)
+    for seq, sample in enumerate(samples):
+        out[batch.response_slice(seq)] = torch.tensor(getattr(sample, name), dtype=dtype)
+    return out
+
+
+def pack_samples(samples: list[Sample], dtype: torch.dtype = torch.float32) -> PackedBatch:
+    """Pack `samples` in order into one `PackedBatch` (CPU tensors; call `.to(device)`)."""
+    for i, sample in enumerate(samples):
+        _check_sample(i, sample)
+    lengths = [s.num_tokens for s in samples]
+    cu = torch.zeros(len(samples) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
+    seqs = [torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.int64) for s in samples]
+    ids = torch.cat(seqs) if seqs else torch.zeros(0, dtype=torch.int64)
+    labels = torch.cat([torch.cat([q[1:], q.new_zeros(1)]) for q in seqs if len(q)] or [ids])
+    batch = PackedBatch(
+        input_ids_T=ids, labels_T=labels,
+        position_ids_T=torch.cat([torch.arange(n) for n in lengths]) if lengths else ids.clone(),
+        loss_mask_T=torch.zeros(len(ids), dtype=dtype), cu_seqlens=cu, max_seqlen=max(lengths, default=0),
+        prompt_lens=[len(s.prompt_ids) for s in samples], response_lens=[len(s.response_ids) for s in samples],
+    )
+    for seq, sample in enumerate(samples):
+        batch.loss_mask_T[batch.response_slice(seq)] = response_mask(sample).to(dtype)
+    for packed_name, sample_name in PER_TOKEN_FIELDS.items():
+        setattr(batch, packed_name, _pack_field(batch, samples, sample_name, dtype))
+    return batch
+
+
+def unpack_response_values(batch: PackedBatch, values_T: torch.Tensor) -> list[torch.Tensor]:
+    """Inverse of the alignment: per sequence, the [R] values at its response-predicting positions
+    (e.g. logprobs_T -> each sample's `old_logprobs`)."""
+    if values_T.shape[0] != batch.num_tokens:
+        raise ValueError(f"values_T has {values_T.shape[0]} tokens, the batch has {batch.num_tokens}")
+    return [values_T[batch.response_slice(seq)] for seq in range(batch.num_sequences)]
+
+
+def split_micro_batches(samples: list[Sample], max_tokens_per_micro_batch: int, min_num_micro_batches: int = 1) -> list[list[int]]:
+    """Cut `samples` into micro-batches of at most `max_tokens_per_micro_batch` packed tokens;
+    returns sample indices per micro-batch (ascending within each).
+
+    Longest first, each into the least-loaded micro-batch it fits (deterministic), so loads are
+    balanced; at least `min_num_micro_batches` (pass the max over DP ranks so every rank runs the
+    same number of forward/backward passes). A sample longer than the budget raises ValueError:
+    the budget is a memory contract, never silently exceeded.
+    """
+    if max_tokens_per_micro_batch <= 0:
+        raise ValueError(f"max_tokens_per_micro_batch={max_tokens_per_micro_batch} must be > 0")
+    if min_num_micro_batches > max(len(samples), 1):
+        raise ValueError(f"min_num_micro_batches={min_num_micro_batches} exceeds the {len(samples)} samples")
+    bins: list[list[int]] = [[] for _ in range(min_num_micro_batches if samples else 0)]
+    loads = [0] * len(bins)
+    for i in sorted(range(len(samples)), key=lambda k: (-samples[k].num_tokens, k)):
+        size = samples[i].num_tokens
+        if size > max_tokens_per_micro_batch:
+            raise ValueError(f"sample {i} has {size} tokens > actor.max_tokens_per_micro_batch={max_tokens_per_micro_batch}; "
+                             "raise the budget to at least data.max_prompt_length + data.max_response_length")
+        fits = [b for b in range(len(bins)) if loads[b] + size <= max_tokens_per_micro_batch]
+        if not fits:
+            bins.append([])
+            loads.append(0)
+            fits = [len(bins) - 1]
+        best = min(fits, key=lambda b: (loads[b], b))
+        bins[best].append(i)
+        loads[best] += size
+    return [sorted(b) for b in bins]
+
+
+def global_loss_denominators(samples: list[Sample], loss_agg_mode: str, max_response_length: Optional[int] = None) -> float:
+    """The denominator of `loss_agg_mode` over `samples` (one optimizer step's mini-batch): loss
+    tokens for token-mean, sequences with a loss token for seq-mean-*, times max_response_length for
+    seq-mean-token-sum-norm. Linear in the samples: under DP, all-reduce (SUM) the per-rank values."""
+    token_counts = [int(response_mask(s).sum()) for s in samples]
+    return loss_denominator(sum(token_counts), sum(1 for n in token_counts if n > 0), loss_agg_mode, max_response_length)

@@ -1,0 +1,210 @@
+"""KL estimators, PPO/GSPO/value losses and loss aggregation against hand computations, plus
+micro-batch invariance of loss and gradients (float64, tolerance 1e-12 relative)."""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from moeloop.algo.aggregation import LOSS_AGG_MODES, aggregate_loss, loss_denominator
+from moeloop.algo.kl import kl_estimate
+from moeloop.algo.losses import PolicyInputs, actor_loss, gspo_loss_T, ppo_clip_loss_T, reduce_metrics, value_loss
+from moeloop.config.schema import ActorSection, CriticSection
+from moeloop.train.packing import global_loss_denominators, pack_samples, split_micro_batches, unpack_response_values
+from moeloop.types import Sample
+
+F64 = torch.float64
+
+
+def t(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=F64)
+
+
+@pytest.mark.parametrize("kind,expected", [
+    ("k1", [0.5, -1.0]),
+    ("k2", [0.125, 0.5]),
+    ("k3", [math.exp(-0.5) + 0.5 - 1, math.exp(1.0) - 1.0 - 1]),
+    ("low_var_kl", [math.exp(-0.5) + 0.5 - 1, math.exp(1.0) - 1.0 - 1]),
+])
+def test_kl_estimators_by_hand(kind, expected):
+    kl = kl_estimate(t([-1.0, -2.0]), t([-1.5, -1.0]), kind)
+    assert torch.allclose(kl, t(expected), atol=1e-12)
+
+
+def test_k3_clamped_to_10():
+    kl = kl_estimate(t([0.0, -15.0, -1.0]), t([-15.0, 0.0, -1.0]), "k3")
+    assert kl.tolist() == [10.0, 10.0, 0.0]
+    with pytest.raises(ValueError, match="KL estimator"):
+        kl_estimate(t([0.0]), t([0.0]), "k4")
+
+
+# Two packed sequences: A = 4 tokens (2 in loss), B = 4 tokens (3 in loss)
+LOSS = [5.0, 1.0, 2.0, 7.0, 6.0, 3.0, 4.0, 5.0]
+MASK = [0, 1, 1, 0, 0, 1, 1, 1]
+CU = torch.tensor([0, 4, 8], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("mode,expected", [
+    ("token-mean", (1 + 2 + 3 + 4 + 5) / 5),
+    ("seq-mean-token-sum", (3 + 12) / 2),
+    ("seq-mean-token-mean", (1.5 + 4.0) / 2),
+    ("seq-mean-token-sum-norm", (3 + 12) / (2 * 4)),  # max_response_length = 4
+])
+def test_aggregation_by_hand(mode, expected):
+    denom = loss_denominator(num_loss_tokens=5, num_loss_seqs=2, mode=mode, max_response_length=4)
+    loss = t(LOSS)
+    loss[0] = float("nan")  # a NaN outside the mask must not leak
+    assert math.isclose(float(aggregate_loss(loss, t(MASK), CU, mode, denom)), expected, rel_tol=1e-12)
+
+
+def test_aggregation_errors():
+    with pytest.raises(ValueError, match="loss_agg_mode"):
+        loss_denominator(1, 1, "sum")
+    with pytest.raises(ValueError, match="max_response_length"):
+        loss_denominator(1, 1, "seq-mean-token-sum-norm")
+
+
+def test_ppo_clip_and_dual_clip_branches():
+    ratio = [1.1, 1.5, 0.5, 0.5, 2.0, 4.0, 1.0]
+    adv = t([1.0, 1.0, 1.0, -1.0, -1.0, -1.0, -2.0])
+    logp = t([math.log(r) for r in ratio]).requires_grad_()
+    loss_T, _ = ppo_clip_loss_T(logp, torch.zeros(7, dtype=F64), adv, 0.2, 0.28, 3.0)
+    # in range | clipped high (1.28) | A>0 low ratio unclipped | clipped low (0.8) | A<0 no dual | dual -> 3 | A=-2
+    expected = [-1.1, -1.28, -0.5, 0.8, 2.0, 3.0, 2.0]
+    assert torch.allclose(loss_T, t(expected), atol=1e-12)
+    loss_T.sum().backward()
+    assert torch.allclose(logp.grad, t([-1.1, 0.0, -0.5, 0.0, 2.0, 0.0, 2.0]), atol=1e-12)  # d(-A r)/dlogp = -A r
+    no_dual, _ = ppo_clip_loss_T(logp.detach(), torch.zeros(7, dtype=F64), adv, 0.2, 0.28, None)
+    assert float(no_dual[5]) == pytest.approx(4.0)
+
+    cfg = ActorSection(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
+    inputs = PolicyInputs(logp.detach(), torch.zeros(7, dtype=F64), adv, torch.ones(7, dtype=F64), torch.tensor([0, 7], dtype=torch.int32))
+    loss, m = actor_loss(inputs, cfg, denominator=7.0)
+    assert float(loss) == pytest.approx(sum(expected) / 7, rel=1e-12)
+    assert (m["pg_clipfrac_high"], m["pg_clipfrac_low"], m["pg_clipfrac_dual"]) == pytest.approx((1 / 7, 1 / 7, 1 / 7))
+    assert m["ppo_kl"] == pytest.approx(-sum(math.log(r) for r in ratio) / 7)
+
+
+def test_gspo_sequence_ratio_by_hand():
+    # seq A: log-ratios 0.2, 0.4 (A=+1); seq B: 0.1, -0.1, 0.3 (A=-1) + one masked token with log-ratio 5
+    logp = t([0.2, 0.4, 0.1, -0.1, 0.3, 5.0]).requires_grad_()
+    adv, mask = t([1, 1, -1, -1, -1, -1]), t([1, 1, 1, 1, 1, 0])
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    loss_T, ratio_T = gspo_loss_T(logp, torch.zeros(6, dtype=F64), adv, mask, cu, 0.2, 0.28)
+    s_a, s_b = math.exp(0.3), math.exp(0.1)  # geometric means of the token ratios
+    assert torch.allclose(ratio_T[:5], t([s_a, s_a, s_b, s_b, s_b]), atol=1e-12)
+    assert torch.allclose(loss_T[:5], t([-1.28, -1.28, s_b, s_b, s_b]), atol=1e-12)  # A clipped at 1+0.28
+    denom = loss_denominator(5, 2, "seq-mean-token-mean")
+    loss = aggregate_loss(loss_T, mask, cu, "seq-mean-token-mean", denom)
+    assert loss.item() == pytest.approx((-1.28 + s_b) / 2, rel=1e-12)
+    loss.backward()  # token form: d/dlogp_t = -A * s_i (unclipped), then / (3 tokens * 2 seqs)
+    assert torch.allclose(logp.grad, t([0, 0, s_b / 6, s_b / 6, s_b / 6, 0]), atol=1e-12)
+
+
+def test_kl_loss_and_entropy_bonus():
+    n = 4
+    logp, ref = t([-1.0, -2.0, -0.5, -1.0]), t([-1.5, -1.0, -0.5, -3.0])
+    ent = t([0.5, 1.0, 1.5, 2.0])
+    inputs = PolicyInputs(logp, logp.clone(), torch.zeros(n, dtype=F64), t([1, 1, 1, 0]),
+                          torch.tensor([0, n], dtype=torch.int32), ref_logprobs_T=ref, entropy_T=ent)
+    cfg = ActorSection(use_kl_loss=True, kl_loss_type="k1", kl_loss_coef=0.1, entropy_coeff=0.01)
+    loss, m = actor_loss(inputs, cfg, denominator=3.0)
+    # pg = 0 (A = 0); kl = (0.5 - 1 + 0)/3; entropy = (0.5 + 1 + 1.5)/3
+    assert float(loss) == pytest.approx(0.1 * (-0.5 / 3) - 0.01 * 1.0, rel=1e-12)
+    assert m["entropy"] == pytest.approx(1.0) and m["kl_mean"] == pytest.approx(-0.5 / 3)
+    with pytest.raises(ValueError, match="ref_logprobs_T"):
+        actor_loss(PolicyInputs(logp, logp, logp, t([1, 1, 1, 1]), inputs.cu_seqlens), cfg, 4.0)
+
+
+def test_value_loss_clipped_by_hand():
+    values, old, returns = t([1.0, 2.0, 2.0]), t([0.5, 2.0, 1.0]), t([0.0, 2.5, 3.0])
+    # token 1: max(1, 0.7^2) = 1; token 2: 0.25; token 3: max(1, (1.2 - 3)^2 = 3.24) = 3.24 (clipped wins)
+    loss, m = value_loss(values, old, returns, t([1, 1, 1]), torch.tensor([0, 3], dtype=torch.int32),
+                         CriticSection(cliprange_value=0.2), denominator=3.0)
+    assert float(loss) == pytest.approx(0.5 * (1 + 0.25 + 3.24) / 3, rel=1e-12)
+    assert m["vf_clipfrac"] == pytest.approx(1 / 3)
+
+
+# ---- micro-batch invariance ------------------------------------------------------------------
+
+VOCAB = 11
+
+
+def make_samples(seed: int) -> list[Sample]:
+    rng = random.Random(seed)
+    samples = []
+    for i in range(12):
+        r = rng.randint(1, 9)
+        samples.append(Sample(
+            prompt_ids=[rng.randrange(VOCAB) for _ in range(rng.randint(1, 6))],
+            response_ids=[rng.randrange(VOCAB) for _ in range(r)], group_id=i // 4,
+            reward_status="masked" if i == 5 else "scored",
+            old_logprobs=[-rng.uniform(1.5, 3.5) for _ in range(r)], ref_logprobs=[-rng.uniform(1.5, 3.5) for _ in range(r)],
+            advantages=[rng.choice([-1.0, 1.0]) * rng.uniform(0.2, 2.0)] * r,
+            loss_mask=[1] * (r - 1) + [rng.randint(0, 1)]))
+    return samples
+
+
+def model_logprobs(weight: torch.Tensor, batch):
+    """A fake model: logits of a token = one row of `weight`; returns (logprobs_T, entropy_T)."""
+    logp_all = torch.log_softmax(weight[batch.input_ids_T], dim=-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp_all.gather(1, batch.labels_T[:, None])[:, 0], entropy
+
+
+def run_cut(samples, num_micro: int, cfg: ActorSection):
+    torch.manual_seed(0)
+    weight = torch.randn(VOCAB, VOCAB, dtype=F64, requires_grad=True)
+    denom = global_loss_denominators(samples, cfg.loss_agg_mode, max_response_length=9)
+    cuts = split_micro_batches(samples, max_tokens_per_micro_batch=10_000, min_num_micro_batches=num_micro)
+    assert len(cuts) == num_micro
+    total, token_grads, metrics = 0.0, {}, []
+    for idx in cuts:
+        batch = pack_samples([samples[i] for i in idx], dtype=F64)
+        logp, ent = model_logprobs(weight, batch)
+        logp.retain_grad()
+        inputs = PolicyInputs(logp, batch.old_logprobs_T, batch.advantages_T, batch.loss_mask_T, batch.cu_seqlens,
+                              ref_logprobs_T=batch.ref_logprobs_T, entropy_T=ent)
+        loss, m = actor_loss(inputs, cfg, denom)
+        loss.backward()
+        total += loss.item()
+        metrics.append(m)
+        token_grads.update(zip(idx, unpack_response_values(batch, logp.grad)))
+    return total, weight.grad.clone(), token_grads, reduce_metrics(metrics)
+
+
+@pytest.mark.parametrize("policy_loss", ["ppo", "gspo"])
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_micro_batch_invariance(mode, policy_loss):
+    samples = make_samples(seed=1)
+    cfg = ActorSection(loss_agg_mode=mode, policy_loss=policy_loss, use_kl_loss=True, kl_loss_coef=0.1,
+                       entropy_coeff=0.01, clip_ratio_low=0.2, clip_ratio_high=0.28)
+    ref_loss, ref_grad, ref_tok, ref_m = run_cut(samples, 1, cfg)
+    assert ref_grad.abs().sum() > 0
+    if policy_loss == "ppo":
+        assert ref_m["pg_clipfrac_high"] + ref_m["pg_clipfrac_low"] > 0  # clipping is exercised
+    for num_micro in (3, 7):
+        loss, grad, tok, m = run_cut(samples, num_micro, cfg)
+        assert math.isclose(loss, ref_loss, rel_tol=1e-12, abs_tol=1e-12)
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-12, atol=1e-12)
+        for i in range(len(samples)):
+            torch.testing.assert_close(tok[i], ref_tok[i], rtol=1e-12, atol=1e-12)
+        for key in ref_m:
+            assert math.isclose(m[key], ref_m[key], rel_tol=1e-9, abs_tol=1e-12), key
+
+
+def test_masked_sample_takes_no_part_in_loss():
+    cfg = ActorSection(use_kl_loss=True, entropy_coeff=0.01)
+    samples = make_samples(seed=2)
+    loss, grad, tok, _ = run_cut(samples, 3, cfg)
+    assert tok[5].abs().sum() == 0
+    changed = make_samples(seed=2)
+    changed[5].advantages = [100.0] * len(changed[5].advantages)
+    changed[5].old_logprobs = [-50.0] * len(changed[5].old_logprobs)
+    loss2, grad2, _, _ = run_cut(changed, 3, cfg)
+    assert loss == loss2 and torch.equal(grad, grad2)
+    changed[5].reward_status = "scored"  # sanity: the same change does matter once the sample is in the loss
+    loss3, _, _, _ = run_cut(changed, 3, cfg)
+    assert loss3 != loss
