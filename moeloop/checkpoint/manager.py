@@ -1,0 +1,113 @@
+"""`CheckpointManager`: atomic DCP checkpoints of model + optimizer + run state, loadable at any layout.
+
+Layout on disk:
+    <dir>/step_000010/         DCP files (*.distcp + .metadata), sharded however the run was
+    <dir>/step_000010/meta.json  step, layout, data cursor, scheduler, extra run state
+    <dir>/step_000010/rng/rank{r}.pt  each rank's RNG states
+    <dir>/latest               name of the newest complete checkpoint
+Every rank writes into `step_N.tmp/`; after a barrier rank 0 renames it and rewrites `latest`
+(write-then-rename), so a save killed half-way leaves the previous checkpoint the latest one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class CheckpointManager:
+    def __init__(self, directory: str | Path, keep: int = 2):
+        self.directory, self.keep = Path(directory), keep
+
+    def latest(self) -> Path | None:
+        pointer = self.directory / "latest"
+        if not pointer.is_file():
+            return None
+        path = self.directory / pointer.read_text().strip()
+        return path if (path / "meta.json").is_file() else None
+
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+             meta: dict[str, Any]) -> Path:
+        """Collective when a process group exists: every rank calls it."""
+        final = self.directory / f"step_{step:06d}"
+        tmp = final.with_name(final.name + ".tmp")
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        _barrier()
+        dcp.save(self._state(model, optimizer), checkpoint_id=str(tmp))
+        (tmp / "rng").mkdir(exist_ok=True)
+        torch.save(rng_state(), tmp / "rng" / f"rank{_rank()}.pt")
+        _barrier()
+        if _rank() == 0:
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            (tmp / "meta.json").write_text(json.dumps({**meta, "step": step, "world_size": world}, indent=1))
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            pointer_tmp = self.directory / "latest.tmp"
+            pointer_tmp.write_text(final.name)
+            os.replace(pointer_tmp, self.directory / "latest")
+            self._prune()
+        _barrier()
+        return final
+
+    def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+        """Load into the current layout (DCP reshards); restore this rank's RNG; return meta."""
+        state = self._state(model, optimizer)
+        dcp.load(state, checkpoint_id=str(path))
+        options = StateDictOptions(strict=True)
+        if optimizer is None:
+            set_state_dict(model, optimizers=(), model_state_dict=state["model"], optim_state_dict={}, options=options)
+        else:
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                           options=options)
+        rng_file = path / "rng" / f"rank{_rank()}.pt"
+        if rng_file.is_file():
+            set_rng_state(torch.load(rng_file, weights_only=False))
+        return json.loads((path / "meta.json").read_text())
+
+    @staticmethod
+    def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+        if optimizer is None:
+            model_sd, _ = get_state_dict(model, optimizers=())
+            return {"model": model_sd}
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def _prune(self) -> None:
+        done = sorted(p for p in self.directory.glob("step_*") if not p.name.endswith(".tmp"))
+        for old in done[: max(0, len(done) - self.keep)]:
+            shutil.rmtree(old, ignore_errors=True)

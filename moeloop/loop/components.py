@@ -1,0 +1,128 @@
+"""`Components`: everything one RL run holds — built once from the config, saved and resumed as one.
+
+`build_components(cfg, resume)` makes the tokenizer, datasets and cursor, the actor (and a frozen
+reference when a KL term needs it), the colocated rollout engine, the reward pool, the weight
+syncer, checkpoints and the logger, and restores them from the latest checkpoint on `--resume`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from transformers import AutoTokenizer
+
+from moeloop.checkpoint import CheckpointManager
+from moeloop.config import RunConfig
+from moeloop.data import EpochCursor, PromptDataset, load_rows
+from moeloop.data.dataset import Example
+from moeloop.loop.env import RunEnv, dtype_of
+from moeloop.loop.export import export_hf
+from moeloop.loop.generation import RolloutWorker
+from moeloop.loop.metrics import MetricsLogger
+from moeloop.loop.sft import actor_state_load, actor_state_save
+from moeloop.model.hf_io import load_pretrained
+from moeloop.reward import RewardPool
+from moeloop.rollout import build_engine
+from moeloop.rollout.sampling_params import SamplingParams
+from moeloop.sync import InProcessTransport, WeightSyncer
+from moeloop.train.actor import Actor, PolicyForward
+
+
+@dataclass
+class Components:
+    cfg: RunConfig
+    env: RunEnv
+    tokenizer: Any
+    train: PromptDataset
+    val: PromptDataset | None
+    cursor: EpochCursor
+    actor: Actor
+    ref: PolicyForward | None
+    engine: Any
+    rollout: RolloutWorker
+    rewards: RewardPool
+    syncer: WeightSyncer
+    ckpt: CheckpointManager
+    logger: MetricsLogger
+    start_step: int = 0
+    groups_issued: int = field(default=0)
+
+    @property
+    def prompts_per_rank(self) -> int:
+        return self.cfg.data.train_batch_size // self.env.world_size
+
+    def next_prompts(self, count: int) -> list[Example]:
+        """This rank's share of the next `count * world_size` prompts (same cursor on every rank)."""
+        indices = self.cursor.take(count * self.env.world_size)
+        return [self.train[i] for i in indices[self.env.rank * count:(self.env.rank + 1) * count]]
+
+    def next_group_base(self, count: int) -> int:
+        base = self.env.rank * 1_000_000_000 + self.groups_issued
+        self.groups_issued += count
+        return base
+
+    def train_params(self, step: int, round_idx: int) -> SamplingParams:
+        seed = int(np.random.SeedSequence([self.cfg.trainer.seed, step, round_idx, self.env.rank]).generate_state(1)[0])
+        r = self.cfg.rollout
+        return self.rollout.params(r.n, r.temperature, r.top_p, r.top_k, seed)
+
+    def evaluate(self) -> dict[str, float]:
+        """Greedy accuracy on the held-out prompts (a sample is correct when its reward is >= 1)."""
+        if self.val is None:
+            return {}
+        n = min(self.cfg.data.val_batch_size, len(self.val))
+        share = [self.val[i] for i in range(self.env.rank, n, self.env.world_size)]
+        samples = self.rollout.generate(share, self.rollout.params(1, 0.0), 0) if share else []
+        self.rewards.score(samples)
+        totals = torch.tensor([sum(s.reward >= 1.0 for s in samples), len(samples)], dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(totals)
+        return {"acc/val": float(totals[0] / max(totals[1], 1))}
+
+    def maybe_save(self, step: int) -> None:
+        every, last = self.cfg.checkpoint.save_every, step == self.cfg.trainer.steps
+        if (every and step % every == 0) or last:
+            actor_state_save(self.ckpt, step, self.actor, self.cursor, version=step, world_size=self.env.world_size)
+        hf_every = self.cfg.checkpoint.export_hf_every
+        if (hf_every and step % hf_every == 0) or last:
+            export_hf(self.actor.named_weights(), self.actor.model.cfg, self.env.run_dir / "hf",
+                      self.cfg.model.path, write=self.env.is_main)
+
+    def finish(self) -> None:
+        self.logger.close()
+        self.rewards.close()
+
+
+def build_components(cfg: RunConfig, resume: bool) -> Components:
+    env = RunEnv.create(cfg)
+    if cfg.data.train_batch_size % env.world_size:
+        raise ValueError(f"data.train_batch_size={cfg.data.train_batch_size} must be divisible by the "
+                         f"{env.world_size} data-parallel ranks")
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    train = PromptDataset(load_rows(cfg.data.train_files, cfg.data.seed), tokenizer, cfg.data)
+    val = PromptDataset(load_rows(cfg.data.val_files, cfg.data.seed), tokenizer, cfg.data) if cfg.data.val_files else None
+    dtype = dtype_of(cfg.model.dtype)
+    actor = Actor(load_pretrained(cfg.model.path, dtype=dtype), cfg.actor, env.device, cfg.data.max_response_length,
+                  cfg.model.logprob_chunk_tokens, cfg.trainer.steps)
+    needs_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+    ref = PolicyForward(load_pretrained(cfg.model.path, dtype=dtype), env.device, cfg.actor.max_tokens_per_micro_batch,
+                        cfg.model.logprob_chunk_tokens) if needs_ref else None
+    engine = build_engine(load_pretrained(cfg.model.path, dtype=dtype, device=env.device), cfg.rollout, tokenizer,
+                          max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length)
+    c = Components(
+        cfg=cfg, env=env, tokenizer=tokenizer, train=train, val=val,
+        cursor=EpochCursor(len(train), cfg.data.seed, cfg.data.shuffle), actor=actor, ref=ref, engine=engine,
+        rollout=RolloutWorker(engine, tokenizer, cfg.data.max_response_length, env.rank),
+        rewards=RewardPool.from_config(cfg.reward),
+        syncer=WeightSyncer(InProcessTransport(env.device), cfg.sync.bucket_bytes, cfg.sync.verify),
+        ckpt=CheckpointManager(cfg.checkpoint.dir or env.run_dir / "checkpoints", cfg.checkpoint.keep),
+        logger=MetricsLogger(env.run_dir, cfg.trainer.log, env.is_main, cfg.trainer.steps),
+    )
+    if resume and (latest := c.ckpt.latest()) is not None:
+        meta = actor_state_load(c.ckpt, latest, c.actor, c.cursor)
+        c.start_step = meta["step"]
+        c.syncer.push(c.actor.named_weights(), c.engine, version=meta["step"])
+    return c

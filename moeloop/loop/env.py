@@ -1,0 +1,62 @@
+"""`RunEnv`: process-level setup shared by the SFT and RL entrances — device, process group, seeds.
+
+Under torchrun (RANK/WORLD_SIZE set) it initialises the default group (NCCL on GPU, gloo on CPU);
+a test harness that already initialised a group is used as is.
+"""
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from moeloop.config.schema import RunConfig
+
+
+@dataclass
+class RunEnv:
+    device: torch.device
+    rank: int
+    world_size: int
+    run_dir: Path
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def create(cls, cfg: RunConfig) -> "RunEnv":
+        device = _pick_device(cfg.trainer.device)
+        if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, timeout=timedelta(minutes=10))
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+        seed_everything(cfg.trainer.seed + rank)
+        return cls(device, rank, world, Path(cfg.trainer.run_dir))
+
+
+def _pick_device(choice: str) -> torch.device:
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ValueError("trainer.device=cuda but no CUDA device is visible")
+    return torch.device(choice)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def dtype_of(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]

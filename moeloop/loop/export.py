@@ -1,0 +1,32 @@
+"""HF export from a (possibly sharded) trainer: gather full tensors, write hub safetensors, reload and compare.
+
+Collective under FSDP: every rank iterates the weights; rank 0 writes and verifies.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from moeloop.model.config import ModelConfig
+from moeloop.model.hf_io import load_pretrained, save_pretrained
+from moeloop.model.transformer import MoEForCausalLM
+
+
+def export_hf(named_weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig, out_dir: str | Path,
+              tokenizer_dir: str | Path | None, write: bool = True, verify: bool = True) -> Path | None:
+    """Write `out_dir` from a full-tensor stream; re-load it and check every tensor equals the stream."""
+    state = {name: t.detach().cpu() for name, t in named_weights}
+    if not write:
+        return None
+    with torch.device("meta"):
+        shell = MoEForCausalLM(cfg)
+    shell.load_state_dict(state, assign=True, strict=True)
+    out = save_pretrained(shell, out_dir, cfg, tokenizer_dir=tokenizer_dir)
+    if verify:
+        reloaded = load_pretrained(out, dtype=next(iter(state.values())).dtype).state_dict()
+        bad = [n for n, t in state.items() if not torch.equal(reloaded[n], t)]
+        if bad:
+            raise RuntimeError(f"HF export in {out} does not reload to the same weights: {bad[:4]}")
+    return out

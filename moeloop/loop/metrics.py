@@ -1,0 +1,102 @@
+"""Per-step metrics: phase timers, and one logger that writes the console line, JSONL and TensorBoard.
+
+    timer = PhaseTimer()
+    with timer("gen"): ...
+    logger.log(step, {**timer.pop(), **other_metrics})
+Phase names follow the design: gen, reward, old_log_prob, ref, adv, update_actor, update_weights,
+save_checkpoint. Only rank 0 writes.
+"""
+from __future__ import annotations
+
+import json
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+PHASES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "update_weights", "save_checkpoint")
+
+
+class PhaseTimer:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+    def pop(self) -> dict[str, float]:
+        out = {f"time/{k}": v for k, v in self.seconds.items()}
+        out["time/step"] = sum(self.seconds.values())
+        self.seconds = {}
+        return out
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class MetricsLogger:
+    """`trainer.log` picks sinks: console, jsonl, tensorboard, wandb."""
+
+    def __init__(self, run_dir: str | Path, sinks: list[str], enabled: bool = True, total_steps: int = 0):
+        self.run_dir, self.sinks, self.enabled, self.total_steps = Path(run_dir), set(sinks), enabled, total_steps
+        self._tb = self._wandb = self._bar = None
+        if not enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if "tensorboard" in self.sinks:
+            from torch.utils.tensorboard import SummaryWriter
+            self._tb = SummaryWriter(str(self.run_dir / "tb"))
+        if "wandb" in self.sinks:
+            import wandb  # optional dependency
+            self._wandb = wandb.init(project="moeloop", dir=str(self.run_dir))
+        if "console" in self.sinks and total_steps:
+            from tqdm import tqdm
+            self._bar = tqdm(total=total_steps, dynamic_ncols=True, leave=True)
+
+    def log(self, step: int, metrics: dict[str, float], file: str = "metrics.jsonl") -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        if "jsonl" in self.sinks:
+            with open(self.run_dir / file, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for k, v in record.items():
+                if k != "step":
+                    self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(record, step=step)
+        if "console" in self.sinks:
+            self._console(step, record)
+
+    def _console(self, step: int, record: dict[str, float]) -> None:
+        keys = ("reward/mean", "acc/train", "acc/val", "sft_loss", "pg_loss", "kl_mean", "entropy", "response/len_mean",
+                "throughput/samples_per_s", "time/step")
+        line = " ".join(f"{k.split('/')[-1]}={record[k]:.4g}" for k in keys if k in record)
+        if self._bar is not None:
+            self._bar.set_postfix_str(line, refresh=False)
+            self._bar.update(1)
+        else:
+            print(f"step {step}: {line}", flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()

@@ -1,0 +1,99 @@
+"""`moeloop rl CONFIG [overrides] [--resume]`: the RL loop, reading like the algorithm.
+
+    prompts -> rollout (n per prompt) -> reward -> old/ref logprobs -> advantages
+            -> actor update (mini/micro batches) -> weight push (drained, verified, versioned)
+            -> metrics -> checkpoint
+Under torchrun every rank colocates its own engine and generates its share of the prompts; the
+trainer makes N ranks equal to one (see moeloop.train.actor).
+"""
+from __future__ import annotations
+
+import sys
+
+from moeloop.algo.advantages import compute_advantages
+from moeloop.algo.dapo import filter_uniform_groups, overlong_penalty
+from moeloop.algo.token_rewards import apply_kl_in_reward
+from moeloop.config import RunConfig, load_config
+from moeloop.loop.components import Components, build_components
+from moeloop.loop.metrics import PhaseTimer, peak_memory_bytes
+from moeloop.loop.step_metrics import batch_metrics
+from moeloop.types import Sample
+
+
+def run_rl(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
+    c = build_components(cfg, resume)
+    last: dict[str, float] = {}
+    if c.start_step == 0 and cfg.trainer.val_every:
+        c.logger.log(0, c.evaluate(), "val.jsonl")
+    for step in range(c.start_step, cfg.trainer.steps):
+        timer = PhaseTimer()
+        samples, reward_metrics = collect_batch(c, cfg, timer, step)
+        with timer("old_log_prob"):
+            if cfg.actor.recompute_old_logprobs:
+                c.actor.compute_logprobs(samples, "old_logprobs")
+            else:
+                for s in samples:
+                    s.old_logprobs = list(s.response_logprobs)
+        with timer("ref"):
+            if c.ref is not None:
+                c.ref.compute_logprobs(samples, "ref_logprobs")
+        with timer("adv"):
+            kl_metrics = apply_kl_in_reward(samples, cfg.algorithm) if cfg.algorithm.use_kl_in_reward else None
+            compute_advantages(samples, cfg.algorithm)
+        with timer("update_actor"):
+            update_metrics = c.actor.update(samples)
+        with timer("update_weights"):
+            sync = c.syncer.push(c.actor.named_weights(), c.engine, version=step + 1)
+        val_metrics = c.evaluate() if cfg.trainer.val_every and (step + 1) % cfg.trainer.val_every == 0 else {}
+        with timer("save_checkpoint"):
+            c.maybe_save(step + 1)
+        last = {**batch_metrics(samples, timer.seconds, c.env.world_size), **reward_metrics, **update_metrics,
+                **val_metrics, **timer.pop(), "sync/gb_per_s": sync.gb_per_s, "sync/bytes": sync.num_bytes,
+                "policy/version": sync.version, "memory/peak_bytes": peak_memory_bytes(c.env.device)}
+        if kl_metrics is not None:
+            last["kl_in_reward"] = kl_metrics
+        c.logger.log(step + 1, last)
+        if val_metrics:
+            c.logger.log(step + 1, val_metrics, "val.jsonl")
+    c.finish()
+    return last
+
+
+def collect_batch(c: Components, cfg: RunConfig, timer: PhaseTimer, step: int) -> tuple[list[Sample], dict[str, float]]:
+    """Generate and score this rank's prompts; with DAPO dynamic sampling, refill dropped groups."""
+    samples: list[Sample] = []
+    reward_metrics: dict[str, float] = {}
+    want = c.prompts_per_rank
+    for round_idx in range(1 + (cfg.algorithm.max_refill_rounds if cfg.algorithm.dynamic_sampling else 0)):
+        with timer("gen"):
+            fresh = c.rollout.generate(c.next_prompts(want), c.train_params(step, round_idx), c.next_group_base(want))
+        with timer("reward"):
+            stats = c.rewards.score(fresh)
+            if cfg.algorithm.overlong_penalty:
+                overlong_penalty(fresh, cfg.data.max_response_length, cfg.algorithm.overlong_buffer_len,
+                                 cfg.algorithm.overlong_penalty_factor)
+        reward_metrics = _merge_reward_metrics(reward_metrics, stats.metrics())
+        if not cfg.algorithm.dynamic_sampling:
+            return fresh, reward_metrics
+        samples += filter_uniform_groups(fresh)
+        want = c.prompts_per_rank - len({s.group_id for s in samples})
+        if want <= 0:
+            break
+    keep_groups = list(dict.fromkeys(s.group_id for s in samples))[: c.prompts_per_rank]
+    samples = [s for s in samples if s.group_id in set(keep_groups)]
+    reward_metrics["dapo/kept_groups"] = float(len(keep_groups))
+    return samples, reward_metrics
+
+
+def _merge_reward_metrics(old: dict[str, float], new: dict[str, float]) -> dict[str, float]:
+    return {k: old.get(k, 0.0) + v if not k.endswith("_rate") else v for k, v in new.items()}
+
+
+def main(argv: list[str]) -> int:
+    resume = "--resume" in argv
+    args = [a for a in argv if a != "--resume"]
+    if not args:
+        print("usage: moeloop rl CONFIG [key=value ...] [--resume]", file=sys.stderr)
+        return 2
+    run_rl(load_config(args[0], args[1:]), resume)
+    return 0

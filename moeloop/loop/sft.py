@@ -1,0 +1,78 @@
+"""`moeloop sft CONFIG [overrides] [--resume]`: supervised fine-tuning on prompt/response rows.
+
+Same model code, data layer, trainer, checkpoints and logging as RL; the HF export it writes at the
+end (`<run_dir>/hf`) is directly an RL `model.path`.
+"""
+from __future__ import annotations
+
+import sys
+
+from transformers import AutoTokenizer
+
+from moeloop.checkpoint import CheckpointManager
+from moeloop.config import RunConfig, load_config
+from moeloop.data import EpochCursor, PromptDataset, load_rows
+from moeloop.loop.env import RunEnv, dtype_of
+from moeloop.loop.export import export_hf
+from moeloop.loop.metrics import MetricsLogger, PhaseTimer, peak_memory_bytes
+from moeloop.model.hf_io import load_pretrained
+from moeloop.train.actor import Actor
+from moeloop.types import Sample
+
+
+def run_sft(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
+    env = RunEnv.create(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    data = PromptDataset(load_rows(cfg.data.train_files, cfg.data.seed), tokenizer, cfg.data, with_response=True)
+    cursor = EpochCursor(len(data), cfg.data.seed, cfg.data.shuffle)
+    model = load_pretrained(cfg.model.path, dtype=dtype_of(cfg.model.dtype))
+    model_cfg = model.cfg
+    steps = cfg.trainer.steps if cfg.trainer.epochs <= 0 else cfg.trainer.epochs * len(data) // cfg.data.train_batch_size
+    actor = Actor(model, cfg.actor, env.device, cfg.data.max_response_length, cfg.model.logprob_chunk_tokens, steps)
+    ckpt = CheckpointManager(cfg.checkpoint.dir or env.run_dir / "checkpoints", cfg.checkpoint.keep)
+    start = 0
+    if resume and (latest := ckpt.latest()) is not None:
+        meta = actor_state_load(ckpt, latest, actor, cursor)
+        start = meta["step"]
+    logger = MetricsLogger(env.run_dir, cfg.trainer.log, env.is_main, steps - start)
+    timer, last = PhaseTimer(), {}
+    per_rank = cfg.data.train_batch_size // env.world_size
+    for step in range(start, steps):
+        indices = cursor.take(cfg.data.train_batch_size)[env.rank * per_rank:(env.rank + 1) * per_rank]
+        batch = [Sample(prompt_ids=data[i].prompt_ids, response_ids=data[i].response_ids, group_id=i) for i in indices]
+        with timer("update_actor"):
+            last = actor.sft_step(batch)
+        if cfg.checkpoint.save_every and (step + 1) % cfg.checkpoint.save_every == 0:
+            with timer("save_checkpoint"):
+                actor_state_save(ckpt, step + 1, actor, cursor)
+        logger.log(step + 1, {**last, **timer.pop(), "memory/peak_bytes": peak_memory_bytes(env.device)})
+    actor_state_save(ckpt, steps, actor, cursor)
+    export_hf(actor.named_weights(), model_cfg, env.run_dir / "hf", cfg.model.path, write=env.is_main)
+    logger.close()
+    return last
+
+
+def actor_state_save(ckpt: CheckpointManager, step: int, actor: Actor, cursor: EpochCursor, **extra) -> None:
+    meta = {"cursor": cursor.state_dict(), "scheduler": _plain(actor.scheduler.state_dict()), **extra}
+    ckpt.save(step, actor.model, actor.optimizer, meta)
+
+
+def actor_state_load(ckpt: CheckpointManager, path, actor: Actor, cursor: EpochCursor) -> dict:
+    meta = ckpt.load(path, actor.model, actor.optimizer)
+    cursor.load_state_dict(meta["cursor"])
+    actor.scheduler.load_state_dict({**actor.scheduler.state_dict(), **meta["scheduler"]})
+    return meta
+
+
+def _plain(state: dict) -> dict:
+    return {k: v for k, v in state.items() if isinstance(v, (int, float, str, list)) and k != "lr_lambdas"}
+
+
+def main(argv: list[str]) -> int:
+    resume = "--resume" in argv
+    args = [a for a in argv if a != "--resume"]
+    if not args:
+        print("usage: moeloop sft CONFIG [key=value ...] [--resume]", file=sys.stderr)
+        return 2
+    run_sft(load_config(args[0], args[1:]), resume)
+    return 0

@@ -1,0 +1,32 @@
+"""Data parallelism with FSDP2 (`fully_shard`), applied to a plain model from outside.
+
+    mesh = build_dp_mesh(device_type)            # 1-D "dp" mesh over the default group
+    apply_fsdp(model, mesh)                      # per decoder layer, lm_head, then the root
+Each decoder layer is its own FSDP unit; lm_head (a `LogprobHead` in the trainer) is one too, so its
+weight is unsharded exactly while the chunked logprob kernel runs and its gradient is
+reduce-scattered by FSDP's own hooks.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+
+def build_dp_mesh(device_type: str) -> DeviceMesh | None:
+    """A 1-D data-parallel mesh over all ranks, or None without a process group (single process)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    return init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("dp",))
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | None = None) -> None:
+    if model.cfg.tie_word_embeddings:
+        raise ValueError("FSDP with tied embeddings is not supported: set tie_word_embeddings=false")
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model.lm_head, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)

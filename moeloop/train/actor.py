@@ -1,0 +1,186 @@
+"""The policy trainer: packed token-budget micro-batches, global loss normalisation, DP via FSDP2.
+
+    actor = Actor(model, cfg.actor, device=dev, max_response_length=cfg.data.max_response_length)
+    actor.compute_logprobs(samples, "old_logprobs")     # no grad, writes sample.old_logprobs
+    metrics = actor.update(samples)                     # ppo_epochs x mini-batches x micro-batches
+    for name, tensor in actor.named_weights(): ...      # full tensors for weight sync / export
+Under DP every rank holds its own share of the samples; micro-batch counts are equalised across
+ranks (FSDP needs the same number of forward/backward passes) and loss denominators are summed
+across ranks, so N ranks give the same update as one rank with the whole batch.
+Logprobs are of the policy at temperature 1, the distribution the rollout engine reports.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from moeloop.algo.losses import PolicyInputs, actor_loss, reduce_metrics
+from moeloop.config.schema import ActorSection
+from moeloop.model.attention import PackedAttention
+from moeloop.parallel.fsdp import apply_fsdp, build_dp_mesh
+from moeloop.train.head import LogprobHead
+from moeloop.train.packing import PackedBatch, global_loss_denominators, pack_samples, split_micro_batches
+from moeloop.types import Sample
+
+
+def _dp_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _all_reduce(value: float, op: dist.ReduceOp = dist.ReduceOp.SUM) -> float:
+    if _dp_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=op)
+    return float(t.item())
+
+
+class PolicyForward:
+    """Forward-only packed logprob passes; the base of the actor and of the frozen reference."""
+
+    def __init__(self, model: nn.Module, device: torch.device, max_tokens_per_micro_batch: int, chunk_tokens: int,
+                 param_dtype: torch.dtype | None = None):
+        self.model, self.device, self.budget = model, device, max_tokens_per_micro_batch
+        LogprobHead.replace_in(model, chunk_tokens)
+        self.model.to(device)
+        mesh = build_dp_mesh(device.type)
+        if mesh is not None:
+            apply_fsdp(model, mesh, param_dtype)
+
+    def forward_batch(self, batch: PackedBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        batch = batch.to(self.device)
+        hidden_TD = self.model(batch.input_ids_T, batch.position_ids_T, PackedAttention(batch.cu_seqlens))
+        return self.model.lm_head(hidden_TD, batch.labels_T, 1.0, with_entropy)
+
+    def micro_batches(self, samples: list[Sample]) -> list[list[int]]:
+        """Token-budget cut, padded with empty micro-batches to the max count over DP ranks."""
+        bins = split_micro_batches(samples, self.budget) if samples else []
+        target = int(_all_reduce(len(bins), dist.ReduceOp.MAX))
+        if target > len(bins) and len(samples) >= target:
+            bins = split_micro_batches(samples, self.budget, min_num_micro_batches=target)
+        return bins + [[] for _ in range(target - len(bins))]
+
+    @torch.no_grad()
+    def compute_logprobs(self, samples: list[Sample], field: str) -> None:
+        """Teacher-forced logprob of each response token, written to `sample.<field>` (a list)."""
+        self.model.eval()
+        for indices in self.micro_batches(samples):
+            part = [samples[i] for i in indices] or [_dummy_sample()]
+            batch = pack_samples(part)
+            logprobs_T, _ = self.forward_batch(batch, with_entropy=False)
+            if not indices:
+                continue
+            for seq, sample in enumerate(part):
+                setattr(sample, field, logprobs_T[batch.response_slice(seq)].float().cpu().tolist())
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full tensor) in state_dict order; collective under FSDP (all ranks iterate)."""
+        for name, tensor in self.model.state_dict().items():
+            yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+
+
+def _dummy_sample() -> Sample:
+    """One 2-token sequence with no loss token: keeps a rank with no work in FSDP's lockstep."""
+    return Sample(prompt_ids=[0], response_ids=[0], loss_mask=[0], old_logprobs=[0.0], advantages=[0.0],
+                  ref_logprobs=[0.0])
+
+
+class Actor(PolicyForward):
+    def __init__(self, model: nn.Module, cfg: ActorSection, device: torch.device, max_response_length: int,
+                 chunk_tokens: int = 1024, total_steps: int = 1, param_dtype: torch.dtype | None = None):
+        super().__init__(model, device, cfg.max_tokens_per_micro_batch, chunk_tokens, param_dtype)
+        self.cfg, self.max_response_length = cfg, max_response_length
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                           weight_decay=o.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(o.warmup_steps, total_steps, o.min_lr_ratio))
+
+    def update(self, samples: list[Sample]) -> dict[str, float]:
+        """PPO-style update: `ppo_epochs` passes over mini-batches of whole groups (one optimizer step each)."""
+        self.model.train()
+        mini_batches = _split_groups(samples, self._num_mini_batches(samples))
+        metrics: list[dict[str, float]] = []
+        for _ in range(self.cfg.ppo_epochs):
+            for mini in mini_batches:
+                metrics.append(self._step(mini))
+        self.scheduler.step()
+        out = reduce_metrics(metrics)
+        out["lr"] = self.scheduler.get_last_lr()[0]
+        return out
+
+    def _num_mini_batches(self, samples: list[Sample]) -> int:
+        num_groups = len({s.group_id for s in samples})
+        local_prompts_per_mini = max(1, self.cfg.ppo_mini_batch_size // _dp_size())
+        return int(_all_reduce(max(1, math.ceil(num_groups / local_prompts_per_mini)), dist.ReduceOp.MAX))
+
+    def _step(self, samples: list[Sample]) -> dict[str, float]:
+        denominator = _all_reduce(global_loss_denominators(samples, self.cfg.loss_agg_mode, self.max_response_length))
+        denominator = max(denominator, 1.0)
+        want_entropy = True
+        per_micro: list[dict[str, float]] = []
+        for indices in self.micro_batches(samples):
+            part = [samples[i] for i in indices] or [_dummy_sample()]
+            batch = pack_samples(part).to(self.device)
+            logprobs_T, entropy_T = self.forward_batch(batch, with_entropy=want_entropy)
+            old = batch.old_logprobs_T if batch.old_logprobs_T is not None else logprobs_T.detach()
+            inputs = PolicyInputs(logprobs_T, old, batch.advantages_T, batch.loss_mask_T, batch.cu_seqlens,
+                                  batch.ref_logprobs_T, entropy_T)
+            loss, m = actor_loss(inputs, self.cfg, denominator)
+            (loss * _dp_size()).backward()  # FSDP averages gradients over DP; the loss is already global
+            if indices:
+                per_micro.append(m)
+        grad_norm = self._clip_and_step()
+        out = reduce_metrics(per_micro) if per_micro else {}
+        out["grad_norm"] = grad_norm
+        return out
+
+    def _clip_and_step(self) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip or float("inf"))
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def sft_step(self, samples: list[Sample]) -> dict[str, float]:
+        """One optimizer step of token-mean cross-entropy on the response tokens (SFT entrance)."""
+        self.model.train()
+        num_tokens = max(_all_reduce(float(sum(len(s.response_ids) for s in samples))), 1.0)
+        total = 0.0
+        for indices in self.micro_batches(samples):
+            part = [samples[i] for i in indices] or [_dummy_sample()]
+            batch = pack_samples(part).to(self.device)
+            logprobs_T, _ = self.forward_batch(batch, with_entropy=False)
+            mask = batch.loss_mask_T if indices else torch.zeros_like(batch.loss_mask_T)
+            loss = -(logprobs_T * mask).sum() / num_tokens
+            (loss * _dp_size()).backward()
+            total += float(loss.detach())
+        grad_norm = self._clip_and_step()
+        self.scheduler.step()
+        return {"sft_loss": _all_reduce(total), "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0]}
+
+
+def _split_groups(samples: list[Sample], num_parts: int) -> list[list[Sample]]:
+    """Cut into `num_parts` mini-batches of whole groups, in group order (equal counts across ranks)."""
+    group_ids = list(dict.fromkeys(s.group_id for s in samples))
+    parts = np.array_split(np.arange(len(group_ids)), num_parts)
+    by_group: dict[int, list[Sample]] = {}
+    for s in samples:
+        by_group.setdefault(s.group_id, []).append(s)
+    return [[s for gi in part for s in by_group[group_ids[gi]]] for part in parts]
+
+
+def _lr_lambda(warmup_steps: int, total_steps: int, min_lr_ratio: float):
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if min_lr_ratio >= 1.0:
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return factor

@@ -1,0 +1,51 @@
+"""Tiny model + synthetic RL batch shared by the trainer, checkpoint and DP tests."""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from moeloop.config.schema import ActorSection
+from moeloop.model.config import ModelConfig
+from moeloop.model.transformer import MoEForCausalLM
+from moeloop.types import Sample
+
+TINY_QWEN3_MOE = {
+    "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 96, "hidden_size": 32,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+    "intermediate_size": 64, "moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2,
+    "norm_topk_prob": True, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "max_position_embeddings": 256,
+}
+
+
+def tiny_model(seed: int = 0) -> MoEForCausalLM:
+    torch.manual_seed(seed)
+    model = MoEForCausalLM(ModelConfig.from_hf_dict(dict(TINY_QWEN3_MOE)))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.1) if p.dim() > 1 else p.fill_(1.0)
+    return model
+
+
+def rl_batch(num_groups: int = 4, n: int = 3, seed: int = 0) -> list[Sample]:
+    rng = random.Random(seed)
+    samples = []
+    for g in range(num_groups):
+        prompt = [rng.randrange(1, 96) for _ in range(rng.randint(2, 7))]
+        for _ in range(n):
+            resp = [rng.randrange(1, 96) for _ in range(rng.randint(1, 6))]
+            samples.append(Sample(prompt_ids=prompt, response_ids=resp, group_id=g, reward=rng.random(),
+                                  reward_status="scored",
+                                  old_logprobs=[-2.0 - rng.random() for _ in resp],
+                                  advantages=[rng.uniform(-1, 1)] * len(resp)))
+    return samples
+
+
+def actor_cfg(**overrides) -> ActorSection:
+    cfg = ActorSection()
+    cfg.optim.lr = 1e-2
+    cfg.ppo_mini_batch_size = 4
+    cfg.grad_clip = 0.0
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
