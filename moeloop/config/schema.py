@@ -63,6 +63,7 @@ class RolloutSection:
     mode: str = "colocated"  # colocated | disaggregated | async
     max_staleness: int = 0
     enforce_eager: bool = False  # no CUDA graphs
+    max_model_len: int = 4096  # prompt + response tokens of one sequence (sizes block tables and CUDA graphs)
 
     def check(self) -> None:
         _require(self.n >= 1, "rollout.n", "must be >= 1")
@@ -72,12 +73,27 @@ class RolloutSection:
         _require(self.mode in ("colocated", "disaggregated", "async"), "rollout.mode", "must be colocated|disaggregated|async")
         _require(0 < self.gpu_memory_utilization < 1, "rollout.gpu_memory_utilization", "must be in (0, 1)")
         _require(self.block_size > 0, "rollout.block_size", "must be > 0")
+        _require(self.max_num_seqs > 0, "rollout.max_num_seqs", "must be > 0")
+        _require(self.max_num_batched_tokens > 0, "rollout.max_num_batched_tokens", "must be > 0")
+        _require(self.max_model_len > 0, "rollout.max_model_len", "must be > 0")
 
 
 @dataclass
 class RewardServerSection:
-    url: str = ""
-    token: str = ""
+    url: str = ""  # remote reward service for reward.fn=http, e.g. http://10.0.0.5:8011
+    token: str = ""  # bearer token; also read from $MOELOOP_REWARD_TOKEN when empty
+    serve_fn: str = ""  # non-empty: start `moeloop reward serve --fn serve_fn` locally under a supervisor
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 = any free port (kept across restarts)
+    health_interval_s: float = 0.5
+    startup_timeout_s: float = 60.0
+    max_restarts: int = 5
+
+    def check(self) -> None:
+        _require(self.port >= 0, "reward.server.port", "must be >= 0")
+        _require(self.health_interval_s > 0, "reward.server.health_interval_s", "must be > 0")
+        _require(self.startup_timeout_s > 0, "reward.server.startup_timeout_s", "must be > 0")
+        _require(self.max_restarts >= 0, "reward.server.max_restarts", "must be >= 0")
 
 
 @dataclass
@@ -89,6 +105,10 @@ class RewardSection:
     backoff_s: float = 0.1
     fallback: str = "mask"  # mask | neutral | fail
     neutral_score: float = 0.0
+    executor: str = "thread"  # thread | process : where sync reward functions run
+    breaker_failures: int = 10  # consecutive failures that open the circuit breaker; 0 = off
+    breaker_reset_s: float = 5.0  # how long it stays open before one probe call
+    fn_options: dict[str, Any] = field(default_factory=dict)  # passed to a built-in's factory, e.g. code: {sandbox: {cpu_s: 2}}
     server: RewardServerSection = field(default_factory=RewardServerSection)
 
     def check(self) -> None:
@@ -96,6 +116,13 @@ class RewardSection:
         _require(self.concurrency >= 1, "reward.concurrency", "must be >= 1")
         _require(self.timeout_s > 0, "reward.timeout_s", "must be > 0")
         _require(self.retries >= 0, "reward.retries", "must be >= 0")
+        _require(self.backoff_s >= 0, "reward.backoff_s", "must be >= 0")
+        _require(self.executor in ("thread", "process"), "reward.executor", "must be thread|process")
+        _require(self.breaker_failures >= 0, "reward.breaker_failures", "must be >= 0")
+        _require(self.breaker_reset_s > 0, "reward.breaker_reset_s", "must be > 0")
+        _require(self.fn != "http" or bool(self.server.url or self.server.serve_fn), "reward.server.url",
+                 "must be set (or reward.server.serve_fn) when reward.fn=http")
+        self.server.check()
 
 
 @dataclass
@@ -181,6 +208,9 @@ class ParallelSection:
     ep: int = 1
     etp: int = 1
     cp: int = 1
+    first_stage_layers: int = 0  # uneven pipeline: decoder layers on the first stage (0 = even split)
+    last_stage_layers: int = 0  # ... and on the last stage (Megatron num_layers_in_last_pipeline_stage)
+    rollout_tp: int = 0  # tensor-parallel size of one rollout engine; 0 = tp
 
 
 @dataclass
@@ -226,6 +256,47 @@ class HardwareSection:
     disk_gbps: float = 1.0
     peak_tflops: float = 790.0
     cpu_memory_gb_per_node: float = 2048.0
+    mtbf_hours: float = 24.0  # mean time between failures of the whole job (any rank), for Young/Daly
+
+
+@dataclass
+class PlanSection:
+    """Planner-only inputs (`moeloop plan`): what the run config does not already say. GB = 1e9 bytes."""
+
+    total_gpus: int = 0  # pool shared by training and rollout; 0 = the training world dp*tp*pp*cp
+    hf_config: dict[str, Any] = field(default_factory=dict)  # inline config.json; empty = read model.path
+    # parameter counts instead of a model config (a published figure with no config.json); 0 = from the model
+    dense_params: float = 0.0
+    expert_params: float = 0.0
+    active_params: float = 0.0
+    # state bytes per parameter; 0 = torch AdamW in model.dtype (weights = grads = dtype, optimizer = 2 x dtype)
+    weight_bytes: int = 0
+    grad_bytes: int = 0
+    optimizer_bytes: int = 0  # e.g. 12 = fp32 master + Adam m + v (Megatron distributed optimizer)
+    sharding: str = "fsdp"  # fsdp (params, grads, optimizer over DP) | optimizer (optimizer only) | none
+    cpu_optimizer_step: bool = False  # optimizer states never on GPU: the step runs on CPU (Megatron optimizer_cpu_offload)
+    num_micro_batches: int = 0  # per mini-batch per DP rank; 0 = from the token budget
+    avg_prompt_tokens: int = 0  # 0 = data.max_prompt_length
+    avg_response_tokens: int = 0  # 0 = data.max_response_length
+    logits: str = "chunked"  # chunked (model.logprob_chunk_tokens at a time) | naive (whole micro-batch)
+    comm_bucket_mb: float = 256.0  # gradient reduce / parameter all-gather bucket in flight
+    reserve_gb: float = 0.0  # CUDA context, NCCL, allocator slack: outside torch.cuda.max_memory_allocated
+    given_gb: dict[str, float] = field(default_factory=dict)  # replace computed ledger entries (see moeloop.plan.memory)
+    tight_fraction: float = 0.9  # peak above this fraction of GPU memory is "tight"
+    # step-time model
+    mfu: float = 0.3
+    decode_efficiency: float = 0.5  # fraction of the HBM roofline the rollout engine reaches
+    reward_s_per_sample: float = 0.0
+    checkpoint_save_s: float = 0.0  # 0 = state bytes / (disk_gbps * nodes)
+
+    def check(self) -> None:
+        _require(self.sharding in ("fsdp", "optimizer", "none"), "plan.sharding", "must be fsdp|optimizer|none")
+        _require(self.logits in ("chunked", "naive"), "plan.logits", "must be chunked|naive")
+        _require(0 < self.mfu <= 1, "plan.mfu", "must be in (0, 1]")
+        _require(0 < self.decode_efficiency <= 1, "plan.decode_efficiency", "must be in (0, 1]")
+        _require(0 < self.tight_fraction <= 1, "plan.tight_fraction", "must be in (0, 1]")
+        for name in ("weight_bytes", "grad_bytes", "optimizer_bytes", "total_gpus", "num_micro_batches"):
+            _require(getattr(self, name) >= 0, f"plan.{name}", "must be >= 0")
 
 
 @dataclass
@@ -242,4 +313,4 @@ class RunConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     trainer: TrainerSection = field(default_factory=TrainerSection)
     hardware: HardwareSection = field(default_factory=HardwareSection)
-    plan: Optional[dict[str, Any]] = None  # free-form planner inputs (see moeloop.plan)
+    plan: PlanSection = field(default_factory=PlanSection)

@@ -6,7 +6,7 @@ syncer, checkpoints and the logger, and restores them from the latest checkpoint
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -25,7 +25,7 @@ from moeloop.loop.metrics import MetricsLogger
 from moeloop.loop.sft import actor_state_load, actor_state_save
 from moeloop.model.hf_io import load_pretrained
 from moeloop.reward import RewardPool
-from moeloop.rollout import build_engine
+from moeloop.rollout import Engine
 from moeloop.rollout.sampling_params import SamplingParams
 from moeloop.sync import InProcessTransport, WeightSyncer
 from moeloop.train.actor import Actor, PolicyForward
@@ -96,6 +96,13 @@ class Components:
         self.rewards.close()
 
 
+def build_engine(cfg: RunConfig, model: torch.nn.Module, tokenizer: Any) -> Engine:
+    """The colocated engine on its own copy of the weights, sized for prompt + response."""
+    rollout_cfg = replace(cfg.rollout, max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length)
+    return Engine(model, rollout_cfg, eos_token_ids=[tokenizer.eos_token_id], seed=cfg.trainer.seed,
+                  detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+
+
 def build_components(cfg: RunConfig, resume: bool) -> Components:
     env = RunEnv.create(cfg)
     if cfg.data.train_batch_size % env.world_size:
@@ -110,8 +117,7 @@ def build_components(cfg: RunConfig, resume: bool) -> Components:
     needs_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
     ref = PolicyForward(load_pretrained(cfg.model.path, dtype=dtype), env.device, cfg.actor.max_tokens_per_micro_batch,
                         cfg.model.logprob_chunk_tokens) if needs_ref else None
-    engine = build_engine(load_pretrained(cfg.model.path, dtype=dtype, device=env.device), cfg.rollout, tokenizer,
-                          max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length)
+    engine = build_engine(cfg, load_pretrained(cfg.model.path, dtype=dtype, device=env.device), tokenizer)
     c = Components(
         cfg=cfg, env=env, tokenizer=tokenizer, train=train, val=val,
         cursor=EpochCursor(len(train), cfg.data.seed, cfg.data.shuffle), actor=actor, ref=ref, engine=engine,

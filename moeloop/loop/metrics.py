@@ -82,7 +82,7 @@ class MetricsLogger:
             self._tb.flush()
         if self._wandb is not None:
             self._wandb.log(record, step=step)
-        if "console" in self.sinks:
+        if "console" in self.sinks and file == "metrics.jsonl":
             self._console(step, record)
 
     def _console(self, step: int, record: dict[str, float]) -> None:

@@ -1,0 +1,173 @@
+"""`RewardPool`: score a batch of samples with bounded concurrency, per-call timeout, retries with
+exponential backoff, a circuit breaker, and an explicit fallback policy.
+
+    pool = RewardPool.from_config(cfg.reward)       # once per run; reused every step
+    stats = pool.score(samples)                     # sets sample.reward / reward_status / reward_info
+    log(stats.metrics())                            # scored, timed_out, errored, retried, fallen_back + rates
+    pool.close()
+
+Fallback after the last retry: `mask` -> status "masked" (out of the loss and of the group
+baseline, `Sample.in_loss`), `neutral` -> `neutral_score` with status "fallback", `fail` -> raise.
+Sync functions run in a thread (or process) pool created once; async functions on the pool's own
+event loop, which lives in a daemon thread for the pool's lifetime. A timed-out sync call cannot
+be interrupted: it keeps its concurrency slot until it really returns, so the bound always holds.
+"""
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import threading
+import time
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+from typing import Any
+
+from moeloop.reward.breaker import CircuitBreaker
+from moeloop.reward.registry import RewardFn, as_result, is_async_fn
+from moeloop.reward.stats import RewardStats
+from moeloop.types import RewardResult, Sample
+
+FALLBACKS = ("mask", "neutral", "fail")
+
+
+class RewardFailure(RuntimeError):
+    """Raised by `score` under fallback policy `fail` when some sample could not be scored."""
+
+
+class RewardPool:
+    def __init__(self, fn: RewardFn, *, concurrency: int = 8, timeout_s: float = 10.0, retries: int = 2,
+                 backoff_s: float = 0.1, fallback: str = "mask", neutral_score: float = 0.0,
+                 breaker: CircuitBreaker | None = None, executor: str = "thread") -> None:
+        if fallback not in FALLBACKS:
+            raise ValueError(f"reward.fallback={fallback!r} must be one of {'|'.join(FALLBACKS)}")
+        if concurrency < 1 or timeout_s <= 0 or retries < 0 or backoff_s < 0:
+            raise ValueError(f"reward: need concurrency>=1, timeout_s>0, retries>=0, backoff_s>=0; got "
+                             f"{concurrency}, {timeout_s}, {retries}, {backoff_s}")
+        self.fn, self.concurrency, self.timeout_s = fn, concurrency, timeout_s
+        self.retries, self.backoff_s = retries, backoff_s
+        self.fallback, self.neutral_score = fallback, neutral_score
+        self.breaker = breaker or CircuitBreaker(threshold=0)
+        self._async_fn = is_async_fn(fn)
+        self._executor = None if self._async_fn else _make_executor(executor, concurrency)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="reward-pool", daemon=True)
+        self._thread.start()
+        self._slots = asyncio.Semaphore(concurrency)  # only ever used on self._loop
+        self.owned: list[Any] = []  # things closed with the pool (e.g. a service supervisor)
+
+    @classmethod
+    def from_config(cls, section: Any) -> "RewardPool":
+        """Build from a `RewardSection`; starts the local reward service when `server.serve_fn` is set."""
+        from moeloop.reward.factory import build_pool
+        return build_pool(section)
+
+    # -- public API ------------------------------------------------------------------------------
+    def score(self, samples: list[Sample]) -> RewardStats:
+        """Score `samples` in place (blocking); see the module docstring for the fallback rules."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("RewardPool.score called from the pool's own loop; use `await ascore`")
+        return asyncio.run_coroutine_threadsafe(self._score(samples), self._loop).result()
+
+    async def ascore(self, samples: list[Sample]) -> RewardStats:
+        """`score` for callers on any event loop."""
+        future = asyncio.run_coroutine_threadsafe(self._score(samples), self._loop)
+        return await asyncio.wrap_future(future)
+
+    def close(self) -> None:
+        for thing in reversed(self.owned):
+            thing.close()
+        if self._loop.is_running():
+            closer = getattr(self.fn, "aclose", None)
+            if closer is not None:
+                asyncio.run_coroutine_threadsafe(closer(), self._loop).result(timeout=10)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> "RewardPool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- on the pool's loop ------------------------------------------------------------------
+    async def _score(self, samples: list[Sample]) -> RewardStats:
+        stats = RewardStats(num_samples=len(samples))
+        start = time.monotonic()
+        await asyncio.gather(*(self._score_one(s, stats) for s in samples))
+        stats.elapsed_s = time.monotonic() - start
+        if self.fallback == "fail" and stats.errors:
+            raise RewardFailure(f"{len(stats.errors)}/{len(samples)} samples could not be scored "
+                                f"(reward.fallback=fail); first error: {stats.errors[0]}")
+        return stats
+
+    async def _score_one(self, sample: Sample, stats: RewardStats) -> None:
+        error = "not attempted"
+        for attempt in range(self.retries + 1):
+            if attempt:
+                stats.retried += 1
+                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                result = await self._call(sample)
+            except _CircuitOpen:
+                stats.rejected += 1
+                error = "circuit breaker open"
+                break
+            except asyncio.TimeoutError:
+                stats.timed_out += 1
+                error = f"timeout after {self.timeout_s}s"
+            except Exception as err:  # noqa: BLE001 - any failure of user code is retried, then falls back
+                stats.errored += 1
+                error = f"{type(err).__name__}: {err}"
+            else:
+                self.breaker.success()
+                sample.reward, sample.reward_status, sample.reward_info = result.score, "scored", result.info
+                stats.scored += 1
+                return
+            self.breaker.failure()
+        self._fall_back(sample, error, stats)
+
+    def _fall_back(self, sample: Sample, error: str, stats: RewardStats) -> None:
+        stats.errors.append(error)
+        if self.fallback == "fail":
+            sample.reward_info = {"error": error}
+            return
+        stats.fallen_back += 1
+        stats.masked += self.fallback == "mask"
+        sample.reward = self.neutral_score
+        sample.reward_status = "masked" if self.fallback == "mask" else "fallback"
+        sample.reward_info = {"fallback": self.fallback, "error": error}
+
+    async def _call(self, sample: Sample) -> RewardResult:
+        """One attempt: take a concurrency slot, ask the breaker (now, not before queueing), call."""
+        if self._async_fn:
+            async with self._slots:
+                self._admit()
+                return as_result(await asyncio.wait_for(self.fn(sample), self.timeout_s))  # type: ignore[arg-type]
+        await self._slots.acquire()
+        try:
+            self._admit()
+            future = self._loop.run_in_executor(self._executor, self.fn, sample)
+        except BaseException:
+            self._slots.release()
+            raise
+        future.add_done_callback(lambda _: self._slots.release())
+        return as_result(await asyncio.wait_for(asyncio.shield(future), self.timeout_s))
+
+
+    def _admit(self) -> None:
+        if not self.breaker.allow():
+            raise _CircuitOpen()
+
+
+class _CircuitOpen(Exception):
+    """The breaker refused the call; the sample falls back without further retries."""
+
+
+def _make_executor(kind: str, workers: int) -> Executor:
+    if kind == "thread":
+        return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reward")
+    if kind == "process":  # CPU-bound rules; the function and samples must pickle
+        return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+    raise ValueError(f"reward.executor={kind!r} must be thread|process")
+

@@ -1,0 +1,95 @@
+"""The reward-function plug-in point: the `RewardFn` protocol, the built-ins, dotted paths.
+
+    fn = get_reward_fn("math")                      # built-in
+    fn = get_reward_fn("my_pkg.rewards.f1")         # user code: any callable(Sample) -> RewardResult
+    fn = get_reward_fn("http", url="http://127.0.0.1:8011")
+
+A reward function takes one `Sample` (prompt_text, response_text, response_ids, ground_truth,
+metadata, data_source) and returns a `RewardResult` (a float is accepted and wrapped). It may be
+sync (run in the pool's threads) or `async def` (run on the pool's event loop).
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any, Awaitable, Callable, Protocol, Union
+
+from moeloop.types import RewardResult, Sample
+
+
+class RewardFn(Protocol):
+    def __call__(self, sample: Sample) -> Union[RewardResult, float, Awaitable[RewardResult]]: ...
+
+
+def _math(**_: Any) -> RewardFn:
+    from moeloop.reward.rules import math_reward
+    return math_reward
+
+
+def _format(**_: Any) -> RewardFn:
+    from moeloop.reward.rules import format_reward
+    return format_reward
+
+
+def _arith(**_: Any) -> RewardFn:
+    from moeloop.reward.rules import arith_reward
+    return arith_reward
+
+
+def _code(**options: Any) -> RewardFn:
+    from moeloop.reward.code_reward import CodeReward
+    from moeloop.reward.sandbox import SandboxLimits
+    return CodeReward(SandboxLimits(**options.get("sandbox", {})), python=options.get("python"))
+
+
+def _http(**options: Any) -> RewardFn:
+    from moeloop.reward.remote import RemoteReward
+    return RemoteReward(**options)
+
+
+BUILTIN_REWARDS: dict[str, Callable[..., RewardFn]] = {
+    "math": _math, "format": _format, "arith": _arith, "code": _code, "http": _http,
+}
+
+
+def import_by_path(path: str) -> Any:
+    """Import "pkg.module.attr"; errors say which part was not found."""
+    module_name, _, attr = path.rpartition(".")
+    if not module_name:
+        raise ValueError(f"reward.fn={path!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}) nor a dotted path pkg.module.fn")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"reward.fn={path!r}: cannot import module {module_name!r}: {err}") from None
+    if not hasattr(module, attr):
+        raise ValueError(f"reward.fn={path!r}: module {module_name!r} has no attribute {attr!r}")
+    return getattr(module, attr)
+
+
+def get_reward_fn(name: str, **options: Any) -> RewardFn:
+    """A built-in by name, or user code by dotted path; `options` go to the built-in's factory
+    (or, for a dotted path to a class, to its constructor)."""
+    if name in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[name](**options)
+    obj = import_by_path(name)
+    if isinstance(obj, type):
+        return obj(**options)
+    if options:
+        raise ValueError(f"reward.fn={name!r} is a function; reward.fn_options only apply to built-ins and classes")
+    if not callable(obj):
+        raise ValueError(f"reward.fn={name!r} is not callable")
+    return obj
+
+
+def as_result(value: Any, name: str = "reward fn") -> RewardResult:
+    """Normalise what a reward function returned."""
+    if isinstance(value, RewardResult):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return RewardResult(float(value))
+    raise TypeError(f"{name} returned {type(value).__name__}; expected RewardResult or float")
+
+
+def is_async_fn(fn: Any) -> bool:
+    """True for `async def` functions and objects whose `__call__` is `async def`."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(type(fn), "__call__", None))

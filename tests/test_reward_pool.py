@@ -1,0 +1,199 @@
+"""RewardPool: concurrency bound, timeout/retry/fallback accounting, mask semantics, breaker, config."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from moeloop.config.schema import RewardSection
+from moeloop.reward.breaker import CircuitBreaker
+from moeloop.reward.pool import RewardFailure, RewardPool
+from moeloop.types import RewardResult, Sample
+
+
+def batch(n: int, **kw: object) -> list[Sample]:
+    return [Sample(prompt_ids=[1], response_text=str(i), group_id=i // 4, **kw) for i in range(n)]
+
+
+class PeakCounter:
+    """A reward function that records how many calls run at the same time."""
+
+    def __init__(self, sleep_s: float = 0.02) -> None:
+        self.sleep_s, self.now, self.peak, self.calls = sleep_s, 0, 0, 0
+        self.lock = threading.Lock()
+
+    def enter(self) -> None:
+        with self.lock:
+            self.now += 1
+            self.calls += 1
+            self.peak = max(self.peak, self.now)
+
+    def leave(self) -> None:
+        with self.lock:
+            self.now -= 1
+
+
+class SyncPeak(PeakCounter):
+    def __call__(self, sample: Sample) -> RewardResult:
+        self.enter()
+        time.sleep(self.sleep_s)
+        self.leave()
+        return RewardResult(float(sample.response_text))
+
+
+class AsyncPeak(PeakCounter):
+    async def __call__(self, sample: Sample) -> RewardResult:
+        self.enter()
+        await asyncio.sleep(self.sleep_s)
+        self.leave()
+        return RewardResult(float(sample.response_text))
+
+
+@pytest.mark.parametrize("fn_cls", [SyncPeak, AsyncPeak])
+@pytest.mark.parametrize("bound", [1, 3, 8])
+def test_concurrency_never_exceeds_bound(fn_cls: type, bound: int) -> None:
+    fn = fn_cls()
+    with RewardPool(fn, concurrency=bound) as pool:
+        samples = batch(24)
+        stats = pool.score(samples)
+    assert fn.peak <= bound
+    assert fn.peak == bound  # and the bound is used (24 calls of 20 ms each overlap)
+    assert stats.scored == 24 and fn.calls == 24
+    assert [s.reward for s in samples] == [float(i) for i in range(24)]
+    assert all(s.reward_status == "scored" for s in samples)
+
+
+def test_timed_out_sync_calls_keep_their_slot() -> None:
+    """A sync call cannot be interrupted: after its timeout it still counts against the bound."""
+    fn = SyncPeak(sleep_s=0.3)
+    with RewardPool(fn, concurrency=2, timeout_s=0.05, retries=1, backoff_s=0.0) as pool:
+        stats = pool.score(batch(4))
+    assert fn.peak <= 2
+    assert stats.timed_out == 8 and stats.fallen_back == 4
+
+
+class Flaky:
+    """Fails (raise or hang) the first `fail_times` calls of each sample, then scores 1.0."""
+
+    def __init__(self, mode: str, fail_times: int) -> None:
+        self.mode, self.fail_times, self.seen = mode, fail_times, {}
+
+    async def __call__(self, sample: Sample) -> RewardResult:
+        n = self.seen[sample.response_text] = self.seen.get(sample.response_text, 0) + 1
+        if n <= self.fail_times:
+            if self.mode == "raise":
+                raise ConnectionError("transient")
+            await asyncio.sleep(10)
+        return RewardResult(1.0)
+
+
+@pytest.mark.parametrize("mode,counter", [("raise", "errored"), ("hang", "timed_out")])
+def test_transient_failures_are_retried_then_scored(mode: str, counter: str) -> None:
+    with RewardPool(Flaky(mode, fail_times=2), retries=2, timeout_s=0.05, backoff_s=0.01) as pool:
+        samples = batch(6)
+        stats = pool.score(samples)
+    assert stats.scored == 6 and stats.retried == 12 and getattr(stats, counter) == 12
+    assert stats.fallen_back == 0 and all(s.reward == 1.0 and s.in_loss for s in samples)
+
+
+@pytest.mark.parametrize("mode,counter", [("raise", "errored"), ("hang", "timed_out")])
+def test_mask_fallback_removes_sample_from_loss(mode: str, counter: str) -> None:
+    with RewardPool(Flaky(mode, fail_times=99), retries=2, timeout_s=0.05, backoff_s=0.0, fallback="mask") as pool:
+        samples = batch(4)
+        stats = pool.score(samples)
+    assert getattr(stats, counter) == 12 and stats.retried == 8
+    assert stats.fallen_back == stats.masked == 4 and stats.scored == 0
+    assert stats.metrics()["reward/fallen_back_rate"] == 1.0
+    assert all(s.reward_status == "masked" and not s.in_loss for s in samples)
+    assert all(s.reward_info["fallback"] == "mask" and s.reward_info["error"] for s in samples)
+
+
+def test_neutral_fallback_scores_but_keeps_in_loss() -> None:
+    fn = Flaky("raise", fail_times=99)
+    with RewardPool(fn, retries=1, backoff_s=0.0, fallback="neutral", neutral_score=0.25) as pool:
+        samples = batch(3)
+        stats = pool.score(samples)
+    assert stats.fallen_back == 3 and stats.masked == 0 and stats.errored == 6
+    assert all(s.reward == 0.25 and s.reward_status == "fallback" and s.in_loss for s in samples)
+
+
+def test_fail_fallback_raises_with_the_error() -> None:
+    with RewardPool(Flaky("raise", fail_times=99), retries=0, fallback="fail") as pool:
+        with pytest.raises(RewardFailure, match="2/2 samples.*ConnectionError: transient"):
+            pool.score(batch(2))
+
+
+def test_partial_failure_rates_and_reuse_across_steps() -> None:
+    class OddFails:
+        def __call__(self, sample: Sample) -> RewardResult:
+            if int(sample.response_text) % 2:
+                raise ValueError("odd")
+            return RewardResult(1.0)
+
+    with RewardPool(OddFails(), retries=1, backoff_s=0.0, concurrency=4) as pool:
+        for _ in range(3):  # the same pool, threads and loop serve every step
+            samples = batch(8)
+            stats = pool.score(samples)
+            m = stats.metrics()
+            assert (stats.scored, stats.masked, stats.errored, stats.retried) == (4, 4, 8, 4)
+            assert m["reward/scored_rate"] == 0.5 and m["reward/masked_rate"] == 0.5
+            assert [s.in_loss for s in samples] == [True, False] * 4
+
+
+def test_masked_samples_leave_the_group_baseline() -> None:
+    """What the trainer does with `in_loss`: a masked sample counts neither in the loss nor the mean."""
+    with RewardPool(lambda s: (_ for _ in ()).throw(ValueError()) if s.response_text == "1" else RewardResult(1.0),
+                    retries=0) as pool:
+        samples = batch(4)  # one group of 4; sample "1" fails
+        pool.score(samples)
+    kept = [s.reward for s in samples if s.in_loss]
+    assert len(kept) == 3 and sum(kept) / len(kept) == 1.0
+
+
+def test_open_breaker_rejects_without_calling() -> None:
+    fn = Flaky("raise", fail_times=99)
+    breaker = CircuitBreaker(threshold=3, reset_s=60)
+    with RewardPool(fn, concurrency=1, retries=0, breaker=breaker) as pool:
+        stats = pool.score(batch(10))
+    assert sum(fn.seen.values()) == 3 and stats.rejected == 7 and stats.masked == 10
+    assert breaker.state == "open"
+
+
+def test_breaker_half_open_probe_closes_on_success() -> None:
+    breaker = CircuitBreaker(threshold=1, reset_s=0.05)
+    breaker.failure()
+    assert not breaker.allow()
+    time.sleep(0.06)
+    assert breaker.allow() and breaker.state == "half-open" and not breaker.allow()
+    breaker.success()
+    assert breaker.state == "closed" and breaker.allow()
+
+
+def test_async_api_from_another_loop() -> None:
+    async def main() -> int:
+        with RewardPool(AsyncPeak(), concurrency=4) as pool:
+            stats = await pool.ascore(batch(8))
+        return stats.scored
+    assert asyncio.run(main()) == 8
+
+
+def test_from_config_builds_builtin_and_validates() -> None:
+    with RewardPool.from_config(RewardSection(fn="arith", concurrency=2)) as pool:
+        samples = [Sample(prompt_ids=[], response_text="Answer: 5", ground_truth=5),
+                   Sample(prompt_ids=[], response_text="Answer: 4", ground_truth=5)]
+        pool.score(samples)
+    assert [s.reward for s in samples] == [1.0, 0.0]
+    with pytest.raises(ValueError, match="reward.fallback"):
+        RewardPool.from_config(RewardSection(fallback="drop"))
+    with pytest.raises(ValueError, match="reward.executor"):
+        RewardPool.from_config(RewardSection(executor="gpu"))
+
+
+def test_process_executor_for_cpu_bound_rules() -> None:
+    with RewardPool.from_config(RewardSection(fn="math", executor="process", concurrency=2, timeout_s=60)) as pool:
+        samples = [Sample(prompt_ids=[], response_text="\\boxed{\\frac{1}{2}}", ground_truth="0.5"),
+                   Sample(prompt_ids=[], response_text="#### 7", ground_truth="8")]
+        stats = pool.score(samples)
+    assert stats.scored == 2 and [s.reward for s in samples] == [1.0, 0.0]
