@@ -1,0 +1,54 @@
+"""A character-level tokenizer with a chat template, built locally with `tokenizers` (no hub access).
+
+    tok = build_tokenizer("out/")            # writes tokenizer.json, tokenizer_config.json, chat_template.jinja
+    AutoTokenizer.from_pretrained("out/")    # loads it back
+
+Ids: the special tokens first (<pad>=0, <bos>=1, <eos>=2, <unk>=3, <|system|>, <|user|>, <|assistant|>), then one
+token per printable ASCII character plus newline. Anything else encodes as <unk>.
+"""
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
+SPECIAL_TOKENS = [PAD, BOS, EOS, UNK, *ROLE_TOKENS.values()]
+CHARACTERS = string.digits + string.ascii_letters + string.punctuation + " \n"
+
+# <bos><|system|>...\n<|user|>...\n<|assistant|>...<eos>  and, with add_generation_prompt, a trailing <|assistant|>
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown chat role ' ~ message['role'] ~ ' (expected system, user or assistant)') }}"
+    "{%- endif %}"
+    "{{ '<|' ~ message['role'] ~ '|>' ~ message['content'] }}"
+    "{%- if message['role'] == 'assistant' %}{{ eos_token }}{% else %}{{ '\\n' }}{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+def tokenizer_vocab() -> dict[str, int]:
+    tokens = [*SPECIAL_TOKENS, *CHARACTERS]
+    return {tok: i for i, tok in enumerate(tokens)}
+
+
+def build_tokenizer(out_dir: str | Path | None = None) -> PreTrainedTokenizerFast:
+    """The tokenizer as a transformers fast tokenizer; saved to `out_dir` when given."""
+    core = Tokenizer(models.WordLevel(tokenizer_vocab(), unk_token=UNK))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character
+    core.decoder = decoders.Fuse()  # join characters back without spaces
+    core.add_special_tokens(SPECIAL_TOKENS)
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK,
+                                  additional_special_tokens=list(ROLE_TOKENS.values()))
+    tok.chat_template = CHAT_TEMPLATE
+    tok.model_max_length = 1 << 20
+    if out_dir is not None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        tok.save_pretrained(str(out_dir))
+    return tok

@@ -1,0 +1,86 @@
+"""Activation and logits memory per rank for a token budget, with and without activation checkpointing.
+
+Bytes per token per layer count the tensors autograd keeps for backward in bf16 (fp32 where kernels keep
+fp32: softmax statistics, router logits). Token-wise tensors are split by tp (sequence parallel), head-wise
+ones by tp, expert intermediates by etp. Full checkpointing keeps each layer's input and, during backward,
+one layer's full set at a time. Formulas in the spirit of Korthikanti et al. 2022 with flash attention.
+"""
+from __future__ import annotations
+
+from moeloop.model.config import ModelConfig
+from moeloop.parallel.layout import Layout
+
+BF16, FP32 = 2, 4
+
+
+def layer_activation_bytes_per_token(m: ModelConfig, layer_idx: int, layout: Layout) -> float:
+    """Bytes one token leaves saved in one decoder layer (no checkpointing), on one rank."""
+    tp, h = layout.tp, m.hidden_size
+    x = 2 * BF16 * h / tp  # layer input and the residual after attention
+    norms = 2 * BF16 * h / tp  # outputs of the two RMSNorms
+    return x + norms + _attention_bytes(m, tp) + _mlp_bytes(m, layer_idx, layout)
+
+
+def checkpoint_bytes_per_token(m: ModelConfig, layout: Layout) -> float:
+    """Bytes one token leaves per layer under full recompute: the layer input only."""
+    return BF16 * m.hidden_size / layout.tp
+
+
+def _attention_bytes(m: ModelConfig, tp: int) -> float:
+    if m.is_mla:
+        q_kv = m.num_heads * (2 * m.qk_head_dim + m.v_head_dim)
+        latents = 2 * ((m.q_lora_rank or 0) + m.kv_lora_rank + m.qk_rope_head_dim)  # before and after their norms
+        return BF16 * (q_kv + m.num_heads * m.v_head_dim) / tp + FP32 * m.num_heads / tp + BF16 * latents
+    q_kv = m.num_heads * m.head_dim + 2 * m.num_kv_heads * m.head_dim
+    out = m.num_heads * m.head_dim  # attention output = o_proj input
+    return BF16 * (q_kv + out) / tp + FP32 * m.num_heads / tp  # + flash-attention logsumexp
+
+
+def _mlp_bytes(m: ModelConfig, layer_idx: int, layout: Layout) -> float:
+    tp, h = layout.tp, m.hidden_size
+    swiglu = 3 * BF16  # gate out, up out, silu(gate)*up: 3 x width
+    if not m.num_experts or not m.is_moe_layer(layer_idx):
+        return swiglu * m.intermediate_size / tp
+    k = m.num_experts_per_tok
+    router = 2 * FP32 * m.num_experts / tp  # logits and probabilities
+    routed = k * (BF16 * h + swiglu * m.moe_intermediate_size / layout.etp) / tp  # permuted copies, balanced routing
+    combine = k * BF16 * h / tp  # expert outputs before the weighted sum
+    shared = swiglu * m.n_shared_experts * m.moe_intermediate_size / tp
+    return router + routed + combine + shared
+
+
+def in_flight_micro_batches(layout: Layout, stage: int, num_micro_batches: int) -> float:
+    """Micro-batches whose activations a stage holds at once under 1F1B (interleaving adds (pp-1-s)/vpp)."""
+    pp = layout.pp
+    warmup = pp - stage + ((pp - 1 - stage) / layout.vpp if layout.vpp > 1 else 0.0)
+    return max(1.0, min(float(num_micro_batches), warmup))
+
+
+def stage_activation_bytes(m: ModelConfig, layout: Layout, layer_ids: list[int], tokens: int,
+                           num_micro_batches: int, stage: int, checkpointing: bool) -> float:
+    """Activation bytes one rank of `stage` holds at its peak for micro-batches of `tokens` tokens."""
+    if not layer_ids:
+        return 0.0
+    full = [layer_activation_bytes_per_token(m, i, layout) for i in layer_ids]
+    inflight = in_flight_micro_batches(layout, stage, num_micro_batches)
+    if not checkpointing:
+        return inflight * tokens * sum(full)
+    ckpt = checkpoint_bytes_per_token(m, layout)
+    return inflight * tokens * ckpt * len(layer_ids) + tokens * max(f - ckpt for f in full)
+
+
+def logits_bytes(m: ModelConfig, layout: Layout, tokens: int, chunk_tokens: int, chunked: bool) -> float:
+    """Logprob workspace on the last stage: bf16 logits, fp32 log-softmax and its gradient over the vocab shard.
+
+    Chunked keeps only `chunk_tokens` rows of that at a time, plus fp32 logprob and entropy per token.
+    """
+    per_row = (BF16 + 2 * FP32) * m.vocab_size / layout.tp
+    rows = min(tokens, chunk_tokens) if chunked else tokens
+    return rows * per_row + (2 * FP32 * tokens if chunked else 0)
+
+
+def alltoall_bytes(m: ModelConfig, layout: Layout, tokens: int) -> float:
+    """Expert-parallel dispatch and combine buffers of one MoE layer for one micro-batch."""
+    if layout.ep == 1 or not m.num_experts:
+        return 0.0
+    return 2 * tokens * m.num_experts_per_tok * BF16 * m.hidden_size / layout.tp

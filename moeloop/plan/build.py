@@ -1,0 +1,169 @@
+"""`build_plan(cfg)`: every planner figure for one run config, computed from the config alone.
+
+    plan = build_plan(load_config("examples/plan_dsv3_671b.yaml"))
+    print(render(plan))          # moeloop.plan.report
+The only I/O is reading model.path/config.json when neither plan counts nor plan.hf_config is given.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from moeloop.config.schema import RunConfig
+from moeloop.model.config import ModelConfig
+from moeloop.parallel.layout import BatchInfo, Layout
+from moeloop.plan.accounting import ModelStats, model_stats, stats_from_counts
+from moeloop.plan.decode import DecodeEstimate, decode_roofline
+from moeloop.plan.interval import expected_overhead, young_daly_interval_s
+from moeloop.plan.memory import GB, Ledger, avg_seq_tokens, memory_ledger, num_micro_batches, state_bytes
+from moeloop.plan.split import DEDICATED_FRACTION, SplitRow, split_rows, verdict
+from moeloop.plan.step_time import phase_shares, step_phases, step_seconds
+from moeloop.plan.sync_cost import offload_round_trip_s, sync_costs
+
+BF16 = 2
+
+
+@dataclass
+class Plan:
+    stats: ModelStats
+    layout: Layout
+    pool_gpus: int
+    problems: list[str]
+    ledger: Optional[Ledger]
+    gpu_verdict: str
+    cpu_verdict: str
+    alternatives_gb: dict[str, float]  # peak of the same layout with one setting flipped
+    split: list[SplitRow]
+    decode: Optional[DecodeEstimate]
+    sync_bytes: float
+    sync_s: dict[str, float]
+    offload_s: float
+    phases_s: dict[str, float]
+    step_s: float
+    checkpoint: dict[str, float]
+    seq_tokens: int
+    assumptions: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.stats.summary(self.seq_tokens), "layout": self.layout.to_dict(), "pool_gpus": self.pool_gpus,
+            "problems": self.problems, "ledger": self.ledger.to_dict() if self.ledger else None,
+            "gpu_verdict": self.gpu_verdict, "cpu_verdict": self.cpu_verdict, "alternatives_gb": self.alternatives_gb,
+            "split": [r.to_dict() for r in self.split], "decode": self.decode.to_dict() if self.decode else None,
+            "sync_gb": self.sync_bytes / GB, "sync_s": self.sync_s, "offload_s": self.offload_s,
+            "phases_s": self.phases_s, "step_s": self.step_s,
+            "phase_shares": phase_shares(self.phases_s, self.step_s), "checkpoint": self.checkpoint,
+            "assumptions": self.assumptions,
+        }
+
+
+def load_stats(cfg: RunConfig) -> ModelStats:
+    """Parameter counts (plan.dense_params/expert_params), else plan.hf_config, else model.path/config.json."""
+    p = cfg.plan
+    if p.dense_params or p.expert_params:
+        return stats_from_counts(p.dense_params, p.expert_params, p.active_params)
+    if p.hf_config:
+        return model_stats(ModelConfig.from_hf_dict(dict(p.hf_config), source="plan.hf_config"))
+    return model_stats(ModelConfig.from_pretrained(cfg.model.path))
+
+
+def build_plan(cfg: RunConfig, stats: Optional[ModelStats] = None) -> Plan:
+    cfg.plan.check()
+    stats = stats or load_stats(cfg)
+    layout = Layout.from_section(cfg.parallel)
+    pool = cfg.plan.total_gpus or layout.world_size
+    colocated = cfg.rollout.mode == "colocated"
+    problems = _problems(cfg, stats, layout, pool, colocated)
+    ledger = memory_ledger(cfg, stats, layout) if not problems else None
+    gpu_v = verdict(ledger.peak_bytes, cfg.hardware.gpu_memory_gb, cfg.plan.tight_fraction) if ledger else "invalid"
+    cpu_v = "n/a" if ledger is None else ("fits" if ledger.cpu_bytes_per_node <= cfg.hardware.cpu_memory_gb_per_node * GB else "OOM")
+    decode = _decode(cfg, stats, layout, pool, colocated)
+    sync_bytes = BF16 * stats.total_params
+    sync_s = sync_costs(sync_bytes, cfg.hardware)
+    offload_s = offload_round_trip_s(ledger.cpu_bytes_per_rank, cfg.hardware.pcie_gbps) if (ledger and colocated) else 0.0
+    phases = step_phases(cfg, stats, layout.world_size, decode.tokens_per_s if decode else 0.0,
+                         sync_s[cfg.sync.transport], offload_s)
+    step_s = step_seconds(phases, cfg.rollout.mode)
+    return Plan(stats, layout, pool, problems, ledger, gpu_v, cpu_v,
+                _alternatives(cfg, stats, layout) if ledger else {},
+                split_rows(cfg, stats, layout, pool, _decode_context(cfg)), decode, sync_bytes, sync_s, offload_s,
+                phases, step_s, _checkpoint(cfg, stats, layout, step_s), avg_seq_tokens(cfg), _assumptions(cfg, stats, colocated))
+
+
+def _problems(cfg: RunConfig, stats: ModelStats, layout: Layout, pool: int, colocated: bool) -> list[str]:
+    batch = BatchInfo(num_micro_batches(cfg, layout), cfg.actor.ppo_mini_batch_size * cfg.rollout.n,
+                      cfg.actor.max_tokens_per_micro_batch)
+    problems = layout.validate(stats.model, None, batch)
+    if pool < layout.world_size:
+        problems.append(f"plan.total_gpus={pool} < training world dp*tp*pp*cp = {layout.world_size}")
+    if not colocated and pool - layout.world_size < (cfg.parallel.rollout_tp or layout.tp):
+        problems.append(f"rollout.mode={cfg.rollout.mode} leaves {pool - layout.world_size} GPUs for rollout, "
+                        f"fewer than one engine of rollout_tp={cfg.parallel.rollout_tp or layout.tp}")
+    if stats.model is None and "activations" not in cfg.plan.given_gb:
+        problems.append("model given as parameter counts: plan.given_gb.activations is required")
+    return problems
+
+
+def _decode_context(cfg: RunConfig) -> int:
+    """Average context a decode step attends to: the prompt plus half the response."""
+    return (cfg.plan.avg_prompt_tokens or cfg.data.max_prompt_length) + (cfg.plan.avg_response_tokens or cfg.data.max_response_length) // 2
+
+
+def _decode(cfg: RunConfig, stats: ModelStats, layout: Layout, pool: int, colocated: bool) -> Optional[DecodeEstimate]:
+    gpus = pool if colocated else pool - layout.world_size
+    engine_tp = cfg.parallel.rollout_tp or layout.tp
+    if gpus < engine_tp:
+        return None
+    hw = cfg.hardware
+    fraction = cfg.rollout.gpu_memory_utilization if colocated else DEDICATED_FRACTION
+    return decode_roofline(stats, gpus, engine_tp, hw.hbm_gbps, hw.gpu_memory_gb, fraction, _decode_context(cfg),
+                           cfg.rollout.max_num_seqs, cfg.plan.decode_efficiency)
+
+
+def _alternatives(cfg: RunConfig, stats: ModelStats, layout: Layout) -> dict[str, float]:
+    """Peak GB with activation checkpointing flipped, and with naive vs chunked logits."""
+    out = {}
+    for name, edit in (("gradient_checkpointing=" + str(not cfg.model.gradient_checkpointing),
+                        lambda c: setattr(c.model, "gradient_checkpointing", not c.model.gradient_checkpointing)),
+                       ("logits=" + ("naive" if cfg.plan.logits == "chunked" else "chunked"),
+                        lambda c: setattr(c.plan, "logits", "naive" if c.plan.logits == "chunked" else "chunked"))):
+        alt = copy.deepcopy(cfg)
+        edit(alt)
+        out[name] = memory_ledger(alt, stats, layout).peak_bytes / GB
+    return out
+
+
+def _checkpoint(cfg: RunConfig, stats: ModelStats, layout: Layout, step_s: float) -> dict[str, float]:
+    sb = state_bytes(cfg)
+    state = stats.total_params * (sb.weights + sb.optimizer)
+    nodes = max(1, math.ceil(layout.world_size / cfg.hardware.gpus_per_node))
+    save_s = cfg.plan.checkpoint_save_s or state / (cfg.hardware.disk_gbps * GB * nodes)
+    mtbf_s = cfg.hardware.mtbf_hours * 3600
+    interval = young_daly_interval_s(save_s, mtbf_s)
+    return {"state_gb": state / GB, "save_s": save_s, "mtbf_s": mtbf_s, "interval_s": interval,
+            "save_every_steps": max(1, round(interval / step_s)) if step_s > 0 else 0,
+            "overhead": expected_overhead(save_s, mtbf_s)}
+
+
+def _assumptions(cfg: RunConfig, stats: ModelStats, colocated: bool) -> list[str]:
+    sb = state_bytes(cfg)
+    out = [
+        f"state bytes/param: weights {sb.weights}, grads {sb.grads}, optimizer {sb.optimizer}; sharding={cfg.plan.sharding} "
+        "(dense over dp*cp, experts over expert_dp)",
+        f"token budget {cfg.actor.max_tokens_per_micro_batch} tokens per micro-batch per rank; activation checkpointing "
+        f"{'on (full, every layer)' if cfg.model.gradient_checkpointing else 'off'}; logits {cfg.plan.logits}",
+        f"sequences of {avg_seq_tokens(cfg)} tokens (prompt + response) for FLOPs and micro-batch counts",
+        "rollout weights and KV in bf16; the engine sleeps (frees both) while training"
+        + (f"; colocated engine uses {cfg.rollout.gpu_memory_utilization:.2f} of each GPU" if colocated else
+           f"; dedicated rollout GPUs use {DEDICATED_FRACTION:.2f}"),
+        f"decode at {cfg.plan.decode_efficiency:.0%} of the HBM roofline; training at MFU {cfg.plan.mfu:.0%} of "
+        f"{cfg.hardware.peak_tflops:g} TFLOP/s",
+        "offloaded state lives in pinned host buffers allocated once (no 2x host peak)",
+    ]
+    if stats.model is None:
+        out.append("model given as parameter counts: per-layer activation, KV and FLOP figures need plan.given_gb")
+    if cfg.plan.given_gb:
+        out.append("given, not computed: " + ", ".join(f"{k}={v:g} GB" for k, v in sorted(cfg.plan.given_gb.items())))
+    return out

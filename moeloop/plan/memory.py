@@ -1,0 +1,232 @@
+"""The per-rank memory ledger: every byte a training rank holds, by entry and by phase, for a Layout.
+
+Entries (bytes per rank of the worst pipeline stage): weights, grads, optimizer, activations, logits,
+comm_buffers (all-gather / reduce buckets, FSDP unsharded layer, EP all-to-all), sync_buffers, rollout_weights,
+rollout_kv (colocated engine at its memory fraction), reserve. `plan.given_gb` replaces any of them.
+Phases are the moments an entry set is live at once:
+    train           weights + grads + optimizer (unless offloaded) + activations + logits + comm_buffers
+    optimizer_step  weights + grads + optimizer (unless the step runs on CPU) + comm_buffers
+    sync            resident state + sync_buffers (+ rollout_weights when colocated)
+    rollout         resident state not offloaded + rollout_weights + rollout_kv          (colocated only)
+The peak is the largest phase; offload (verl-style: state moves to pinned CPU buffers allocated once, and
+comes back for the phase that needs it) only removes entries from the phases outside its use.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from moeloop.config.schema import RunConfig
+from moeloop.model.config import ModelConfig
+from moeloop.parallel.layout import Layout
+from moeloop.plan.accounting import ModelStats, model_stats
+from moeloop.plan.activations import (BF16, alltoall_bytes, logits_bytes, stage_activation_bytes)
+
+GB = 1e9
+ENTRIES = ("weights", "grads", "optimizer", "activations", "logits", "comm_buffers", "sync_buffers",
+           "rollout_weights", "rollout_kv", "reserve")
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+@dataclass
+class Ledger:
+    stage: int  # the pipeline stage whose ranks peak highest
+    entries: dict[str, float]  # bytes per rank
+    phases: dict[str, tuple[str, ...]]  # phase -> entries live in it
+    given: tuple[str, ...] = ()  # entries taken from plan.given_gb
+    cpu_bytes_per_rank: float = 0.0
+    cpu_bytes_per_node: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def phase_bytes(self, phase: str) -> float:
+        return sum(self.entries[e] for e in self.phases[phase])
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.phase_bytes)
+
+    @property
+    def peak_bytes(self) -> float:
+        return self.phase_bytes(self.peak_phase)
+
+    @property
+    def resident_bytes(self) -> float:
+        """Training state that lives on the GPU for the whole step without offload: weights, grads, optimizer."""
+        return self.entries["weights"] + self.entries["grads"] + self.entries["optimizer"]
+
+    def to_dict(self) -> dict:
+        return {"stage": self.stage, "entries_gb": {k: v / GB for k, v in self.entries.items()},
+                "phases_gb": {p: self.phase_bytes(p) / GB for p in self.phases}, "peak_phase": self.peak_phase,
+                "peak_gb": self.peak_bytes / GB, "given": list(self.given),
+                "cpu_gb_per_rank": self.cpu_bytes_per_rank / GB, "cpu_gb_per_node": self.cpu_bytes_per_node / GB}
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    weights: int
+    grads: int
+    optimizer: int
+
+
+def state_bytes(cfg: RunConfig) -> StateBytes:
+    """Bytes per parameter; 0 in plan means torch AdamW in model.dtype (states in the parameter dtype)."""
+    d = _DTYPE_BYTES.get(cfg.model.dtype, 4)
+    p = cfg.plan
+    return StateBytes(p.weight_bytes or d, p.grad_bytes or d, p.optimizer_bytes or 2 * d)
+
+
+def num_micro_batches(cfg: RunConfig, layout: Layout) -> int:
+    """Micro-batches per mini-batch on one DP rank: the token budget cut (plan.num_micro_batches overrides)."""
+    if cfg.plan.num_micro_batches:
+        return cfg.plan.num_micro_batches
+    samples = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
+    tokens = samples * avg_seq_tokens(cfg)
+    return max(1, math.ceil(tokens / (layout.dp * layout.cp * cfg.actor.max_tokens_per_micro_batch)))
+
+
+def avg_seq_tokens(cfg: RunConfig) -> int:
+    return (cfg.plan.avg_prompt_tokens or cfg.data.max_prompt_length) + (cfg.plan.avg_response_tokens or cfg.data.max_response_length)
+
+
+def rank_params(stats: ModelStats, layout: Layout, stage: int) -> tuple[float, float]:
+    """(dense, expert) parameters on one rank of `stage` before any data-parallel sharding."""
+    n = len(stats.layers)
+    bounds = _stage_bounds(layout, n)
+    lo, hi = bounds[stage]
+    layers = stats.layers[lo:hi]
+    dense = sum(l.dense for l in layers) / layout.tp + sum(l.replicated for l in layers)
+    last = stage == layout.pp - 1
+    if stage == 0:
+        dense += stats.embedding / layout.tp
+    if last:
+        dense += (stats.lm_head or (stats.embedding if layout.pp > 1 else 0)) / layout.tp + stats.final_norm
+    expert = sum(l.experts for l in layers) / layout.expert_shards
+    return dense, expert
+
+
+def _stage_bounds(layout: Layout, num_layers: int) -> list[tuple[int, int]]:
+    sizes = layout.stage_layers(num_layers) if num_layers > 1 or layout.pp == 1 else [num_layers] + [0] * (layout.pp - 1)
+    out, start = [], 0
+    for s in sizes:
+        out.append((start, start + s))
+        start += s
+    return out
+
+
+def memory_ledger(cfg: RunConfig, stats: ModelStats, layout: Layout, colocated: bool | None = None) -> Ledger:
+    """The ledger of the worst stage (highest peak) for `layout`; `colocated` defaults to rollout.mode."""
+    ledgers = stage_ledgers(cfg, stats, layout, colocated)
+    # ties (a rollout phase equal on every stage) go to the stage with the larger phases below the peak
+    return max(ledgers, key=lambda led: sorted((led.phase_bytes(p) for p in led.phases), reverse=True))
+
+
+def stage_ledgers(cfg: RunConfig, stats: ModelStats, layout: Layout, colocated: bool | None = None) -> list[Ledger]:
+    """One ledger per pipeline stage."""
+    colocated = cfg.rollout.mode == "colocated" if colocated is None else colocated
+    return [_stage_ledger(cfg, stats, layout, s, colocated) for s in range(layout.pp)]
+
+
+def predict_peak_bytes(cfg: RunConfig, model_cfg: ModelConfig | None = None, layout: Layout | None = None,
+                       include_reserve: bool = False) -> int:
+    """Planned peak GPU bytes of the worst rank, comparable to `torch.cuda.max_memory_allocated()`.
+
+    The trainer calls it once at start-up and logs it beside the measured peak. `model_cfg` defaults to the
+    plan's model (plan counts, plan.hf_config or model.path); `layout` to cfg.parallel. `reserve` (CUDA
+    context, NCCL) is outside torch's allocator, so it is left out unless asked for.
+    """
+    from moeloop.plan.build import load_stats  # the loader reads files; the ledger itself does not
+
+    stats = model_stats(model_cfg) if model_cfg is not None else load_stats(cfg)
+    ledger = memory_ledger(cfg, stats, layout or Layout.from_section(cfg.parallel))
+    return int(ledger.peak_bytes - (0 if include_reserve else ledger.entries["reserve"]))
+
+
+def _stage_ledger(cfg: RunConfig, stats: ModelStats, layout: Layout, stage: int, colocated: bool) -> Ledger:
+    entries = _state_entries(cfg, stats, layout, stage)
+    entries.update(_work_entries(cfg, stats, layout, stage))
+    entries.update(_rollout_entries(cfg, stats, layout, colocated))
+    entries["reserve"] = cfg.plan.reserve_gb * GB
+    given = _apply_given(cfg, entries)
+    ledger = Ledger(stage, entries, _phases(cfg, colocated), given)
+    _add_cpu(cfg, layout, ledger)
+    return ledger
+
+
+def state_parts(cfg: RunConfig, stats: ModelStats, layout: Layout, stage: int) -> dict[str, tuple[float, float]]:
+    """(dense, expert) bytes per rank of weights, grads and optimizer: experts shard over expert_dp, dense over dp*cp."""
+    dense, expert = rank_params(stats, layout, stage)
+    sb, sharding = state_bytes(cfg), cfg.plan.sharding
+    def part(nbytes: int, sharded: bool) -> tuple[float, float]:
+        if not sharded:
+            return nbytes * dense, nbytes * expert
+        return nbytes * dense / layout.dp_cp, nbytes * expert / layout.expert_dp
+    return {"weights": part(sb.weights, sharding == "fsdp"), "grads": part(sb.grads, sharding == "fsdp"),
+            "optimizer": part(sb.optimizer, sharding != "none")}
+
+
+def _state_entries(cfg: RunConfig, stats: ModelStats, layout: Layout, stage: int) -> dict[str, float]:
+    return {name: d + e for name, (d, e) in state_parts(cfg, stats, layout, stage).items()}
+
+
+def _work_entries(cfg: RunConfig, stats: ModelStats, layout: Layout, stage: int) -> dict[str, float]:
+    m, tokens = stats.model, cfg.actor.max_tokens_per_micro_batch
+    bucket = cfg.plan.comm_bucket_mb * 1e6
+    comm = 2 * bucket if layout.dp_cp > 1 or layout.expert_dp > 1 else 0.0
+    sync = cfg.sync.bucket_bytes * (2 if cfg.sync.transport == "broadcast" else 1)
+    if m is None:  # bare parameter counts: activations and logits must come from plan.given_gb
+        return {"activations": 0.0, "logits": 0.0, "comm_buffers": comm, "sync_buffers": sync}
+    lo, hi = _stage_bounds(layout, m.num_layers)[stage]
+    mb = num_micro_batches(cfg, layout)
+    acts = stage_activation_bytes(m, layout, list(range(lo, hi)), tokens, mb, stage, cfg.model.gradient_checkpointing)
+    last = stage == layout.pp - 1
+    logits = logits_bytes(m, layout, tokens, cfg.model.logprob_chunk_tokens, cfg.plan.logits == "chunked") if last else 0.0
+    comm += alltoall_bytes(m, layout, tokens)
+    if cfg.plan.sharding == "fsdp":  # one layer unsharded for compute, one prefetched
+        comm += 2 * BF16 * max((l.dense / layout.tp + l.experts / layout.expert_shards for l in stats.layers[lo:hi]), default=0)
+    sync += BF16 * m.vocab_size * m.hidden_size  # the largest tensor gathered whole (embedding / lm_head)
+    return {"activations": acts, "logits": logits, "comm_buffers": comm, "sync_buffers": sync}
+
+
+def _rollout_entries(cfg: RunConfig, stats: ModelStats, layout: Layout, colocated: bool) -> dict[str, float]:
+    if not colocated:
+        return {"rollout_weights": 0.0, "rollout_kv": 0.0}
+    rollout_tp = cfg.parallel.rollout_tp or layout.tp
+    weights = BF16 * stats.total_params / rollout_tp
+    budget = cfg.rollout.gpu_memory_utilization * cfg.hardware.gpu_memory_gb * GB
+    kv = float(cfg.rollout.kv_cache_bytes) if cfg.rollout.kv_cache_bytes else max(0.0, budget - weights)
+    return {"rollout_weights": weights, "rollout_kv": kv}
+
+
+def _apply_given(cfg: RunConfig, entries: dict[str, float]) -> tuple[str, ...]:
+    unknown = sorted(set(cfg.plan.given_gb) - set(ENTRIES))
+    if unknown:
+        raise ValueError(f"plan.given_gb: unknown entries {unknown} (known: {', '.join(ENTRIES)})")
+    for name, gb in cfg.plan.given_gb.items():
+        entries[name] = float(gb) * GB
+    return tuple(sorted(cfg.plan.given_gb))
+
+
+def _phases(cfg: RunConfig, colocated: bool) -> dict[str, tuple[str, ...]]:
+    off = cfg.actor.offload
+    cpu_step = cfg.plan.cpu_optimizer_step
+    opt_fwd = () if (off.optimizer or cpu_step) else ("optimizer",)
+    opt_step = () if cpu_step else ("optimizer",)
+    resident = ("weights",) + (() if off.grads else ("grads",)) + opt_fwd
+    idle = (() if off.params else ("weights",)) + (() if off.grads else ("grads",)) + opt_fwd
+    phases = {
+        "train": ("weights", "grads") + opt_fwd + ("activations", "logits", "comm_buffers", "reserve"),
+        "optimizer_step": ("weights", "grads") + opt_step + ("comm_buffers", "reserve"),
+        "sync": resident + ("sync_buffers",) + (("rollout_weights",) if colocated else ()) + ("reserve",),
+    }
+    if colocated:
+        phases["rollout"] = idle + ("rollout_weights", "rollout_kv", "reserve")
+    return phases
+
+
+def _add_cpu(cfg: RunConfig, layout: Layout, ledger: Ledger) -> None:
+    """Pinned host buffers for what offload moves (allocated once and reused: no 2x host peak)."""
+    off, e = cfg.actor.offload, ledger.entries
+    moved = (e["weights"] if off.params else 0.0) + (e["grads"] if off.grads else 0.0)
+    moved += e["optimizer"] if (off.optimizer or cfg.plan.cpu_optimizer_step) else 0.0
+    ledger.cpu_bytes_per_rank = moved
+    ledger.cpu_bytes_per_node = moved * min(cfg.hardware.gpus_per_node, layout.world_size)

@@ -1,0 +1,52 @@
+"""Step-time model: the phase shares seed 002 section 6 says to watch instead of MFU.
+
+    gen            response tokens / decode roofline of the rollout share (x decode_efficiency)
+    reward         samples * plan.reward_s_per_sample / reward.concurrency
+    old_log_prob   forward FLOPs (when recomputed) / (train GPUs * peak * plan.mfu)
+    ref            forward FLOPs (with a KL term)     / same
+    update_actor   train FLOPs * ppo_epochs          / same
+    update_weights sync bytes / the configured transport
+    offload        colocated only: training state to host and back over PCIe
+Phases run one after another, except rollout.mode=async, where generation overlaps the trainer side.
+Prefill, the long tail of generation lengths and pipeline bubbles are not modelled.
+"""
+from __future__ import annotations
+
+from moeloop.config.schema import RunConfig
+from moeloop.plan.accounting import ModelStats
+from moeloop.plan.memory import avg_seq_tokens
+
+TFLOP = 1e12
+
+
+def step_phases(cfg: RunConfig, stats: ModelStats, train_gpus: int, decode_tokens_per_s: float,
+                sync_s: float, offload_s: float) -> dict[str, float]:
+    """Seconds per phase of one RL step."""
+    samples = cfg.data.train_batch_size * cfg.rollout.n
+    response = cfg.plan.avg_response_tokens or cfg.data.max_response_length
+    seq = avg_seq_tokens(cfg)
+    tokens = samples * seq
+    flops_s = train_gpus * cfg.hardware.peak_tflops * TFLOP * cfg.plan.mfu
+    fwd = tokens * stats.forward_flops_per_token(seq) / flops_s
+    train = tokens * stats.train_flops_per_token(seq, cfg.model.gradient_checkpointing) * cfg.actor.ppo_epochs / flops_s
+    use_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+    return {
+        "gen": samples * response / decode_tokens_per_s if decode_tokens_per_s > 0 else 0.0,
+        "reward": samples * cfg.plan.reward_s_per_sample / cfg.reward.concurrency,
+        "old_log_prob": fwd if cfg.actor.recompute_old_logprobs else 0.0,
+        "ref": fwd if use_ref else 0.0,
+        "update_actor": train,
+        "update_weights": sync_s,
+        "offload": offload_s,
+    }
+
+
+def step_seconds(phases: dict[str, float], mode: str) -> float:
+    if mode == "async":
+        rollout_side = phases["gen"] + phases["reward"]
+        return max(rollout_side, sum(phases.values()) - rollout_side)
+    return sum(phases.values())
+
+
+def phase_shares(phases: dict[str, float], step_s: float) -> dict[str, float]:
+    return {k: (v / step_s if step_s > 0 else 0.0) for k, v in phases.items()}

@@ -1,0 +1,70 @@
+"""Layout: every divisibility rule named, Megatron-style expert-DP, uneven pipeline stages."""
+import pytest
+
+from moeloop.model.config import ModelConfig
+from moeloop.parallel import BatchInfo, Layout
+
+QWEN = {"model_type": "qwen3_moe", "vocab_size": 1000, "hidden_size": 256, "num_hidden_layers": 12,
+        "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 16, "num_experts": 64,
+        "num_experts_per_tok": 4, "moe_intermediate_size": 128}
+
+
+def model(**over):
+    return ModelConfig.from_hf_dict({**QWEN, **over})
+
+
+def test_valid_layout_has_no_problems_and_expert_dp_follows_parallel_folding():
+    lay = Layout(dp=4, tp=2, pp=2, ep=8, etp=1)
+    assert lay.validate(model(), world_size=16) == []
+    assert lay.world_size == 16 and lay.dp_cp == 4
+    assert lay.expert_dp == 4 * 1 * 2 // 8 == 1
+    assert Layout(dp=40, ep=8).expert_dp == 5
+
+
+def test_ep_must_divide_data_context_tensor_ranks():
+    problems = Layout(dp=12, ep=8).validate(model(), world_size=12)
+    assert problems == ["ep*etp = 8*1 = 8 must divide dp*cp*tp = 12*1*1 = 12 "
+                        "(experts are folded into the data/context/tensor ranks of a stage)"]
+    lay = Layout(dp=3, tp=4, ep=4, etp=3)  # ep*etp = 12 = dp*tp: every rank of the stage is an expert shard
+    assert lay.expert_dp == 1
+    assert lay.validate(model(num_attention_heads=16), world_size=12) == ["moe_intermediate_size=128 % etp=3 != 0"]
+
+
+def test_every_violated_rule_is_reported_at_once():
+    lay = Layout(dp=3, tp=8, pp=5, vpp=2, ep=6, etp=1)
+    problems = lay.validate(model(num_attention_heads=12, num_key_value_heads=6), world_size=100,
+                            batch=BatchInfo(num_micro_batches=6, mini_batch_samples=2))
+    text = "\n".join(problems)
+    assert "world size 100 != dp*tp*pp*cp" in text
+    assert "num_attention_heads=12 % tp=8 != 0" in text
+    assert "num_key_value_heads=6 % tp=8 != 0" in text
+    assert "num_experts=64 % ep=6 != 0" in text
+    assert "num_layers=12 % (pp*vpp) = 12 % 10 != 0" in text
+    assert "micro-batches 6 % pp=5 != 0 with vpp>1" in text
+    assert "samples per mini-batch 2 < dp=3" in text
+    assert len(problems) == 7
+
+
+def test_sizes_and_dense_model_rules():
+    assert Layout(dp=0).validate() == ["dp=0 must be >= 1"]
+    dense = ModelConfig.from_hf_dict({"model_type": "qwen3", "vocab_size": 100, "hidden_size": 64, "num_hidden_layers": 4,
+                                      "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96})
+    assert any("dense model" in p for p in Layout(dp=2, ep=2).validate(dense))
+    assert Layout(vpp=2).validate() == ["vpp=2 needs pp > 1"]
+    assert "max_tokens_per_micro_batch=1001 % (2*cp) = 1001 % 4 != 0" in Layout(cp=2).validate(
+        batch=BatchInfo(max_tokens_per_micro_batch=1001))[0]
+
+
+def test_uneven_pipeline_like_verl_dsv3_demo():
+    lay = Layout(dp=1, tp=8, pp=12, ep=8, last_stage_layers=6)
+    assert lay.stage_layers(61) == [5] * 11 + [6]
+    assert lay._pipeline_rules(61) == []
+    assert lay._pipeline_rules(62) == ["num_layers - first - last = 56 % (middle stages*vpp) = 56 % 11 != 0"]
+    assert Layout(pp=12).validate(model(num_hidden_layers=61))[0] == "num_layers=61 % (pp*vpp) = 61 % 12 != 0"
+    assert Layout(pp=4, first_stage_layers=2, last_stage_layers=2).stage_layers(12) == [2, 4, 4, 2]
+
+
+def test_with_world_keeps_model_parallel_shape():
+    lay = Layout(dp=4, tp=2, pp=2, ep=4)
+    assert lay.with_world(24) == Layout(dp=6, tp=2, pp=2, ep=4)
+    assert lay.with_world(10) is None

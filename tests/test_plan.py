@@ -1,0 +1,115 @@
+"""The planner against seed 002's published figures and verl's DeepSeek-V3-671B demo."""
+import json
+from pathlib import Path
+
+import pytest
+
+from moeloop.config.load import load_config
+from moeloop.model.config import ModelConfig
+from moeloop.parallel import Layout
+from moeloop.plan import (build_plan, decode_tokens_per_s, memory_ledger, model_stats, offload_round_trip_s,
+                          predict_peak_bytes, save_every_steps, stats_from_counts, transfer_s, young_daly_interval_s)
+from moeloop.plan.command import main as plan_main
+from moeloop.plan.memory import GB
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+SEED002 = EXAMPLES / "plan_seed002.yaml"
+DSV3 = EXAMPLES / "plan_dsv3_671b.yaml"
+
+
+def test_seed002_table_is_reproduced():
+    plan = build_plan(load_config(SEED002))
+    rows = {r.train_gpus: r for r in plan.split}
+    got = [(r.layout.dp, r.layout.expert_dp, f"{r.ledger.entries['optimizer'] / GB:.2f}", f"{r.train_peak_bytes / GB:.1f}")
+           for r in (rows[40], rows[32], rows[24], rows[16])]
+    assert got == [(40, 5, "10.50", "85.7"), (32, 4, "13.12", "88.3"), (24, 3, "17.50", "92.7"), (16, 2, "26.25", "101.4")]
+    assert rows[16].verdict == "OOM" and rows[16].train_peak_bytes > 96 * GB
+    assert [rows[n].verdict for n in (40, 32, 24)] == ["fits", "tight", "tight"]
+    assert plan.ledger is not None and plan.layout.dp == 32 and not plan.problems
+
+
+def test_seed002_formula_as_written_does_not_give_its_column():
+    """4.01e9 x 12 B / expert-DP 5 is 9.62 GB; 10.50 needs the dense term (or 4.375e9 experts per EP rank)."""
+    cfg = load_config(SEED002, ["plan.dense_params=0", "parallel.dp=40"])
+    as_written = memory_ledger(cfg, stats_from_counts(0, 8 * 4.01e9), Layout(dp=40, ep=8))
+    assert f"{as_written.entries['optimizer'] / GB:.2f}" == "9.62"
+    fitted = memory_ledger(cfg, stats_from_counts(0, 8 * 4.375e9), Layout(dp=40, ep=8))
+    assert f"{fitted.entries['optimizer'] / GB:.2f}" == "10.50"
+
+
+def test_seed002_sync_checkpoint_decode_and_offload_figures():
+    plan = build_plan(load_config(SEED002))
+    assert plan.sync_bytes == pytest.approx(70e9)
+    assert plan.sync_s["disk"] == pytest.approx(70.0)          # NFS 1 GB/s
+    assert plan.sync_s["broadcast"] == pytest.approx(2.8)      # RoCE 25 GB/s, "about 3 s"
+    assert transfer_s(70e9, 1.0) == 70.0
+    assert young_daly_interval_s(490, 24 * 3600) == pytest.approx(9201.7, abs=0.1)
+    assert save_every_steps(490, 24 * 3600, 120) == 77         # section 6: C=490 s, save_steps ~ 77
+    assert plan.checkpoint["save_s"] == 490 and plan.checkpoint["interval_s"] == pytest.approx(9201.7, abs=0.1)
+    assert decode_tokens_per_s(6e9, 4000) == pytest.approx(666.7, abs=0.1)   # H20
+    assert decode_tokens_per_s(6e9, 3350) == pytest.approx(558.3, abs=0.1)   # H100
+    assert offload_round_trip_s(38.1e9, 64) == pytest.approx(1.19, abs=0.01)  # "one way 0.6 s, both 1.2 s"
+    offloaded = build_plan(load_config(SEED002, ["actor.offload.params=true", "actor.offload.grads=true",
+                                                 "actor.offload.optimizer=true", "parallel.dp=40", "rollout.mode=colocated"]))
+    assert offloaded.ledger.cpu_bytes_per_node / GB == pytest.approx(8 * 38.15)  # seed: 8 x 38 GB = 304 GB
+
+
+def test_model_accounting_matches_published_counts():
+    dsv3 = model_stats(ModelConfig.from_hf_dict(dict(load_config(DSV3).plan.hf_config)))
+    assert dsv3.total_params / 1e9 == pytest.approx(671.0, rel=2e-3)
+    assert dsv3.active_params / 1e9 == pytest.approx(37.5, rel=1e-2)
+    assert dsv3.kv_bytes_per_token() == 61 * (512 + 64) * 2      # MLA latent cache
+    assert dsv3.expanded_kv_bytes_per_token() == 61 * 128 * (192 + 128) * 2
+    q30 = model_stats(ModelConfig.from_hf_dict({
+        "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 48,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+        "num_experts_per_tok": 8, "moe_intermediate_size": 768}))
+    assert q30.total_params / 1e9 == pytest.approx(30.5, rel=5e-3)
+    assert q30.active_params / 1e9 == pytest.approx(3.3, rel=2e-2)
+    assert q30.kv_bytes_per_token() == 2 * 48 * 4 * 128 * 2
+    assert q30.train_flops_per_token(4096) == 3 * q30.forward_flops_per_token(4096)
+    norms = 48 * (2 * 2048 + 2 * 128) + 2048                   # layer norms, q/k norms, final norm: no FLOPs
+    assert q30.forward_flops_per_token(0) == 2 * (q30.active_params - q30.embedding - norms)
+
+
+def test_dsv3_demo_plan():
+    plan = build_plan(load_config(DSV3))
+    assert plan.problems == [] and plan.layout.world_size == 96 and plan.layout.expert_dp == 1
+    led = plan.ledger
+    assert led.stage == 11                                   # the 6-layer last stage with the lm_head
+    assert led.peak_phase == "rollout"                      # offload moves all training state off the GPU
+    assert "optimizer" not in led.phases["train"]            # the optimizer step runs on CPU
+    assert led.cpu_bytes_per_node == pytest.approx(8 * led.resident_bytes)
+    assert led.entries["rollout_weights"] == pytest.approx(2 * plan.stats.total_params / 32)
+    assert plan.decode is not None and plan.decode.engines == 3 and plan.decode.batch > 1
+    no_offload = build_plan(load_config(DSV3, ["actor.offload.params=false", "actor.offload.grads=false",
+                                               "actor.offload.optimizer=false", "plan.cpu_optimizer_step=false"]))
+    assert no_offload.gpu_verdict == "OOM" and plan.gpu_verdict != "OOM"
+
+
+def test_cli_prints_tables_and_json(capsys):
+    assert plan_main([str(DSV3)]) == 0
+    out = capsys.readouterr().out
+    for heading in ("## model", "## layout", "## memory per rank", "## colocate vs split", "## weight sync",
+                    "## step time", "## checkpoint (Young/Daly)", "## assumptions"):
+        assert heading in out
+    assert plan_main([str(SEED002), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [round(r["optimizer_gb"], 2) for r in data["split"][:4]] == [10.5, 13.12, 17.5, 26.25]
+    assert sum(data["phase_shares"].values()) == pytest.approx(1.0)
+    assert plan_main([str(SEED002), "parallel.ep=7"]) == 1   # 64 % ... and 32 % 7: layout rules fail
+    assert "ep*etp = 7*1 = 7 must divide" in capsys.readouterr().out
+    assert plan_main([str(SEED002), "plan.sharding=zero9"]) == 2
+
+
+def test_predict_peak_bytes_is_the_ledger_peak_without_reserve():
+    cfg = load_config(DSV3, ["plan.reserve_gb=5"])
+    m = ModelConfig.from_hf_dict(dict(cfg.plan.hf_config))
+    led = memory_ledger(cfg, model_stats(m), Layout.from_section(cfg.parallel))
+    assert predict_peak_bytes(cfg, m) == int(led.peak_bytes - 5 * GB)
+    assert predict_peak_bytes(cfg, include_reserve=True) == int(led.peak_bytes)
+
+
+def test_given_entries_must_exist():
+    with pytest.raises(ValueError, match="unknown entries"):
+        build_plan(load_config(SEED002, ["plan.given_gb.weightz=1"]))
