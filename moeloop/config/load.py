@@ -43,6 +43,7 @@ def validate(cfg: RunConfig) -> None:
     cfg.actor.check("actor")
     if cfg.critic.enable:
         cfg.critic.check("critic")
+    cfg.plan.check()
     if cfg.algorithm.adv_estimator == "gae" and not cfg.critic.enable:
         raise ValueError("algorithm.adv_estimator=gae needs critic.enable=true")
     if cfg.actor.ppo_mini_batch_size > cfg.data.train_batch_size:

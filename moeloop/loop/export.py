@@ -23,7 +23,7 @@ def export_hf(named_weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfi
     with torch.device("meta"):
         shell = MoEForCausalLM(cfg)
     shell.load_state_dict(state, assign=True, strict=True)
-    out = save_pretrained(shell, out_dir, cfg, tokenizer_dir=tokenizer_dir)
+    out = save_pretrained(shell, out_dir, tokenizer_dir=tokenizer_dir, cfg=cfg)
     if verify:
         reloaded = load_pretrained(out, dtype=next(iter(state.values())).dtype).state_dict()
         bad = [n for n, t in state.items() if not torch.equal(reloaded[n], t)]

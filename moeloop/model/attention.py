@@ -42,9 +42,10 @@ class PackedAttention:
                scale: float) -> torch.Tensor:
         outs = []
         for start, end in zip(self.bounds[:-1], self.bounds[1:]):
-            q = q_THD[start:end].transpose(0, 1)  # [H, S, D]
-            k = k_TGD[start:end].transpose(0, 1)
-            v = v_TGDv[start:end].transpose(0, 1)
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[0] != q.shape[0])
-            outs.append(o.transpose(0, 1))
+            # 4-D [1, H, S, D]: 3-D inputs make SDPA take its math kernel (materialised [H, S, S] scores)
+            q = q_THD[start:end].transpose(0, 1)[None]
+            k = k_TGD[start:end].transpose(0, 1)[None]
+            v = v_TGDv[start:end].transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+            outs.append(o[0].transpose(0, 1))
         return torch.cat(outs, 0)

@@ -1,0 +1,82 @@
+"""Routed experts stored stacked, computed on tokens sorted by expert.
+
+Parameters as in transformers: `gate_up_proj` [E, 2F, D] (= cat[gate, up] on dim 1) and `down_proj` [E, D, F].
+The K assignments of every token are sorted by expert id (S = T*K rows), run through one of two
+implementations, weighted in fp32 and summed back per token:
+- "grouped_mm": one `grouped_mm` per projection over all experts (`torch.nn.functional.grouped_mm`, or
+  `torch._grouped_mm` on older torch), offsets = int32 cumsum of the per-expert counts. Needs row strides that
+  are multiples of 16 bytes (D and F multiples of 8 in bf16, 4 in fp32); groups may be empty.
+- "loop": one pair of matmuls per non-empty expert (one host sync for the counts); any device and dtype.
+"auto" takes grouped_mm on CUDA in bf16/fp16 with aligned dims, the loop otherwise.
+"""
+# T tokens, D model dim, F expert ffn dim, E experts, K experts per token, S = T*K sorted assignments
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+EXPERTS_IMPLS = ("auto", "grouped_mm", "loop")
+_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def grouped_mm_available() -> bool:
+    return _grouped_mm is not None
+
+
+class Experts(nn.Module):
+    def __init__(self, num_experts: int, dim: int, ffn_dim: int, impl: str = "auto"):
+        super().__init__()
+        self.num_experts, self.dim, self.ffn_dim = num_experts, dim, ffn_dim
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * ffn_dim, dim))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, dim, ffn_dim))
+        self.impl = impl
+
+    @property
+    def impl(self) -> str:
+        return self._impl
+
+    @impl.setter
+    def impl(self, name: str) -> None:
+        if name not in EXPERTS_IMPLS:
+            raise ValueError(f"experts_impl={name!r}: must be one of {EXPERTS_IMPLS}")
+        if name == "grouped_mm" and not grouped_mm_available():
+            raise ValueError(f"experts_impl='grouped_mm': torch {torch.__version__} has no grouped_mm")
+        self._impl = name
+
+    def resolved_impl(self, x_TD: torch.Tensor) -> str:
+        if self._impl != "auto":
+            return self._impl
+        aligned = (self.dim * x_TD.element_size()) % 16 == 0 and (self.ffn_dim * x_TD.element_size()) % 16 == 0
+        fast = x_TD.is_cuda and x_TD.dtype in (torch.bfloat16, torch.float16) and aligned
+        return "grouped_mm" if fast and grouped_mm_available() else "loop"
+
+    def forward(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+                counts_E: torch.Tensor) -> torch.Tensor:
+        """`counts_E` = number of assignments per expert (int64, from the router; sums to T*K)."""
+        T, K = ids_TK.shape
+        perm_S = torch.argsort(ids_TK.reshape(-1), stable=True)
+        x_SD = x_TD[perm_S // K]
+        if self.resolved_impl(x_TD) == "grouped_mm":
+            y_SD = self._grouped(x_SD, torch.cumsum(counts_E, 0, dtype=torch.int32))
+        else:
+            y_SD = self._looped(x_SD, counts_E)
+        inv_perm_S = torch.empty_like(perm_S)
+        inv_perm_S[perm_S] = torch.arange(perm_S.numel(), device=perm_S.device)
+        y_TKD = y_SD[inv_perm_S].view(T, K, self.dim)
+        return (y_TKD * weights_TK.float()[..., None]).sum(dim=1).to(x_TD.dtype)
+
+    def _grouped(self, x_SD: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+        # weights as [E, in, out] column-major views: the layout grouped_mm takes without a copy
+        h_S2F = _grouped_mm(x_SD, self.gate_up_proj.transpose(-2, -1), offs=offsets_E)
+        gate_SF, up_SF = h_S2F.chunk(2, dim=-1)
+        return _grouped_mm(F.silu(gate_SF) * up_SF, self.down_proj.transpose(-2, -1), offs=offsets_E)
+
+    def _looped(self, x_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for e, x_nD in enumerate(x_SD.split(counts_E.tolist())):
+            if x_nD.shape[0] == 0:
+                continue
+            gate_nF, up_nF = F.linear(x_nD, self.gate_up_proj[e]).chunk(2, dim=-1)
+            outs.append(F.linear(F.silu(gate_nF) * up_nF, self.down_proj[e]))
+        return torch.cat(outs) if outs else x_SD.new_zeros(0, self.dim)
