@@ -1,0 +1,151 @@
+"""Decode throughput of the moeloop rollout engine vs transformers `generate`, same model/prompts/lengths,
+with the memory roofline of each decode step.
+
+    python benchmarks/rollout.py                                  # CPU, tiny model
+    python benchmarks/rollout.py --device cuda --size reference --batch 1,32,256
+
+decode tok/s = B * (N - 1) / (wall(N new tokens) - wall(1 new token)): the decode steps only, as in
+shared/notes/gpu-anchors.md. Roofline bytes per decode step = dense weights without the embedding
++ E * (1 - (1 - k/E)^B) distinct experts per MoE layer + the mean KV cache read; over the measured
+device copy bandwidth (read + write bytes / time). Sampling: temperature 1, top-k 50 for both engines.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import transformers
+
+from moeloop.config.schema import RolloutSection
+from moeloop.model.experts import Experts
+from moeloop.model.factory import build_model
+from moeloop.rollout import Engine, SamplingParams
+from moeloop.rollout.kv_cache import kv_bytes_per_block
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth_bytes_per_s(device: str) -> float:
+    """(read + write) bytes per second of a large device-to-device copy, median of 5."""
+    n = (2 << 30) if device.startswith("cuda") else (256 << 20)
+    src = torch.randn(n // 4, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(5):
+        sync(device)
+        t = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return 2 * n / statistics.median(times)
+
+
+def roofline(model, batch: int, prompt_len: int, new_tokens: int, bw: float) -> tuple[float, float]:
+    """(bytes per decode step, roofline decode tok/s) for batch B."""
+    cfg = model.cfg
+    elem = next(model.parameters()).element_size()
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    expert_params = sum(p.numel() for m in experts for p in m.parameters())
+    dense = sum(p.numel() for p in model.parameters()) - expert_params - model.model.embed_tokens.weight.numel()
+    E, k = cfg.num_experts, cfg.num_experts_per_tok
+    per_expert = expert_params / (len(experts) * E) if experts else 0
+    touched = E * (1 - (1 - k / E) ** batch) if E else 0
+    kv_per_token = kv_bytes_per_block(cfg, 1, next(model.parameters()).dtype)
+    mean_ctx = prompt_len + new_tokens / 2
+    step_bytes = (dense + len(experts) * touched * per_expert) * elem + batch * mean_ctx * kv_per_token
+    return step_bytes, batch / (step_bytes / bw)
+
+
+def timed(fn, device: str, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def bench_moeloop(model, prompts: list[list[int]], new_tokens: int, device: str, repeats: int) -> tuple[float, float]:
+    B, P = len(prompts), len(prompts[0])
+    num_blocks = B * -(-(P + new_tokens) // 16) + 8
+    kv_bytes = int(1.2 * num_blocks * kv_bytes_per_block(model.cfg, 16, next(model.parameters()).dtype))
+    engine = Engine(model, RolloutSection(max_num_seqs=B, max_num_batched_tokens=max(8192, B * P), block_size=16,
+                                          kv_cache_bytes=kv_bytes, max_model_len=P + new_tokens), eos_token_ids=[])
+
+    def run(n: int):
+        outs = engine.generate(prompts, SamplingParams(temperature=1.0, top_k=50, max_tokens=n, seed=0))
+        assert all(len(o.response_ids) == n for o in outs)
+        engine.blocks.reset_prefix_cache()  # the next call prefills again, like the first
+
+    run(4)  # warm-up: kernels, CUDA graph capture
+    return timed(lambda: run(new_tokens), device, repeats), timed(lambda: run(1), device, repeats)
+
+
+def bench_transformers(hf, prompts: list[list[int]], new_tokens: int, device: str, repeats: int) -> tuple[float, float]:
+    ids = torch.tensor(prompts, device=device)
+    mask = torch.ones_like(ids)
+
+    def run(n: int):
+        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=True,
+                          top_k=50, temperature=1.0, pad_token_id=0)
+        assert out.shape[1] == ids.shape[1] + n
+
+    run(4)
+    return timed(lambda: run(new_tokens), device, repeats), timed(lambda: run(1), device, repeats)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--size", default="tiny", choices=["tiny", "small", "reference"])
+    ap.add_argument("--arch", default="qwen3_moe")
+    ap.add_argument("--batch", default="1,8,32")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+    dtype = DTYPES[args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")]
+    model = build_model(args.arch, args.size, seed=0).to(device=args.device, dtype=dtype).eval()
+    hf = None
+    if not args.skip_hf:
+        hf_cfg = transformers.AutoConfig.for_model(**model.cfg.hf_config)
+        hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype).eval()
+        hf.load_state_dict(model.state_dict())
+        hf.to(args.device)
+    bw = copy_bandwidth_bytes_per_s(args.device)
+    nparams = sum(p.numel() for p in model.parameters())
+    print(f"# {args.arch}/{args.size} ({nparams / 1e6:.1f}M params, {dtype}) on {args.device}; prompt {args.prompt_len}, "
+          f"{args.new_tokens} new tokens, top-k 50 sampling; copy bandwidth {bw / 1e9:.1f} GB/s (read+write)")
+    print("| B | moeloop gen tok/s | moeloop decode tok/s | ms/step | HF decode tok/s | moeloop/HF | "
+          "bytes/step | roofline tok/s | moeloop/roofline |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    g = torch.Generator().manual_seed(0)
+    for B in [int(b) for b in args.batch.split(",")]:
+        prompts = torch.randint(3, model.cfg.vocab_size, (B, args.prompt_len), generator=g).tolist()
+        full, one = bench_moeloop(model, prompts, args.new_tokens, args.device, args.repeats)
+        decode = B * (args.new_tokens - 1) / (full - one)
+        hf_decode = float("nan")
+        if hf is not None:
+            hf_full, hf_one = bench_transformers(hf, prompts, args.new_tokens, args.device, args.repeats)
+            hf_decode = B * (args.new_tokens - 1) / (hf_full - hf_one)
+        step_bytes, roof = roofline(model, B, args.prompt_len, args.new_tokens, bw)
+        ms_step = 1e3 * (full - one) / (args.new_tokens - 1)
+        print(f"| {B} | {B * args.new_tokens / full:,.0f} | {decode:,.0f} | {ms_step:.2f} "
+              f"| {hf_decode:,.0f} | {decode / hf_decode:.2f}x | {step_bytes / 1e9:.3f} GB | {roof:,.0f} "
+              f"| {100 * decode / roof:.1f}% |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""`Engine`: continuous batching over a paged KV cache — requests in, `Completion`s out.
+
+    engine = Engine(model, RolloutSection(max_num_seqs=64, kv_cache_bytes=1 << 30))
+    outs = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(n=8, temperature=1.0, seed=0))
+
+Incremental use: `add_request(...)`, then `step()` until `has_unfinished()` is False (each step returns the
+completions that finished in it). Weight updates follow the drain gate:
+
+    engine.pause(); done = engine.drain()          # or drain(abort=True): abort + re-queue from the prompt
+    engine.update_weights(trainer_named_tensors, version=step)   # raises unless drained
+    engine.resume()
+
+`sleep()` frees the KV cache (colocated training), `wake()` re-allocates it; both need a drained engine.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import random
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from moeloop.config.schema import RolloutSection
+from moeloop.rollout.blocks import BlockManager
+from moeloop.rollout.completion import Completion
+from moeloop.rollout.kv_cache import KVCache, kv_budget_bytes, kv_bytes_per_block
+from moeloop.rollout.runner import ModelRunner
+from moeloop.rollout.sampling_params import SamplingParams
+from moeloop.rollout.scheduler import ScheduledBatch, Scheduler
+from moeloop.rollout.sequence import Sequence
+
+
+class Engine:
+    def __init__(self, model: nn.Module, cfg: RolloutSection | None = None, *,
+                 detokenize: Callable[[list[int]], str] | None = None,
+                 eos_token_ids: Iterable[int] | None = None, seed: int = 0):
+        self.cfg = cfg = cfg or RolloutSection()
+        cfg.check()
+        self.model = model.eval()
+        param = next(model.parameters())
+        mcfg = model.cfg
+        budget = kv_budget_bytes(cfg.kv_cache_bytes, cfg.gpu_memory_utilization, param.device)
+        num_blocks = budget // kv_bytes_per_block(mcfg, cfg.block_size, param.dtype) - 1  # one scratch block
+        self.cache = KVCache(mcfg, num_blocks, cfg.block_size, param.dtype, param.device)
+        self.blocks = BlockManager(num_blocks, cfg.block_size)
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.cache, cfg.max_num_seqs, cfg.max_model_len, cfg.enforce_eager)
+        self.detokenize = detokenize
+        eos = mcfg.eos_token_id if eos_token_ids is None else list(eos_token_ids)
+        self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self.policy_version = 0
+        self._seeds = random.Random(seed)
+        self._request_ids = itertools.count()
+        self._weights_consistent = True
+        self.num_generated_tokens = self.num_prefill_tokens = self.num_steps = 0
+
+    # --- requests ------------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        request_id = str(next(self._request_ids)) if request_id is None else request_id
+        self._check_prompt(prompt_ids, params)
+        base_seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        leader = None
+        for i in range(params.n):
+            seq = Sequence(request_id, i, prompt_ids, params, seed=_sample_seed(base_seed, i), leader=leader)
+            leader = leader or seq
+            self.scheduler.add(seq)
+        return request_id
+
+    def _check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise ValueError("empty prompt: need at least one token id")
+        vocab = self.model.cfg.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.cfg.max_model_len:
+            raise ValueError(f"prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) = {total} "
+                             f"> rollout.max_model_len={self.cfg.max_model_len}")
+        if self.blocks.blocks_for(total) > self.blocks.num_blocks:
+            raise ValueError(f"one sequence of {total} tokens needs {self.blocks.blocks_for(total)} KV blocks; "
+                             f"the cache has {self.blocks.num_blocks}: raise rollout.kv_cache_bytes")
+        if params.stop and self.detokenize is None:
+            raise ValueError("stop strings need a detokenize callback (Engine(..., detokenize=tokenizer.decode))")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[Completion]:
+        """Run one scheduled batch; return the completions that finished in it."""
+        if not self._weights_consistent:
+            raise RuntimeError("weights are half-updated (an update_weights call failed): update again first")
+        if not self.cache.is_allocated:
+            raise RuntimeError("the engine is asleep: call wake() first")
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        tokens, logprobs = self.runner.run(batch)
+        self.num_steps += 1
+        return self._postprocess(batch, tokens, logprobs)
+
+    def _postprocess(self, batch: ScheduledBatch, tokens: list[int], logprobs: list[float] | None) -> list[Completion]:
+        done, j = [], 0
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            sampled = batch.samples(i)
+            if n > 1 or seq.num_computed_tokens < seq.num_prompt_tokens:  # prompt chunks and recomputes
+                self.num_prefill_tokens += n
+            seq.num_computed_tokens += n
+            self.blocks.commit(seq)
+            if not sampled:
+                continue
+            self.num_generated_tokens += 1
+            seq.append(tokens[j], logprobs[j] if seq.params.logprobs else None, self.policy_version)
+            j += 1
+            reason = self._finish_reason(seq)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                done.append(self._completion(seq))
+        return done
+
+    def _finish_reason(self, seq: Sequence) -> str | None:
+        p, last = seq.params, seq.token_ids[-1]
+        if last in p.stop_token_ids or (not p.ignore_eos and last in self.eos_token_ids):
+            return "stop"
+        if p.stop and any(s in self.detokenize(seq.response_ids) for s in p.stop):
+            return "stop"
+        if seq.num_response_tokens >= p.max_tokens or len(seq) >= self.cfg.max_model_len:
+            return "length"
+        return None
+
+    def _completion(self, seq: Sequence) -> Completion:
+        text = self.detokenize(seq.response_ids) if self.detokenize is not None else None
+        return Completion(seq.request_id, seq.sample_index, seq.prompt_ids, seq.response_ids,
+                          list(seq.logprobs) if seq.params.logprobs else None, seq.finish_reason,
+                          seq.policy_version if seq.response_ids else self.policy_version, text,
+                          seq.num_preemptions)
+
+    def abort(self, request_id: str) -> list[Completion]:
+        """Finish every sample of a request now, with finish_reason "abort" and what it has generated."""
+        seqs = [s for s in list(self.scheduler.running) + list(self.scheduler.waiting) if s.request_id == request_id]
+        for seq in seqs:
+            if seq in self.scheduler.waiting:
+                self.scheduler.waiting.remove(seq)
+            self.scheduler.finish(seq, "abort")
+        return [self._completion(s) for s in seqs]
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 progress: Callable[[int], None] | None = None) -> list[Completion]:
+        """Completions of every prompt, prompt-major then sample index. `progress(k)`: k samples just finished."""
+        if self.scheduler.paused:
+            raise RuntimeError("generate on a paused engine would never finish: call resume() first")
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        wanted, results = set(ids), {}
+        while self.has_unfinished() and len(results) < sum(sp.n for sp in params_list):
+            for c in self.step():
+                if c.request_id in wanted:
+                    results[(c.request_id, c.sample_index)] = c
+                    if progress:
+                        progress(1)
+        return [results[(rid, i)] for rid, sp in zip(ids, params_list) for i in range(sp.n)]
+
+    # --- control -------------------------------------------------------------------------------
+    def pause(self) -> None:
+        """Stop admitting waiting sequences; running ones continue while `step()` is called."""
+        self.scheduler.paused = True
+
+    def resume(self) -> None:
+        self.scheduler.paused = False
+
+    @property
+    def is_drained(self) -> bool:
+        return not self.scheduler.running
+
+    def drain(self, abort: bool = False) -> list[Completion]:
+        """Empty the running set. abort=False: step until in-flight samples finish (returned); abort=True: drop
+        their partial responses and re-queue them from the prompt (so no sample mixes two policy versions)."""
+        if abort:
+            self.scheduler.requeue_running()
+            return []
+        paused, self.scheduler.paused = self.scheduler.paused, True
+        done = []
+        try:
+            while self.scheduler.running:
+                done += self.step()
+        finally:
+            self.scheduler.paused = paused
+        return done
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Iterator[tuple[str, torch.Tensor]],
+                       version: int | None = None) -> None:
+        """Copy (name, tensor) pairs (our state_dict names; every parameter once) into the live parameters in
+        place, then bump the policy version. Only while drained; stale prefix-cache entries are dropped."""
+        if not self.is_drained:
+            raise RuntimeError(f"update_weights while {len(self.scheduler.running)} sequences are in flight: "
+                               "call pause() and drain() first")
+        targets = dict(self.model.named_parameters())
+        targets.update(dict(self.model.named_buffers()))
+        seen: set[str] = set()
+        self._weights_consistent = False
+        for name, tensor in named_tensors:
+            if name not in targets:
+                raise KeyError(f"update_weights: unknown tensor {name!r}")
+            if tuple(tensor.shape) != tuple(targets[name].shape):
+                raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(targets[name].shape)}")
+            targets[name].copy_(tensor)
+            seen.add(name)
+        missing = set(dict(self.model.named_parameters())) - seen
+        if missing:
+            raise ValueError(f"update_weights: {len(missing)} parameters missing, e.g. {sorted(missing)[:3]}")
+        self._weights_consistent = True
+        self.blocks.reset_prefix_cache()
+        self.policy_version = self.policy_version + 1 if version is None else int(version)
+
+    def sleep(self) -> None:
+        """Free the KV cache memory (and the CUDA graphs that point into it). Needs a drained engine."""
+        if not self.is_drained:
+            raise RuntimeError("sleep() needs a drained engine: call pause() and drain() first")
+        self.runner.drop_graphs()
+        self.blocks.reset_prefix_cache()
+        self.cache.free()
+
+    def wake(self) -> None:
+        if not self.cache.is_allocated:
+            self.cache.allocate()
+
+
+def _sample_seed(base_seed: int, sample_index: int) -> int:
+    digest = hashlib.blake2b(f"{base_seed}/{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1

@@ -1,0 +1,105 @@
+"""`PagedAttention`: the rollout engine's `AttentionContext` over the paged `KVCache`.
+
+Each layer call first writes this forward's k/v into their slots (`slot_mapping`), then attends every
+query over its own sequence's cached K/V, causally: query j of a chunk of q_len tokens ending at
+context length L sees positions < L - q_len + j + 1. The flat stream mixes decode rows (q_len 1) and
+prefill chunks. Decode rows run batched: the Triton kernel when `use_kernel` (CUDA), else gather +
+SDPA over the padded batch; each prefill chunk runs SDPA on its own.
+Shapes: T tokens, B decode rows, H/G query/kv heads, Dk/Dv head dims, L context, N blocks per sequence.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moeloop.rollout.decode_kernel import paged_decode_attention
+from moeloop.rollout.kv_cache import KVCache
+
+
+@dataclass
+class PrefillChunk:
+    start: int  # first query row in the flat stream
+    q_len: int
+    ctx_len: int
+    slots_L: torch.Tensor | None  # slots of positions [0, ctx_len); None when ctx_len == q_len (no cached prefix)
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping_T: torch.Tensor  # int64
+    decode_rows_B: torch.Tensor | None  # rows of the decode queries in the stream; None = all rows (decode-only)
+    block_tables_BN: torch.Tensor  # int32, decode rows
+    context_lens_B: torch.Tensor  # int32, decode rows
+    max_decode_len: int  # host-side max of context_lens_B (the gather path pads to it)
+    prefills: list[PrefillChunk]
+
+    @property
+    def num_decode(self) -> int:
+        return self.context_lens_B.shape[0]
+
+
+def slots_of(block_table_N: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    return block_table_N[positions // block_size].long() * block_size + positions % block_size
+
+
+class PagedAttention:
+    def __init__(self, cache: KVCache, meta: AttentionMetadata, use_kernel: bool = False):
+        self.cache, self.meta, self.use_kernel = cache, meta, use_kernel
+        self._gather: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def attend(self, layer_idx: int, q_THD: torch.Tensor, k_TGD: torch.Tensor, v_TGDv: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        k_cache, v_cache = self.cache.k[layer_idx], self.cache.v[layer_idx]
+        meta = self.meta
+        k_cache.index_copy_(0, meta.slot_mapping_T, k_TGD.to(k_cache.dtype))
+        v_cache.index_copy_(0, meta.slot_mapping_T, v_TGDv.to(v_cache.dtype))
+        if meta.decode_rows_B is None and not meta.prefills:
+            return self._decode(q_THD, k_cache, v_cache, scale)
+        out = q_THD.new_empty(q_THD.shape[0], q_THD.shape[1], v_TGDv.shape[-1])
+        if meta.num_decode:
+            out[meta.decode_rows_B] = self._decode(q_THD[meta.decode_rows_B], k_cache, v_cache, scale)
+        for chunk in meta.prefills:
+            rows = slice(chunk.start, chunk.start + chunk.q_len)
+            out[rows] = self._prefill(chunk, q_THD[rows], k_TGD[rows], v_TGDv[rows], k_cache, v_cache, scale)
+        return out
+
+    def _decode(self, q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        meta = self.meta
+        if self.use_kernel:
+            return paged_decode_attention(q_BHD.contiguous(), k_cache, v_cache, meta.block_tables_BN,
+                                          meta.context_lens_B, self.cache.block_size, scale).to(q_BHD.dtype)
+        slots_BL, mask_BL = self._gather_index()
+        k_BGLD = k_cache[slots_BL].transpose(1, 2).to(q_BHD.dtype)
+        v_BGLD = v_cache[slots_BL].transpose(1, 2).to(q_BHD.dtype)
+        o_BH1D = F.scaled_dot_product_attention(q_BHD[:, :, None], k_BGLD, v_BGLD, attn_mask=mask_BL[:, None, None],
+                                                scale=scale, enable_gqa=k_BGLD.shape[1] != q_BHD.shape[1])
+        return o_BH1D[:, :, 0]
+
+    def _gather_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots [B, Lmax] of every decode row's context (padded) and the validity mask; built once per forward."""
+        if self._gather is None:
+            meta, bs = self.meta, self.cache.block_size
+            pos_L = torch.arange(meta.max_decode_len, device=meta.block_tables_BN.device)
+            blocks_BL = meta.block_tables_BN.long().gather(1, (pos_L // bs)[None].expand(meta.num_decode, -1))
+            mask_BL = pos_L[None] < meta.context_lens_B[:, None]
+            slots_BL = torch.where(mask_BL, blocks_BL * bs + pos_L % bs, 0)
+            self._gather = slots_BL, mask_BL
+        return self._gather
+
+    def _prefill(self, chunk: PrefillChunk, q_QHD: torch.Tensor, k_QGD: torch.Tensor, v_QGD: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        q_HQD = q_QHD.transpose(0, 1)
+        if chunk.slots_L is None:  # whole sequence in this chunk: its own k/v are the context
+            k_GLD, v_GLD, mask, causal = k_QGD.transpose(0, 1), v_QGD.transpose(0, 1), None, True
+        else:
+            k_GLD = k_cache[chunk.slots_L].transpose(0, 1).to(q_QHD.dtype)
+            v_GLD = v_cache[chunk.slots_L].transpose(0, 1).to(q_QHD.dtype)
+            offset = chunk.ctx_len - chunk.q_len
+            pos_L = torch.arange(chunk.ctx_len, device=q_QHD.device)
+            mask = pos_L[None, :] <= (offset + torch.arange(chunk.q_len, device=q_QHD.device))[:, None]
+            causal = False
+        o_HQD = F.scaled_dot_product_attention(q_HQD, k_GLD, v_GLD, attn_mask=mask, is_causal=causal, scale=scale,
+                                               enable_gqa=k_GLD.shape[0] != q_HQD.shape[0])
+        return o_HQD.transpose(0, 1)

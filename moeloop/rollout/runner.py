@@ -1,0 +1,112 @@
+"""`ModelRunner`: owns the model's device tensors for a step — packs the scheduled chunks into one flat
+stream, builds the paged-attention metadata, runs the forward (or a captured CUDA graph for decode-only
+batches), and samples the sequences that reached their last token.
+"""
+# T tokens in the step, B sampled sequences, V vocab, N blocks per sequence
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moeloop.rollout.cuda_graphs import CaptureFailed, DecodeGraphs
+from moeloop.rollout.decode_kernel import triton_available
+from moeloop.rollout.kv_cache import KVCache
+from moeloop.rollout.paged_attention import AttentionMetadata, PagedAttention, PrefillChunk, slots_of
+from moeloop.rollout.sampler import Sampler, SamplingTensors, row_key
+from moeloop.rollout.scheduler import ScheduledBatch
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, cache: KVCache, max_num_seqs: int, max_model_len: int,
+                 enforce_eager: bool = False):
+        self.model, self.cache = model, cache
+        self.device = next(model.parameters()).device
+        self.vocab_size = model.cfg.vocab_size
+        self.sampler = Sampler()
+        self.use_kernel = self.device.type == "cuda" and triton_available()
+        self.max_blocks_per_seq = -(-max_model_len // cache.block_size)
+        self.graphs: DecodeGraphs | None = None
+        if self.use_kernel and not enforce_eager:
+            self.graphs = DecodeGraphs(model, cache, max_num_seqs, self.max_blocks_per_seq)
+
+    def drop_graphs(self) -> None:
+        """Captured graphs point at KV memory; call before the cache is freed (sleep)."""
+        if self.graphs is not None:
+            self.graphs.clear()
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> tuple[list[int], list[float] | None]:
+        """Forward one scheduled batch; return (token, logprob) of each sequence that samples, in batch order."""
+        ids, pos, slots, meta, sample_rows = self._prepare(batch)
+        logits_TV = None
+        if self.graphs is not None and not meta.prefills and self.graphs.fits(len(batch)):
+            try:
+                logits_TV = self.graphs.run(ids, pos, slots, meta.block_tables_BN, meta.context_lens_B)
+            except CaptureFailed:
+                self.graphs = None
+        if logits_TV is None:
+            hidden_TD = self.model(ids, pos, PagedAttention(self.cache, meta, self.use_kernel))
+            logits_TV = None if not sample_rows else self.model.compute_logits(hidden_TD[sample_rows])
+            sample_rows = list(range(len(sample_rows)))
+        if not sample_rows:
+            return [], None
+        sampled = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
+        st = self._sampling_tensors(sampled)
+        want_logprobs = any(s.params.logprobs for s in sampled)
+        tokens_B, logprobs_B = self.sampler(logits_TV[sample_rows], st, want_logprobs)
+        return tokens_B.tolist(), None if logprobs_B is None else logprobs_B.tolist()
+
+    def _prepare(self, batch: ScheduledBatch):
+        ids, pos, slots, sample_rows = [], [], [], []
+        decode_rows, decode_tables, decode_lens, prefills = [], [], [], []
+        bs = self.cache.block_size
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            start, first = len(ids), seq.num_computed_tokens
+            ctx_len = first + n
+            ids += seq.token_ids[first:ctx_len]
+            pos += range(first, ctx_len)
+            table = seq.block_table
+            slots += [table[p // bs] * bs + p % bs for p in range(first, ctx_len)]
+            if n == 1:
+                decode_rows.append(start)
+                decode_tables.append(table)
+                decode_lens.append(ctx_len)
+            else:
+                prefills.append((start, n, ctx_len, table))
+            if batch.samples(i):
+                sample_rows.append(start + n - 1)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping_T=torch.tensor(slots, dtype=torch.int64, device=dev),
+            decode_rows_B=None if not prefills else torch.tensor(decode_rows, dtype=torch.int64, device=dev),
+            block_tables_BN=_pad_tables(decode_tables, dev),
+            context_lens_B=torch.tensor(decode_lens, dtype=torch.int32, device=dev),
+            max_decode_len=max(decode_lens, default=0), prefills=[])
+        for start, n, ctx_len, table in prefills:
+            slots_L = None
+            if ctx_len > n:
+                table_N = torch.tensor(table, dtype=torch.int64, device=dev)
+                slots_L = slots_of(table_N, torch.arange(ctx_len, device=dev), bs)
+            meta.prefills.append(PrefillChunk(start, n, ctx_len, slots_L))
+        ids_T = torch.tensor(ids, dtype=torch.int64, device=dev)
+        pos_T = torch.tensor(pos, dtype=torch.int64, device=dev)
+        return ids_T, pos_T, meta.slot_mapping_T, meta, sample_rows
+
+    def _sampling_tensors(self, seqs) -> SamplingTensors:
+        dev, V = self.device, self.vocab_size
+        temps = [s.params.temperature for s in seqs]
+        top_ks = [V if s.params.top_k == -1 else min(s.params.top_k, V) for s in seqs]
+        top_ps = [s.params.top_p for s in seqs]
+        keys = [row_key(s.seed, s.num_response_tokens) for s in seqs]
+        return SamplingTensors(torch.tensor(temps, dtype=torch.float32, device=dev),
+                               torch.tensor(top_ks, dtype=torch.int64, device=dev),
+                               torch.tensor(top_ps, dtype=torch.float32, device=dev),
+                               torch.tensor(keys, dtype=torch.int64, device=dev),
+                               any_filter=any(k < V for k in top_ks) or any(p < 1 for p in top_ps),
+                               all_greedy=all(t == 0 for t in temps))
+
+
+def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    width = max((len(t) for t in tables), default=0)
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    return torch.tensor(padded, dtype=torch.int32, device=device).view(len(tables), width)

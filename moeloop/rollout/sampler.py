@@ -1,0 +1,81 @@
+"""`Sampler`: next tokens from logits (greedy / temperature / top-k / top-p) and their fp32 logprobs.
+
+Randomness is counter-based, not a shared generator: the noise for a row is a hash of
+(sequence seed, response-token index, vocab id), so a sample depends only on its own seed and
+position — never on batch composition, preemption or step order. Sampling uses the Gumbel-max
+trick: argmax(filtered_logits / T + Gumbel(u)) is a draw from softmax(filtered_logits / T).
+Shapes: B rows (sequences sampled this step), V vocab.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+_M32 = 0xFFFFFFFF
+
+
+def row_key(seed: int, counter: int) -> int:
+    """32-bit key of one (sequence seed, token index) pair."""
+    return int.from_bytes(hashlib.blake2b(f"{seed}:{counter}".encode(), digest_size=4).digest(), "little")
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 integer hash on int64 tensors holding uint32 values (low 32 bits of each product)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(keys_B: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """U(0,1) [B, V] in fp32 (24-bit resolution) from per-row keys; identical on every device."""
+    vocab_V = torch.arange(vocab_size, device=keys_B.device, dtype=torch.int64)
+    h_BV = _mix32(_mix32(keys_B[:, None] ^ vocab_V[None, :]) ^ keys_B[:, None])
+    return ((h_BV >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+@dataclass
+class SamplingTensors:
+    temperatures_B: torch.Tensor  # fp32; 0 = greedy
+    top_ks_B: torch.Tensor  # int64; V = off
+    top_ps_B: torch.Tensor  # fp32; 1 = off
+    keys_B: torch.Tensor  # int64 row keys from `row_key`
+    any_filter: bool
+    all_greedy: bool
+
+
+def filter_logits(logits_BV: torch.Tensor, top_ks_B: torch.Tensor, top_ps_B: torch.Tensor) -> torch.Tensor:
+    """Set logits outside each row's top-k and top-p nucleus to -inf (always keeps the argmax)."""
+    sorted_BV, order_BV = logits_BV.sort(dim=-1, descending=True)
+    rank_V = torch.arange(logits_BV.shape[-1], device=logits_BV.device)
+    drop_BV = rank_V[None, :] >= top_ks_B[:, None]
+    probs_BV = sorted_BV.softmax(dim=-1)
+    mass_before_BV = probs_BV.cumsum(dim=-1) - probs_BV
+    drop_BV |= mass_before_BV > top_ps_B[:, None]
+    drop_BV[:, 0] = False
+    sorted_BV = sorted_BV.masked_fill(drop_BV, float("-inf"))
+    return torch.empty_like(logits_BV).scatter_(-1, order_BV, sorted_BV)
+
+
+class Sampler:
+    def __call__(self, logits_BV: torch.Tensor, st: SamplingTensors,
+                 want_logprobs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Return (token ids [B], logprobs [B] of those tokens under the raw temperature-1 softmax)."""
+        logits_BV = logits_BV.float()
+        greedy_B = logits_BV.argmax(dim=-1)
+        if st.all_greedy:
+            tokens_B = greedy_B
+        else:
+            z_BV = filter_logits(logits_BV, st.top_ks_B, st.top_ps_B) if st.any_filter else logits_BV
+            temps_B = torch.where(st.temperatures_B > 0, st.temperatures_B, torch.ones_like(st.temperatures_B))
+            u_BV = uniform_noise(st.keys_B, logits_BV.shape[-1])
+            gumbel_BV = -torch.log(-torch.log(u_BV))
+            sampled_B = (z_BV / temps_B[:, None] + gumbel_BV).argmax(dim=-1)
+            tokens_B = torch.where(st.temperatures_B > 0, sampled_B, greedy_B)
+        logprobs_B = None
+        if want_logprobs:
+            logprobs_B = torch.log_softmax(logits_BV, dim=-1).gather(1, tokens_B[:, None])[:, 0]
+        return tokens_B, logprobs_B

@@ -1,0 +1,130 @@
+"""`Scheduler`: the waiting and running queues; picks each step's token chunks under the budgets.
+
+Each step, running sequences go first (one decode token each, or the next chunk of a long prompt);
+when a running sequence needs a block and none is free, the newest running sequence is preempted
+(its blocks are freed; it re-queues at the front of `waiting` and is recomputed later — the prefix
+cache usually still holds most of its blocks). Then, unless paused or something was preempted,
+waiting sequences are admitted in FIFO order while `max_num_seqs`, `max_num_batched_tokens` and the
+free blocks allow. Prefill and decode tokens go in one flat batch.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from moeloop.rollout.blocks import BlockManager
+from moeloop.rollout.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)  # chunk length per sequence
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(n == 1 for n in self.num_new_tokens)
+
+    def samples(self, i: int) -> bool:
+        """Does sequence i reach its last token this step (so a new token is sampled)?"""
+        seq = self.seqs[i]
+        return seq.num_computed_tokens + self.num_new_tokens[i] == len(seq)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.blocks = blocks
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.paused = False
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.running) or (bool(self.waiting) and not self.paused)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self._schedule_running(batch, self.max_num_batched_tokens)
+        if not self.paused and len(batch.seqs) == len(self.running) and not self._preempted_this_step:
+            self._admit_waiting(batch, budget)
+        return batch
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        self._preempted_this_step = False
+        pending, kept = deque(self.running), []
+        while pending and budget > 0:
+            seq = pending.popleft()
+            chunk = min(len(seq) - seq.num_computed_tokens, budget)
+            while self.blocks.new_blocks_needed(seq, chunk) > self.blocks.num_free_blocks:
+                victim = pending.pop() if pending else seq
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                self.blocks.grow(seq, chunk)
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(chunk)
+                kept.append(seq)
+                budget -= chunk
+        self.running = kept + list(pending)  # unscheduled ones (budget spent) stay running
+        return budget
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        skipped: list[Sequence] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.blocked_on_leader:
+                skipped.append(self.waiting.popleft())
+                continue
+            hits = self.blocks.match_prefix(seq)
+            chunk = min(len(seq) - len(hits) * self.blocks.block_size, budget)
+            if self.blocks.new_blocks_needed(seq, chunk, hits) > self.blocks.num_free_blocks:
+                break
+            self.waiting.popleft()
+            self.blocks.take_prefix(seq, hits)
+            self.blocks.grow(seq, chunk)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(chunk)
+            budget -= chunk
+        self.waiting.extendleft(reversed(skipped))
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free the sequence's blocks and put it back at the front of the queue (recompute later)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        self.blocks.free_seq(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._preempted_this_step = True
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        self.blocks.free_seq(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+
+    def requeue_running(self) -> list[Sequence]:
+        """Abort every running sequence and re-queue it from its prompt (drain with abort)."""
+        seqs, self.running = self.running, []
+        for seq in reversed(seqs):
+            self.blocks.free_seq(seq)
+            seq.reset_response()
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
+        return seqs

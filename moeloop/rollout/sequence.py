@@ -1,0 +1,76 @@
+"""`Sequence`: one sample being generated — its tokens, KV block table, progress and status.
+
+A request with n samples becomes n sequences. Sample 0 is the group leader; samples 1..n-1 wait
+until the leader's prompt KV is computed, then reuse its full prompt blocks through the prefix cache.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+
+from moeloop.rollout.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, request_id: str, sample_index: int, prompt_ids: list[int], params: SamplingParams,
+                 seed: int, leader: "Sequence | None" = None):
+        self.seq_id = next(_ids)
+        self.request_id, self.sample_index = request_id, sample_index
+        self.params, self.seed, self.leader = params, seed, leader
+        self.num_prompt_tokens = len(prompt_ids)
+        self.token_ids: list[int] = list(prompt_ids)
+        self.logprobs: list[float] = []
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.num_hashed_blocks = 0  # leading full blocks registered in the prefix cache
+        self.finish_reason: str | None = None
+        self.policy_version = -1  # set when the first response token is sampled
+        self.num_preemptions = 0
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def response_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_response_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def blocked_on_leader(self) -> bool:
+        """A follower waits until its leader's prompt K/V exist, so it can share them."""
+        lead = self.leader
+        return (lead is not None and not lead.is_finished and self.num_computed_tokens == 0
+                and lead.num_computed_tokens < lead.num_prompt_tokens)
+
+    def append(self, token_id: int, logprob: float | None, policy_version: int) -> None:
+        if not self.response_ids:
+            self.policy_version = policy_version
+        self.token_ids.append(token_id)
+        if logprob is not None:
+            self.logprobs.append(logprob)
+
+    def reset_response(self) -> None:
+        """Drop the response (abort and re-queue: the sample restarts from its prompt)."""
+        del self.token_ids[self.num_prompt_tokens:]
+        self.logprobs.clear()
+        self.policy_version = -1

@@ -1,0 +1,51 @@
+"""Sampler: counter-based noise is batch-independent, top-k/top-p filter, logprobs are raw temperature-1."""
+import torch
+
+from moeloop.rollout.sampler import Sampler, SamplingTensors, filter_logits, row_key, uniform_noise
+
+
+def tensors(temps, keys, top_k=None, top_p=None, vocab=50):
+    B = len(temps)
+    return SamplingTensors(torch.tensor(temps, dtype=torch.float32),
+                           torch.tensor(top_k or [vocab] * B), torch.tensor(top_p or [1.0] * B),
+                           torch.tensor(keys, dtype=torch.int64), any_filter=top_k is not None or top_p is not None,
+                           all_greedy=all(t == 0 for t in temps))
+
+
+def test_noise_depends_only_on_row_key():
+    keys = torch.tensor([row_key(s, c) for s, c in [(1, 0), (1, 1), (2, 0)]])
+    u = uniform_noise(keys, 1000)
+    assert torch.equal(u[1], uniform_noise(keys[1:2], 1000)[0])
+    assert ((u > 0) & (u < 1)).all() and abs(u.mean().item() - 0.5) < 0.02
+    assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
+
+
+def test_sampling_distribution_matches_softmax():
+    torch.manual_seed(0)
+    logits = torch.randn(1, 6) * 1.5
+    keys = [row_key(7, c) for c in range(20000)]
+    st = tensors([0.7] * len(keys), keys, vocab=6)
+    tokens, _ = Sampler()(logits.expand(len(keys), 6), st, want_logprobs=False)
+    freq = torch.bincount(tokens, minlength=6).float() / len(keys)
+    assert torch.allclose(freq, torch.softmax(logits[0] / 0.7, -1), atol=0.015)
+
+
+def test_filter_top_k_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05]]))
+    out = filter_logits(logits, torch.tensor([2, 4]), torch.tensor([1.0, 0.7]))
+    assert torch.isfinite(out[0]).tolist() == [True, True, False, False]
+    assert torch.isfinite(out[1]).tolist() == [True, True, False, False]  # 0.5 < 0.7 needs the second
+    out = filter_logits(logits, torch.tensor([4, 4]), torch.tensor([0.4, 0.81]))
+    assert torch.isfinite(out[0]).tolist() == [True, False, False, False]
+    assert torch.isfinite(out[1]).tolist() == [True, True, True, False]
+
+
+def test_logprobs_are_raw_temperature_one_and_greedy_is_argmax():
+    torch.manual_seed(1)
+    logits = torch.randn(3, 50)
+    st = tensors([0.0, 0.5, 2.0], [row_key(s, 0) for s in range(3)], top_k=[50, 3, 50])
+    tokens, logprobs = Sampler()(logits, st, want_logprobs=True)
+    assert tokens[0] == logits[0].argmax()
+    assert tokens[1] in logits[1].topk(3).indices
+    ref = torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0]
+    assert torch.equal(logprobs, ref)
