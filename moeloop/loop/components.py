@@ -54,20 +54,35 @@ class Components:
     def prompts_per_rank(self) -> int:
         return self.cfg.data.train_batch_size // self.env.world_size
 
-    def next_prompts(self, count: int) -> list[Example]:
-        """This rank's share of the next `count * world_size` prompts (same cursor on every rank)."""
-        indices = self.cursor.take(count * self.env.world_size)
-        return [self.train[i] for i in indices[self.env.rank * count:(self.env.rank + 1) * count]]
+    def next_prompts(self, count: int) -> tuple[list[Example], list[int]]:
+        """This rank's share of the next `count * world_size` prompts and their global positions.
+
+        Every global mini-batch (ppo_mini_batch_size consecutive prompts) is split evenly over the
+        ranks, so each optimizer step sees the same prompts whatever the number of ranks."""
+        world = self.env.world_size
+        indices = self.cursor.take(count * world)
+        per_mini = max(1, min(self.cfg.actor.ppo_mini_batch_size, count * world) // world)
+        positions = [p for p in range(count * world) if (p // per_mini) % world == self.env.rank]
+        return [self.train[indices[p]] for p in positions], positions
+
+    def max_over_ranks(self, value: int) -> int:
+        if not dist.is_initialized():
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
 
     def next_group_base(self, count: int) -> int:
         base = self.env.rank * 1_000_000_000 + self.groups_issued
         self.groups_issued += count
         return base
 
-    def train_params(self, step: int, round_idx: int) -> SamplingParams:
-        seed = int(np.random.SeedSequence([self.cfg.trainer.seed, step, round_idx, self.env.rank]).generate_state(1)[0])
+    def train_params(self, step: int, round_idx: int, positions: list[int]) -> list[SamplingParams]:
+        """One seed per prompt from (run seed, step, refill round, global prompt position): the samples do
+        not depend on how prompts are spread over DP ranks, so N ranks generate what one rank would."""
         r = self.cfg.rollout
-        return self.rollout.params(r.n, r.temperature, r.top_p, r.top_k, seed)
+        return [self.rollout.params(r.n, r.temperature, r.top_p, r.top_k, _seed(self.cfg.trainer.seed, step, round_idx, p))
+                for p in positions]
 
     def evaluate(self) -> dict[str, float]:
         """Greedy accuracy on the held-out prompts (a sample is correct when its reward is >= 1)."""
@@ -96,6 +111,10 @@ class Components:
         self.rewards.close()
 
 
+def _seed(*parts: int) -> int:
+    return int(np.random.SeedSequence(list(parts)).generate_state(1)[0])
+
+
 def build_engine(cfg: RunConfig, model: torch.nn.Module, tokenizer: Any) -> Engine:
     """The colocated engine on its own copy of the weights, sized for prompt + response."""
     rollout_cfg = replace(cfg.rollout, max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length)
@@ -105,8 +124,8 @@ def build_engine(cfg: RunConfig, model: torch.nn.Module, tokenizer: Any) -> Engi
 
 def build_components(cfg: RunConfig, resume: bool) -> Components:
     env = RunEnv.create(cfg)
-    if cfg.data.train_batch_size % env.world_size:
-        raise ValueError(f"data.train_batch_size={cfg.data.train_batch_size} must be divisible by the "
+    if cfg.actor.ppo_mini_batch_size % env.world_size:
+        raise ValueError(f"actor.ppo_mini_batch_size={cfg.actor.ppo_mini_batch_size} must be divisible by the "
                          f"{env.world_size} data-parallel ranks")
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     train = PromptDataset(load_rows(cfg.data.train_files, cfg.data.seed), tokenizer, cfg.data)

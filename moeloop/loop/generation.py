@@ -23,7 +23,7 @@ class RolloutWorker:
         return SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=self.max_response_length,
                               stop_token_ids=self.eos_ids, seed=seed, logprobs=True)
 
-    def generate(self, examples: list[Example], params: SamplingParams, group_base: int) -> list[Sample]:
+    def generate(self, examples: list[Example], params: SamplingParams | list[SamplingParams], group_base: int) -> list[Sample]:
         """n samples per example; group id = group_base + example position (callers make bases disjoint)."""
         completions = self.engine.generate([e.prompt_ids for e in examples], params)
         request_ids = list(dict.fromkeys(c.request_id for c in completions))

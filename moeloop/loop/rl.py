@@ -47,7 +47,7 @@ def run_rl(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
         val_metrics = c.evaluate() if cfg.trainer.val_every and (step + 1) % cfg.trainer.val_every == 0 else {}
         with timer("save_checkpoint"):
             c.maybe_save(step + 1)
-        last = {**batch_metrics(samples, timer.seconds, c.env.world_size), **reward_metrics, **update_metrics,
+        last = {**batch_metrics(samples, timer.seconds), **reward_metrics, **update_metrics,
                 **val_metrics, **timer.pop(), "sync/gb_per_s": sync.gb_per_s, "sync/bytes": sync.num_bytes,
                 "policy/version": sync.version, "memory/peak_bytes": peak_memory_bytes(c.env.device)}
         if kl_metrics is not None:
@@ -66,7 +66,8 @@ def collect_batch(c: Components, cfg: RunConfig, timer: PhaseTimer, step: int) -
     want = c.prompts_per_rank
     for round_idx in range(1 + (cfg.algorithm.max_refill_rounds if cfg.algorithm.dynamic_sampling else 0)):
         with timer("gen"):
-            fresh = c.rollout.generate(c.next_prompts(want), c.train_params(step, round_idx), c.next_group_base(want))
+            examples, positions = c.next_prompts(want)
+            fresh = c.rollout.generate(examples, c.train_params(step, round_idx, positions), c.next_group_base(want))
         with timer("reward"):
             stats = c.rewards.score(fresh)
             if cfg.algorithm.overlong_penalty:
@@ -76,7 +77,7 @@ def collect_batch(c: Components, cfg: RunConfig, timer: PhaseTimer, step: int) -
         if not cfg.algorithm.dynamic_sampling:
             return fresh, reward_metrics
         samples += filter_uniform_groups(fresh)
-        want = c.prompts_per_rank - len({s.group_id for s in samples})
+        want = c.max_over_ranks(c.prompts_per_rank - len({s.group_id for s in samples}))  # cursors stay in step
         if want <= 0:
             break
     keep_groups = list(dict.fromkeys(s.group_id for s in samples))[: c.prompts_per_rank]

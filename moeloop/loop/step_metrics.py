@@ -1,30 +1,35 @@
-"""What one RL step's batch says about itself: reward, accuracy, lengths, throughput, staleness."""
+"""What one RL step's batch says about itself — reward, accuracy, lengths, throughput, staleness —
+summed over DP ranks so the logged numbers describe the global batch."""
 from __future__ import annotations
 
-import statistics
+import torch
+import torch.distributed as dist
 
 from moeloop.types import Sample
 
 
-def batch_metrics(samples: list[Sample], phase_seconds: dict[str, float], world_size: int = 1) -> dict[str, float]:
-    """Per-rank batch statistics; throughput counts all ranks' samples (world_size x this rank's)."""
-    if not samples:
-        return {}
-    rewards = [s.reward for s in samples if s.in_loss]
+def _global_sums(values: list[float], op: dist.ReduceOp = dist.ReduceOp.SUM) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def batch_metrics(samples: list[Sample], phase_seconds: dict[str, float]) -> dict[str, float]:
+    """Collective under DP (every rank calls it)."""
+    in_loss = [s for s in samples if s.in_loss]
     lengths = [len(s.response_ids) for s in samples]
+    n, n_loss, reward_sum, correct, len_sum, num_tokens, truncated = _global_sums([
+        len(samples), len(in_loss), sum(s.reward for s in in_loss), sum(s.reward >= 1.0 for s in in_loss),
+        sum(lengths), sum(s.num_tokens for s in samples), sum(s.finish_reason == "length" for s in samples)])
+    versions = [s.policy_version for s in samples] or [0]
+    len_max, staleness = _global_sums([max(lengths, default=0), max(versions) - min(versions)], dist.ReduceOp.MAX)
     step_s = max(sum(phase_seconds.values()), 1e-9)
     gen_s = max(phase_seconds.get("gen", 0.0), 1e-9)
-    num_tokens = sum(s.num_tokens for s in samples)
-    versions = [s.policy_version for s in samples]
     return {
-        "reward/mean": statistics.fmean(rewards) if rewards else 0.0,
-        "acc/train": statistics.fmean(r >= 1.0 for r in rewards) if rewards else 0.0,
-        "response/len_mean": statistics.fmean(lengths),
-        "response/len_max": float(max(lengths)),
-        "response/clip_ratio": statistics.fmean(s.finish_reason == "length" for s in samples),
-        "throughput/samples_per_s": world_size * len(samples) / step_s,
-        "throughput/tokens_per_s": world_size * num_tokens / step_s,
-        "throughput/gen_tokens_per_s": world_size * sum(lengths) / gen_s,
-        "policy/staleness_max": float(max(versions) - min(versions)),
-        "batch/samples": float(len(samples)),
+        "reward/mean": reward_sum / max(n_loss, 1), "acc/train": correct / max(n_loss, 1),
+        "response/len_mean": len_sum / max(n, 1), "response/len_max": len_max,
+        "response/clip_ratio": truncated / max(n, 1),
+        "throughput/samples_per_s": n / step_s, "throughput/tokens_per_s": num_tokens / step_s,
+        "throughput/gen_tokens_per_s": len_sum / gen_s, "policy/staleness_max": staleness, "batch/samples": n,
     }

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from moeloop.algo.losses import PolicyInputs, actor_loss, reduce_metrics
+from moeloop.algo.losses import SHARE_KEYS, PolicyInputs, actor_loss, reduce_metrics
 from moeloop.config.schema import ActorSection
 from moeloop.model.attention import PackedAttention
 from moeloop.parallel.fsdp import apply_fsdp, build_dp_mesh
@@ -85,6 +85,22 @@ class PolicyForward:
             yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
 
 
+def _global_metrics(local: dict[str, float]) -> dict[str, float]:
+    """Loss shares add over ranks; the other metrics are averaged weighted by loss tokens."""
+    if _dp_size() == 1:
+        return local
+    gathered: list[dict[str, float]] = [{} for _ in range(_dp_size())]
+    dist.all_gather_object(gathered, local)
+    total_tokens = sum(m.get("num_loss_tokens", 0.0) for m in gathered) or 1.0
+    out = {"num_loss_tokens": total_tokens}
+    for k in set().union(*[m.keys() for m in gathered]) - {"num_loss_tokens"}:
+        if k in SHARE_KEYS:
+            out[k] = sum(m.get(k, 0.0) for m in gathered)
+        else:
+            out[k] = sum(m.get(k, 0.0) * m.get("num_loss_tokens", 0.0) for m in gathered) / total_tokens
+    return out
+
+
 def _dummy_sample() -> Sample:
     """One 2-token sequence with no loss token: keeps a rank with no work in FSDP's lockstep."""
     return Sample(prompt_ids=[0], response_ids=[0], loss_mask=[0], old_logprobs=[0.0], advantages=[0.0],
@@ -136,7 +152,7 @@ class Actor(PolicyForward):
             if indices:
                 per_micro.append(m)
         grad_norm = self._clip_and_step()
-        out = reduce_metrics(per_micro) if per_micro else {}
+        out = _global_metrics(reduce_metrics(per_micro) if per_micro else {})
         out["grad_norm"] = grad_norm
         return out
 
