@@ -59,11 +59,12 @@ def test_greedy_matches_transformers_generate(arch):
 
 
 def teacher_forced_logprobs(model, prompt, response):
-    ids = torch.tensor(prompt + response)
+    device = next(model.parameters()).device
+    ids = torch.tensor(prompt + response, device=device)
     with torch.no_grad():
         logits = model.compute_logits(model.forward_packed(ids, [len(ids)])).float()
     logp = torch.log_softmax(logits[len(prompt) - 1:-1], -1)
-    return logp.gather(1, torch.tensor(response)[:, None])[:, 0]
+    return logp.gather(1, torch.tensor(response, device=device)[:, None])[:, 0]
 
 
 def test_logprobs_equal_teacher_forced_raw_distribution():

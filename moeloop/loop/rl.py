@@ -16,7 +16,7 @@ from moeloop.algo.token_rewards import apply_kl_in_reward
 from moeloop.config import RunConfig, load_config
 from moeloop.loop.components import Components, build_components
 from moeloop.loop.metrics import PhaseTimer, peak_memory_bytes
-from moeloop.loop.step_metrics import batch_metrics
+from moeloop.loop.step_metrics import batch_metrics, logprob_mismatch
 from moeloop.types import Sample
 
 
@@ -47,7 +47,7 @@ def run_rl(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
         val_metrics = c.evaluate() if cfg.trainer.val_every and (step + 1) % cfg.trainer.val_every == 0 else {}
         with timer("save_checkpoint"):
             c.maybe_save(step + 1)
-        last = {**batch_metrics(samples, timer.seconds), **reward_metrics, **update_metrics,
+        last = {**batch_metrics(samples, timer.seconds), **logprob_mismatch(samples), **reward_metrics, **update_metrics,
                 **val_metrics, **timer.pop(), "sync/gb_per_s": sync.gb_per_s, "sync/bytes": sync.num_bytes,
                 "policy/version": sync.version, "memory/peak_bytes": peak_memory_bytes(c.env.device)}
         if kl_metrics is not None:

@@ -33,3 +33,13 @@ def batch_metrics(samples: list[Sample], phase_seconds: dict[str, float]) -> dic
         "throughput/samples_per_s": n / step_s, "throughput/tokens_per_s": num_tokens / step_s,
         "throughput/gen_tokens_per_s": len_sum / gen_s, "policy/staleness_max": staleness, "batch/samples": n,
     }
+
+
+def logprob_mismatch(samples: list[Sample]) -> dict[str, float]:
+    """|engine logprob - trainer logprob| over response tokens: the training-inference mismatch that
+    silently corrupts importance ratios when weight sync or numerics go wrong."""
+    diffs = [abs(a - b) for s in samples if s.response_logprobs and s.old_logprobs
+             for a, b in zip(s.response_logprobs, s.old_logprobs)]
+    total, count = _global_sums([sum(diffs), len(diffs)])
+    (worst,) = _global_sums([max(diffs, default=0.0)], dist.ReduceOp.MAX)
+    return {"rollout/logprob_diff_mean": total / max(count, 1), "rollout/logprob_diff_max": worst}
