@@ -117,3 +117,15 @@ def test_broadcast_transport_over_gloo():
         assert version == 7
         for name, t in _stream():
             assert torch.equal(weights[name], t)
+
+
+def test_fingerprint_kinds_verify_across_devices():
+    buf = torch.randint(0, 255, (1003,), dtype=torch.uint8)
+    for kind in ("crc32", "wsum"):
+        value = fingerprint(buf, kind)
+        flipped = buf.clone()
+        flipped[7] ^= 4
+        assert fingerprint(buf.clone(), kind) == value and fingerprint(flipped, kind) != value
+    if torch.cuda.is_available():  # a GPU-made fingerprint verifies on the host and back
+        assert fingerprint(buf.cuda(), "wsum") == fingerprint(buf, "wsum")
+        assert fingerprint(buf.cuda(), "crc32") == fingerprint(buf, "crc32")

@@ -64,6 +64,7 @@ class RolloutSection:
     max_staleness: int = 0
     enforce_eager: bool = False  # no CUDA graphs
     max_model_len: int = 4096  # prompt + response tokens of one sequence (sizes block tables and CUDA graphs)
+    ignore_eos: bool = False  # generate exactly data.max_response_length tokens (benchmarks)
 
     def check(self) -> None:
         _require(self.n >= 1, "rollout.n", "must be >= 1")
@@ -180,6 +181,7 @@ class ActorSection:
     entropy_coeff: float = 0.0
     grad_clip: float = 1.0
     recompute_old_logprobs: bool = True  # False = bypass: take old logprobs from the rollout
+    force_old_logprob_pass: bool = False  # recompute even when the update is exactly on-policy
     offload: OffloadSection = field(default_factory=OffloadSection)
 
     def check(self, prefix: str = "actor") -> None:
@@ -230,6 +232,8 @@ class CheckpointSection:
     save_every: int = 0  # 0 = only at the end
     keep: int = 2
     export_hf_every: int = 0  # 0 = only at the end
+    save_final: bool = True  # DCP checkpoint after the last step
+    export_hf_final: bool = True  # HF export (re-loaded and compared) after the last step
 
 
 @dataclass

@@ -81,8 +81,8 @@ class Components:
         """One seed per prompt from (run seed, step, refill round, global prompt position): the samples do
         not depend on how prompts are spread over DP ranks, so N ranks generate what one rank would."""
         r = self.cfg.rollout
-        return [self.rollout.params(r.n, r.temperature, r.top_p, r.top_k, _seed(self.cfg.trainer.seed, step, round_idx, p))
-                for p in positions]
+        return [self.rollout.params(r.n, r.temperature, r.top_p, r.top_k, _seed(self.cfg.trainer.seed, step, round_idx, p),
+                                    ignore_eos=r.ignore_eos) for p in positions]
 
     def evaluate(self) -> dict[str, float]:
         """Greedy accuracy on the held-out prompts (a sample is correct when its reward is >= 1)."""
@@ -99,10 +99,10 @@ class Components:
 
     def maybe_save(self, step: int) -> None:
         every, last = self.cfg.checkpoint.save_every, step == self.cfg.trainer.steps
-        if (every and step % every == 0) or last:
+        if (every and step % every == 0) or (last and self.cfg.checkpoint.save_final):
             actor_state_save(self.ckpt, step, self.actor, self.cursor, version=step, world_size=self.env.world_size)
         hf_every = self.cfg.checkpoint.export_hf_every
-        if (hf_every and step % hf_every == 0) or last:
+        if (hf_every and step % hf_every == 0) or (last and self.cfg.checkpoint.export_hf_final):
             export_hf(self.actor.named_weights(), self.actor.model.cfg, self.env.run_dir / "hf",
                       self.cfg.model.path, write=self.env.is_main)
 

@@ -19,9 +19,12 @@ class RolloutWorker:
         self.max_response_length = max_response_length
         self.eos_ids = tuple(i for i in [tokenizer.eos_token_id] if i is not None)
 
-    def params(self, n: int, temperature: float, top_p: float = 1.0, top_k: int = -1, seed: int | None = None) -> SamplingParams:
+    def params(self, n: int, temperature: float, top_p: float = 1.0, top_k: int = -1, seed: int | None = None,
+               ignore_eos: bool = False) -> SamplingParams:
+        """`ignore_eos`: generate exactly max_response_length tokens (benchmarks)."""
         return SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=self.max_response_length,
-                              stop_token_ids=self.eos_ids, seed=seed, logprobs=True)
+                              stop_token_ids=() if ignore_eos else self.eos_ids, seed=seed, logprobs=True,
+                              ignore_eos=ignore_eos)
 
     def generate(self, examples: list[Example], params: SamplingParams | list[SamplingParams], group_base: int) -> list[Sample]:
         """n samples per example; group id = group_base + example position (callers make bases disjoint)."""

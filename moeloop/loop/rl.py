@@ -29,11 +29,7 @@ def run_rl(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
         timer = PhaseTimer()
         samples, reward_metrics = collect_batch(c, cfg, timer, step)
         with timer("old_log_prob"):
-            if cfg.actor.recompute_old_logprobs:
-                c.actor.compute_logprobs(samples, "old_logprobs")
-            else:
-                for s in samples:
-                    s.old_logprobs = list(s.response_logprobs)
+            fill_old_logprobs(c, cfg, samples)
         with timer("ref"):
             if c.ref is not None:
                 c.ref.compute_logprobs(samples, "ref_logprobs")
@@ -57,6 +53,20 @@ def run_rl(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
             c.logger.log(step + 1, val_metrics, "val.jsonl")
     c.finish()
     return last
+
+
+def fill_old_logprobs(c: Components, cfg: RunConfig, samples: list[Sample]) -> None:
+    """Old-policy logprobs: from the rollout (bypass), recomputed, or — when the update is exactly
+    on-policy (one epoch, one mini-batch, no KL-in-reward) — left unset: the actor then uses its own
+    detached logprobs, which is the same gradient without a second forward pass."""
+    if not cfg.actor.recompute_old_logprobs:
+        for s in samples:
+            s.old_logprobs = list(s.response_logprobs)
+        return
+    on_policy = (cfg.actor.ppo_epochs == 1 and cfg.actor.ppo_mini_batch_size == cfg.data.train_batch_size
+                 and not cfg.algorithm.use_kl_in_reward and not cfg.actor.force_old_logprob_pass)
+    if not on_policy:
+        c.actor.compute_logprobs(samples, "old_logprobs")
 
 
 def collect_batch(c: Components, cfg: RunConfig, timer: PhaseTimer, step: int) -> tuple[list[Sample], dict[str, float]]:

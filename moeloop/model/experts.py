@@ -74,9 +74,11 @@ class Experts(nn.Module):
 
     def _looped(self, x_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         outs = []
+        # unbind once: its backward stacks E grads, where per-expert indexing would zero-fill a full [E, ...] each
+        gate_up, down = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
         for e, x_nD in enumerate(x_SD.split(counts_E.tolist())):
             if x_nD.shape[0] == 0:
                 continue
-            gate_nF, up_nF = F.linear(x_nD, self.gate_up_proj[e]).chunk(2, dim=-1)
-            outs.append(F.linear(F.silu(gate_nF) * up_nF, self.down_proj[e]))
+            gate_nF, up_nF = F.linear(x_nD, gate_up[e]).chunk(2, dim=-1)
+            outs.append(F.linear(F.silu(gate_nF) * up_nF, down[e]))
         return torch.cat(outs) if outs else x_SD.new_zeros(0, self.dim)

@@ -2,13 +2,15 @@
 
 A bucket is one contiguous uint8 buffer of at most `bucket_bytes` (a single tensor larger than
 that gets a bucket of its own) plus the metadata to cut it back into named tensors. The
-fingerprint is computed with tensor ops on the buffer's own device, so a GPU bucket is verified
-without a host copy, and the value is the same on CPU and CUDA.
+fingerprint is CRC-32 for host buffers (zlib, GB/s) and a position-weighted word sum computed on the
+device for GPU buffers (no host copy); the bucket records which, so either side can verify it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
+
+import zlib
 
 import torch
 
@@ -31,14 +33,24 @@ class Bucket:
     buffer: torch.Tensor  # uint8, flat
     metas: list[TensorMeta] = field(default_factory=list)
     fingerprint: int = 0
+    fingerprint_kind: str = "crc32"  # crc32 (host buffers) | wsum (device buffers)
 
     @property
     def num_bytes(self) -> int:
         return self.buffer.numel()
 
 
-def fingerprint(buffer_u8: torch.Tensor) -> int:
-    """Order-sensitive 64-bit integer fingerprint of a flat uint8 buffer (same value on any device)."""
+def fingerprint_kind_for(buffer_u8: torch.Tensor) -> str:
+    return "crc32" if buffer_u8.device.type == "cpu" else "wsum"
+
+
+def fingerprint(buffer_u8: torch.Tensor, kind: str | None = None) -> int:
+    """Order-sensitive fingerprint of a flat uint8 buffer; `kind` defaults to the buffer's device's."""
+    kind = kind or fingerprint_kind_for(buffer_u8)
+    if kind == "crc32":
+        return zlib.crc32(buffer_u8.detach().cpu().numpy())
+    if kind != "wsum":
+        raise ValueError(f"unknown fingerprint kind {kind!r}")
     pad = (-buffer_u8.numel()) % 4
     if pad:
         buffer_u8 = torch.cat([buffer_u8, buffer_u8.new_zeros(pad)])
@@ -75,7 +87,8 @@ def _make_bucket(index: int, items: list[tuple[str, torch.Tensor]]) -> Bucket:
         parts += [raw, raw.new_zeros(pad)] if pad else [raw]
         offset += raw.numel() + pad
     buffer = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
-    return Bucket(index, buffer, metas, fingerprint(buffer))
+    kind = fingerprint_kind_for(buffer)
+    return Bucket(index, buffer, metas, fingerprint(buffer, kind), kind)
 
 
 def unpack_bucket(bucket: Bucket) -> Iterator[tuple[str, torch.Tensor]]:

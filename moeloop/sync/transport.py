@@ -36,20 +36,21 @@ class InProcessTransport:
     def transfer(self, buckets: Iterable[Bucket]) -> Iterator[Bucket]:
         for bucket in buckets:
             if self.device is not None and bucket.buffer.device != torch.device(self.device):
-                bucket = Bucket(bucket.index, bucket.buffer.to(self.device, non_blocking=True), bucket.metas, bucket.fingerprint)
+                bucket = Bucket(bucket.index, bucket.buffer.to(self.device), bucket.metas, bucket.fingerprint,
+                                bucket.fingerprint_kind)
             yield bucket
 
 
 def _meta_to_json(bucket: Bucket) -> dict:
     metas = [dict(name=m.name, shape=list(m.shape), dtype=str(m.dtype), offset_bytes=m.offset_bytes,
                   num_bytes=m.num_bytes) for m in bucket.metas]
-    return {"index": bucket.index, "fingerprint": bucket.fingerprint, "metas": metas}
+    return {"index": bucket.index, "fingerprint": bucket.fingerprint, "kind": bucket.fingerprint_kind, "metas": metas}
 
 
 def _meta_from_json(record: dict, buffer: torch.Tensor) -> Bucket:
     metas = [TensorMeta(m["name"], tuple(m["shape"]), _DTYPES[m["dtype"]], m["offset_bytes"], m["num_bytes"])
              for m in record["metas"]]
-    return Bucket(record["index"], buffer, metas, record["fingerprint"])
+    return Bucket(record["index"], buffer, metas, record["fingerprint"], record["kind"])
 
 
 class DiskTransport:
