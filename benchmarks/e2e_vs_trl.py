@@ -1,0 +1,349 @@
+"""End-to-end GRPO steps: moeloop vs TRL's GRPOTrainer (transformers generate, no vLLM) on the same job.
+
+    python benchmarks/e2e_vs_trl.py --size small --steps 10 --repeats 3              # CPU, fp32
+    python benchmarks/e2e_vs_trl.py --size large --steps 10 --repeats 3
+    python benchmarks/e2e_vs_trl.py --size reference --device cuda --steps 10        # H200: bf16, 16x8, 256 tokens
+
+Same random-init Qwen3-MoE and tokenizer, same two-digit-addition prompts in the same order (moeloop's
+cursor order, chat template, identical token ids), no KL, no router aux loss, constant lr, grad clip 1.
+One step = one generation of prompts x n completions + one optimizer step on both sides. Each
+(framework, repeat) runs in its own subprocess, alternating which goes first. Step seconds are wall
+time between consecutive step ends; step 1 (warm-up) is left out of the medians. Phases: moeloop's own
+time/* metrics; TRL: gen = `_generate` (tokenize, transformers generate, decode), reward = `_calculate_rewards`,
+score_other = the rest of `_generate_and_score_completions` (advantages; no old-logprob pass when on-policy),
+update_rest = the rest of the step (loss forward, backward, optimizer, logging).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+# Model geometry; small/reference come from moeloop's factory, large is built here.
+LARGE = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+             intermediate_size=1024, num_local_experts=16, num_experts_per_tok=4, moe_intermediate_size=512)
+
+
+@dataclass(frozen=True)
+class Job:
+    prompts: int  # per step
+    n: int  # completions per prompt
+    new_tokens: int  # max (or, with exact_length, exactly) new tokens
+    lr: float
+    dtype: str
+    exact_length: bool  # hold EOS off: every completion is new_tokens long
+
+
+JOBS = {
+    "cpu": Job(prompts=4, n=8, new_tokens=8, lr=1e-4, dtype="float32", exact_length=False),
+    "reference": Job(prompts=16, n=8, new_tokens=256, lr=1e-6, dtype="bfloat16", exact_length=True),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size", choices=["small", "large", "reference"], default="small")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--job", choices=list(JOBS), help="default: reference for --size reference, else cpu")
+    p.add_argument("--prompts", type=int, help="override the job's prompts per step (dry runs)")
+    p.add_argument("--new-tokens", type=int, help="override the job's new tokens (dry runs)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="override the job's dtype (dry runs)")
+    p.add_argument("--micro-batch-tokens", type=int, default=0,
+                   help="moeloop actor.max_tokens_per_micro_batch; 0 = the whole batch, at most 16384 tokens")
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads in each run; 0 = torch's default")
+    p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "moeloop_e2e_vs_trl")
+    p.add_argument("--only", choices=["moeloop", "trl"], help=argparse.SUPPRESS)
+    p.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--run-dir", type=Path, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    job = JOBS[args.job or ("reference" if args.size == "reference" else "cpu")]
+    args.job = replace(job, prompts=args.prompts or job.prompts, new_tokens=args.new_tokens or job.new_tokens,
+                       dtype=args.dtype or job.dtype)
+    return args
+
+
+# ---------------------------------------------------------------- model and prompts (shared by both sides)
+
+def make_model(size: str, out: Path) -> Path:
+    """Write the seeded random model + tokenizer once; later runs reuse it."""
+    if (out / "config.json").exists():
+        return out
+    from moeloop.model.factory import init_model
+    if size != "large":
+        return init_model("qwen3_moe", size, out, seed=0)
+    import transformers
+    from moeloop.model.config import ModelConfig
+    from moeloop.model.factory import hf_config_dict
+    from moeloop.model.hf_io import save_pretrained
+    from moeloop.model.tokenizer import build_tokenizer
+    from moeloop.model.transformer import MoEForCausalLM
+    raw = {k: v for k, v in hf_config_dict("qwen3_moe", "small").items() if k not in ("transformers_version", "model_type")}
+    raw = transformers.AutoConfig.for_model("qwen3_moe", **{**raw, **LARGE}).to_dict()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = MoEForCausalLM(ModelConfig.from_hf_dict(raw, source="qwen3_moe/large"))
+    build_tokenizer(out)
+    save_pretrained(model, out)
+    return out
+
+
+def step_rows(job: Job, steps: int) -> list[list[dict]]:
+    """The rows moeloop's cursor hands out at each step (synthetic:arith, data.seed 0, shuffled)."""
+    from moeloop.data import EpochCursor, load_rows
+    rows = load_rows(["synthetic:arith"], 0)
+    cursor = EpochCursor(len(rows), 0, True)
+    return [[rows[i] for i in cursor.take(job.prompts)] for _ in range(steps)]
+
+
+def prompt_tokens(tokenizer: Any, rows: list[dict], n: int) -> int:
+    msgs = [[{"role": "user", "content": r["prompt"]}] for r in rows]
+    ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    return n * sum(len(x) for x in ids)
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------- moeloop side
+
+def run_moeloop(args: argparse.Namespace, run_dir: Path) -> list[dict]:
+    from transformers import AutoTokenizer
+    from moeloop.config import load_config
+    from moeloop.loop import rl
+    from moeloop.loop.generation import RolloutWorker
+    from moeloop.loop.metrics import MetricsLogger
+    job = args.job
+    batch_tokens = job.prompts * job.n * (64 + job.new_tokens)
+    cfg = load_config(str(Path(__file__).resolve().parents[1] / "examples/tiny.yaml"), [
+        f"model.path={args.model_dir}", f"model.dtype={job.dtype}", f"trainer.device={args.device}",
+        f"trainer.run_dir={run_dir}", f"trainer.steps={args.steps}", "trainer.val_every=0", "trainer.log=[jsonl]",
+        "trainer.seed=0", f"data.train_batch_size={job.prompts}", f"data.max_response_length={job.new_tokens}",
+        "data.max_prompt_length=64", "data.val_files=[]", f"rollout.n={job.n}", "rollout.temperature=1.0",
+        f"actor.optim.lr={job.lr}", f"actor.ppo_mini_batch_size={job.prompts}",
+        f"actor.max_tokens_per_micro_batch={args.micro_batch_tokens or min(batch_tokens, 16384)}",
+        "checkpoint.save_every=0", "algorithm.adv_estimator=grpo", "actor.use_kl_loss=false",
+    ])
+    marks: list[float] = []
+    prompts_seen: list[list[str]] = []
+    build, log, generate, params = rl.build_components, MetricsLogger.log, RolloutWorker.generate, RolloutWorker.params
+
+    def timed_build(*a: Any, **kw: Any) -> Any:
+        c = build(*a, **kw)
+        sync(args.device)
+        marks.append(time.perf_counter())
+        return c
+
+    def timed_log(self: MetricsLogger, step: int, metrics: dict, file: str = "metrics.jsonl") -> None:
+        if file == "metrics.jsonl":
+            marks.append(time.perf_counter())  # the phase timer already synchronised
+        log(self, step, metrics, file)
+
+    def recorded_generate(self: RolloutWorker, examples: list, *a: Any, **kw: Any) -> list:
+        prompts_seen.append([e.prompt_text for e in examples])
+        return generate(self, examples, *a, **kw)
+
+    def exact_params(self: RolloutWorker, *a: Any, **kw: Any) -> Any:
+        # no rollout.ignore_eos in the config, and the worker puts EOS into stop_token_ids, which
+        # ignore_eos does not override: clear both here
+        return replace(params(self, *a, **kw), ignore_eos=True, stop_token_ids=())
+
+    rl.build_components, MetricsLogger.log, RolloutWorker.generate = timed_build, timed_log, recorded_generate
+    if job.exact_length:
+        RolloutWorker.params = exact_params
+    rl.run_rl(cfg)
+    tok = AutoTokenizer.from_pretrained(args.model_dir)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    out = []
+    for i, (rec, rows) in enumerate(zip(records, step_rows(job, args.steps))):
+        num_samples = int(rec["batch/samples"])
+        out.append(dict(step_s=marks[i + 1] - marks[i], reward=rec["reward/mean"], samples=num_samples,
+                        completion_tokens=round(rec["response/len_mean"] * num_samples),
+                        prompt_tokens=prompt_tokens(tok, rows, job.n), prompts=prompts_seen[i],
+                        phases={k[5:]: v for k, v in rec.items() if k.startswith("time/") and k != "time/step"}))
+    return out
+
+
+# ---------------------------------------------------------------- TRL side
+
+def run_trl(args: argparse.Namespace, run_dir: Path) -> list[dict]:
+    import datasets
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+    from moeloop.reward.rules import arith_reward
+    from moeloop.types import Sample
+    job = args.job
+    per_step = step_rows(job, args.steps)
+    data = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
+                                       for rows in per_step for r in rows])
+    now: dict[str, Any] = {"phases": {}}
+    out: list[dict] = []
+
+    def reward_fn(prompts: list, completions: list, completion_ids: list, answer: list, **_: Any) -> list[float]:
+        """moeloop's arith rule on the completion text."""
+        scores = [arith_reward(Sample(prompt_ids=[], response_text=c[0]["content"], ground_truth=a)).score
+                  for c, a in zip(completions, answer)]
+        now.update(reward=statistics.fmean(scores), samples=len(scores),
+                   completion_tokens=sum(len(c) for c in completion_ids),
+                   prompts=list(dict.fromkeys(p[-1]["content"] for p in prompts)))
+        return scores
+
+    dtype = getattr(torch, job.dtype)
+    tok = AutoTokenizer.from_pretrained(args.model_dir)
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype)
+    gen_kwargs = {"min_new_tokens": job.new_tokens} if job.exact_length else None
+    config = GRPOConfig(
+        output_dir=str(run_dir), max_steps=args.steps, per_device_train_batch_size=job.prompts * job.n,
+        gradient_accumulation_steps=1, num_generations=job.n, num_iterations=1, max_completion_length=job.new_tokens,
+        temperature=1.0, learning_rate=job.lr, lr_scheduler_type="constant", warmup_steps=0, beta=0.0,
+        router_aux_loss_coef=0.0, bf16=job.dtype == "bfloat16", gradient_checkpointing=False, max_grad_norm=1.0,
+        shuffle_dataset=False, seed=0, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
+        use_cpu=args.device == "cpu", generation_kwargs=gen_kwargs, dataloader_num_workers=0)
+    assert config.steps_per_generation == 1 and config.generation_batch_size == job.prompts * job.n
+
+    class StepClock(TrainerCallback):
+        def on_train_begin(self, *a: Any, **kw: Any) -> None:
+            sync(args.device)
+            now["t"] = time.perf_counter()
+
+        def on_step_end(self, *a: Any, **kw: Any) -> None:
+            sync(args.device)
+            t = time.perf_counter()
+            ph = now["phases"]
+            ph["score_other"] = ph.pop("generate_and_score", 0.0) - ph.get("gen", 0.0) - ph.get("reward", 0.0)
+            ph["update_rest"] = t - now["t"] - ph["score_other"] - ph.get("gen", 0.0) - ph.get("reward", 0.0)
+            rows = per_step[len(out)]
+            out.append(dict(step_s=t - now["t"], reward=now["reward"], samples=now["samples"],
+                            completion_tokens=now["completion_tokens"], prompt_tokens=prompt_tokens(tok, rows, job.n),
+                            prompts=now["prompts"], phases=ph))
+            now.update(t=t, phases={})
+
+    trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=config, train_dataset=data,
+                          processing_class=tok, callbacks=[StepClock()])
+    for name, phase in (("_generate", "gen"), ("_calculate_rewards", "reward"),
+                        ("_generate_and_score_completions", "generate_and_score")):
+        setattr(trainer, name, _timed(getattr(trainer, name), phase, now, args.device))
+    trainer.train()
+    return out
+
+
+def _timed(fn: Callable, phase: str, now: dict, device: str) -> Callable:
+    def wrapper(*a: Any, **kw: Any) -> Any:
+        sync(device)
+        t = time.perf_counter()
+        result = fn(*a, **kw)
+        sync(device)
+        now["phases"][phase] = now["phases"].get(phase, 0.0) + time.perf_counter() - t
+        return result
+    return wrapper
+
+
+# ---------------------------------------------------------------- driver and report
+
+def run_child(args: argparse.Namespace, framework: str, repeat: int) -> list[dict]:
+    result = args.workdir / f"{args.size}-{framework}-{repeat}.json"
+    run_dir = args.workdir / f"run-{args.size}-{framework}-{repeat}"
+    subprocess.run(["rm", "-rf", str(run_dir), str(result)], check=True)
+    cmd = [sys.executable, __file__, "--only", framework, "--model-dir", str(args.model_dir), "--result", str(result),
+           "--run-dir", str(run_dir),           "--size", args.size, "--steps", str(args.steps), "--device", args.device,
+           "--prompts", str(args.job.prompts), "--new-tokens", str(args.job.new_tokens), "--dtype", args.job.dtype,
+           "--micro-batch-tokens", str(args.micro_batch_tokens), "--threads", str(args.threads), "--workdir", str(args.workdir),
+           "--job", "reference" if args.job.exact_length else "cpu"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"{framework} repeat {repeat} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return json.loads(result.read_text())
+
+
+def summarise(steps: list[dict]) -> dict:
+    timed = steps[1:] or steps  # step 1 is warm-up
+    step_s = statistics.median(s["step_s"] for s in timed)
+    phases = {k: statistics.median(s["phases"].get(k, 0.0) for s in timed) for k in timed[-1]["phases"]}
+    return dict(step_s=step_s, first_s=steps[0]["step_s"], samples_per_s=timed[0]["samples"] / step_s,
+                tokens_per_s=statistics.median((s["prompt_tokens"] + s["completion_tokens"]) / s["step_s"] for s in timed),
+                completion_len=statistics.fmean(s["completion_tokens"] / s["samples"] for s in steps),
+                rewards=[s["reward"] for s in steps], phases=phases,
+                save_last_s=steps[-1]["phases"].get("save_checkpoint", 0.0))
+
+
+def report(args: argparse.Namespace, runs: dict[str, list[dict]]) -> None:
+    import transformers
+    import trl
+    job, cfg = args.job, json.loads((args.model_dir / "config.json").read_text())
+    print(f"size={args.size} device={args.device} dtype={job.dtype} steps={args.steps} repeats={args.repeats} "
+          f"torch {torch.__version__} transformers {transformers.__version__} trl {trl.__version__}")
+    print(f"model: hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, {cfg['num_local_experts']} experts "
+          f"top-{cfg['num_experts_per_tok']}, expert ffn {cfg['moe_intermediate_size']}, heads "
+          f"{cfg['num_attention_heads']}/{cfg['num_key_value_heads']}x{cfg['head_dim']}, vocab {cfg['vocab_size']}")
+    print(f"threads per run: {args.threads or 'torch default'}")
+    print(f"job: {job.prompts} prompts x {job.n} = {job.prompts * job.n} completions, "
+          f"{'exactly' if job.exact_length else 'at most'} {job.new_tokens} new tokens, lr {job.lr:g}, no KL")
+    print(f"{'repeat':>6} {'framework':>9} {'step_s':>8} {'first_s':>8} {'samples/s':>10} {'tokens/s':>9} {'len':>5}")
+    for fw, summaries in runs.items():
+        for i, s in enumerate(summaries):
+            print(f"{i + 1:>6} {fw:>9} {s['step_s']:8.3f} {s['first_s']:8.3f} {s['samples_per_s']:10.1f} "
+                  f"{s['tokens_per_s']:9.0f} {s['completion_len']:5.2f}")
+    med = {fw: {k: statistics.median(s[k] for s in ss) for k in ("step_s", "samples_per_s", "tokens_per_s")}
+           for fw, ss in runs.items()}
+    print("median over repeats:")
+    for fw, m in med.items():
+        print(f"  {fw:>8}: step {m['step_s']:.3f} s, {m['samples_per_s']:.1f} samples/s, {m['tokens_per_s']:.0f} tokens/s")
+    ratio = {k: med["moeloop"][k] / med["trl"][k] for k in ("samples_per_s", "tokens_per_s")}
+    print(f"  ratio moeloop/trl: samples/s {ratio['samples_per_s']:.2f}x, tokens/s {ratio['tokens_per_s']:.2f}x")
+    print("reward curves (per-step mean reward):")
+    for fw, summaries in runs.items():
+        for i, s in enumerate(summaries):
+            print(f"  {fw:>8} r{i + 1}: " + " ".join(f"{r:.3f}" for r in s["rewards"]))
+    print("phase breakdown (s/step, median over steps 2.., median over repeats):")
+    for fw, summaries in runs.items():
+        keys = list(summaries[0]["phases"])
+        parts = [f"{k} {statistics.median(s['phases'].get(k, 0.0) for s in summaries):.4f}" for k in keys]
+        print(f"  {fw:>8}: " + ", ".join(parts))
+    last = statistics.median(s["save_last_s"] for s in runs["moeloop"])
+    print(f"  moeloop final-step save_checkpoint (DCP + HF export, not in the medians): {last:.3f} s")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.only:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        run = run_moeloop if args.only == "moeloop" else run_trl
+        args.result.write_text(json.dumps(run(args, args.run_dir)))
+        return
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    args.model_dir = make_model(args.size, args.workdir / f"model-{args.size}")
+    runs: dict[str, list[dict]] = {"moeloop": [], "trl": []}
+    prompts: dict[str, list] = {}
+    for repeat in range(args.repeats):
+        order = ["moeloop", "trl"] if repeat % 2 == 0 else ["trl", "moeloop"]
+        for fw in order:
+            steps = run_child(args, fw, repeat)
+            prompts[fw] = [[_user_text(p) for p in step["prompts"]] for step in steps]
+            runs[fw].append(summarise(steps))
+            print(f"repeat {repeat + 1} {fw}: median step {runs[fw][-1]['step_s']:.3f} s", file=sys.stderr, flush=True)
+        if prompts["moeloop"] != prompts["trl"]:
+            sys.exit(f"prompts differ between frameworks: {prompts['moeloop'][0]} vs {prompts['trl'][0]}")
+    report(args, runs)
+
+
+def _user_text(prompt: str) -> str:
+    """The user turn of a rendered moeloop prompt ('<bos><|user|>12+34=\\n<|assistant|>') or a TRL message."""
+    return prompt.split("<|user|>")[-1].split("\n")[0]
+
+
+if __name__ == "__main__":
+    main()
