@@ -18,7 +18,7 @@ from moeloop.checkpoint import CheckpointManager
 from moeloop.config import RunConfig
 from moeloop.data import EpochCursor, PromptDataset, load_rows
 from moeloop.data.dataset import Example
-from moeloop.loop.env import RunEnv, dtype_of
+from moeloop.loop.env import RunEnv, dtype_of, load_policy
 from moeloop.loop.export import export_hf
 from moeloop.loop.generation import RolloutWorker
 from moeloop.loop.metrics import MetricsLogger
@@ -131,7 +131,7 @@ def build_components(cfg: RunConfig, resume: bool) -> Components:
     train = PromptDataset(load_rows(cfg.data.train_files, cfg.data.seed), tokenizer, cfg.data)
     val = PromptDataset(load_rows(cfg.data.val_files, cfg.data.seed), tokenizer, cfg.data) if cfg.data.val_files else None
     dtype = dtype_of(cfg.model.dtype)
-    actor = Actor(load_pretrained(cfg.model.path, dtype=dtype), cfg.actor, env.device, cfg.data.max_response_length,
+    actor = Actor(load_policy(cfg), cfg.actor, env.device, cfg.data.max_response_length,
                   cfg.model.logprob_chunk_tokens, cfg.trainer.steps)
     needs_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
     ref = PolicyForward(load_pretrained(cfg.model.path, dtype=dtype), env.device, cfg.actor.max_tokens_per_micro_batch,

@@ -60,3 +60,12 @@ def seed_everything(seed: int) -> None:
 
 def dtype_of(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def load_policy(cfg: RunConfig, device: torch.device | str = "cpu") -> torch.nn.Module:
+    """The model at `model.path` in `model.dtype`, with the run's gradient-checkpointing choice applied."""
+    from moeloop.model.hf_io import load_pretrained
+
+    model = load_pretrained(cfg.model.path, dtype=dtype_of(cfg.model.dtype), device=device)
+    model.gradient_checkpointing = cfg.model.gradient_checkpointing
+    return model

@@ -12,10 +12,9 @@ from transformers import AutoTokenizer
 from moeloop.checkpoint import CheckpointManager
 from moeloop.config import RunConfig, load_config
 from moeloop.data import EpochCursor, PromptDataset, load_rows
-from moeloop.loop.env import RunEnv, dtype_of
+from moeloop.loop.env import RunEnv, load_policy
 from moeloop.loop.export import export_hf
 from moeloop.loop.metrics import MetricsLogger, PhaseTimer, peak_memory_bytes
-from moeloop.model.hf_io import load_pretrained
 from moeloop.train.actor import Actor
 from moeloop.types import Sample
 
@@ -25,7 +24,7 @@ def run_sft(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     data = PromptDataset(load_rows(cfg.data.train_files, cfg.data.seed), tokenizer, cfg.data, with_response=True)
     cursor = EpochCursor(len(data), cfg.data.seed, cfg.data.shuffle)
-    model = load_pretrained(cfg.model.path, dtype=dtype_of(cfg.model.dtype))
+    model = load_policy(cfg)
     model_cfg = model.cfg
     steps = cfg.trainer.steps if cfg.trainer.epochs <= 0 else cfg.trainer.epochs * len(data) // cfg.data.train_batch_size
     actor = Actor(model, cfg.actor, env.device, cfg.data.max_response_length, cfg.model.logprob_chunk_tokens, steps)
