@@ -136,10 +136,11 @@ def run_moeloop(args: argparse.Namespace, run_dir: Path) -> list[dict]:
         f"actor.optim.lr={job.lr}", f"actor.ppo_mini_batch_size={job.prompts}",
         f"actor.max_tokens_per_micro_batch={args.micro_batch_tokens or min(batch_tokens, 16384)}",
         "checkpoint.save_every=0", "algorithm.adv_estimator=grpo", "actor.use_kl_loss=false",
+        "checkpoint.save_final=false", "checkpoint.export_hf_final=false", f"rollout.ignore_eos={job.exact_length}",
     ])
     marks: list[float] = []
     prompts_seen: list[list[str]] = []
-    build, log, generate, params = rl.build_components, MetricsLogger.log, RolloutWorker.generate, RolloutWorker.params
+    build, log, generate = rl.build_components, MetricsLogger.log, RolloutWorker.generate
 
     def timed_build(*a: Any, **kw: Any) -> Any:
         c = build(*a, **kw)
@@ -156,14 +157,7 @@ def run_moeloop(args: argparse.Namespace, run_dir: Path) -> list[dict]:
         prompts_seen.append([e.prompt_text for e in examples])
         return generate(self, examples, *a, **kw)
 
-    def exact_params(self: RolloutWorker, *a: Any, **kw: Any) -> Any:
-        # no rollout.ignore_eos in the config, and the worker puts EOS into stop_token_ids, which
-        # ignore_eos does not override: clear both here
-        return replace(params(self, *a, **kw), ignore_eos=True, stop_token_ids=())
-
     rl.build_components, MetricsLogger.log, RolloutWorker.generate = timed_build, timed_log, recorded_generate
-    if job.exact_length:
-        RolloutWorker.params = exact_params
     rl.run_rl(cfg)
     tok = AutoTokenizer.from_pretrained(args.model_dir)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

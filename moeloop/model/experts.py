@@ -8,9 +8,12 @@ implementations, weighted in fp32 and summed back per token:
   are multiples of 16 bytes (D and F multiples of 8 in bf16, 4 in fp32); groups may be empty.
 - "loop": one pair of matmuls per non-empty expert (one host sync for the counts); any device and dtype.
 "auto" takes grouped_mm on CUDA in bf16/fp16 with aligned dims, the loop otherwise.
+Other implementations plug in with `register_experts_impl(name, fn)` (the rollout engine's fused decode kernels).
 """
 # T tokens, D model dim, F expert ffn dim, E experts, K experts per token, S = T*K sorted assignments
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +25,28 @@ _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", No
 
 def grouped_mm_available() -> bool:
     return _grouped_mm is not None
+
+
+class ExpertsFn(Protocol):
+    def __call__(self, experts: "Experts", x_TD: torch.Tensor, ids_TK: torch.Tensor,
+                 weights_TK: torch.Tensor) -> torch.Tensor: ...
+
+
+_PLUGGED_IMPLS: dict[str, ExpertsFn] = {}
+
+
+def register_experts_impl(name: str, fn: ExpertsFn) -> None:
+    """Make `name` a valid `Experts.impl`; `fn` returns the combined output [T, D] like `Experts.forward`."""
+    if name in EXPERTS_IMPLS:
+        raise ValueError(f"experts impl {name!r} is built in")
+    _PLUGGED_IMPLS[name] = fn
+
+
+def expert_counts(ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Assignments per expert (int64 [E]); scatter_add, not bincount, so there is no host sync."""
+    ids_S = ids_TK.reshape(-1)
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=ids_TK.device)
+    return counts_E.scatter_add_(0, ids_S, torch.ones_like(ids_S))
 
 
 class Experts(nn.Module):
@@ -38,22 +63,32 @@ class Experts(nn.Module):
 
     @impl.setter
     def impl(self, name: str) -> None:
-        if name not in EXPERTS_IMPLS:
-            raise ValueError(f"experts_impl={name!r}: must be one of {EXPERTS_IMPLS}")
+        if name not in EXPERTS_IMPLS and name not in _PLUGGED_IMPLS:
+            raise ValueError(f"experts_impl={name!r}: must be one of {EXPERTS_IMPLS + tuple(_PLUGGED_IMPLS)}")
         if name == "grouped_mm" and not grouped_mm_available():
             raise ValueError(f"experts_impl='grouped_mm': torch {torch.__version__} has no grouped_mm")
         self._impl = name
 
     def resolved_impl(self, x_TD: torch.Tensor) -> str:
-        if self._impl != "auto":
+        if self._impl in ("grouped_mm", "loop"):
             return self._impl
         aligned = (self.dim * x_TD.element_size()) % 16 == 0 and (self.ffn_dim * x_TD.element_size()) % 16 == 0
         fast = x_TD.is_cuda and x_TD.dtype in (torch.bfloat16, torch.float16) and aligned
         return "grouped_mm" if fast and grouped_mm_available() else "loop"
 
     def forward(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
-                counts_E: torch.Tensor) -> torch.Tensor:
-        """`counts_E` = number of assignments per expert (int64, from the router; sums to T*K)."""
+                counts_E: torch.Tensor | None = None) -> torch.Tensor:
+        """`counts_E` = number of assignments per expert (int64, sums to T*K); computed here when None."""
+        plugged = _PLUGGED_IMPLS.get(self._impl)
+        if plugged is not None:
+            return plugged(self, x_TD, ids_TK, weights_TK)
+        if counts_E is None:
+            counts_E = expert_counts(ids_TK, self.num_experts)
+        return self.sorted_forward(x_TD, ids_TK, weights_TK, counts_E)
+
+    def sorted_forward(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+                       counts_E: torch.Tensor) -> torch.Tensor:
+        """The built-in path: assignments sorted by expert, grouped_mm or the loop, weighted sum per token."""
         T, K = ids_TK.shape
         perm_S = torch.argsort(ids_TK.reshape(-1), stable=True)
         x_SD = x_TD[perm_S // K]

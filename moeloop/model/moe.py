@@ -3,6 +3,7 @@
 
 Stats protocol: the model calls `clear_stats()` on every MoE block at the start of a forward; the block records
 stats once per forward, so an activation-checkpointing recompute in backward does not replace them.
+`record_stats = False` skips them (the rollout engine's decode: no balance loss, fewer kernels).
 """
 # T tokens, D model dim, E routed experts, K experts per token
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 
 from moeloop.model.config import ModelConfig
-from moeloop.model.experts import Experts
+from moeloop.model.experts import Experts, expert_counts
 from moeloop.model.mlp import GatedMLP
 from moeloop.model.router import Router, RouterStats
 
@@ -24,18 +25,17 @@ class MoE(nn.Module):
         if cfg.n_shared_experts:
             self.shared_experts = GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
         self.stats: RouterStats | None = None
+        self.record_stats = True
 
     def clear_stats(self) -> None:
         self.stats = None
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         routing = self.gate(x_TD)
-        ids_S = routing.ids_TK.reshape(-1)
-        counts_E = torch.zeros(self.experts.num_experts, dtype=torch.int64, device=x_TD.device)
-        counts_E.scatter_add_(0, ids_S, torch.ones_like(ids_S))  # no host sync, unlike bincount
+        counts_E = expert_counts(routing.ids_TK, self.experts.num_experts) if self.record_stats else None
         y_TD = self.experts(x_TD, routing.ids_TK, routing.weights_TK, counts_E)
         if hasattr(self, "shared_experts"):
             y_TD = y_TD + self.shared_experts(x_TD)
-        if self.stats is None:
+        if self.record_stats and self.stats is None:
             self.stats = RouterStats(counts_E, routing.scores_TE.sum(dim=0), x_TD.shape[0], routing.ids_TK.shape[1])
         return y_TD

@@ -1,16 +1,19 @@
 """`DecodeGraphs`: CUDA graphs of the decode-only forward (model + lm_head) for a ladder of batch sizes.
 
-Inputs live in static buffers sized for `max_num_seqs`; a batch of B rows replays the smallest captured
-size >= B with the extra rows pointed at the KV cache's scratch block (context length 1), so padding
-never touches a real sequence. Attention inside the graph is the Triton paged decode kernel (static shapes).
+Inputs live in one flat int64 device buffer (ids | positions | slots | context lengths | block tables) that a
+step fills with a single host-to-device copy; a batch of B rows replays the smallest captured size >= B with
+the extra rows pointed at the KV cache's scratch block (context length 1), so padding never touches a real
+sequence. Attention inside the graph is the Triton paged decode kernel (static shapes).
 Graphs hold KV and parameter addresses: weights must be updated in place and graphs dropped before sleep.
 """
 from __future__ import annotations
 
+import traceback
 import warnings
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from moeloop.rollout.kv_cache import KVCache
 from moeloop.rollout.paged_attention import AttentionMetadata, PagedAttention
@@ -39,55 +42,62 @@ class DecodeGraphs:
         self.graphs.clear()
         self.pool = None
 
-    def _buffers(self) -> None:
-        dev, B, N = self.cache.device, self.sizes[-1], self.max_blocks_per_seq
-        self.ids = torch.zeros(B, dtype=torch.int64, device=dev)
-        self.pos = torch.zeros(B, dtype=torch.int64, device=dev)
-        self.slots = torch.zeros(B, dtype=torch.int64, device=dev)
-        self.tables = torch.zeros(B, N, dtype=torch.int32, device=dev)
-        self.lens = torch.ones(B, dtype=torch.int32, device=dev)
+    def _views(self, size: int) -> tuple[torch.Tensor, ...]:
+        """(ids, pos, slots, lens [size], tables [size, N]) inside the flat buffer, laid out for `size` rows."""
+        ids, pos, slots, lens, tables = self.inputs[:size * (4 + self.max_blocks_per_seq)].split(
+            [size, size, size, size, size * self.max_blocks_per_seq])
+        return ids, pos, slots, lens, tables.view(size, self.max_blocks_per_seq)
+
+    def _fill(self, size: int, ids: list[int], pos: list[int], slots: list[int], lens: list[int],
+              tables: list[list[int]]) -> None:
+        pad, N, scratch = size - len(ids), self.max_blocks_per_seq, self.cache.scratch_block
+        flat = (ids + [0] * pad + pos + [0] * pad + slots + [scratch * self.cache.block_size] * pad
+                + lens + [1] * pad)
+        for t in tables:
+            flat += t
+            flat += [scratch] * (N - len(t))
+        flat += [scratch] * (N * pad)
+        self.inputs[:len(flat)].copy_(torch.tensor(flat, dtype=torch.int64))
 
     def capture(self) -> None:
-        self._buffers()
+        self.inputs = torch.zeros(self.sizes[-1] * (4 + self.max_blocks_per_seq), dtype=torch.int64,
+                                  device=self.cache.device)
         self.pool = torch.cuda.graph_pool_handle()
-        self._reset_padding(0)
         for size in reversed(self.sizes):  # largest first so smaller graphs reuse its pool memory
-            meta = AttentionMetadata(self.slots[:size], None, self.tables[:size], self.lens[:size], 0, [])
-            ctx = PagedAttention(self.cache, meta, use_kernel=True)
-            run = lambda: self.model.compute_logits(self.model(self.ids[:size], self.pos[:size], ctx))
+            self._fill(size, [], [], [], [], [])
+            run = self._forward(size)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 run()  # warm-up: triton compile, allocator
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                out = run()
+            try:
+                with torch.cuda.graph(graph, pool=self.pool):
+                    out = run()
+            except Exception as err:
+                raise RuntimeError(f"{err!r}; host-touching ops in the decode forward: {host_ops(run)}") from err
             self.graphs[size] = (graph, out)
 
-    def _reset_padding(self, start: int) -> None:
-        scratch = self.cache.scratch_block
-        self.tables[start:].fill_(scratch)
-        self.slots[start:] = scratch * self.cache.block_size
-        self.lens[start:] = 1
-        self.ids[start:] = 0
-        self.pos[start:] = 0
+    def _forward(self, size: int):
+        ids, pos, slots, lens, tables = self._views(size)
+        meta = AttentionMetadata(slots, None, tables, lens, 0, [])
+        ctx = PagedAttention(self.cache, meta, use_kernel=True)
+        return lambda: self.model.compute_logits(self.model(ids, pos, ctx))
 
-    def run(self, ids_B: torch.Tensor, pos_B: torch.Tensor, slots_B: torch.Tensor, tables_BN: torch.Tensor,
-            lens_B: torch.Tensor) -> torch.Tensor:
+    def run(self, ids: list[int], pos: list[int], slots: list[int], lens: list[int],
+            tables: list[list[int]]) -> torch.Tensor:
         """Logits [B, V] of a decode-only batch (replays a graph; captures the ladder on first use)."""
         if not self.graphs:
             try:
                 self.capture()
             except Exception as err:  # e.g. a model op that syncs with the host; fall back to eager for good
-                warnings.warn(f"CUDA graph capture failed, decoding eagerly: {err!r}")
+                warnings.warn(f"CUDA graph capture failed, decoding eagerly: {err}")
                 self.failed, self.graphs = True, {}
                 raise CaptureFailed from err
-        B = ids_B.shape[0]
+        B = len(ids)
         size = next(s for s in self.sizes if s >= B)
-        self._reset_padding(B)
-        self.ids[:B], self.pos[:B], self.slots[:B], self.lens[:B] = ids_B, pos_B, slots_B, lens_B
-        self.tables[:B, :tables_BN.shape[1]] = tables_BN
+        self._fill(size, ids, pos, slots, lens, tables)
         graph, out = self.graphs[size]
         graph.replay()
         return out[:B]
@@ -95,3 +105,31 @@ class DecodeGraphs:
 
 class CaptureFailed(RuntimeError):
     pass
+
+
+class _HostOps(TorchDispatchMode):
+    """Records ops that read a host tensor or a device scalar while the forward runs on the device."""
+
+    def __init__(self):
+        super().__init__()
+        self.found: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        tensors = [a for a in list(args) + list((kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+        on_host = any(t.device.type == "cpu" and t.dim() > 0 for t in tensors)
+        if on_host or "_local_scalar_dense" in str(func):
+            frames = [f for f in traceback.extract_stack() if "moeloop" in f.filename and "cuda_graphs" not in f.filename]
+            where = f"{frames[-1].filename.split('moeloop/')[-1]}:{frames[-1].lineno}" if frames else "?"
+            self.found.append(f"{func} at {where}")
+        return func(*args, **(kwargs or {}))
+
+
+def host_ops(run) -> list[str]:
+    """Diagnose a failed capture: the distinct host-touching ops of one eager run of the forward."""
+    spy = _HostOps()
+    try:
+        with spy:
+            run()
+    except Exception as err:  # report what was seen so far
+        spy.found.append(f"(eager run raised {err!r})")
+    return sorted(set(spy.found))

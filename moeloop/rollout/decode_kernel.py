@@ -1,8 +1,9 @@
 """Triton paged-attention decode kernel: one query token per sequence attends over its cached K/V blocks.
 
-One program per (sequence, kv head) computes all H/G query heads of that group with an online softmax
-over `BLOCK_N` keys at a time, reading K/V straight from the paged cache through the block table (no
-gather copy, static shapes, so it can live inside a CUDA graph). Tested on CPU with TRITON_INTERPRET=1.
+One program per (sequence, kv head, context split) computes all H/G query heads of that group with an online
+softmax over `BLOCK_N` keys at a time, reading K/V straight from the paged cache through the block table (no
+gather copy, static shapes, so it can live inside a CUDA graph). Few rows (small B) split the context so every
+SM has work; a second kernel merges the splits' (max, sum, acc). Tested on CPU with TRITON_INTERPRET=1.
 Shapes: B sequences, H query heads, G kv heads, Dk/Dv head dims, N max blocks per sequence.
 """
 from __future__ import annotations
@@ -22,13 +23,39 @@ def triton_available() -> bool:
 
 if triton is not None:
     @triton.jit
-    def _paged_decode(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, lens_ptr, scale,
+    def _attend_block(q, m_i, l_i, acc, start, ctx_len, b, g, k_ptr, v_ptr, tables_ptr, scale,
+                      s_ks, s_kg, s_vs, s_vg, s_tb, DK: tl.constexpr, DK_PAD: tl.constexpr, DV: tl.constexpr,
+                      DV_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+        """One online-softmax step over positions [start, start + BLOCK_N) (masked past ctx_len)."""
+        dk = tl.arange(0, DK_PAD)
+        dv = tl.arange(0, DV_PAD)
+        pos = start + tl.arange(0, BLOCK_N)
+        p_ok = pos < ctx_len
+        blk = tl.load(tables_ptr + b * s_tb + pos // BLOCK_SIZE, mask=p_ok, other=0)
+        slot = blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+        k = tl.load(k_ptr + slot[:, None] * s_ks + g * s_kg + dk[None, :],
+                    mask=p_ok[:, None] & (dk[None, :] < DK), other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        s = tl.where(p_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked block before any real one
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        v = tl.load(v_ptr + slot[:, None] * s_vs + g * s_vg + dv[None, :],
+                    mask=p_ok[:, None] & (dv[None, :] < DV), other=0.0)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _paged_decode(q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, tables_ptr, lens_ptr, scale,
                       s_qb, s_qh, s_ks, s_kg, s_vs, s_vg, s_ob, s_oh, s_tb,
                       QH: tl.constexpr, QH_PAD: tl.constexpr, DK: tl.constexpr, DK_PAD: tl.constexpr,
                       DV: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                      PRECISION: tl.constexpr):
+                      PRECISION: tl.constexpr, NUM_SPLITS: tl.constexpr, CHUNK: tl.constexpr):
         b = tl.program_id(0)
         g = tl.program_id(1)
+        sp = tl.program_id(2)
         ctx_len = tl.load(lens_ptr + b)
         h = tl.arange(0, QH_PAD)
         dk = tl.arange(0, DK_PAD)
@@ -39,31 +66,57 @@ if triton is not None:
         m_i = tl.full([QH_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([QH_PAD], tl.float32)
         acc = tl.zeros([QH_PAD, DV_PAD], tl.float32)
-        for start in range(0, ctx_len, BLOCK_N):
-            pos = start + tl.arange(0, BLOCK_N)
-            p_ok = pos < ctx_len
-            blk = tl.load(tables_ptr + b * s_tb + pos // BLOCK_SIZE, mask=p_ok, other=0)
-            slot = blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
-            k = tl.load(k_ptr + slot[:, None] * s_ks + g * s_kg + dk[None, :],
-                        mask=p_ok[:, None] & (dk[None, :] < DK), other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            s = tl.where(p_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            v = tl.load(v_ptr + slot[:, None] * s_vs + g * s_vg + dv[None, :],
-                        mask=p_ok[:, None] & (dv[None, :] < DV), other=0.0)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
-        out = acc / l_i[:, None]
-        tl.store(o_ptr + b * s_ob + (g * QH + h)[:, None] * s_oh + dv[None, :], out.to(o_ptr.dtype.element_ty),
-                 mask=h_ok[:, None] & (dv[None, :] < DV))
+        if NUM_SPLITS == 1:
+            for start in range(0, ctx_len, BLOCK_N):
+                m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, start, ctx_len, b, g, k_ptr, v_ptr, tables_ptr, scale,
+                                              s_ks, s_kg, s_vs, s_vg, s_tb, DK, DK_PAD, DV, DV_PAD,
+                                              BLOCK_SIZE, BLOCK_N, PRECISION)
+        else:  # static trip count: the interpreter cannot loop from a program-id-derived start
+            for i in range(0, CHUNK, BLOCK_N):
+                m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, sp * CHUNK + i, ctx_len, b, g, k_ptr, v_ptr,
+                                              tables_ptr, scale, s_ks, s_kg, s_vs, s_vg, s_tb, DK, DK_PAD, DV,
+                                              DV_PAD, BLOCK_SIZE, BLOCK_N, PRECISION)
+        if NUM_SPLITS == 1:
+            out = acc / l_i[:, None]
+            tl.store(o_ptr + b * s_ob + (g * QH + h)[:, None] * s_oh + dv[None, :], out.to(o_ptr.dtype.element_ty),
+                     mask=h_ok[:, None] & (dv[None, :] < DV))
+        else:  # partials [B, S, H, (Dv)] in fp32, unnormalised; an empty split leaves (-inf, 0, 0)
+            row = (b * NUM_SPLITS + sp) * (QH * tl.num_programs(1)) + g * QH + h
+            tl.store(m_ptr + row, m_i, mask=h_ok)
+            tl.store(l_ptr + row, l_i, mask=h_ok)
+            tl.store(o_ptr + row[:, None] * DV + dv[None, :], acc, mask=h_ok[:, None] & (dv[None, :] < DV))
+
+    @triton.jit
+    def _merge_splits(part_ptr, m_ptr, l_ptr, o_ptr, s_ob, s_oh, H: tl.constexpr, DV: tl.constexpr,
+                      DV_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        sp = tl.arange(0, SPLITS_PAD)
+        dv = tl.arange(0, DV_PAD)
+        sp_ok = sp < NUM_SPLITS
+        row = (b * NUM_SPLITS + sp) * H + h
+        m = tl.load(m_ptr + row, mask=sp_ok, other=float("-inf"))
+        l = tl.load(l_ptr + row, mask=sp_ok, other=0.0)
+        w = tl.where(l > 0, tl.exp(m - tl.max(m, 0)), 0.0)  # split 0 always holds position 0, so max(m) is finite
+        acc = tl.load(part_ptr + row[:, None] * DV + dv[None, :], mask=sp_ok[:, None] & (dv[None, :] < DV), other=0.0)
+        out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+        tl.store(o_ptr + b * s_ob + h * s_oh + dv, out.to(o_ptr.dtype.element_ty), mask=dv < DV)
+
+
+_NUM_SMS: dict[torch.device, int] = {}
+
+
+def num_splits(device: torch.device, num_programs: int, max_len: int, block_n: int) -> int:
+    """Context splits so that about two programs run per SM (1 when the rows alone fill the device)."""
+    if device not in _NUM_SMS:
+        _NUM_SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    wanted = -(-2 * _NUM_SMS[device] // num_programs)
+    return max(1, min(wanted, -(-max_len // block_n), 16))
 
 
 def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SGD: torch.Tensor, v_cache_SGDv: torch.Tensor,
                            block_tables_BN: torch.Tensor, context_lens_B: torch.Tensor, block_size: int,
-                           scale: float, block_n: int = 64) -> torch.Tensor:
+                           scale: float, block_n: int = 64, split: bool = True) -> torch.Tensor:
     """Attention of each row's single query over its first context_lens_B[b] cached positions -> [B, H, Dv]."""
     if triton is None:
         raise RuntimeError("paged_decode_attention needs triton")
@@ -73,11 +126,24 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SGD: torch.Tensor, v_cac
     qh = H // G
     block_n = max(16, min(block_n, triton.next_power_of_2(block_size) * 8))
     precision = "ieee" if q_BHD.dtype == torch.float32 else "tf32"
-    _paged_decode[(B, G)](
-        q_BHD, k_cache_SGD, v_cache_SGDv, out, block_tables_BN, context_lens_B, scale,
+    max_len = block_tables_BN.shape[1] * block_size  # static: the grid must not depend on the lengths (graphs)
+    splits = num_splits(q_BHD.device, B * G, max_len, block_n) if split else 1
+    chunk = -(-max_len // splits // block_n) * block_n
+    splits = -(-max_len // chunk)
+    dv_pad = max(16, triton.next_power_of_2(Dv))
+    dest, m, l = out, out, out
+    if splits > 1:
+        dest = torch.empty(B, splits, H, Dv, dtype=torch.float32, device=q_BHD.device)
+        m = torch.empty(B, splits, H, dtype=torch.float32, device=q_BHD.device)
+        l = torch.empty_like(m)
+    _paged_decode[(B, G, splits)](
+        q_BHD, k_cache_SGD, v_cache_SGDv, dest, m, l, block_tables_BN, context_lens_B, scale,
         q_BHD.stride(0), q_BHD.stride(1), k_cache_SGD.stride(0), k_cache_SGD.stride(1),
         v_cache_SGDv.stride(0), v_cache_SGDv.stride(1), out.stride(0), out.stride(1), block_tables_BN.stride(0),
         QH=qh, QH_PAD=max(16, triton.next_power_of_2(qh)), DK=Dk, DK_PAD=max(16, triton.next_power_of_2(Dk)),
-        DV=Dv, DV_PAD=max(16, triton.next_power_of_2(Dv)), BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        PRECISION=precision, num_warps=4)
+        DV=Dv, DV_PAD=dv_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
+        PRECISION=precision, NUM_SPLITS=splits, CHUNK=chunk, num_warps=4)
+    if splits > 1:
+        _merge_splits[(B, H)](dest, m, l, out, out.stride(0), out.stride(1), H=H, DV=Dv, DV_PAD=dv_pad,
+                              NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), num_warps=4)
     return out

@@ -5,12 +5,15 @@ batches), and samples the sequences that reached their last token.
 # T tokens in the step, B sampled sequences, V vocab, N blocks per sequence
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from torch import nn
 
 from moeloop.rollout.cuda_graphs import CaptureFailed, DecodeGraphs
 from moeloop.rollout.decode_kernel import triton_available
 from moeloop.rollout.kv_cache import KVCache
+from moeloop.rollout.moe_kernel import decode_moe
 from moeloop.rollout.paged_attention import AttentionMetadata, PagedAttention, PrefillChunk, slots_of
 from moeloop.rollout.sampler import Sampler, SamplingTensors, row_key
 from moeloop.rollout.scheduler import ScheduledBatch
@@ -37,24 +40,42 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[int], list[float] | None]:
         """Forward one scheduled batch; return (token, logprob) of each sequence that samples, in batch order."""
-        ids, pos, slots, meta, sample_rows = self._prepare(batch)
-        logits_TV = None
-        if self.graphs is not None and not meta.prefills and self.graphs.fits(len(batch)):
-            try:
-                logits_TV = self.graphs.run(ids, pos, slots, meta.block_tables_BN, meta.context_lens_B)
-            except CaptureFailed:
-                self.graphs = None
+        with decode_moe(self.model) if self.device.type == "cuda" else nullcontext():
+            logits_TV = self._graph_logits(batch)
+            if logits_TV is None:
+                logits_TV = self._eager_logits(batch)
         if logits_TV is None:
-            hidden_TD = self.model(ids, pos, PagedAttention(self.cache, meta, self.use_kernel))
-            logits_TV = None if not sample_rows else self.model.compute_logits(hidden_TD[sample_rows])
-            sample_rows = list(range(len(sample_rows)))
-        if not sample_rows:
             return [], None
         sampled = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
         st = self._sampling_tensors(sampled)
         want_logprobs = any(s.params.logprobs for s in sampled)
-        tokens_B, logprobs_B = self.sampler(logits_TV[sample_rows], st, want_logprobs)
-        return tokens_B.tolist(), None if logprobs_B is None else logprobs_B.tolist()
+        tokens_B, logprobs_B = self.sampler(logits_TV, st, want_logprobs)
+        if logprobs_B is None:
+            return tokens_B.tolist(), None
+        both = torch.stack([tokens_B.double(), logprobs_B.double()]).tolist()  # one device->host copy
+        return [int(t) for t in both[0]], both[1]
+
+    def _graph_logits(self, batch: ScheduledBatch) -> torch.Tensor | None:
+        """Logits of a decode-only batch (every row samples) through the CUDA graphs; None when not applicable."""
+        if self.graphs is None or not self.graphs.fits(len(batch)) or any(n != 1 for n in batch.num_new_tokens):
+            return None
+        bs = self.cache.block_size
+        pos = [s.num_computed_tokens for s in batch.seqs]
+        ids = [s.token_ids[p] for s, p in zip(batch.seqs, pos)]
+        tables = [s.block_table for s in batch.seqs]
+        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)]
+        try:
+            logits_BV = self.graphs.run(ids, pos, slots, [p + 1 for p in pos], tables)
+        except CaptureFailed:
+            self.graphs = None
+            return None
+        rows = [i for i in range(len(batch)) if batch.samples(i)]  # a 1-token prompt chunk does not sample
+        return logits_BV if len(rows) == len(batch) else logits_BV[rows] if rows else None
+
+    def _eager_logits(self, batch: ScheduledBatch) -> torch.Tensor | None:
+        ids, pos, slots, meta, sample_rows = self._prepare(batch)
+        hidden_TD = self.model(ids, pos, PagedAttention(self.cache, meta, self.use_kernel))
+        return None if not sample_rows else self.model.compute_logits(hidden_TD[sample_rows])
 
     def _prepare(self, batch: ScheduledBatch):
         ids, pos, slots, sample_rows = [], [], [], []
@@ -98,12 +119,11 @@ class ModelRunner:
         top_ks = [V if s.params.top_k == -1 else min(s.params.top_k, V) for s in seqs]
         top_ps = [s.params.top_p for s in seqs]
         keys = [row_key(s.seed, s.num_response_tokens) for s in seqs]
-        return SamplingTensors(torch.tensor(temps, dtype=torch.float32, device=dev),
-                               torch.tensor(top_ks, dtype=torch.int64, device=dev),
-                               torch.tensor(top_ps, dtype=torch.float32, device=dev),
-                               torch.tensor(keys, dtype=torch.int64, device=dev),
+        floats = torch.tensor([temps, top_ps], dtype=torch.float32).to(dev, non_blocking=True)
+        ints = torch.tensor([top_ks, keys], dtype=torch.int64).to(dev, non_blocking=True)
+        return SamplingTensors(floats[0], ints[0], floats[1], ints[1],
                                any_filter=any(k < V for k in top_ks) or any(p < 1 for p in top_ps),
-                               all_greedy=all(t == 0 for t in temps))
+                               all_greedy=all(t == 0 for t in temps), max_top_k=max(top_ks))
 
 
 def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:

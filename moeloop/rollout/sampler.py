@@ -32,9 +32,13 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 def uniform_noise(keys_B: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """U(0,1) [B, V] in fp32 (24-bit resolution) from per-row keys; identical on every device."""
-    vocab_V = torch.arange(vocab_size, device=keys_B.device, dtype=torch.int64)
-    h_BV = _mix32(_mix32(keys_B[:, None] ^ vocab_V[None, :]) ^ keys_B[:, None])
-    return ((h_BV >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return noise_at(keys_B, torch.arange(vocab_size, device=keys_B.device, dtype=torch.int64)[None, :])
+
+
+def noise_at(keys_B: torch.Tensor, vocab_BN: torch.Tensor) -> torch.Tensor:
+    """`uniform_noise` at the given vocab ids only ([B, N] or [1, N]): the same value a full row would hold."""
+    h_BN = _mix32(_mix32(keys_B[:, None] ^ vocab_BN) ^ keys_B[:, None])
+    return ((h_BN >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
 @dataclass
@@ -45,6 +49,7 @@ class SamplingTensors:
     keys_B: torch.Tensor  # int64 row keys from `row_key`
     any_filter: bool
     all_greedy: bool
+    max_top_k: int | None = None  # host max of top_ks_B; small -> sample among torch.topk candidates, no sort
 
 
 def filter_logits(logits_BV: torch.Tensor, top_ks_B: torch.Tensor, top_ps_B: torch.Tensor) -> torch.Tensor:
@@ -60,6 +65,24 @@ def filter_logits(logits_BV: torch.Tensor, top_ks_B: torch.Tensor, top_ps_B: tor
     return torch.empty_like(logits_BV).scatter_(-1, order_BV, sorted_BV)
 
 
+TOPK_CANDIDATES_MAX = 1024
+
+
+def _sample_top_k(logits_BV: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """`filter_logits` + Gumbel-max restricted to each row's `max_top_k` largest logits (noise by vocab id, so the
+    draw equals the full-vocab one). Top-p mass is measured under the full softmax, as `filter_logits` does."""
+    vals_BN, ids_BN = logits_BV.topk(st.max_top_k, dim=-1)
+    rank_N = torch.arange(vals_BN.shape[-1], device=logits_BV.device)
+    drop_BN = rank_N[None, :] >= st.top_ks_B[:, None]
+    probs_BN = (vals_BN - logits_BV.logsumexp(dim=-1, keepdim=True)).exp()
+    drop_BN |= (probs_BN.cumsum(dim=-1) - probs_BN) > st.top_ps_B[:, None]
+    drop_BN[:, 0] = False
+    temps_B = torch.where(st.temperatures_B > 0, st.temperatures_B, torch.ones_like(st.temperatures_B))
+    gumbel_BN = -torch.log(-torch.log(noise_at(st.keys_B, ids_BN)))
+    score_BN = vals_BN.masked_fill(drop_BN, float("-inf")) / temps_B[:, None] + gumbel_BN
+    return ids_BN.gather(1, score_BN.argmax(dim=-1, keepdim=True))[:, 0]
+
+
 class Sampler:
     def __call__(self, logits_BV: torch.Tensor, st: SamplingTensors,
                  want_logprobs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -68,6 +91,8 @@ class Sampler:
         greedy_B = logits_BV.argmax(dim=-1)
         if st.all_greedy:
             tokens_B = greedy_B
+        elif st.max_top_k is not None and st.max_top_k <= TOPK_CANDIDATES_MAX:
+            tokens_B = torch.where(st.temperatures_B > 0, _sample_top_k(logits_BV, st), greedy_B)
         else:
             z_BV = filter_logits(logits_BV, st.top_ks_B, st.top_ps_B) if st.any_filter else logits_BV
             temps_B = torch.where(st.temperatures_B > 0, st.temperatures_B, torch.ones_like(st.temperatures_B))
