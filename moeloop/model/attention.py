@@ -32,20 +32,55 @@ def position_ids_from_lengths(lengths: list[int]) -> torch.Tensor:
 
 
 class PackedAttention:
-    """Causal attention inside each sequence of a packed stream; `cu_seqlens` = [0, n0, n0+n1, ...]."""
+    """Causal attention inside each sequence of a packed stream; `cu_seqlens` = [0, n0, n0+n1, ...].
+
+    Sequences of similar length (padding at most doubles the tokens) run as ONE batched SDPA call on a
+    right-padded [S, H, L, D] view: with a causal mask a real query never sees a padded key, and
+    padded query rows are dropped, so no mask tensor is needed and flash kernels apply. Otherwise each
+    sequence gets its own call. Both give the same numbers.
+    """
+
+    MAX_PAD_FACTOR = 2.0
 
     def __init__(self, cu_seqlens: torch.Tensor):
         self.cu_seqlens = cu_seqlens
         self.bounds = [int(x) for x in cu_seqlens.tolist()]
+        self.lengths = [e - s for s, e in zip(self.bounds[:-1], self.bounds[1:])]
+        self.max_len = max(self.lengths, default=0)
+        total = self.bounds[-1] if self.bounds else 0
+        self.batched = len(self.lengths) > 1 and len(self.lengths) * self.max_len <= self.MAX_PAD_FACTOR * total
+        self._slots: torch.Tensor | None = None
+
+    def _padded_slots(self, device: torch.device) -> torch.Tensor:
+        """Row of each packed token in the flattened [S * L] padded layout."""
+        if self._slots is None or self._slots.device != device:
+            self._slots = torch.cat([torch.arange(n) + i * self.max_len for i, n in enumerate(self.lengths)]).to(device)
+        return self._slots
 
     def attend(self, layer_idx: int, q_THD: torch.Tensor, k_TGD: torch.Tensor, v_TGDv: torch.Tensor,
                scale: float) -> torch.Tensor:
+        gqa = k_TGD.shape[1] != q_THD.shape[1]
+        if self.batched:
+            return self._attend_padded(q_THD, k_TGD, v_TGDv, scale, gqa)
         outs = []
         for start, end in zip(self.bounds[:-1], self.bounds[1:]):
             # 4-D [1, H, S, D]: 3-D inputs make SDPA take its math kernel (materialised [H, S, S] scores)
             q = q_THD[start:end].transpose(0, 1)[None]
             k = k_TGD[start:end].transpose(0, 1)[None]
             v = v_TGDv[start:end].transpose(0, 1)[None]
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
             outs.append(o[0].transpose(0, 1))
         return torch.cat(outs, 0)
+
+    def _attend_padded(self, q_THD: torch.Tensor, k_TGD: torch.Tensor, v_TGDv: torch.Tensor, scale: float,
+                       gqa: bool) -> torch.Tensor:
+        slots = self._padded_slots(q_THD.device)
+        S, L = len(self.lengths), self.max_len
+
+        def pad(x_TXD: torch.Tensor) -> torch.Tensor:  # [T, X, D] -> [S, X, L, D]
+            out = x_TXD.new_zeros(S * L, *x_TXD.shape[1:]).index_copy(0, slots, x_TXD)
+            return out.view(S, L, *x_TXD.shape[1:]).transpose(1, 2)
+
+        o_SHLD = F.scaled_dot_product_attention(pad(q_THD), pad(k_TGD), pad(v_TGDv), is_causal=True, scale=scale,
+                                                enable_gqa=gqa)
+        return o_SHLD.transpose(1, 2).reshape(S * L, *o_SHLD.shape[1:2], o_SHLD.shape[-1]).index_select(0, slots)
