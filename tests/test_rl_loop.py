@@ -76,3 +76,29 @@ def test_dp2_matches_dp1(model_dir, tmp_path):
     w1, w2 = _weights(tmp_path / "one"), _weights(tmp_path / "two")
     for name in w1:  # tolerance: Adam over all-reduced fp32 gradients (notes/cpu-stack.md)
         torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=5e-5)
+
+
+def test_ppo_with_gae_critic_runs_and_resumes(model_dir, tmp_path):
+    extra = ["algorithm.adv_estimator=gae", "critic.enable=true", "critic.optim.lr=1e-3", "algorithm.lam=0.95",
+             "critic.ppo_mini_batch_size=2", "critic.max_tokens_per_micro_batch=64"]
+    last = run_rl(_cfg(model_dir, tmp_path / "a", *extra))
+    assert "critic/vf_loss" in last and last["time/values"] > 0 and last["time/update_critic"] > 0
+    run_rl(_cfg(model_dir, tmp_path / "b", *extra, f"trainer.steps={STEPS // 2}"))
+    run_rl(_cfg(model_dir, tmp_path / "b", *extra), resume=True)
+    assert _metrics(tmp_path / "a") == _metrics(tmp_path / "b")
+
+
+def test_critic_learns_returns():
+    from tests.trainer_fixtures import rl_batch, tiny_model
+    from moeloop.config.schema import CriticSection
+    from moeloop.train.critic import Critic
+    samples = rl_batch()
+    for s in samples:
+        s.returns, s.values = [1.5] * len(s.response_ids), [0.0] * len(s.response_ids)
+    cfg = CriticSection(enable=True, cliprange_value=100.0, max_tokens_per_micro_batch=24, ppo_mini_batch_size=4)
+    cfg.optim.lr = 1e-2
+    critic = Critic(tiny_model(), cfg, torch.device("cpu"), 8)
+    losses = [critic.update(samples)["critic/vf_loss"] for _ in range(15)]
+    assert losses[-1] < 0.1 * losses[0]
+    critic.compute_values(samples)
+    assert abs(samples[0].values[0] - 1.5) < 0.4

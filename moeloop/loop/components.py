@@ -24,11 +24,13 @@ from moeloop.loop.generation import RolloutWorker
 from moeloop.loop.metrics import MetricsLogger
 from moeloop.loop.sft import actor_state_load, actor_state_save
 from moeloop.model.hf_io import load_pretrained
+from moeloop.plan import predict_peak_bytes
 from moeloop.reward import RewardPool
 from moeloop.rollout import Engine
 from moeloop.rollout.sampling_params import SamplingParams
 from moeloop.sync import InProcessTransport, WeightSyncer
 from moeloop.train.actor import Actor, PolicyForward
+from moeloop.train.critic import Critic
 
 
 @dataclass
@@ -41,6 +43,7 @@ class Components:
     cursor: EpochCursor
     actor: Actor
     ref: PolicyForward | None
+    critic: Critic | None
     engine: Any
     rollout: RolloutWorker
     rewards: RewardPool
@@ -49,6 +52,7 @@ class Components:
     logger: MetricsLogger
     start_step: int = 0
     groups_issued: int = field(default=0)
+    planned_peak_bytes: int = 0  # the planner's prediction for this run (CUDA only), logged beside the measured peak
 
     @property
     def prompts_per_rank(self) -> int:
@@ -101,10 +105,16 @@ class Components:
         every, last = self.cfg.checkpoint.save_every, step == self.cfg.trainer.steps
         if (every and step % every == 0) or (last and self.cfg.checkpoint.save_final):
             actor_state_save(self.ckpt, step, self.actor, self.cursor, version=step, world_size=self.env.world_size)
+            if self.critic is not None:
+                self.critic_ckpt.save(step, self.critic.model, self.critic.optimizer, {"step": step})
         hf_every = self.cfg.checkpoint.export_hf_every
         if (hf_every and step % hf_every == 0) or (last and self.cfg.checkpoint.export_hf_final):
             export_hf(self.actor.named_weights(), self.actor.model.cfg, self.env.run_dir / "hf",
                       self.cfg.model.path, write=self.env.is_main)
+
+    @property
+    def critic_ckpt(self) -> CheckpointManager:
+        return CheckpointManager(self.ckpt.directory / "critic", self.ckpt.keep)
 
     def finish(self) -> None:
         self.logger.close()
@@ -136,18 +146,24 @@ def build_components(cfg: RunConfig, resume: bool) -> Components:
     needs_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
     ref = PolicyForward(load_pretrained(cfg.model.path, dtype=dtype), env.device, cfg.actor.max_tokens_per_micro_batch,
                         cfg.model.logprob_chunk_tokens) if needs_ref else None
+    critic = Critic(load_policy(cfg), cfg.critic, env.device, cfg.data.max_response_length,
+                    cfg.trainer.steps) if cfg.critic.enable else None
     engine = build_engine(cfg, load_pretrained(cfg.model.path, dtype=dtype, device=env.device), tokenizer)
     c = Components(
         cfg=cfg, env=env, tokenizer=tokenizer, train=train, val=val,
-        cursor=EpochCursor(len(train), cfg.data.seed, cfg.data.shuffle), actor=actor, ref=ref, engine=engine,
+        cursor=EpochCursor(len(train), cfg.data.seed, cfg.data.shuffle), actor=actor, ref=ref, critic=critic, engine=engine,
         rollout=RolloutWorker(engine, tokenizer, cfg.data.max_response_length, env.rank),
         rewards=RewardPool.from_config(cfg.reward),
         syncer=WeightSyncer(InProcessTransport(env.device), cfg.sync.bucket_bytes, cfg.sync.verify),
         ckpt=CheckpointManager(cfg.checkpoint.dir or env.run_dir / "checkpoints", cfg.checkpoint.keep),
         logger=MetricsLogger(env.run_dir, cfg.trainer.log, env.is_main, cfg.trainer.steps),
     )
+    if env.device.type == "cuda":
+        c.planned_peak_bytes = predict_peak_bytes(cfg, actor.model.cfg)
     if resume and (latest := c.ckpt.latest()) is not None:
         meta = actor_state_load(c.ckpt, latest, c.actor, c.cursor)
         c.start_step = meta["step"]
+        if c.critic is not None:
+            c.critic_ckpt.load(c.critic_ckpt.latest(), c.critic.model, c.critic.optimizer)
         c.syncer.push(c.actor.named_weights(), c.engine, version=meta["step"])
     return c

@@ -3,8 +3,8 @@
     timer = PhaseTimer()
     with timer("gen"): ...
     logger.log(step, {**timer.pop(), **other_metrics})
-Phase names follow the design: gen, reward, old_log_prob, ref, adv, update_actor, update_weights,
-save_checkpoint. Only rank 0 writes.
+Phase names follow the design: gen, reward, old_log_prob, ref, values (critic), adv, update_critic,
+update_actor, update_weights, save_checkpoint. Only rank 0 writes.
 """
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from typing import Iterator
 
 import torch
 
-PHASES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "update_weights", "save_checkpoint")
+PHASES = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor", "update_weights",
+          "save_checkpoint")
 
 
 class PhaseTimer:

@@ -33,9 +33,14 @@ def run_rl(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
         with timer("ref"):
             if c.ref is not None:
                 c.ref.compute_logprobs(samples, "ref_logprobs")
+        with timer("values"):
+            if c.critic is not None:
+                c.critic.compute_values(samples)
         with timer("adv"):
             kl_metrics = apply_kl_in_reward(samples, cfg.algorithm) if cfg.algorithm.use_kl_in_reward else None
             compute_advantages(samples, cfg.algorithm)
+        with timer("update_critic"):
+            critic_metrics = c.critic.update(samples) if c.critic is not None else {}
         with timer("update_actor"):
             update_metrics = c.actor.update(samples)
         with timer("update_weights"):
@@ -43,9 +48,10 @@ def run_rl(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
         val_metrics = c.evaluate() if cfg.trainer.val_every and (step + 1) % cfg.trainer.val_every == 0 else {}
         with timer("save_checkpoint"):
             c.maybe_save(step + 1)
-        last = {**batch_metrics(samples, timer.seconds), **logprob_mismatch(samples), **reward_metrics, **update_metrics,
+        last = {**batch_metrics(samples, timer.seconds), **logprob_mismatch(samples), **reward_metrics, **update_metrics, **critic_metrics,
                 **val_metrics, **timer.pop(), "sync/gb_per_s": sync.gb_per_s, "sync/bytes": sync.num_bytes,
-                "policy/version": sync.version, "memory/peak_bytes": peak_memory_bytes(c.env.device)}
+                "policy/version": sync.version, "memory/peak_bytes": peak_memory_bytes(c.env.device),
+                "memory/planned_peak_bytes": c.planned_peak_bytes}
         if kl_metrics is not None:
             last["kl_in_reward"] = kl_metrics
         c.logger.log(step + 1, last)

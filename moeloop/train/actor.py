@@ -29,12 +29,12 @@ from moeloop.train.packing import PackedBatch, global_loss_denominators, pack_sa
 from moeloop.types import Sample
 
 
-def _dp_size() -> int:
+def dp_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def _all_reduce(value: float, op: dist.ReduceOp = dist.ReduceOp.SUM) -> float:
-    if _dp_size() == 1:
+def all_reduce_scalar(value: float, op: dist.ReduceOp = dist.ReduceOp.SUM) -> float:
+    if dp_size() == 1:
         return value
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, op=op)
@@ -45,9 +45,13 @@ class PolicyForward:
     """Forward-only packed logprob passes; the base of the actor and of the frozen reference."""
 
     def __init__(self, model: nn.Module, device: torch.device, max_tokens_per_micro_batch: int, chunk_tokens: int,
-                 param_dtype: torch.dtype | None = None):
+                 param_dtype: torch.dtype | None = None, head: nn.Module | None = None):
+        """`head` replaces lm_head (the critic's value head); default: the chunked `LogprobHead`."""
         self.model, self.device, self.budget = model, device, max_tokens_per_micro_batch
-        LogprobHead.replace_in(model, chunk_tokens)
+        if head is None:
+            LogprobHead.replace_in(model, chunk_tokens)
+        else:
+            model.lm_head = head
         self.model.to(device)
         mesh = build_dp_mesh(device.type)
         if mesh is not None:
@@ -61,7 +65,7 @@ class PolicyForward:
     def micro_batches(self, samples: list[Sample]) -> list[list[int]]:
         """Token-budget cut, padded with empty micro-batches to the max count over DP ranks."""
         bins = split_micro_batches(samples, self.budget) if samples else []
-        target = int(_all_reduce(len(bins), dist.ReduceOp.MAX))
+        target = int(all_reduce_scalar(len(bins), dist.ReduceOp.MAX))
         if target > len(bins) and len(samples) >= target:
             bins = split_micro_batches(samples, self.budget, min_num_micro_batches=target)
         return bins + [[] for _ in range(target - len(bins))]
@@ -71,7 +75,7 @@ class PolicyForward:
         """Teacher-forced logprob of each response token, written to `sample.<field>` (a list)."""
         self.model.eval()
         for indices in self.micro_batches(samples):
-            part = [samples[i] for i in indices] or [_dummy_sample()]
+            part = [samples[i] for i in indices] or [dummy_sample()]
             batch = pack_samples(part)
             logprobs_T, _ = self.forward_batch(batch, with_entropy=False)
             if not indices:
@@ -85,11 +89,11 @@ class PolicyForward:
             yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
 
 
-def _global_metrics(local: dict[str, float]) -> dict[str, float]:
+def global_metrics(local: dict[str, float]) -> dict[str, float]:
     """Loss shares add over ranks; the other metrics are averaged weighted by loss tokens."""
-    if _dp_size() == 1:
+    if dp_size() == 1:
         return local
-    gathered: list[dict[str, float]] = [{} for _ in range(_dp_size())]
+    gathered: list[dict[str, float]] = [{} for _ in range(dp_size())]
     dist.all_gather_object(gathered, local)
     total_tokens = sum(m.get("num_loss_tokens", 0.0) for m in gathered) or 1.0
     out = {"num_loss_tokens": total_tokens}
@@ -101,7 +105,7 @@ def _global_metrics(local: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def _dummy_sample() -> Sample:
+def dummy_sample() -> Sample:
     """One 2-token sequence with no loss token: keeps a rank with no work in FSDP's lockstep."""
     return Sample(prompt_ids=[0], response_ids=[0], loss_mask=[0], old_logprobs=[0.0], advantages=[0.0],
                   ref_logprobs=[0.0])
@@ -112,15 +116,12 @@ class Actor(PolicyForward):
                  chunk_tokens: int = 1024, total_steps: int = 1, param_dtype: torch.dtype | None = None):
         super().__init__(model, device, cfg.max_tokens_per_micro_batch, chunk_tokens, param_dtype)
         self.cfg, self.max_response_length = cfg, max_response_length
-        o = cfg.optim
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                           weight_decay=o.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(o.warmup_steps, total_steps, o.min_lr_ratio))
+        self.optimizer, self.scheduler = build_optimizer(model, cfg, total_steps)
 
     def update(self, samples: list[Sample]) -> dict[str, float]:
         """PPO-style update: `ppo_epochs` passes over mini-batches of whole groups (one optimizer step each)."""
         self.model.train()
-        mini_batches = _split_groups(samples, self._num_mini_batches(samples))
+        mini_batches = split_groups(samples, self._num_mini_batches(samples))
         metrics: list[dict[str, float]] = []
         for _ in range(self.cfg.ppo_epochs):
             for mini in mini_batches:
@@ -131,28 +132,26 @@ class Actor(PolicyForward):
         return out
 
     def _num_mini_batches(self, samples: list[Sample]) -> int:
-        num_groups = len({s.group_id for s in samples})
-        local_prompts_per_mini = max(1, self.cfg.ppo_mini_batch_size // _dp_size())
-        return int(_all_reduce(max(1, math.ceil(num_groups / local_prompts_per_mini)), dist.ReduceOp.MAX))
+        return num_mini_batches(samples, self.cfg.ppo_mini_batch_size)
 
     def _step(self, samples: list[Sample]) -> dict[str, float]:
-        denominator = _all_reduce(global_loss_denominators(samples, self.cfg.loss_agg_mode, self.max_response_length))
+        denominator = all_reduce_scalar(global_loss_denominators(samples, self.cfg.loss_agg_mode, self.max_response_length))
         denominator = max(denominator, 1.0)
         want_entropy = True
         per_micro: list[dict[str, float]] = []
         for indices in self.micro_batches(samples):
-            part = [samples[i] for i in indices] or [_dummy_sample()]
+            part = [samples[i] for i in indices] or [dummy_sample()]
             batch = pack_samples(part).to(self.device)
             logprobs_T, entropy_T = self.forward_batch(batch, with_entropy=want_entropy)
             old = batch.old_logprobs_T if batch.old_logprobs_T is not None else logprobs_T.detach()
             inputs = PolicyInputs(logprobs_T, old, batch.advantages_T, batch.loss_mask_T, batch.cu_seqlens,
                                   batch.ref_logprobs_T, entropy_T)
             loss, m = actor_loss(inputs, self.cfg, denominator)
-            (loss * _dp_size()).backward()  # FSDP averages gradients over DP; the loss is already global
+            (loss * dp_size()).backward()  # FSDP averages gradients over DP; the loss is already global
             if indices:
                 per_micro.append(m)
         grad_norm = self._clip_and_step()
-        out = _global_metrics(reduce_metrics(per_micro) if per_micro else {})
+        out = global_metrics(reduce_metrics(per_micro) if per_micro else {})
         out["grad_norm"] = grad_norm
         return out
 
@@ -166,22 +165,35 @@ class Actor(PolicyForward):
     def sft_step(self, samples: list[Sample]) -> dict[str, float]:
         """One optimizer step of token-mean cross-entropy on the response tokens (SFT entrance)."""
         self.model.train()
-        num_tokens = max(_all_reduce(float(sum(len(s.response_ids) for s in samples))), 1.0)
+        num_tokens = max(all_reduce_scalar(float(sum(len(s.response_ids) for s in samples))), 1.0)
         total = 0.0
         for indices in self.micro_batches(samples):
-            part = [samples[i] for i in indices] or [_dummy_sample()]
+            part = [samples[i] for i in indices] or [dummy_sample()]
             batch = pack_samples(part).to(self.device)
             logprobs_T, _ = self.forward_batch(batch, with_entropy=False)
             mask = batch.loss_mask_T if indices else torch.zeros_like(batch.loss_mask_T)
             loss = -(logprobs_T * mask).sum() / num_tokens
-            (loss * _dp_size()).backward()
+            (loss * dp_size()).backward()
             total += float(loss.detach())
         grad_norm = self._clip_and_step()
         self.scheduler.step()
-        return {"sft_loss": _all_reduce(total), "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0]}
+        return {"sft_loss": all_reduce_scalar(total), "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0]}
 
 
-def _split_groups(samples: list[Sample], num_parts: int) -> list[list[Sample]]:
+def num_mini_batches(samples: list[Sample], ppo_mini_batch_size: int) -> int:
+    """Global mini-batch count (the same on every rank): this rank's groups over its share of a mini-batch."""
+    num_groups = len({s.group_id for s in samples})
+    local_prompts_per_mini = max(1, ppo_mini_batch_size // dp_size())
+    return int(all_reduce_scalar(max(1, math.ceil(num_groups / local_prompts_per_mini)), dist.ReduceOp.MAX))
+
+
+def build_optimizer(model: nn.Module, cfg: ActorSection, total_steps: int):
+    o = cfg.optim
+    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(o.warmup_steps, total_steps, o.min_lr_ratio))
+
+
+def split_groups(samples: list[Sample], num_parts: int) -> list[list[Sample]]:
     """Cut into `num_parts` mini-batches of whole groups, in group order (equal counts across ranks)."""
     group_ids = list(dict.fromkeys(s.group_id for s in samples))
     parts = np.array_split(np.arange(len(group_ids)), num_parts)

@@ -1,0 +1,92 @@
+"""The PPO critic: the policy's transformer with a scalar value head, trained on GAE returns.
+
+    critic = Critic(load_policy(cfg), cfg.critic, device, total_steps)   # initialised from the policy
+    critic.compute_values(samples)        # sample.values: V at each response token's predicting position
+    metrics = critic.update(samples)      # clipped value loss, same micro-batching / DP rules as the actor
+Values line up with logprobs: the value stored for response token j is read at the position that
+predicts token j (the state before it), as `moeloop.train.packing` documents.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moeloop.algo.losses import reduce_metrics, value_loss
+from moeloop.config.schema import CriticSection
+from moeloop.model.attention import PackedAttention
+from moeloop.train.actor import (PolicyForward, all_reduce_scalar, build_optimizer, dp_size, dummy_sample,
+                                 global_metrics, num_mini_batches, split_groups)
+from moeloop.train.packing import PackedBatch, global_loss_denominators, pack_samples
+from moeloop.types import Sample
+
+
+class ValueHead(nn.Module):
+    """hidden [T, D] -> value [T] in fp32; zero-initialised so the first values are 0."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.score = nn.Linear(dim, 1, bias=True)
+        nn.init.zeros_(self.score.weight)
+        nn.init.zeros_(self.score.bias)
+
+    def forward(self, hidden_TD: torch.Tensor) -> torch.Tensor:
+        return self.score(hidden_TD).squeeze(-1).float()
+
+
+class Critic(PolicyForward):
+    def __init__(self, model: nn.Module, cfg: CriticSection, device: torch.device, max_response_length: int,
+                 total_steps: int = 1, param_dtype: torch.dtype | None = None):
+        head = ValueHead(model.cfg.hidden_size).to(next(model.parameters()).dtype)
+        super().__init__(model, device, cfg.max_tokens_per_micro_batch, 0, param_dtype, head=head)
+        self.cfg, self.max_response_length = cfg, max_response_length
+        self.optimizer, self.scheduler = build_optimizer(model, cfg, total_steps)
+
+    def values_of(self, batch: PackedBatch) -> torch.Tensor:
+        batch = batch.to(self.device)
+        hidden_TD = self.model(batch.input_ids_T, batch.position_ids_T, PackedAttention(batch.cu_seqlens))
+        return self.model.lm_head(hidden_TD)
+
+    @torch.no_grad()
+    def compute_values(self, samples: list[Sample]) -> None:
+        self.model.eval()
+        for indices in self.micro_batches(samples):
+            part = [samples[i] for i in indices] or [dummy_sample()]
+            batch = pack_samples(part)
+            values_T = self.values_of(batch)
+            for seq, sample in enumerate(part if indices else []):
+                sample.values = values_T[batch.response_slice(seq)].cpu().tolist()
+
+    def update(self, samples: list[Sample]) -> dict[str, float]:
+        self.model.train()
+        metrics = []
+        for _ in range(self.cfg.ppo_epochs):
+            for mini in split_groups(samples, num_mini_batches(samples, self.cfg.ppo_mini_batch_size)):
+                metrics.append(self._step(mini))
+        self.scheduler.step()
+        return {f"critic/{k}": v for k, v in reduce_metrics(metrics).items()}
+
+    def _step(self, samples: list[Sample]) -> dict[str, float]:
+        denominator = max(all_reduce_scalar(global_loss_denominators(samples, self.cfg.loss_agg_mode,
+                                                                     self.max_response_length)), 1.0)
+        per_micro = []
+        for indices in self.micro_batches(samples):
+            part = [samples[i] for i in indices] or [_dummy_with_values()]
+            batch = pack_samples(part).to(self.device)
+            values_T = self.values_of(batch)
+            mask = batch.loss_mask_T if indices else torch.zeros_like(batch.loss_mask_T)
+            loss, m = value_loss(values_T, batch.values_T, batch.returns_T, mask, batch.cu_seqlens, self.cfg,
+                                 denominator)
+            (loss * dp_size()).backward()
+            if indices:
+                per_micro.append(m)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip or float("inf"))
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {**global_metrics(reduce_metrics(per_micro) if per_micro else {}), "grad_norm": float(norm)}
+
+
+def _dummy_with_values() -> Sample:
+    sample = dummy_sample()
+    sample.values, sample.returns = [0.0], [0.0]
+    return sample
