@@ -241,6 +241,7 @@ class TrainerSection:
     steps: int = 10
     epochs: int = 0  # used by SFT when > 0
     val_every: int = 0
+    val_samples: int = 4  # samples per held-out prompt for the sampled accuracy (0 = greedy only)
     log: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
     run_dir: str = "runs/default"
     seed: int = 0

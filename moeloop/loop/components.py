@@ -89,17 +89,26 @@ class Components:
                                     ignore_eos=r.ignore_eos) for p in positions]
 
     def evaluate(self) -> dict[str, float]:
-        """Greedy accuracy on the held-out prompts (a sample is correct when its reward is >= 1)."""
+        """Held-out accuracy (a sample is correct when its reward is >= 1): greedy, and the mean over
+        `trainer.val_samples` samples per prompt at the rollout temperature (the policy RL optimises)."""
         if self.val is None:
             return {}
         n = min(self.cfg.data.val_batch_size, len(self.val))
         share = [self.val[i] for i in range(self.env.rank, n, self.env.world_size)]
-        samples = self.rollout.generate(share, self.rollout.params(1, 0.0), 0) if share else []
+        r, k = self.cfg.rollout, self.cfg.trainer.val_samples
+        out = {"acc/val": self._accuracy(share, self.rollout.params(1, 0.0))}
+        if k > 0:
+            out["acc/val_sampled"] = self._accuracy(share, self.rollout.params(k, r.temperature, r.top_p, r.top_k,
+                                                                               seed=self.cfg.trainer.seed))
+        return out
+
+    def _accuracy(self, examples: list[Example], params: SamplingParams) -> float:
+        samples = self.rollout.generate(examples, params, 0) if examples else []
         self.rewards.score(samples)
         totals = torch.tensor([sum(s.reward >= 1.0 for s in samples), len(samples)], dtype=torch.float64)
         if dist.is_initialized():
             dist.all_reduce(totals)
-        return {"acc/val": float(totals[0] / max(totals[1], 1))}
+        return float(totals[0] / max(totals[1], 1))
 
     def maybe_save(self, step: int) -> None:
         every, last = self.cfg.checkpoint.save_every, step == self.cfg.trainer.steps
