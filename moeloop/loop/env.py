@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -69,3 +70,16 @@ def load_policy(cfg: RunConfig, device: torch.device | str = "cpu") -> torch.nn.
     model = load_pretrained(cfg.model.path, dtype=dtype_of(cfg.model.dtype), device=device)
     model.gradient_checkpointing = cfg.model.gradient_checkpointing
     return model
+
+
+def run_command(argv: list[str], name: str, run) -> int:
+    """`moeloop NAME CONFIG [key=value ...] [--resume]`: load the config, call `run(cfg, resume)`."""
+    from moeloop.config import load_config
+
+    resume = "--resume" in argv
+    args = [a for a in argv if a != "--resume"]
+    if not args:
+        print(f"usage: moeloop {name} CONFIG [key=value ...] [--resume]", file=sys.stderr)
+        return 2
+    run(load_config(args[0], args[1:]), resume)
+    return 0

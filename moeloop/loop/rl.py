@@ -8,13 +8,12 @@ trainer makes N ranks equal to one (see moeloop.train.actor).
 """
 from __future__ import annotations
 
-import sys
-
 from moeloop.algo.advantages import compute_advantages
 from moeloop.algo.dapo import filter_uniform_groups, overlong_penalty
 from moeloop.algo.token_rewards import apply_kl_in_reward
-from moeloop.config import RunConfig, load_config
+from moeloop.config import RunConfig
 from moeloop.loop.components import Components, build_components
+from moeloop.loop.env import run_command
 from moeloop.loop.metrics import PhaseTimer, peak_memory_bytes
 from moeloop.loop.step_metrics import batch_metrics, logprob_mismatch
 from moeloop.types import Sample
@@ -107,10 +106,4 @@ def _merge_reward_metrics(old: dict[str, float], new: dict[str, float]) -> dict[
 
 
 def main(argv: list[str]) -> int:
-    resume = "--resume" in argv
-    args = [a for a in argv if a != "--resume"]
-    if not args:
-        print("usage: moeloop rl CONFIG [key=value ...] [--resume]", file=sys.stderr)
-        return 2
-    run_rl(load_config(args[0], args[1:]), resume)
-    return 0
+    return run_command(argv, "rl", run_rl)

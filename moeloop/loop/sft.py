@@ -5,14 +5,12 @@ end (`<run_dir>/hf`) is directly an RL `model.path`.
 """
 from __future__ import annotations
 
-import sys
-
 from transformers import AutoTokenizer
 
 from moeloop.checkpoint import CheckpointManager
-from moeloop.config import RunConfig, load_config
+from moeloop.config import RunConfig
 from moeloop.data import EpochCursor, PromptDataset, load_rows
-from moeloop.loop.env import RunEnv, load_policy
+from moeloop.loop.env import RunEnv, load_policy, run_command
 from moeloop.loop.export import export_hf
 from moeloop.loop.metrics import MetricsLogger, PhaseTimer, peak_memory_bytes
 from moeloop.train.actor import Actor
@@ -68,10 +66,4 @@ def _plain(state: dict) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    resume = "--resume" in argv
-    args = [a for a in argv if a != "--resume"]
-    if not args:
-        print("usage: moeloop sft CONFIG [key=value ...] [--resume]", file=sys.stderr)
-        return 2
-    run_sft(load_config(args[0], args[1:]), resume)
-    return 0
+    return run_command(argv, "sft", run_sft)
