@@ -78,3 +78,19 @@ def test_dp2_checkpoint_resumes_at_other_layouts(tmp_path, resume_world):
     else:
         resumed = run_ranks(_dist_run, resume_world, str(tmp_path / "b"), 4, True, None)[0][0]
     _assert_same(straight, resumed)
+
+
+def test_ckpt_export_cli_writes_loadable_hf(tmp_path):
+    from moeloop.checkpoint.command import main as ckpt_main
+    from moeloop.model.factory import init_model
+    from moeloop.model.hf_io import load_pretrained
+    import transformers
+
+    model_dir = init_model("qwen3_moe", "tiny", tmp_path / "m", seed=1)
+    model = load_pretrained(model_dir)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2.0)  # differs from model_dir's weights
+    CheckpointManager(tmp_path / "ckpt").save(1, model, None, {"cursor": {}})
+    assert ckpt_main(["export", str(tmp_path / "ckpt"), "--model", str(model_dir), "--out", str(tmp_path / "hf")]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    torch.testing.assert_close(hf.lm_head.weight, model.lm_head.weight)

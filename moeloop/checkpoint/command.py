@@ -1,0 +1,33 @@
+"""`moeloop ckpt export CKPT_DIR --model MODEL_DIR --out OUT_DIR`: a DCP checkpoint (any layout it was
+saved at) -> hub-named safetensors that `transformers` loads. MODEL_DIR gives config.json and tokenizer."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from moeloop.checkpoint.manager import CheckpointManager
+
+
+def export_checkpoint(ckpt: str | Path, model_dir: str | Path, out_dir: str | Path) -> Path:
+    from moeloop.model.hf_io import load_pretrained, save_pretrained
+
+    ckpt = Path(ckpt)
+    if (ckpt / "latest").is_file():  # a checkpoint directory: take its newest complete save
+        ckpt = CheckpointManager(ckpt).latest() or ckpt
+    if not (ckpt / ".metadata").is_file():
+        raise FileNotFoundError(f"{ckpt} is not a DCP checkpoint (no .metadata)")
+    model = load_pretrained(model_dir)
+    CheckpointManager(ckpt.parent).load(ckpt, model, optimizer=None)
+    return save_pretrained(model, out_dir, tokenizer_dir=model_dir)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="moeloop ckpt", description=__doc__)
+    sub = parser.add_subparsers(dest="verb", required=True)
+    export = sub.add_parser("export", help="DCP checkpoint -> HF safetensors")
+    export.add_argument("ckpt", help="a step_N directory, or a checkpoints directory (its latest)")
+    export.add_argument("--model", required=True, help="model folder with config.json and tokenizer")
+    export.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    print(export_checkpoint(args.ckpt, args.model, args.out))
+    return 0
