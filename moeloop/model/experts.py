@@ -7,11 +7,13 @@ implementations, weighted in fp32 and summed back per token:
   `torch._grouped_mm` on older torch), offsets = int32 cumsum of the per-expert counts. Needs row strides that
   are multiples of 16 bytes (D and F multiples of 8 in bf16, 4 in fp32); groups may be empty.
 - "loop": one pair of matmuls per non-empty expert (one host sync for the counts); any device and dtype.
-"auto" takes grouped_mm on CUDA in bf16/fp16 with aligned dims, the loop otherwise.
+"auto" takes grouped_mm on CUDA in bf16/fp16 and on CPU where its kernel exists, with aligned dims; else the loop.
 Other implementations plug in with `register_experts_impl(name, fn)` (the rollout engine's fused decode kernels).
 """
 # T tokens, D model dim, F expert ffn dim, E experts, K experts per token, S = T*K sorted assignments
 from __future__ import annotations
+
+import functools
 
 from typing import Protocol
 
@@ -25,6 +27,20 @@ _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", No
 
 def grouped_mm_available() -> bool:
     return _grouped_mm is not None
+
+
+@functools.cache
+def cpu_grouped_mm_works() -> bool:
+    """Whether this torch has a CPU grouped_mm kernel with backward (2.13 does; older builds may not)."""
+    if _grouped_mm is None:
+        return False
+    try:
+        x = torch.randn(4, 4, requires_grad=True)
+        w = torch.randn(2, 4, 4, requires_grad=True)
+        _grouped_mm(x, w, offs=torch.tensor([1, 4], dtype=torch.int32)).square().sum().backward()
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
 
 
 class ExpertsFn(Protocol):
@@ -73,8 +89,11 @@ class Experts(nn.Module):
         if self._impl in ("grouped_mm", "loop"):
             return self._impl
         aligned = (self.dim * x_TD.element_size()) % 16 == 0 and (self.ffn_dim * x_TD.element_size()) % 16 == 0
-        fast = x_TD.is_cuda and x_TD.dtype in (torch.bfloat16, torch.float16) and aligned
-        return "grouped_mm" if fast and grouped_mm_available() else "loop"
+        if x_TD.is_cuda:
+            fast = x_TD.dtype in (torch.bfloat16, torch.float16) and grouped_mm_available()
+        else:  # measured 10-35% faster than the loop for fwd+bwd at the tiny/small/large CPU sizes
+            fast = x_TD.device.type == "cpu" and cpu_grouped_mm_works()
+        return "grouped_mm" if fast and aligned else "loop"
 
     def forward(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
                 counts_E: torch.Tensor | None = None) -> torch.Tensor:
