@@ -34,6 +34,7 @@ class Bucket:
     metas: list[TensorMeta] = field(default_factory=list)
     fingerprint: int = 0
     fingerprint_kind: str = "crc32"  # crc32 (host buffers) | wsum (device buffers)
+    moved: bool = True  # False: the receiver holds the very buffer that was fingerprinted (nothing to verify)
 
     @property
     def num_bytes(self) -> int:

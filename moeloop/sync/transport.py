@@ -38,6 +38,8 @@ class InProcessTransport:
             if self.device is not None and bucket.buffer.device != torch.device(self.device):
                 bucket = Bucket(bucket.index, bucket.buffer.to(self.device), bucket.metas, bucket.fingerprint,
                                 bucket.fingerprint_kind)
+            else:
+                bucket.moved = False  # handed over as is: same bytes that were fingerprinted
             yield bucket
 
 
