@@ -137,12 +137,11 @@ class Actor(PolicyForward):
     def _step(self, samples: list[Sample]) -> dict[str, float]:
         denominator = all_reduce_scalar(global_loss_denominators(samples, self.cfg.loss_agg_mode, self.max_response_length))
         denominator = max(denominator, 1.0)
-        want_entropy = True
         per_micro: list[dict[str, float]] = []
         for indices in self.micro_batches(samples):
             part = [samples[i] for i in indices] or [dummy_sample()]
             batch = pack_samples(part).to(self.device)
-            logprobs_T, entropy_T = self.forward_batch(batch, with_entropy=want_entropy)
+            logprobs_T, entropy_T = self.forward_batch(batch, with_entropy=True)  # entropy: bonus and metric
             old = batch.old_logprobs_T if batch.old_logprobs_T is not None else logprobs_T.detach()
             inputs = PolicyInputs(logprobs_T, old, batch.advantages_T, batch.loss_mask_T, batch.cu_seqlens,
                                   batch.ref_logprobs_T, entropy_T)
