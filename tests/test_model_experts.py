@@ -71,9 +71,10 @@ def test_model_grouped_mm_equals_loop_values_and_grads():
         assert max_rel_err(outs[1][1][name], g) < 1e-4, name
 
 
-def test_auto_impl_is_loop_on_cpu_and_bad_impl_raises():
+def test_auto_impl_on_cpu_follows_the_kernel_probe_and_bad_impl_raises():
+    from moeloop.model.experts import cpu_grouped_mm_works
     experts, x, *_ = _experts_and_inputs()
-    assert experts.resolved_impl(x) == "loop"
+    assert experts.resolved_impl(x) == ("grouped_mm" if cpu_grouped_mm_works() else "loop")
     with pytest.raises(ValueError, match="experts_impl"):
         experts.impl = "cutlass"
 
@@ -131,3 +132,13 @@ def test_cuda_bf16_grouped_mm_matches_loop_and_hf():
         logits[impl] = out.detach().float().view_as(ref)
     assert max_rel_err(logits["auto"], logits["loop"]) < 3e-2
     assert max_rel_err(logits["auto"], ref) < 3e-2
+
+
+def test_cpu_grouped_mm_probe_is_not_fooled_by_no_grad():
+    from moeloop.model.experts import cpu_grouped_mm_works
+    if not grouped_mm_available():
+        pytest.skip("this torch has no grouped_mm")
+    cpu_grouped_mm_works.cache_clear()
+    with torch.inference_mode():
+        first = cpu_grouped_mm_works()
+    assert first == cpu_grouped_mm_works() and first  # torch 2.13 CPU has the kernel

@@ -35,9 +35,10 @@ def cpu_grouped_mm_works() -> bool:
     if _grouped_mm is None:
         return False
     try:
-        x = torch.randn(4, 4, requires_grad=True)
-        w = torch.randn(2, 4, 4, requires_grad=True)
-        _grouped_mm(x, w, offs=torch.tensor([1, 4], dtype=torch.int32)).square().sum().backward()
+        with torch.inference_mode(False), torch.enable_grad():  # the first caller may be a no-grad rollout
+            x = torch.randn(4, 4, requires_grad=True)
+            w = torch.randn(2, 4, 4, requires_grad=True)
+            _grouped_mm(x, w, offs=torch.tensor([1, 4], dtype=torch.int32)).square().sum().backward()
         return True
     except (RuntimeError, NotImplementedError):
         return False
