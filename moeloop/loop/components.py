@@ -141,7 +141,19 @@ def build_engine(cfg: RunConfig, model: torch.nn.Module, tokenizer: Any) -> Engi
                   detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
 
 
+def check_runtime_support(cfg: RunConfig) -> None:
+    """Settings the planner understands but the runtime does not run yet fail here, by name."""
+    if cfg.rollout.mode != "colocated":
+        raise ValueError(f"rollout.mode={cfg.rollout.mode!r} is not implemented by the RL loop yet (use colocated)")
+    p = cfg.parallel
+    for name in ("tp", "pp", "ep", "etp", "cp", "vpp"):
+        if getattr(p, name) != 1:
+            raise ValueError(f"parallel.{name}={getattr(p, name)}: the trainer applies data parallelism only so far "
+                             f"(torchrun --nproc_per_node N gives dp=N); {name} is used by `moeloop plan`")
+
+
 def build_components(cfg: RunConfig, resume: bool) -> Components:
+    check_runtime_support(cfg)
     env = RunEnv.create(cfg)
     if cfg.actor.ppo_mini_batch_size % env.world_size:
         raise ValueError(f"actor.ppo_mini_batch_size={cfg.actor.ppo_mini_batch_size} must be divisible by the "
