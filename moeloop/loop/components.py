@@ -28,7 +28,7 @@ from moeloop.plan import predict_peak_bytes
 from moeloop.reward import RewardPool
 from moeloop.rollout import Engine
 from moeloop.rollout.sampling_params import SamplingParams
-from moeloop.sync import InProcessTransport, WeightSyncer
+from moeloop.sync import DiskTransport, InProcessTransport, Transport, WeightSyncer
 from moeloop.train.actor import Actor, PolicyForward
 from moeloop.train.critic import Critic
 
@@ -141,8 +141,16 @@ def build_engine(cfg: RunConfig, model: torch.nn.Module, tokenizer: Any) -> Engi
                   detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
 
 
+def _colocated_transport(cfg: RunConfig, env: RunEnv) -> Transport:
+    if cfg.sync.transport == "disk":  # the fallback path, exercised end to end through safetensors files
+        return DiskTransport(env.run_dir / "sync" / f"rank{env.rank}")
+    return InProcessTransport(env.device)
+
+
 def check_runtime_support(cfg: RunConfig) -> None:
     """Settings the planner understands but the runtime does not run yet fail here, by name."""
+    if cfg.sync.transport == "broadcast":
+        raise ValueError("sync.transport=broadcast needs disaggregated rollout, which the RL loop does not run yet")
     if cfg.rollout.mode != "colocated":
         raise ValueError(f"rollout.mode={cfg.rollout.mode!r} is not implemented by the RL loop yet (use colocated)")
     p = cfg.parallel
@@ -175,7 +183,7 @@ def build_components(cfg: RunConfig, resume: bool) -> Components:
         cursor=EpochCursor(len(train), cfg.data.seed, cfg.data.shuffle), actor=actor, ref=ref, critic=critic, engine=engine,
         rollout=RolloutWorker(engine, tokenizer, cfg.data.max_response_length, env.rank),
         rewards=RewardPool.from_config(cfg.reward),
-        syncer=WeightSyncer(InProcessTransport(env.device), cfg.sync.bucket_bytes, cfg.sync.verify),
+        syncer=WeightSyncer(_colocated_transport(cfg, env), cfg.sync.bucket_bytes, cfg.sync.verify),
         ckpt=CheckpointManager(cfg.checkpoint.dir or env.run_dir / "checkpoints", cfg.checkpoint.keep),
         logger=MetricsLogger(env.run_dir, cfg.trainer.log, env.is_main, cfg.trainer.steps),
     )
