@@ -178,18 +178,20 @@ def build_components(cfg: RunConfig, resume: bool) -> Components:
     critic = Critic(load_policy(cfg), cfg.critic, env.device, cfg.data.max_response_length,
                     cfg.trainer.steps) if cfg.critic.enable else None
     engine = build_engine(cfg, load_pretrained(cfg.model.path, dtype=dtype, device=env.device), tokenizer)
+    ckpt = CheckpointManager(cfg.checkpoint.dir or env.run_dir / "checkpoints", cfg.checkpoint.keep)
+    latest = ckpt.latest() if resume else None
     c = Components(
         cfg=cfg, env=env, tokenizer=tokenizer, train=train, val=val,
         cursor=EpochCursor(len(train), cfg.data.seed, cfg.data.shuffle), actor=actor, ref=ref, critic=critic, engine=engine,
         rollout=RolloutWorker(engine, tokenizer, cfg.data.max_response_length, env.rank),
         rewards=RewardPool.from_config(cfg.reward),
         syncer=WeightSyncer(_colocated_transport(cfg, env), cfg.sync.bucket_bytes, cfg.sync.verify),
-        ckpt=CheckpointManager(cfg.checkpoint.dir or env.run_dir / "checkpoints", cfg.checkpoint.keep),
-        logger=MetricsLogger(env.run_dir, cfg.trainer.log, env.is_main, cfg.trainer.steps),
+        ckpt=ckpt,
+        logger=MetricsLogger(env.run_dir, cfg.trainer.log, env.is_main, cfg.trainer.steps, append=latest is not None),
     )
     if env.device.type == "cuda":
         c.planned_peak_bytes = predict_peak_bytes(cfg, actor.model.cfg)
-    if resume and (latest := c.ckpt.latest()) is not None:
+    if latest is not None:
         meta = actor_state_load(c.ckpt, latest, c.actor, c.cursor)
         c.start_step = meta["step"]
         if c.critic is not None:

@@ -53,12 +53,17 @@ def peak_memory_bytes(device: torch.device) -> int:
 class MetricsLogger:
     """`trainer.log` picks sinks: console, jsonl, tensorboard, wandb."""
 
-    def __init__(self, run_dir: str | Path, sinks: list[str], enabled: bool = True, total_steps: int = 0):
+    def __init__(self, run_dir: str | Path, sinks: list[str], enabled: bool = True, total_steps: int = 0,
+                 append: bool = False):
+        """`append`: continue the run's JSONL files (resume); otherwise a fresh run starts them anew."""
         self.run_dir, self.sinks, self.enabled, self.total_steps = Path(run_dir), set(sinks), enabled, total_steps
         self._tb = self._wandb = self._bar = None
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if not append:
+            for old in self.run_dir.glob("*.jsonl"):
+                old.unlink()
         if "tensorboard" in self.sinks:
             from torch.utils.tensorboard import SummaryWriter
             self._tb = SummaryWriter(str(self.run_dir / "tb"))

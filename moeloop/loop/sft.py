@@ -31,7 +31,7 @@ def run_sft(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
     if resume and (latest := ckpt.latest()) is not None:
         meta = actor_state_load(ckpt, latest, actor, cursor)
         start = meta["step"]
-    logger = MetricsLogger(env.run_dir, cfg.trainer.log, env.is_main, steps - start)
+    logger = MetricsLogger(env.run_dir, cfg.trainer.log, env.is_main, steps - start, append=start > 0)
     timer, last = PhaseTimer(), {}
     per_rank = cfg.data.train_batch_size // env.world_size
     for step in range(start, steps):
