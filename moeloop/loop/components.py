@@ -18,7 +18,7 @@ from moeloop.checkpoint import CheckpointManager
 from moeloop.config import RunConfig
 from moeloop.data import EpochCursor, PromptDataset, load_rows
 from moeloop.data.dataset import Example
-from moeloop.loop.env import RunEnv, dtype_of, load_policy
+from moeloop.loop.env import RunEnv, check_parallel_support, dtype_of, load_policy
 from moeloop.loop.export import export_hf
 from moeloop.loop.generation import RolloutWorker
 from moeloop.loop.metrics import MetricsLogger
@@ -153,11 +153,7 @@ def check_runtime_support(cfg: RunConfig) -> None:
         raise ValueError("sync.transport=broadcast needs disaggregated rollout, which the RL loop does not run yet")
     if cfg.rollout.mode != "colocated":
         raise ValueError(f"rollout.mode={cfg.rollout.mode!r} is not implemented by the RL loop yet (use colocated)")
-    p = cfg.parallel
-    for name in ("tp", "pp", "ep", "etp", "cp", "vpp"):
-        if getattr(p, name) != 1:
-            raise ValueError(f"parallel.{name}={getattr(p, name)}: the trainer applies data parallelism only so far "
-                             f"(torchrun --nproc_per_node N gives dp=N); {name} is used by `moeloop plan`")
+    check_parallel_support(cfg)
 
 
 def build_components(cfg: RunConfig, resume: bool) -> Components:

@@ -53,6 +53,14 @@ def _pick_device(choice: str) -> torch.device:
     return torch.device(choice)
 
 
+def check_parallel_support(cfg: RunConfig) -> None:
+    p = cfg.parallel
+    for name in ("tp", "pp", "ep", "etp", "cp", "vpp"):
+        if getattr(p, name) != 1:
+            raise ValueError(f"parallel.{name}={getattr(p, name)}: the trainer applies data parallelism only so far "
+                             f"(torchrun --nproc_per_node N gives dp=N); {name} is used by `moeloop plan`")
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)

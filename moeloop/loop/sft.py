@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 from moeloop.checkpoint import CheckpointManager
 from moeloop.config import RunConfig
 from moeloop.data import EpochCursor, PromptDataset, load_rows
-from moeloop.loop.env import RunEnv, load_policy, run_command
+from moeloop.loop.env import RunEnv, check_parallel_support, load_policy, run_command
 from moeloop.loop.export import export_hf
 from moeloop.loop.metrics import MetricsLogger, PhaseTimer, peak_memory_bytes
 from moeloop.train.actor import Actor
@@ -18,6 +18,7 @@ from moeloop.types import Sample
 
 
 def run_sft(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
+    check_parallel_support(cfg)
     env = RunEnv.create(cfg)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     data = PromptDataset(load_rows(cfg.data.train_files, cfg.data.seed), tokenizer, cfg.data, with_response=True)
