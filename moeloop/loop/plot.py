@@ -22,13 +22,16 @@ def plot_run(run_dir: str | Path) -> list[Path]:
 
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir)
+    val_rows = read_metrics(run_dir, "val.jsonl") if (run_dir / "val.jsonl").is_file() else []
     steps = [r["step"] for r in rows]
     written = []
     fig, ax = plt.subplots(figsize=(7, 4))
-    for key in ("reward/mean", "acc/train", "acc/val"):
-        pts = [(r["step"], r[key]) for r in rows if key in r]
+    curves = [(key, rows, None) for key in ("reward/mean", "acc/train")]
+    curves += [(key, val_rows, "o") for key in ("acc/val", "acc/val_sampled")]  # held out, from step 0
+    for key, source, marker in curves:
+        pts = [(r["step"], r[key]) for r in source if key in r]
         if pts:
-            ax.plot(*zip(*pts), marker="o" if key == "acc/val" else None, label=key)
+            ax.plot(*zip(*pts), marker=marker, label=key)
     ax.set_xlabel("step"), ax.set_ylabel("value"), ax.set_title("reward and accuracy"), ax.legend()
     written.append(run_dir / "reward.png")
     fig.savefig(written[-1], dpi=100, bbox_inches="tight")
