@@ -6,7 +6,7 @@ from moeloop.algo.advantages import compute_advantages
 from moeloop.config.schema import AlgorithmSection
 from moeloop.reward import RewardPool
 from moeloop.train.actor import Actor
-from tests.trainer_fixtures import actor_cfg, rl_batch, tiny_model
+from tests.trainer_fixtures import actor_cfg, rl_batch, tiny_model, use_sgd
 
 
 def flaky_reward(sample) -> float:
@@ -18,7 +18,7 @@ def flaky_reward(sample) -> float:
 def _update(samples):
     model = tiny_model()
     actor = Actor(model, actor_cfg(max_tokens_per_micro_batch=30, ppo_mini_batch_size=8), torch.device("cpu"), 8)
-    actor.optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    use_sgd(actor, 0.1)
     actor.update(samples)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 

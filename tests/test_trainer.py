@@ -5,7 +5,7 @@ import torch
 
 from moeloop.train.actor import Actor
 from tests.dist import run_ranks
-from tests.trainer_fixtures import actor_cfg, rl_batch, tiny_model
+from tests.trainer_fixtures import actor_cfg, rl_batch, tiny_model, use_sgd
 
 
 def _params(model):
@@ -16,7 +16,7 @@ def _train(budget: int, samples, steps: int = 2, optim: str = "sgd", **cfg_over)
     model = tiny_model()
     actor = Actor(model, actor_cfg(max_tokens_per_micro_batch=budget, **cfg_over), torch.device("cpu"), 8)
     if optim == "sgd":
-        actor.optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        use_sgd(actor, 0.05)
     losses = [actor.update([s for s in samples])["pg_loss"] for _ in range(steps)]
     return losses, _params(actor.model)
 
@@ -51,7 +51,7 @@ def _dp_rank(rank, world, budget):
     mine = [s for s in samples if groups.index(s.group_id) % world == rank]
     model = tiny_model()
     actor = Actor(model, actor_cfg(max_tokens_per_micro_batch=budget), torch.device("cpu"), 8)
-    actor.optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    use_sgd(actor, 0.05)
     losses = [actor.update(mine)["pg_loss"] for _ in range(2)]
     return losses, {n: t.clone() for n, t in actor.named_weights()}
 

@@ -49,3 +49,9 @@ def actor_cfg(**overrides) -> ActorSection:
     for k, v in overrides.items():
         setattr(cfg, k, v)
     return cfg
+
+
+def use_sgd(actor, lr: float) -> None:
+    """Exact-equivalence tests use SGD: Adam magnifies fp32 reduction-order noise (notes/cpu-stack.md)."""
+    actor.optimizer = torch.optim.SGD(actor.model.parameters(), lr=lr)
+    actor.scheduler = torch.optim.lr_scheduler.LambdaLR(actor.optimizer, lambda step: 1.0)
