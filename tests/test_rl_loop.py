@@ -29,7 +29,7 @@ def _cfg(model_dir, run_dir, *extra):
         f"model.path={model_dir}", f"trainer.run_dir={run_dir}", f"trainer.steps={STEPS}", "trainer.log=[jsonl]",
         "data.train_files=[synthetic:arith]", "data.max_prompt_length=64", "data.max_response_length=4",
         "data.train_batch_size=4", "rollout.n=4", "reward.fn=tests.test_rl_loop.digit_reward", "actor.optim.lr=1e-3",
-        "actor.ppo_mini_batch_size=2", "actor.max_tokens_per_micro_batch=64", "checkpoint.export_hf_every=0",
+        "actor.ppo_mini_batch_size=2", "actor.max_tokens_per_micro_batch=72", "checkpoint.export_hf_every=0",
         "algorithm.norm_adv_by_std=false", *extra])
 
 
@@ -80,7 +80,7 @@ def test_dp2_matches_dp1(model_dir, tmp_path):
 
 def test_ppo_with_gae_critic_runs_and_resumes(model_dir, tmp_path):
     extra = ["algorithm.adv_estimator=gae", "critic.enable=true", "critic.optim.lr=1e-3", "algorithm.lam=0.95",
-             "critic.ppo_mini_batch_size=2", "critic.max_tokens_per_micro_batch=64"]
+             "critic.ppo_mini_batch_size=2", "critic.max_tokens_per_micro_batch=72"]
     last = run_rl(_cfg(model_dir, tmp_path / "a", *extra))
     assert "critic/vf_loss" in last and last["time/values"] > 0 and last["time/update_critic"] > 0
     run_rl(_cfg(model_dir, tmp_path / "b", *extra, f"trainer.steps={STEPS // 2}"))

@@ -44,6 +44,11 @@ def validate(cfg: RunConfig) -> None:
     if cfg.critic.enable:
         cfg.critic.check("critic")
     cfg.plan.check()
+    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    for name, section in (("actor", cfg.actor), ("critic", cfg.critic)):
+        if (name == "actor" or cfg.critic.enable) and section.max_tokens_per_micro_batch < longest:
+            raise ValueError(f"{name}.max_tokens_per_micro_batch={section.max_tokens_per_micro_batch} must be >= "
+                             f"data.max_prompt_length + data.max_response_length = {longest} (one whole sequence)")
     if cfg.algorithm.adv_estimator == "gae" and not cfg.critic.enable:
         raise ValueError("algorithm.adv_estimator=gae needs critic.enable=true")
     if cfg.actor.ppo_mini_batch_size > cfg.data.train_batch_size:
