@@ -47,8 +47,8 @@ def run_rl(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
         val_metrics = c.evaluate() if cfg.trainer.val_every and (step + 1) % cfg.trainer.val_every == 0 else {}
         with timer("save_checkpoint"):
             c.maybe_save(step + 1)
-        last = {**batch_metrics(samples, timer.seconds), **logprob_mismatch(samples), **reward_metrics, **update_metrics, **critic_metrics,
-                **val_metrics, **timer.pop(), "sync/gb_per_s": sync.gb_per_s, "sync/bytes": sync.num_bytes,
+        last = {**batch_metrics(samples, timer.seconds), **logprob_mismatch(samples), **reward_metrics,
+                **update_metrics, **critic_metrics, **val_metrics, **timer.pop(), "sync/gb_per_s": sync.gb_per_s, "sync/bytes": sync.num_bytes,
                 "policy/version": sync.version, "memory/peak_bytes": peak_memory_bytes(c.env.device),
                 "memory/planned_peak_bytes": c.planned_peak_bytes}
         if kl_metrics is not None:
@@ -95,8 +95,8 @@ def collect_batch(c: Components, cfg: RunConfig, timer: PhaseTimer, step: int) -
         want = c.max_over_ranks(c.prompts_per_rank - len({s.group_id for s in samples}))  # cursors stay in step
         if want <= 0:
             break
-    keep_groups = list(dict.fromkeys(s.group_id for s in samples))[: c.prompts_per_rank]
-    samples = [s for s in samples if s.group_id in set(keep_groups)]
+    keep_groups = set(list(dict.fromkeys(s.group_id for s in samples))[: c.prompts_per_rank])
+    samples = [s for s in samples if s.group_id in keep_groups]
     reward_metrics["dapo/kept_groups"] = float(len(keep_groups))
     return samples, reward_metrics
 

@@ -42,4 +42,6 @@ def logprob_mismatch(samples: list[Sample]) -> dict[str, float]:
              for a, b in zip(s.response_logprobs, s.old_logprobs)]
     total, count = _global_sums([sum(diffs), len(diffs)])
     (worst,) = _global_sums([max(diffs, default=0.0)], dist.ReduceOp.MAX)
-    return {"rollout/logprob_diff_mean": total / max(count, 1), "rollout/logprob_diff_max": worst}
+    if not count:  # old logprobs not computed (on-policy update): nothing measured, nothing logged
+        return {}
+    return {"rollout/logprob_diff_mean": total / count, "rollout/logprob_diff_max": worst}

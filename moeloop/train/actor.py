@@ -58,7 +58,6 @@ class PolicyForward:
             apply_fsdp(model, mesh, param_dtype)
 
     def forward_batch(self, batch: PackedBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        batch = batch.to(self.device)
         hidden_TD = self.model(batch.input_ids_T, batch.position_ids_T, PackedAttention(batch.cu_seqlens))
         return self.model.lm_head(hidden_TD, batch.labels_T, 1.0, with_entropy)
 
@@ -70,16 +69,19 @@ class PolicyForward:
             bins = split_micro_batches(samples, self.budget, min_num_micro_batches=target)
         return bins + [[] for _ in range(target - len(bins))]
 
+    def packed_micro_batches(self, samples: list[Sample]) -> Iterator[tuple[list[Sample], PackedBatch]]:
+        """(this micro-batch's samples, its packed batch on the device); an empty micro-batch packs a
+        `dummy_sample` (no loss token) so every rank runs the same passes, and yields no samples."""
+        for indices in self.micro_batches(samples):
+            part = [samples[i] for i in indices]
+            yield part, pack_samples(part or [dummy_sample()]).to(self.device)
+
     @torch.no_grad()
     def compute_logprobs(self, samples: list[Sample], field: str) -> None:
         """Teacher-forced logprob of each response token, written to `sample.<field>` (a list)."""
         self.model.eval()
-        for indices in self.micro_batches(samples):
-            part = [samples[i] for i in indices] or [dummy_sample()]
-            batch = pack_samples(part)
+        for part, batch in self.packed_micro_batches(samples):
             logprobs_T, _ = self.forward_batch(batch, with_entropy=False)
-            if not indices:
-                continue
             for seq, sample in enumerate(part):
                 setattr(sample, field, logprobs_T[batch.response_slice(seq)].float().cpu().tolist())
 
@@ -108,7 +110,16 @@ def global_metrics(local: dict[str, float]) -> dict[str, float]:
 def dummy_sample() -> Sample:
     """One 2-token sequence with no loss token: keeps a rank with no work in FSDP's lockstep."""
     return Sample(prompt_ids=[0], response_ids=[0], loss_mask=[0], old_logprobs=[0.0], advantages=[0.0],
-                  ref_logprobs=[0.0])
+                  ref_logprobs=[0.0], values=[0.0], returns=[0.0])
+
+
+def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float) -> float:
+    """Clip the global gradient norm (0 = no clipping), step, zero grads; returns the norm before clipping."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
+    norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(norm)
 
 
 class Actor(PolicyForward):
@@ -138,43 +149,31 @@ class Actor(PolicyForward):
         denominator = all_reduce_scalar(global_loss_denominators(samples, self.cfg.loss_agg_mode, self.max_response_length))
         denominator = max(denominator, 1.0)
         per_micro: list[dict[str, float]] = []
-        for indices in self.micro_batches(samples):
-            part = [samples[i] for i in indices] or [dummy_sample()]
-            batch = pack_samples(part).to(self.device)
+        for part, batch in self.packed_micro_batches(samples):
             logprobs_T, entropy_T = self.forward_batch(batch, with_entropy=True)  # entropy: bonus and metric
             old = batch.old_logprobs_T if batch.old_logprobs_T is not None else logprobs_T.detach()
             inputs = PolicyInputs(logprobs_T, old, batch.advantages_T, batch.loss_mask_T, batch.cu_seqlens,
                                   batch.ref_logprobs_T, entropy_T)
             loss, m = actor_loss(inputs, self.cfg, denominator)
             (loss * dp_size()).backward()  # FSDP averages gradients over DP; the loss is already global
-            if indices:
+            if part:
                 per_micro.append(m)
-        grad_norm = self._clip_and_step()
+        grad_norm = clip_and_step(self.model, self.optimizer, self.cfg.grad_clip)
         out = global_metrics(reduce_metrics(per_micro) if per_micro else {})
         out["grad_norm"] = grad_norm
         return out
-
-    def _clip_and_step(self) -> float:
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip or float("inf"))
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
 
     def sft_step(self, samples: list[Sample]) -> dict[str, float]:
         """One optimizer step of token-mean cross-entropy on the response tokens (SFT entrance)."""
         self.model.train()
         num_tokens = max(all_reduce_scalar(float(sum(len(s.response_ids) for s in samples))), 1.0)
         total = 0.0
-        for indices in self.micro_batches(samples):
-            part = [samples[i] for i in indices] or [dummy_sample()]
-            batch = pack_samples(part).to(self.device)
+        for _, batch in self.packed_micro_batches(samples):
             logprobs_T, _ = self.forward_batch(batch, with_entropy=False)
-            mask = batch.loss_mask_T if indices else torch.zeros_like(batch.loss_mask_T)
-            loss = -(logprobs_T * mask).sum() / num_tokens
+            loss = -(logprobs_T * batch.loss_mask_T).sum() / num_tokens  # the dummy's mask is all zero
             (loss * dp_size()).backward()
             total += float(loss.detach())
-        grad_norm = self._clip_and_step()
+        grad_norm = clip_and_step(self.model, self.optimizer, self.cfg.grad_clip)
         self.scheduler.step()
         return {"sft_loss": all_reduce_scalar(total), "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0]}
 

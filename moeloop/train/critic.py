@@ -14,9 +14,9 @@ from torch import nn
 from moeloop.algo.losses import reduce_metrics, value_loss
 from moeloop.config.schema import CriticSection
 from moeloop.model.attention import PackedAttention
-from moeloop.train.actor import (PolicyForward, all_reduce_scalar, build_optimizer, dp_size, dummy_sample,
+from moeloop.train.actor import (PolicyForward, all_reduce_scalar, build_optimizer, clip_and_step, dp_size,
                                  global_metrics, num_mini_batches, split_groups)
-from moeloop.train.packing import PackedBatch, global_loss_denominators, pack_samples
+from moeloop.train.packing import PackedBatch, global_loss_denominators
 from moeloop.types import Sample
 
 
@@ -42,18 +42,15 @@ class Critic(PolicyForward):
         self.optimizer, self.scheduler = build_optimizer(model, cfg, total_steps)
 
     def values_of(self, batch: PackedBatch) -> torch.Tensor:
-        batch = batch.to(self.device)
         hidden_TD = self.model(batch.input_ids_T, batch.position_ids_T, PackedAttention(batch.cu_seqlens))
         return self.model.lm_head(hidden_TD)
 
     @torch.no_grad()
     def compute_values(self, samples: list[Sample]) -> None:
         self.model.eval()
-        for indices in self.micro_batches(samples):
-            part = [samples[i] for i in indices] or [dummy_sample()]
-            batch = pack_samples(part)
+        for part, batch in self.packed_micro_batches(samples):
             values_T = self.values_of(batch)
-            for seq, sample in enumerate(part if indices else []):
+            for seq, sample in enumerate(part):
                 sample.values = values_T[batch.response_slice(seq)].cpu().tolist()
 
     def update(self, samples: list[Sample]) -> dict[str, float]:
@@ -69,24 +66,12 @@ class Critic(PolicyForward):
         denominator = max(all_reduce_scalar(global_loss_denominators(samples, self.cfg.loss_agg_mode,
                                                                      self.max_response_length)), 1.0)
         per_micro = []
-        for indices in self.micro_batches(samples):
-            part = [samples[i] for i in indices] or [_dummy_with_values()]
-            batch = pack_samples(part).to(self.device)
+        for part, batch in self.packed_micro_batches(samples):
             values_T = self.values_of(batch)
-            mask = batch.loss_mask_T if indices else torch.zeros_like(batch.loss_mask_T)
-            loss, m = value_loss(values_T, batch.values_T, batch.returns_T, mask, batch.cu_seqlens, self.cfg,
-                                 denominator)
+            loss, m = value_loss(values_T, batch.values_T, batch.returns_T, batch.loss_mask_T, batch.cu_seqlens,
+                                 self.cfg, denominator)
             (loss * dp_size()).backward()
-            if indices:
+            if part:
                 per_micro.append(m)
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip or float("inf"))
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return {**global_metrics(reduce_metrics(per_micro) if per_micro else {}), "grad_norm": float(norm)}
-
-
-def _dummy_with_values() -> Sample:
-    sample = dummy_sample()
-    sample.values, sample.returns = [0.0], [0.0]
-    return sample
+        grad_norm = clip_and_step(self.model, self.optimizer, self.cfg.grad_clip)
+        return {**global_metrics(reduce_metrics(per_micro) if per_micro else {}), "grad_norm": grad_norm}
