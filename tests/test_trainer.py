@@ -64,3 +64,22 @@ def test_dp_matches_single_process(world):
     for _, weights in results:
         for name, w in want.items():  # tolerance: gradient all-reduce order (fp32)
             torch.testing.assert_close(weights[name], w, rtol=1e-5, atol=1e-6)
+
+
+def test_sft_step_is_token_mean_cross_entropy_and_cut_invariant():
+    samples = rl_batch()
+    ref = tiny_model()
+    want = []
+    for s in samples:
+        ids = torch.tensor(s.prompt_ids + s.response_ids)
+        logp = torch.log_softmax(ref.compute_logits(ref.forward_packed(ids, [len(ids)])), -1)
+        want.append(-logp[len(s.prompt_ids) - 1:-1].gather(-1, ids[len(s.prompt_ids):, None]).sum())
+    want_loss = float(torch.stack(want).sum()) / sum(len(s.response_ids) for s in samples)
+    params = []
+    for budget in (10_000, max(s.num_tokens for s in samples)):  # one micro-batch, then several
+        actor = Actor(tiny_model(), actor_cfg(max_tokens_per_micro_batch=budget), torch.device("cpu"), 8)
+        use_sgd(actor, 0.05)
+        assert actor.sft_step(samples)["sft_loss"] == pytest.approx(want_loss, rel=1e-5)
+        params.append(_params(actor.model))
+    for name in params[0]:
+        torch.testing.assert_close(params[1][name], params[0][name], rtol=1e-5, atol=1e-6)
