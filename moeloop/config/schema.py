@@ -65,6 +65,7 @@ class RolloutSection:
     enforce_eager: bool = False  # no CUDA graphs
     max_model_len: int = 4096  # prompt + response tokens of one sequence (sizes block tables and CUDA graphs)
     ignore_eos: bool = False  # generate exactly data.max_response_length tokens (benchmarks)
+    async_scheduling: str = "auto"  # on | off | auto (on for CUDA): host work of step t+1 overlaps step t
 
     def check(self) -> None:
         _require(self.n >= 1, "rollout.n", "must be >= 1")
@@ -77,6 +78,7 @@ class RolloutSection:
         _require(self.max_num_seqs > 0, "rollout.max_num_seqs", "must be > 0")
         _require(self.max_num_batched_tokens > 0, "rollout.max_num_batched_tokens", "must be > 0")
         _require(self.max_model_len > 0, "rollout.max_model_len", "must be > 0")
+        _require(self.async_scheduling in ("on", "off", "auto"), "rollout.async_scheduling", "must be on|off|auto")
 
 
 @dataclass

@@ -96,10 +96,11 @@ class BlockManager:
             self.num_allocated_blocks += 1
 
     def commit(self, seq: Sequence) -> None:
-        """Register the full, computed blocks of `seq` in the prefix cache (call after the forward)."""
+        """Register the full, computed blocks of `seq` whose token ids are known on the host in the prefix cache
+        (call after the forward)."""
         bs = self.block_size
         prev = self.blocks[seq.block_table[seq.num_hashed_blocks - 1]].hash if seq.num_hashed_blocks else None
-        for i in range(seq.num_hashed_blocks, seq.num_computed_tokens // bs):
+        for i in range(seq.num_hashed_blocks, min(seq.num_computed_tokens, len(seq.token_ids)) // bs):
             block = self.blocks[seq.block_table[i]]
             if block.hash is None:
                 block.key = block_key(prev, seq.token_ids[i * bs:(i + 1) * bs])

@@ -1,7 +1,9 @@
 """`DecodeGraphs`: CUDA graphs of the decode-only forward (model + lm_head) for a ladder of batch sizes.
 
 Inputs live in one flat int64 device buffer (ids | positions | slots | context lengths | block tables) that a
-step fills with a single host-to-device copy; a batch of B rows replays the smallest captured size >= B with
+step fills with a single asynchronous host-to-device copy from one of two pinned staging buffers (a buffer is
+reused only after its previous copy has finished); ids still pending on the host are then patched in from the
+previous step's sampled tokens on the device; a batch of B rows replays the smallest captured size >= B with
 the extra rows pointed at the KV cache's scratch block (context length 1), so padding never touches a real
 sequence. Attention inside the graph is the Triton paged decode kernel (static shapes).
 Graphs hold KV and parameter addresses: weights must be updated in place and graphs dropped before sleep.
@@ -49,7 +51,7 @@ class DecodeGraphs:
         return ids, pos, slots, lens, tables.view(size, self.max_blocks_per_seq)
 
     def _fill(self, size: int, ids: list[int], pos: list[int], slots: list[int], lens: list[int],
-              tables: list[list[int]]) -> None:
+              tables: list[list[int]], patch: tuple[list[int], list[int], torch.Tensor] | None = None) -> None:
         pad, N, scratch = size - len(ids), self.max_blocks_per_seq, self.cache.scratch_block
         flat = (ids + [0] * pad + pos + [0] * pad + slots + [scratch * self.cache.block_size] * pad
                 + lens + [1] * pad)
@@ -57,11 +59,32 @@ class DecodeGraphs:
             flat += t
             flat += [scratch] * (N - len(t))
         flat += [scratch] * (N * pad)
-        self.inputs[:len(flat)].copy_(torch.tensor(flat, dtype=torch.int64))
+        if patch is not None:
+            flat += patch[0] + patch[1]
+        turn = self._turn = self._turn ^ 1
+        if self._copied[turn] is not None:
+            self._copied[turn].synchronize()
+        staging = self._staging[turn][:len(flat)]
+        staging.copy_(torch.tensor(flat, dtype=torch.int64))
+        if patch is None:
+            self.inputs[:len(flat)].copy_(staging, non_blocking=True)
+        else:
+            n_in, n_patch = len(flat) - 2 * len(patch[0]), len(patch[0])
+            self.inputs[:n_in].copy_(staging[:n_in], non_blocking=True)
+            both = self.patch_index[:2 * n_patch]
+            both.copy_(staging[n_in:], non_blocking=True)
+            ids = self.inputs[:size]
+            ids.index_copy_(0, both[:n_patch], patch[2].index_select(0, both[n_patch:]))
+        self._copied[turn] = torch.cuda.Event()
+        self._copied[turn].record()
 
     def capture(self) -> None:
-        self.inputs = torch.zeros(self.sizes[-1] * (4 + self.max_blocks_per_seq), dtype=torch.int64,
-                                  device=self.cache.device)
+        numel = self.sizes[-1] * (4 + self.max_blocks_per_seq)
+        self.inputs = torch.zeros(numel, dtype=torch.int64, device=self.cache.device)
+        self.patch_index = torch.zeros(2 * self.sizes[-1], dtype=torch.int64, device=self.cache.device)
+        self._staging = [torch.zeros(numel + 2 * self.sizes[-1], dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
         self.pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):  # largest first so smaller graphs reuse its pool memory
             self._fill(size, [], [], [], [], [])
@@ -85,9 +108,10 @@ class DecodeGraphs:
         ctx = PagedAttention(self.cache, meta, use_kernel=True)
         return lambda: self.model.compute_logits(self.model(ids, pos, ctx))
 
-    def run(self, ids: list[int], pos: list[int], slots: list[int], lens: list[int],
-            tables: list[list[int]]) -> torch.Tensor:
-        """Logits [B, V] of a decode-only batch (replays a graph; captures the ladder on first use)."""
+    def run(self, ids: list[int], pos: list[int], slots: list[int], lens: list[int], tables: list[list[int]],
+            patch: tuple[list[int], list[int], torch.Tensor] | None = None) -> torch.Tensor:
+        """Logits [B, V] of a decode-only batch (replays a graph; captures the ladder on first use). `patch` =
+        (rows, source rows, tokens on the device): ids[rows] = tokens[source rows] before the replay."""
         if not self.graphs:
             try:
                 self.capture()
@@ -97,7 +121,7 @@ class DecodeGraphs:
                 raise CaptureFailed from err
         B = len(ids)
         size = next(s for s in self.sizes if s >= B)
-        self._fill(size, ids, pos, slots, lens, tables)
+        self._fill(size, ids, pos, slots, lens, tables, patch)
         graph, out = self.graphs[size]
         graph.replay()
         return out[:B]

@@ -8,6 +8,8 @@ Shapes: B sequences, H query heads, G kv heads, Dk/Dv head dims, N max blocks pe
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:
@@ -52,7 +54,8 @@ if triton is not None:
                       s_qb, s_qh, s_ks, s_kg, s_vs, s_vg, s_ob, s_oh, s_tb,
                       QH: tl.constexpr, QH_PAD: tl.constexpr, DK: tl.constexpr, DK_PAD: tl.constexpr,
                       DV: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                      PRECISION: tl.constexpr, NUM_SPLITS: tl.constexpr, CHUNK: tl.constexpr):
+                      PRECISION: tl.constexpr, NUM_SPLITS: tl.constexpr, CHUNK: tl.constexpr,
+                      DYNAMIC_LOOP: tl.constexpr):
         b = tl.program_id(0)
         g = tl.program_id(1)
         sp = tl.program_id(2)
@@ -66,7 +69,7 @@ if triton is not None:
         m_i = tl.full([QH_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([QH_PAD], tl.float32)
         acc = tl.zeros([QH_PAD, DV_PAD], tl.float32)
-        if NUM_SPLITS == 1:
+        if DYNAMIC_LOOP:  # one split: loop to this row's length (compiled only; see paged_decode_attention)
             for start in range(0, ctx_len, BLOCK_N):
                 m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, start, ctx_len, b, g, k_ptr, v_ptr, tables_ptr, scale,
                                               s_ks, s_kg, s_vs, s_vg, s_tb, DK, DK_PAD, DV, DV_PAD,
@@ -142,7 +145,8 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SGD: torch.Tensor, v_cac
         v_cache_SGDv.stride(0), v_cache_SGDv.stride(1), out.stride(0), out.stride(1), block_tables_BN.stride(0),
         QH=qh, QH_PAD=max(16, triton.next_power_of_2(qh)), DK=Dk, DK_PAD=max(16, triton.next_power_of_2(Dk)),
         DV=Dv, DV_PAD=dv_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        PRECISION=precision, NUM_SPLITS=splits, CHUNK=chunk, num_warps=4)
+        PRECISION=precision, NUM_SPLITS=splits, CHUNK=chunk, num_warps=4,
+        DYNAMIC_LOOP=splits == 1 and os.environ.get("TRITON_INTERPRET") != "1")  # the interpreter: static trips
     if splits > 1:
         _merge_splits[(B, H)](dest, m, l, out, out.stride(0), out.stride(1), H=H, DV=Dv, DV_PAD=dv_pad,
                               NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), num_warps=4)

@@ -11,6 +11,13 @@ completions that finished in it). Weight updates follow the drain gate:
     engine.resume()
 
 `sleep()` frees the KV cache (colocated training), `wake()` re-allocates it; both need a drained engine.
+
+Async scheduling (`rollout.async_scheduling`, on by default on CUDA): `step()` queues step t on the device,
+then appends the tokens of step t - 1 while the device works, so host bookkeeping (scheduling, input
+building, stop checks) overlaps the forward. Step t's inputs that are still pending come from step t - 1's
+tokens on the device. A completion is returned one `step()` later than in sync mode, and a sequence that
+stops on a token of step t - 1 has already been scheduled in step t: that one extra token is dropped.
+Outputs are identical to sync mode (tests/test_rollout_async.py).
 """
 from __future__ import annotations
 
@@ -26,7 +33,7 @@ from moeloop.config.schema import RolloutSection
 from moeloop.rollout.blocks import BlockManager
 from moeloop.rollout.completion import Completion
 from moeloop.rollout.kv_cache import KVCache, kv_budget_bytes, kv_bytes_per_block
-from moeloop.rollout.runner import ModelRunner
+from moeloop.rollout.runner import LaunchedStep, ModelRunner
 from moeloop.rollout.sampling_params import SamplingParams
 from moeloop.rollout.scheduler import ScheduledBatch, Scheduler
 from moeloop.rollout.sequence import Sequence
@@ -47,6 +54,10 @@ class Engine:
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.cache, cfg.max_num_seqs, cfg.max_model_len, cfg.enforce_eager)
+        self.async_scheduling = cfg.async_scheduling == "on" or (cfg.async_scheduling == "auto"
+                                                                 and param.device.type == "cuda")
+        self._in_flight: LaunchedStep | None = None
+        self._ready: list[Completion] = []  # finished while flushing for abort(); handed out by the next step()
         self.detokenize = detokenize
         eos = mcfg.eos_token_id if eos_token_ids is None else list(eos_token_ids)
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
@@ -85,34 +96,48 @@ class Engine:
             raise ValueError("stop strings need a detokenize callback (Engine(..., detokenize=tokenizer.decode))")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._in_flight is not None or bool(self._ready)
 
     def step(self) -> list[Completion]:
-        """Run one scheduled batch; return the completions that finished in it."""
+        """Run one scheduled batch; return the completions that finished in it (async: in the step before)."""
         if not self._weights_consistent:
             raise RuntimeError("weights are half-updated (an update_weights call failed): update again first")
         if not self.cache.is_allocated:
             raise RuntimeError("the engine is asleep: call wake() first")
         batch = self.scheduler.schedule()
-        if not batch.seqs:
-            return []
-        tokens, logprobs = self.runner.run(batch)
-        self.num_steps += 1
-        return self._postprocess(batch, tokens, logprobs)
+        launched = self._launch(batch) if batch.seqs else None
+        done, self._ready = self._ready + self._flush(), []
+        self._in_flight = launched
+        if not self.async_scheduling:
+            done += self._flush()
+        return done
 
-    def _postprocess(self, batch: ScheduledBatch, tokens: list[int], logprobs: list[float] | None) -> list[Completion]:
-        done, j = [], 0
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            sampled = batch.samples(i)
+    def _launch(self, batch: ScheduledBatch) -> LaunchedStep:
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
             if n > 1 or seq.num_computed_tokens < seq.num_prompt_tokens:  # prompt chunks and recomputes
                 self.num_prefill_tokens += n
+        launched = self.runner.launch(batch, self._in_flight)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
+        for seq in launched.sampled:
+            seq.num_pending += 1
+        self.num_steps += 1
+        return launched
+
+    def _flush(self) -> list[Completion]:
+        """Append the tokens of the step in flight (waiting for them) and finish the sequences they end."""
+        launched, self._in_flight = self._in_flight, None
+        if launched is None:
+            return []
+        tokens, logprobs = launched.result()
+        for seq in launched.seqs:
             self.blocks.commit(seq)
-            if not sampled:
+        done = []
+        for j, seq in enumerate(launched.sampled):
+            if seq.is_finished:  # it stopped on the step before; this token was computed past its end
                 continue
             self.num_generated_tokens += 1
             seq.append(tokens[j], logprobs[j] if seq.params.logprobs else None, self.policy_version)
-            j += 1
             reason = self._finish_reason(seq)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
@@ -125,7 +150,8 @@ class Engine:
             return "stop"
         if p.stop and any(s in self.detokenize(seq.response_ids) for s in p.stop):
             return "stop"
-        if seq.num_response_tokens >= p.max_tokens or len(seq) >= self.cfg.max_model_len:
+        num_tokens = len(seq.token_ids)  # known on the host (pending ones excluded)
+        if num_tokens - seq.num_prompt_tokens >= p.max_tokens or num_tokens >= self.cfg.max_model_len:
             return "length"
         return None
 
@@ -137,13 +163,16 @@ class Engine:
                           seq.num_preemptions)
 
     def abort(self, request_id: str) -> list[Completion]:
-        """Finish every sample of a request now, with finish_reason "abort" and what it has generated."""
+        """Finish every sample of a request now, with finish_reason "abort" and what it has generated
+        (completions that finish normally on the step in flight are dropped: the request is aborted)."""
+        flushed = self._flush()
+        self._ready += [c for c in flushed if c.request_id != request_id]  # others: returned by the next step()
         seqs = [s for s in list(self.scheduler.running) + list(self.scheduler.waiting) if s.request_id == request_id]
         for seq in seqs:
             if seq in self.scheduler.waiting:
                 self.scheduler.waiting.remove(seq)
             self.scheduler.finish(seq, "abort")
-        return [self._completion(s) for s in seqs]
+        return [c for c in flushed if c.request_id == request_id] + [self._completion(s) for s in seqs]
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  progress: Callable[[int], None] | None = None) -> list[Completion]:
@@ -171,18 +200,19 @@ class Engine:
 
     @property
     def is_drained(self) -> bool:
-        return not self.scheduler.running
+        return not self.scheduler.running and self._in_flight is None
 
     def drain(self, abort: bool = False) -> list[Completion]:
         """Empty the running set. abort=False: step until in-flight samples finish (returned); abort=True: drop
         their partial responses and re-queue them from the prompt (so no sample mixes two policy versions)."""
         if abort:
+            done = self._flush()
             self.scheduler.requeue_running()
-            return []
+            return done
         paused, self.scheduler.paused = self.scheduler.paused, True
         done = []
         try:
-            while self.scheduler.running:
+            while not self.is_drained:
                 done += self.step()
         finally:
             self.scheduler.paused = paused

@@ -6,6 +6,7 @@ batches), and samples the sequences that reached their last token.
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -17,6 +18,28 @@ from moeloop.rollout.moe_kernel import decode_moe
 from moeloop.rollout.paged_attention import AttentionMetadata, PagedAttention, PrefillChunk, slots_of
 from moeloop.rollout.sampler import Sampler, SamplingTensors, row_key
 from moeloop.rollout.scheduler import ScheduledBatch
+from moeloop.rollout.sequence import Sequence
+
+
+@dataclass
+class LaunchedStep:
+    """One step's work queued on the device: the batch, the sequences that sample, their sampled tokens on the
+    device (the next step's inputs) and the host copy in flight. `result()` waits for that copy only."""
+
+    seqs: list[Sequence]
+    sampled: list[Sequence]
+    tokens_B: torch.Tensor | None = None
+    host_XB: torch.Tensor | None = None  # [1 or 2, B] float64: tokens (and logprobs)
+    ready: torch.cuda.Event | None = None
+    row_of: dict[int, int] = field(default_factory=dict)  # seq_id -> row in tokens_B
+
+    def result(self) -> tuple[list[int], list[float] | None]:
+        if self.host_XB is None:
+            return [], None
+        if self.ready is not None:
+            self.ready.synchronize()
+        rows = self.host_XB.tolist()
+        return [int(t) for t in rows[0]], rows[1] if len(rows) > 1 else None
 
 
 class ModelRunner:
@@ -31,6 +54,10 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if self.use_kernel and not enforce_eager:
             self.graphs = DecodeGraphs(model, cache, max_num_seqs, self.max_blocks_per_seq)
+        # two alternating host buffers for the sampled tokens: step t's is read before step t + 2 reuses it
+        pin = self.device.type == "cuda"
+        self._out_host = [torch.empty(2, max_num_seqs, dtype=torch.float64, pin_memory=pin) for _ in range(2)]
+        self._out_turn = 0
 
     def drop_graphs(self) -> None:
         """Captured graphs point at KV memory; call before the cache is freed (sleep)."""
@@ -39,41 +66,61 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[int], list[float] | None]:
-        """Forward one scheduled batch; return (token, logprob) of each sequence that samples, in batch order."""
-        with decode_moe(self.model) if self.device.type == "cuda" else nullcontext():
-            logits_TV = self._graph_logits(batch)
-            if logits_TV is None:
-                logits_TV = self._eager_logits(batch)
-        if logits_TV is None:
-            return [], None
+        """Forward one scheduled batch and wait; (token, logprob) of each sequence that samples, in batch order."""
+        return self.launch(batch).result()
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, prev: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue the forward and sampling of one batch on the device and return without waiting for it.
+
+        A decode row whose input token is still pending on the host (sampled by `prev`, not yet appended) takes
+        it from `prev.tokens_B` on the device, so consecutive steps need no host round trip in between."""
         sampled = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
+        step = LaunchedStep(batch.seqs, sampled)
+        patch = _pending_inputs(batch, prev)
+        with decode_moe(self.model) if self.device.type == "cuda" else nullcontext():
+            logits_TV = self._graph_logits(batch, patch)
+            if logits_TV is None:
+                logits_TV = self._eager_logits(batch, patch)
+        if logits_TV is None:
+            return step
         st = self._sampling_tensors(sampled)
         want_logprobs = any(s.params.logprobs for s in sampled)
         tokens_B, logprobs_B = self.sampler(logits_TV, st, want_logprobs)
-        if logprobs_B is None:
-            return tokens_B.tolist(), None
-        both = torch.stack([tokens_B.double(), logprobs_B.double()]).tolist()  # one device->host copy
-        return [int(t) for t in both[0]], both[1]
+        out_XB = tokens_B[None].double() if logprobs_B is None else torch.stack([tokens_B.double(), logprobs_B.double()])
+        step.tokens_B, step.row_of = tokens_B, {s.seq_id: j for j, s in enumerate(sampled)}
+        if self.device.type == "cuda":
+            host = self._out_host[self._out_turn][:out_XB.shape[0], :out_XB.shape[1]]
+            self._out_turn ^= 1
+            host.copy_(out_XB, non_blocking=True)
+            step.host_XB, step.ready = host, torch.cuda.Event()
+            step.ready.record()
+        else:
+            step.host_XB = out_XB
+        return step
 
-    def _graph_logits(self, batch: ScheduledBatch) -> torch.Tensor | None:
+    def _graph_logits(self, batch: ScheduledBatch, patch: "InputPatch | None") -> torch.Tensor | None:
         """Logits of a decode-only batch (every row samples) through the CUDA graphs; None when not applicable."""
         if self.graphs is None or not self.graphs.fits(len(batch)) or any(n != 1 for n in batch.num_new_tokens):
             return None
         bs = self.cache.block_size
         pos = [s.num_computed_tokens for s in batch.seqs]
-        ids = [s.token_ids[p] for s, p in zip(batch.seqs, pos)]
+        ids = [_token_at(s, p) for s, p in zip(batch.seqs, pos)]
         tables = [s.block_table for s in batch.seqs]
         slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)]
         try:
-            logits_BV = self.graphs.run(ids, pos, slots, [p + 1 for p in pos], tables)
+            logits_BV = self.graphs.run(ids, pos, slots, [p + 1 for p in pos], tables, patch)
         except CaptureFailed:
             self.graphs = None
             return None
         rows = [i for i in range(len(batch)) if batch.samples(i)]  # a 1-token prompt chunk does not sample
         return logits_BV if len(rows) == len(batch) else logits_BV[rows] if rows else None
 
-    def _eager_logits(self, batch: ScheduledBatch) -> torch.Tensor | None:
+    def _eager_logits(self, batch: ScheduledBatch, patch: "InputPatch | None") -> torch.Tensor | None:
         ids, pos, slots, meta, sample_rows = self._prepare(batch)
+        if patch is not None:
+            dst, src, tokens_B = patch
+            ids[torch.tensor(dst, device=self.device)] = tokens_B[torch.tensor(src, device=self.device)]
         hidden_TD = self.model(ids, pos, PagedAttention(self.cache, meta, self.use_kernel))
         return None if not sample_rows else self.model.compute_logits(hidden_TD[sample_rows])
 
@@ -85,6 +132,7 @@ class ModelRunner:
             start, first = len(ids), seq.num_computed_tokens
             ctx_len = first + n
             ids += seq.token_ids[first:ctx_len]
+            ids += [0] * (ctx_len - first - (len(ids) - start))  # pending tokens: patched on the device
             pos += range(first, ctx_len)
             table = seq.block_table
             slots += [table[p // bs] * bs + p % bs for p in range(first, ctx_len)]
@@ -124,6 +172,27 @@ class ModelRunner:
         return SamplingTensors(floats[0], ints[0], floats[1], ints[1],
                                any_filter=any(k < V for k in top_ks) or any(p < 1 for p in top_ps),
                                all_greedy=all(t == 0 for t in temps), max_top_k=max(top_ks))
+
+
+InputPatch = tuple[list[int], list[int], torch.Tensor]  # (input rows, rows of prev.tokens_B, prev.tokens_B)
+
+
+def _token_at(seq: Sequence, position: int) -> int:
+    return seq.token_ids[position] if position < len(seq.token_ids) else 0  # 0: pending, patched on the device
+
+
+def _pending_inputs(batch: ScheduledBatch, prev: LaunchedStep | None) -> InputPatch | None:
+    """Input rows whose token was sampled by `prev` and has not reached the host yet (decode rows only)."""
+    dst, src, row = [], [], 0
+    for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        last = seq.num_computed_tokens + n - 1
+        if last >= len(seq.token_ids):
+            if prev is None or seq.seq_id not in prev.row_of or n != 1:
+                raise RuntimeError(f"sequence {seq.seq_id}: input token {last} is pending but not from the last step")
+            dst.append(row)
+            src.append(prev.row_of[seq.seq_id])
+        row += n
+    return (dst, src, prev.tokens_B) if dst else None
 
 
 def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:

@@ -6,6 +6,10 @@ when a running sequence needs a block and none is free, the newest running seque
 cache usually still holds most of its blocks). Then, unless paused or something was preempted,
 waiting sequences are admitted in FIFO order while `max_num_seqs`, `max_num_batched_tokens` and the
 free blocks allow. Prefill and decode tokens go in one flat batch.
+
+With async scheduling a sequence may carry pending tokens (sampled by a step still on the device). It is
+scheduled as usual (its next input comes from the device), except when its pending token is its last one
+(max_tokens reached): then it waits, unscheduled, until the engine appends that token and finishes it.
 """
 from __future__ import annotations
 
@@ -56,16 +60,19 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        budget = self._schedule_running(batch, self.max_num_batched_tokens)
-        if not self.paused and len(batch.seqs) == len(self.running) and not self._preempted_this_step:
+        budget, all_running_fit = self._schedule_running(batch, self.max_num_batched_tokens)
+        if not self.paused and all_running_fit and not self._preempted_this_step:
             self._admit_waiting(batch, budget)
         return batch
 
-    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> tuple[int, bool]:
         self._preempted_this_step = False
         pending, kept = deque(self.running), []
         while pending and budget > 0:
             seq = pending.popleft()
+            if seq.num_pending and seq.num_response_tokens >= seq.params.max_tokens:
+                kept.append(seq)  # its last token is still on the device: nothing left to compute
+                continue
             chunk = min(len(seq) - seq.num_computed_tokens, budget)
             while self.blocks.new_blocks_needed(seq, chunk) > self.blocks.num_free_blocks:
                 victim = pending.pop() if pending else seq
@@ -79,13 +86,13 @@ class Scheduler:
                 kept.append(seq)
                 budget -= chunk
         self.running = kept + list(pending)  # unscheduled ones (budget spent) stay running
-        return budget
+        return budget, not pending
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         skipped: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if seq.blocked_on_leader:
+            if seq.blocked_on_leader or seq.num_pending:  # pending: its last token reaches the host first
                 skipped.append(self.waiting.popleft())
                 continue
             hits = self.blocks.match_prefix(seq)
@@ -115,9 +122,12 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        seq.num_pending = 0
         self.blocks.free_seq(seq)
         if seq in self.running:
             self.running.remove(seq)
+        elif seq in self.waiting:  # preempted after it sampled a token that finished it
+            self.waiting.remove(seq)
 
     def requeue_running(self) -> list[Sequence]:
         """Abort every running sequence and re-queue it from its prompt (drain with abort)."""

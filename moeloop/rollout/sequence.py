@@ -2,6 +2,10 @@
 
 A request with n samples becomes n sequences. Sample 0 is the group leader; samples 1..n-1 wait
 until the leader's prompt KV is computed, then reuse its full prompt blocks through the prefix cache.
+
+Pending tokens (async scheduling): a token sampled by a step that is still running on the device is
+counted in `len(seq)` and `num_response_tokens` (so the next step can be scheduled) but is not yet in
+`token_ids`; `append` fills the oldest pending token once the step's output reaches the host.
 """
 from __future__ import annotations
 
@@ -35,9 +39,10 @@ class Sequence:
         self.finish_reason: str | None = None
         self.policy_version = -1  # set when the first response token is sampled
         self.num_preemptions = 0
+        self.num_pending = 0  # sampled on the device, not yet on the host
 
     def __len__(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) + self.num_pending
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -49,7 +54,7 @@ class Sequence:
 
     @property
     def num_response_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return len(self) - self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -63,8 +68,9 @@ class Sequence:
                 and lead.num_computed_tokens < lead.num_prompt_tokens)
 
     def append(self, token_id: int, logprob: float | None, policy_version: int) -> None:
-        if not self.response_ids:
+        if len(self.token_ids) == self.num_prompt_tokens:
             self.policy_version = policy_version
+        self.num_pending = max(0, self.num_pending - 1)
         self.token_ids.append(token_id)
         if logprob is not None:
             self.logprobs.append(logprob)
@@ -72,5 +78,6 @@ class Sequence:
     def reset_response(self) -> None:
         """Drop the response (abort and re-queue: the sample restarts from its prompt)."""
         del self.token_ids[self.num_prompt_tokens:]
+        self.num_pending = 0
         self.logprobs.clear()
         self.policy_version = -1
