@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from moeloop.rollout.fused_decode import fused_decode_forward
 from moeloop.rollout.kv_cache import KVCache
 from moeloop.rollout.paged_attention import AttentionMetadata, PagedAttention
 
@@ -27,8 +28,9 @@ def batch_ladder(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: nn.Module, cache: KVCache, max_batch: int, max_blocks_per_seq: int):
-        self.model, self.cache = model, cache
+    def __init__(self, model: nn.Module, cache: KVCache, max_batch: int, max_blocks_per_seq: int,
+                 fused: bool = False):
+        self.model, self.cache, self.fused = model, cache, fused
         self.sizes = batch_ladder(max_batch)
         self.max_blocks_per_seq = max_blocks_per_seq
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -106,6 +108,8 @@ class DecodeGraphs:
         ids, pos, slots, lens, tables = self._views(size)
         meta = AttentionMetadata(slots, None, tables, lens, 0, [])
         ctx = PagedAttention(self.cache, meta, use_kernel=True)
+        if self.fused:
+            return lambda: self.model.compute_logits(fused_decode_forward(self.model, ids, pos, ctx))
         return lambda: self.model.compute_logits(self.model(ids, pos, ctx))
 
     def run(self, ids: list[int], pos: list[int], slots: list[int], lens: list[int], tables: list[list[int]],

@@ -65,6 +65,10 @@ class PagedAttention:
             out[rows] = self._prefill(chunk, q_THD[rows], k_TGD[rows], v_TGDv[rows], k_cache, v_cache, scale)
         return out
 
+    def attend_cached(self, layer_idx: int, q_BHD: torch.Tensor, scale: float) -> torch.Tensor:
+        """Decode-only batch whose K/V are already in the cache (the fused decode forward writes them)."""
+        return self._decode(q_BHD, self.cache.k[layer_idx], self.cache.v[layer_idx], scale)
+
     def _decode(self, q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         meta = self.meta
         if self.use_kernel:

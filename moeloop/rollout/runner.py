@@ -13,6 +13,7 @@ from torch import nn
 
 from moeloop.rollout.cuda_graphs import CaptureFailed, DecodeGraphs
 from moeloop.rollout.decode_kernel import triton_available
+from moeloop.rollout.fused_decode import fused_decode_forward, fused_supported
 from moeloop.rollout.kv_cache import KVCache
 from moeloop.rollout.moe_kernel import decode_moe
 from moeloop.rollout.paged_attention import AttentionMetadata, PagedAttention, PrefillChunk, slots_of
@@ -51,9 +52,10 @@ class ModelRunner:
         self.sampler = Sampler()
         self.use_kernel = self.device.type == "cuda" and triton_available()
         self.max_blocks_per_seq = -(-max_model_len // cache.block_size)
+        self.fused_ok = fused_supported(model)  # the fused decode forward applies (used with the kernels)
         self.graphs: DecodeGraphs | None = None
         if self.use_kernel and not enforce_eager:
-            self.graphs = DecodeGraphs(model, cache, max_num_seqs, self.max_blocks_per_seq)
+            self.graphs = DecodeGraphs(model, cache, max_num_seqs, self.max_blocks_per_seq, fused=self.fused_ok)
         # two alternating host buffers for the sampled tokens: step t's is read before step t + 2 reuses it
         pin = self.device.type == "cuda"
         self._out_host = [torch.empty(2, max_num_seqs, dtype=torch.float64, pin_memory=pin) for _ in range(2)]
@@ -121,7 +123,11 @@ class ModelRunner:
         if patch is not None:
             dst, src, tokens_B = patch
             ids[torch.tensor(dst, device=self.device)] = tokens_B[torch.tensor(src, device=self.device)]
-        hidden_TD = self.model(ids, pos, PagedAttention(self.cache, meta, self.use_kernel))
+        ctx = PagedAttention(self.cache, meta, self.use_kernel)
+        if self.use_kernel and self.fused_ok and meta.decode_rows_B is None and not meta.prefills:
+            hidden_TD = fused_decode_forward(self.model, ids, pos, ctx)
+        else:
+            hidden_TD = self.model(ids, pos, ctx)
         return None if not sample_rows else self.model.compute_logits(hidden_TD[sample_rows])
 
     def _prepare(self, batch: ScheduledBatch):

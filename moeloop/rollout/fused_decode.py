@@ -1,0 +1,187 @@
+"""Fused decode forward for the rollout engine's CUDA path: the same weights and rounding points as
+`MoEForCausalLM.forward`, in about 13 kernels per layer instead of about 60.
+
+Per layer: residual add + RMSNorm (one kernel), the q/k/v projections, q/k head RMSNorm + RoPE + the K/V
+cache write (one kernel), paged attention, o_proj, add + RMSNorm, the router projection, softmax + top-k +
+renormalisation (one kernel), and the experts (`moe_kernel.fused_experts`). Every bf16 rounding of the module
+path is kept (norm output, weight product, each RoPE product and sum, residual sums), so outputs match it up
+to fp32 summation order inside a norm. Used for decode-only batches of GQA models with half-split RoPE over
+the whole head and a softmax router (Qwen3-MoE, Qwen3, Llama, Mixtral); `fused_supported` says when.
+Shapes: T tokens, D model dim, H/G query/kv heads, Dh head dim, E experts, K experts per token.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeloop.model.moe import MoE
+from moeloop.model.norm import RMSNorm
+from moeloop.rollout.decode_kernel import triton
+from moeloop.rollout.moe_kernel import fused_experts
+from moeloop.rollout.paged_attention import PagedAttention
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _add_rmsnorm(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, eps, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                     HAS_RES: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        d = tl.arange(0, BLOCK_D)
+        ok = d < D
+        dt = y_ptr.dtype.element_ty
+        x = tl.load(x_ptr + row * D + d, mask=ok, other=0.0)
+        if HAS_RES:
+            x = (x.to(tl.float32) + tl.load(res_ptr + row * D + d, mask=ok, other=0.0).to(tl.float32)).to(dt)
+            tl.store(res_out_ptr + row * D + d, x, mask=ok)
+        x = x.to(tl.float32)
+        normed = (x * tl.rsqrt(tl.sum(x * x, 0) / D + eps)).to(dt).to(tl.float32)
+        w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * D + d, (w * normed).to(dt), mask=ok)
+
+    @triton.jit
+    def _norm_rope_half(x_ptr, w_ptr, cos_ptr, sin_ptr, t, eps, HALF: tl.constexpr, QK_NORM: tl.constexpr,
+                        dt: tl.constexpr):
+        """One head [2 * HALF] at x_ptr: optional RMSNorm (weight w_ptr), then half-split RoPE; two halves out."""
+        i = tl.arange(0, HALF)
+        x1 = tl.load(x_ptr + i).to(tl.float32)
+        x2 = tl.load(x_ptr + HALF + i).to(tl.float32)
+        if QK_NORM:
+            rs = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF) + eps)
+            x1 = (tl.load(w_ptr + i).to(tl.float32) * (x1 * rs).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            x2 = (tl.load(w_ptr + HALF + i).to(tl.float32) * (x2 * rs).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        c1 = tl.load(cos_ptr + t * 2 * HALF + i).to(tl.float32)
+        c2 = tl.load(cos_ptr + t * 2 * HALF + HALF + i).to(tl.float32)
+        s1 = tl.load(sin_ptr + t * 2 * HALF + i).to(tl.float32)
+        s2 = tl.load(sin_ptr + t * 2 * HALF + HALF + i).to(tl.float32)
+        # x * cos + cat(-x2, x1) * sin, each product and the sum rounded as the module path rounds them
+        o1 = (x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)
+        o2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
+        return o1.to(dt), o2.to(dt)
+
+    @triton.jit
+    def _qk_norm_rope_store(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, slots_ptr, qo_ptr,
+                            kc_ptr, vc_ptr, eps, s_kc, s_vc, H: tl.constexpr, G: tl.constexpr,
+                            HALF: tl.constexpr, QK_NORM: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        DH = 2 * HALF
+        i = tl.arange(0, HALF)
+        dt = qo_ptr.dtype.element_ty
+        if h < H:
+            o1, o2 = _norm_rope_half(q_ptr + (t * H + h) * DH, qw_ptr, cos_ptr, sin_ptr, t, eps, HALF, QK_NORM, dt)
+            tl.store(qo_ptr + (t * H + h) * DH + i, o1)
+            tl.store(qo_ptr + (t * H + h) * DH + HALF + i, o2)
+        else:
+            g = h - H
+            slot = tl.load(slots_ptr + t)
+            o1, o2 = _norm_rope_half(k_ptr + (t * G + g) * DH, kw_ptr, cos_ptr, sin_ptr, t, eps, HALF, QK_NORM, dt)
+            kc = kc_ptr + slot * s_kc + g * DH
+            tl.store(kc + i, o1.to(kc_ptr.dtype.element_ty))
+            tl.store(kc + HALF + i, o2.to(kc_ptr.dtype.element_ty))
+            vc = vc_ptr + slot * s_vc + g * DH
+            tl.store(vc + i, tl.load(v_ptr + (t * G + g) * DH + i).to(vc_ptr.dtype.element_ty))
+            tl.store(vc + HALF + i, tl.load(v_ptr + (t * G + g) * DH + HALF + i).to(vc_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _softmax_topk(logits_ptr, ids_ptr, wts_ptr, scale, E: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr,
+                      NORM: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        e = tl.arange(0, E_PAD)
+        z = tl.load(logits_ptr + t * E + e, mask=e < E, other=float("-inf")).to(tl.float32)
+        p = tl.exp(z - tl.max(z, 0))
+        p = p / tl.sum(p, 0)
+        total = 0.0
+        for k in tl.static_range(K):  # k-th largest (lowest id among ties), then masked out
+            best = tl.max(p, 0)
+            idx = tl.min(tl.where(p == best, e, E_PAD), 0)
+            tl.store(ids_ptr + t * K + k, idx.to(tl.int64))
+            tl.store(wts_ptr + t * K + k, best)
+            total += best
+            p = tl.where(e == idx, -1.0, p)
+        if NORM:
+            for k in tl.static_range(K):
+                w = tl.load(wts_ptr + t * K + k)
+                tl.store(wts_ptr + t * K + k, w / total * scale)
+        else:
+            for k in tl.static_range(K):
+                w = tl.load(wts_ptr + t * K + k)
+                tl.store(wts_ptr + t * K + k, w * scale)
+
+
+def fused_supported(model: nn.Module) -> bool:
+    """GQA attention with half-split RoPE over the whole head, softmax routers, SiLU experts, no shared experts."""
+    cfg = model.cfg
+    if triton is None or cfg.is_mla or model.rotary.interleaved or cfg.rope_dim != cfg.head_dim:
+        return False
+    if cfg.head_dim & (cfg.head_dim - 1) or cfg.head_dim < 4:  # power-of-two halves for tl.arange
+        return False
+    for layer in model.model.layers:
+        if isinstance(layer.mlp, MoE) and (layer.mlp.gate.scoring_func != "softmax" or hasattr(layer.mlp, "shared_experts")):
+            return False
+    return True
+
+
+def add_rmsnorm(x_TD: torch.Tensor, res_TD: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(res + x), res + x); with res None: (RMSNorm(x), x)."""
+    T, D = x_TD.shape
+    y_TD = torch.empty_like(x_TD)
+    res_out = x_TD if res_TD is None else torch.empty_like(x_TD)
+    _add_rmsnorm[(T,)](x_TD, x_TD if res_TD is None else res_TD, norm.weight, y_TD, res_out, norm.eps, D=D,
+                       BLOCK_D=triton.next_power_of_2(D), HAS_RES=res_TD is not None, num_warps=4)
+    return y_TD, res_out
+
+
+def qk_norm_rope_store(attn: nn.Module, q_TX: torch.Tensor, k_TX: torch.Tensor, v_TX: torch.Tensor,
+                       cos_TR: torch.Tensor, sin_TR: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slots_T: torch.Tensor) -> torch.Tensor:
+    """Normalised, rotated q [T, H, Dh]; k (normalised, rotated) and v written to their cache slots."""
+    T = q_TX.shape[0]
+    H, G, Dh = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    q_out = q_TX.new_empty(T, H, Dh)
+    qk_norm = hasattr(attn, "q_norm")
+    qw, kw = (attn.q_norm.weight, attn.k_norm.weight) if qk_norm else (q_TX, q_TX)
+    eps = attn.q_norm.eps if qk_norm else 0.0
+    _qk_norm_rope_store[(T, H + G)](q_TX.contiguous(), k_TX.contiguous(), v_TX.contiguous(), qw, kw,
+                                    cos_TR.contiguous(), sin_TR.contiguous(), slots_T, q_out, k_cache, v_cache, eps,
+                                    k_cache.stride(0), v_cache.stride(0), H=H, G=G, HALF=Dh // 2, QK_NORM=qk_norm,
+                                    num_warps=1)
+    return q_out
+
+
+def route_softmax_topk(moe: MoE, logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [T, K] int64, weights [T, K] fp32) exactly as `Router._route_softmax` (ties: lowest expert id)."""
+    T, E = logits_TE.shape
+    router = moe.gate
+    ids_TK = torch.empty(T, router.top_k, dtype=torch.int64, device=logits_TE.device)
+    wts_TK = torch.empty(T, router.top_k, dtype=torch.float32, device=logits_TE.device)
+    _softmax_topk[(T,)](logits_TE.contiguous(), ids_TK, wts_TK, float(router.routed_scaling_factor), E=E,
+                        E_PAD=triton.next_power_of_2(E), K=router.top_k, NORM=bool(router.norm_topk_prob), num_warps=1)
+    return ids_TK, wts_TK
+
+
+def fused_decode_forward(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Tensor, ctx: PagedAttention) -> torch.Tensor:
+    """Hidden states [T, D] after the final norm for a decode-only batch (one new token per sequence)."""
+    stack = model.model
+    x_TD = stack.embed_tokens(ids_T)
+    rope = model.rotary.tables(pos_T, x_TD.dtype)
+    layers = stack.layers
+    y_TD, res_TD = add_rmsnorm(x_TD, None, layers[0].input_layernorm)
+    slots_T = ctx.meta.slot_mapping_T
+    for i, layer in enumerate(layers):
+        attn = layer.self_attn
+        T = y_TD.shape[0]
+        q_THD = qk_norm_rope_store(attn, attn.q_proj(y_TD), attn.k_proj(y_TD), attn.v_proj(y_TD), rope.cos_TR,
+                                   rope.sin_TR, ctx.cache.k[i], ctx.cache.v[i], slots_T)
+        o_THD = ctx.attend_cached(i, q_THD, attn.scale)
+        y_TD, res_TD = add_rmsnorm(attn.o_proj(o_THD.reshape(T, -1)), res_TD, layer.post_attention_layernorm)
+        mlp = layer.mlp
+        if isinstance(mlp, MoE):
+            ids_TK, wts_TK = route_softmax_topk(mlp, F.linear(y_TD, mlp.gate.weight))
+            out_TD = fused_experts(mlp.experts, y_TD, ids_TK, wts_TK)
+        else:
+            out_TD = mlp(y_TD)
+        norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else stack.norm
+        y_TD, res_TD = add_rmsnorm(out_TD, res_TD, norm)
+    return y_TD
