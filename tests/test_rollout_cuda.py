@@ -33,3 +33,17 @@ def test_cuda_logprobs_equal_teacher_forced():
     for o in outs:
         ref = teacher_forced_logprobs(model, o.prompt_ids, o.response_ids).cpu()
         torch.testing.assert_close(torch.tensor(o.logprobs), ref, atol=1e-4, rtol=0)
+
+
+def test_cuda_async_scheduling_equals_sync_with_stops():
+    """Graph replays fed from the previous step's device tokens (async) give the sync engine's samples."""
+    model = tiny_model().cuda()
+    ps = prompts(12, seed=6)
+    free = make_engine(model, enforce_eager=False).generate(ps, SamplingParams(n=2, max_tokens=12, seed=2))
+    params = SamplingParams(n=2, max_tokens=12, seed=2, stop_token_ids=(free[0].response_ids[2],))
+    sync = make_engine(model, enforce_eager=False, async_scheduling="off").generate(ps, params)
+    asyn = make_engine(model, enforce_eager=False, async_scheduling="on").generate(ps, params)
+    assert [o.response_ids for o in asyn] == [o.response_ids for o in sync]
+    assert any(o.finish_reason == "stop" for o in asyn)
+    for a, s in zip(asyn, sync):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(s.logprobs), atol=1e-4, rtol=0)
