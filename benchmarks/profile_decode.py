@@ -1,0 +1,69 @@
+"""Where one decode step's time goes on the GPU: kernels per step, GPU busy time per step vs wall time per step,
+and the top kernels, for the engine's steady decode at given batch sizes (reference Qwen3-MoE, bf16).
+
+    python benchmarks/profile_decode.py --batch 1,256
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from moeloop.config.schema import RolloutSection
+from moeloop.model.factory import build_model
+from moeloop.rollout import Engine, SamplingParams
+from moeloop.rollout.kv_cache import kv_bytes_per_block
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", default="1,256")
+    ap.add_argument("--size", default="reference")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--top", type=int, default=14)
+    args = ap.parse_args()
+    model = build_model("qwen3_moe", args.size, seed=0).to("cuda", torch.bfloat16).eval()
+    for B in [int(b) for b in args.batch.split(",")]:
+        P, N = 128, 256
+        blocks = B * -(-(P + N) // 16) + 8
+        kv = int(1.2 * blocks * kv_bytes_per_block(model.cfg, 16, torch.bfloat16))
+        engine = Engine(model, RolloutSection(max_num_seqs=B, max_num_batched_tokens=max(8192, B * P), kv_cache_bytes=kv,
+                                              max_model_len=P + N), eos_token_ids=[])
+        g = torch.Generator().manual_seed(0)
+        prompts = torch.randint(3, model.cfg.vocab_size, (B, P), generator=g).tolist()
+        engine.generate(prompts, SamplingParams(max_tokens=4, top_k=50, seed=0))  # warm-up + graph capture
+        engine.blocks.reset_prefix_cache()
+        for p in prompts:
+            engine.add_request(p, SamplingParams(max_tokens=N, top_k=50, seed=1))
+        for _ in range(8):  # prefill, then into steady decode
+            engine.step()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t) / args.steps
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.steps):
+                engine.step()
+            torch.cuda.synchronize()
+        kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+        by_name: dict[str, list[float]] = defaultdict(list)
+        for e in kernels:
+            by_name[e.name].append(e.device_time)
+        busy = sum(e.device_time for e in kernels) / args.steps / 1e3
+        print(f"B={B}: wall {wall * 1e3:.2f} ms/step, GPU kernel time {busy:.2f} ms/step, "
+              f"{len(kernels) / args.steps:.0f} kernels/step")
+        rows = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:args.top]
+        for name, times in rows:
+            print(f"   {sum(times) / args.steps / 1e3:7.3f} ms/step  {len(times) / args.steps:5.0f}/step  "
+                  f"{sum(times) / len(times):7.1f} us  {name[:90]}")
+        while engine.has_unfinished():
+            engine.step()
+
+
+if __name__ == "__main__":
+    main()
