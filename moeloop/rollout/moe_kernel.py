@@ -2,8 +2,11 @@
 
 Few tokens (T*K <= `FUSED_MAX_ASSIGNMENTS`, or any count outside bf16, where grouped_mm would sync the host)
 run two kernels with no sort: gate_up + SiLU*up per assignment, then down + the weighted sum over the K
-experts of each token. More tokens take the built-in sorted grouped_mm path (each expert's weights read once).
-Both are free of host syncs, so they can be captured in a CUDA graph. Rounding points follow `Experts`.
+experts of each token. More tokens take the grouped path (each expert's weights read once): one kernel
+orders the assignments by expert (a stable counting sort: the same order as `Experts.sorted_forward`'s
+stable argsort, without the radix sort's kernels), the two grouped_mm calls, and one kernel for the
+weighted sum over each token's K rows. All free of host syncs, so they can be captured in a CUDA graph.
+Rounding points follow `Experts`.
 """
 # T tokens, D model dim, F expert ffn dim, K experts per token, S = T*K assignments
 from __future__ import annotations
@@ -49,6 +52,30 @@ if triton is not None:
         tl.store(h_ptr + s.to(tl.int64) * F + f, (act * u).to(dt), mask=f_ok)
 
     @triton.jit
+    def _align_by_expert(ids_ptr, token_ptr, dest_ptr, offsets_ptr, S, K: tl.constexpr, S_PAD: tl.constexpr):
+        """Program e: the rows of expert e's assignments in expert-sorted order (stable), and the end offset of e."""
+        e = tl.program_id(0)
+        s = tl.arange(0, S_PAD)
+        ids = tl.load(ids_ptr + s, mask=s < S, other=-1)
+        mine = (ids == e).to(tl.int32)
+        start = tl.sum((ids < e).to(tl.int32) * (s < S).to(tl.int32), 0)
+        dest = start + tl.cumsum(mine, 0) - 1
+        ok = (mine == 1) & (s < S)
+        tl.store(dest_ptr + s, dest.to(tl.int64), mask=ok)  # assignment s -> its row in sorted order
+        tl.store(token_ptr + dest, (s // K).to(tl.int64), mask=ok)  # sorted row -> the token it reads
+        tl.store(offsets_ptr + e, start + tl.sum(mine, 0))
+
+    @triton.jit
+    def _combine_rows(y_ptr, dest_ptr, wts_ptr, out_ptr, D: tl.constexpr, K: tl.constexpr, BLOCK_D: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for k in tl.static_range(K):
+            row = tl.load(dest_ptr + t * K + k)
+            acc += tl.load(y_ptr + row * D + d, mask=d < D, other=0.0).to(tl.float32) * tl.load(wts_ptr + t * K + k)
+        tl.store(out_ptr + t * D + d, acc.to(out_ptr.dtype.element_ty), mask=d < D)
+
+    @triton.jit
     def _down_combine(h_ptr, w_ptr, ids_ptr, wts_ptr, y_ptr, s_we, s_wd, D: tl.constexpr, F: tl.constexpr, K: tl.constexpr,
                       BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
         t = tl.program_id(0)
@@ -73,18 +100,41 @@ if triton is not None:
 def fused_experts(experts: Experts, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
     """Routed-expert output [T, D] of a decode batch (see the module docstring for the path taken)."""
     T, K = ids_TK.shape
-    w_gu, w_d = experts.gate_up_proj, experts.down_proj
-    if (T * K > FUSED_MAX_ASSIGNMENTS and x_TD.dtype == torch.bfloat16) or (not x_TD.is_cuda and not _interpreting()):
+    if not x_TD.is_cuda and not _interpreting():
         return experts.sorted_forward(x_TD, ids_TK, weights_TK, expert_counts(ids_TK, experts.num_experts))
+    if T * K > FUSED_MAX_ASSIGNMENTS and x_TD.dtype == torch.bfloat16:
+        return grouped_experts(experts, x_TD, ids_TK, weights_TK)
+    w_gu, w_d = experts.gate_up_proj, experts.down_proj
     D, F = experts.dim, experts.ffn_dim
     x_TD, ids_S = x_TD.contiguous(), ids_TK.reshape(-1).contiguous()
     h_SF = x_TD.new_empty(T * K, F)
-    _gate_up_silu[(T * K, triton.cdiv(F, 16))](x_TD, w_gu, ids_S, h_SF, w_gu.stride(0), w_gu.stride(1),
-                                                D=D, F=F, K=K, BLOCK_F=16, BLOCK_D=128, num_warps=4)
+    # wide tiles and many programs: at B=1 this is a weight stream of K experts, bound by the bytes in flight
+    block_d, block_f = min(512, triton.next_power_of_2(D)), min(512, triton.next_power_of_2(F))
+    _gate_up_silu[(T * K, triton.cdiv(F, 8))](x_TD, w_gu, ids_S, h_SF, w_gu.stride(0), w_gu.stride(1),
+                                               D=D, F=F, K=K, BLOCK_F=8, BLOCK_D=block_d, num_warps=4)
     y_TD = torch.empty_like(x_TD)
-    _down_combine[(T, triton.cdiv(D, 8))](h_SF, w_d, ids_S, weights_TK.float().contiguous(), y_TD,
-                                           w_d.stride(0), w_d.stride(1), D=D, F=F, K=K, BLOCK_D=8, BLOCK_F=128, num_warps=4)
+    _down_combine[(T, triton.cdiv(D, 4))](h_SF, w_d, ids_S, weights_TK.float().contiguous(), y_TD,
+                                           w_d.stride(0), w_d.stride(1), D=D, F=F, K=K, BLOCK_D=4, BLOCK_F=block_f,
+                                           num_warps=4)
     return y_TD
+
+
+def grouped_experts(experts: Experts, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+    """`Experts.sorted_forward` with grouped_mm in 7 kernels: counting sort, gather, 2 grouped GEMMs (+ SiLU*up),
+    weighted sum. Same assignment order and rounding points, so the same numbers."""
+    T, K = ids_TK.shape
+    S, E, D = T * K, experts.num_experts, experts.dim
+    ids_S = ids_TK.reshape(-1).contiguous()
+    dest_S = torch.empty(S, dtype=torch.int64, device=x_TD.device)
+    token_S = torch.empty(S, dtype=torch.int64, device=x_TD.device)
+    offsets_E = torch.empty(E, dtype=torch.int32, device=x_TD.device)
+    _align_by_expert[(E,)](ids_S, token_S, dest_S, offsets_E, S, K=K, S_PAD=triton.next_power_of_2(S), num_warps=4)
+    y_SD = experts._grouped(x_TD.index_select(0, token_S), offsets_E)
+    out_TD = torch.empty_like(x_TD)
+    block_d = min(1024, triton.next_power_of_2(D))
+    _combine_rows[(T, triton.cdiv(D, block_d))](y_SD, dest_S, weights_TK.float().contiguous(), out_TD, D=D, K=K,
+                                                BLOCK_D=block_d, num_warps=4)
+    return out_TD
 
 
 def _interpreting() -> bool:
