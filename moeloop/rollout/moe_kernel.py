@@ -22,6 +22,7 @@ from moeloop.model.moe import MoE
 from moeloop.rollout.decode_kernel import triton
 
 FUSED_MAX_ASSIGNMENTS = 32
+ALIGN_MAX_ASSIGNMENTS = 8192  # the counting sort holds all assignments in one program; a long prefill sorts instead
 IMPL_NAME = "rollout_decode"
 
 if triton is not None:
@@ -101,6 +102,8 @@ def fused_experts(experts: Experts, x_TD: torch.Tensor, ids_TK: torch.Tensor, we
     """Routed-expert output [T, D] of a decode batch (see the module docstring for the path taken)."""
     T, K = ids_TK.shape
     if not x_TD.is_cuda and not _interpreting():
+        return experts.sorted_forward(x_TD, ids_TK, weights_TK, expert_counts(ids_TK, experts.num_experts))
+    if T * K > ALIGN_MAX_ASSIGNMENTS:
         return experts.sorted_forward(x_TD, ids_TK, weights_TK, expert_counts(ids_TK, experts.num_experts))
     if T * K > FUSED_MAX_ASSIGNMENTS and x_TD.dtype == torch.bfloat16:
         return grouped_experts(experts, x_TD, ids_TK, weights_TK)
