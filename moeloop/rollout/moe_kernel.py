@@ -150,9 +150,10 @@ if triton is not None:
 
 
 @contextmanager
-def decode_moe(model: nn.Module) -> Iterator[None]:
-    """Inside: every MoE block skips router stats and runs `fused_experts`; restored on exit (a shared model trains)."""
-    blocks = [m for m in model.modules() if isinstance(m, MoE)]
+def decode_moe(model: nn.Module, blocks: list[MoE] | None = None) -> Iterator[None]:
+    """Inside: every MoE block skips router stats and runs `fused_experts`; restored on exit (a shared model trains).
+    `blocks`: the model's MoE blocks, when the caller has them (saves a module walk per step)."""
+    blocks = [m for m in model.modules() if isinstance(m, MoE)] if blocks is None else blocks
     saved = [(b.record_stats, b.experts.impl) for b in blocks]
     try:
         for b in blocks:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from moeloop.model.moe import MoE
 from moeloop.rollout.cuda_graphs import CaptureFailed, DecodeGraphs
 from moeloop.rollout.decode_kernel import triton_available
 from moeloop.rollout.fused_decode import fused_decode_forward, fused_supported
@@ -52,6 +53,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.use_kernel = self.device.type == "cuda" and triton_available()
         self.max_blocks_per_seq = -(-max_model_len // cache.block_size)
+        self._moe_blocks = [m for m in model.modules() if isinstance(m, MoE)]
         self.fused_ok = fused_supported(model)  # the fused decode forward applies (used with the kernels)
         self.graphs: DecodeGraphs | None = None
         if self.use_kernel and not enforce_eager:
@@ -77,11 +79,12 @@ class ModelRunner:
 
         A decode row whose input token is still pending on the host (sampled by `prev`, not yet appended) takes
         it from `prev.tokens_B` on the device, so consecutive steps need no host round trip in between."""
-        sampled = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
+        rows = batch.sample_rows()
+        sampled = [batch.seqs[i] for i in rows]
         step = LaunchedStep(batch.seqs, sampled)
         patch = _pending_inputs(batch, prev)
-        with decode_moe(self.model) if self.device.type == "cuda" else nullcontext():
-            logits_TV = self._graph_logits(batch, patch)
+        with decode_moe(self.model, self._moe_blocks) if self.device.type == "cuda" else nullcontext():
+            logits_TV = self._graph_logits(batch, patch, rows)
             if logits_TV is None:
                 logits_TV = self._eager_logits(batch, patch)
         if logits_TV is None:
@@ -101,7 +104,7 @@ class ModelRunner:
             step.host_XB = out_XB
         return step
 
-    def _graph_logits(self, batch: ScheduledBatch, patch: "InputPatch | None") -> torch.Tensor | None:
+    def _graph_logits(self, batch: ScheduledBatch, patch: "InputPatch | None", rows: list[int]) -> torch.Tensor | None:
         """Logits of a decode-only batch (every row samples) through the CUDA graphs; None when not applicable."""
         if self.graphs is None or not self.graphs.fits(len(batch)) or any(n != 1 for n in batch.num_new_tokens):
             return None
@@ -115,7 +118,7 @@ class ModelRunner:
         except CaptureFailed:
             self.graphs = None
             return None
-        rows = [i for i in range(len(batch)) if batch.samples(i)]  # a 1-token prompt chunk does not sample
+        # a 1-token prompt chunk does not sample
         return logits_BV if len(rows) == len(batch) else logits_BV[rows] if rows else None
 
     def _eager_logits(self, batch: ScheduledBatch, patch: "InputPatch | None") -> torch.Tensor | None:
