@@ -6,6 +6,8 @@ and the top kernels, for the engine's steady decode at given batch sizes (refere
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import time
 from collections import defaultdict
 
@@ -24,6 +26,7 @@ def main() -> None:
     ap.add_argument("--size", default="reference")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--top", type=int, default=14)
+    ap.add_argument("--host-profile", action="store_true", help="also cProfile the host side of the timed steps")
     args = ap.parse_args()
     model = build_model("qwen3_moe", args.size, seed=0).to("cuda", torch.bfloat16).eval()
     for B in [int(b) for b in args.batch.split(",")]:
@@ -46,6 +49,14 @@ def main() -> None:
             engine.step()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t) / args.steps
+        if args.host_profile:
+            host = cProfile.Profile()
+            host.enable()
+            for _ in range(args.steps):
+                engine.step()
+            torch.cuda.synchronize()
+            host.disable()
+            pstats.Stats(host).sort_stats("tottime").print_stats(args.top + 8)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(args.steps):
                 engine.step()
