@@ -35,6 +35,23 @@ def test_pack_alignment_by_hand():
     assert [x.tolist() for x in back] == [pytest.approx([-0.1, -0.2, -0.3]), pytest.approx([-0.7]), [], pytest.approx([-1.1, -1.2])]
 
 
+def test_token_stream_by_hand():
+    samples = [Sample(prompt_ids=[1, 2], response_ids=[3]), Sample(prompt_ids=[5], response_ids=[6, 7]),
+               Sample(prompt_ids=[1, 2], response_ids=[4, 9]), Sample(prompt_ids=[8], response_ids=[])]
+    b = pack_samples(samples)  # packed: [1 2 3][5 6 7][1 2 4 9][8]
+    st = b.stream  # rows: prompt [1 2] once, [5], [8]; responses without their last token: [6], [4]
+    assert st.input_ids_U.tolist() == [1, 2, 5, 6, 4, 8]
+    assert st.position_ids_U.tolist() == [0, 1, 0, 1, 2, 0]
+    assert st.owner_U.tolist() == [0, 1, 3, 4, 8, 10]
+    # a last response token (packed 2, 5, 9) reads its predecessor's row: it predicts nothing, no query sees it
+    assert st.gather_T.tolist() == [0, 1, 1, 2, 3, 3, 0, 1, 4, 4, 5]
+    needed = b.loss_mask_T.bool() | (b.labels_T != 0)  # every position predicting a token
+    assert torch.equal(st.input_ids_U[st.gather_T][needed], b.input_ids_T[needed])
+    assert torch.equal(st.position_ids_U[st.gather_T][needed], b.position_ids_T[needed])
+    assert pack_samples(samples, compact=False).stream is None
+    assert pack_samples([Sample(prompt_ids=[1, 2], response_ids=[])]).stream is None  # nothing to save
+
+
 def test_pack_errors():
     with pytest.raises(ValueError, match="empty prompt"):
         pack_samples([Sample(prompt_ids=[], response_ids=[1])])

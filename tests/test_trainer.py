@@ -1,9 +1,10 @@
 """The trainer: micro-batch invariance of the update, DP=2/4 == DP=1 on the same global batch,
-and logprobs equal to a naive forward."""
+logprobs equal to a naive forward, and the compact-stream forward equal to the full packed one."""
 import pytest
 import torch
 
 from moeloop.train.actor import Actor
+from moeloop.train.packing import pack_samples
 from tests.dist import run_ranks
 from tests.trainer_fixtures import actor_cfg, rl_batch, tiny_model, use_sgd
 
@@ -31,6 +32,28 @@ def test_logprobs_match_naive_forward():
         logits = ref.compute_logits(ref.forward_packed(ids, [len(ids)]))
         want = torch.log_softmax(logits.float(), -1)[len(s.prompt_ids) - 1:-1].gather(-1, ids[len(s.prompt_ids):, None])[:, 0]
         torch.testing.assert_close(torch.tensor(s.old_logprobs), want, rtol=1e-5, atol=1e-5)
+
+
+def test_compact_stream_forward_matches_full_forward():
+    """Each group's prompt runs once and no last token runs (the stream has fewer rows); logprobs and entropy
+    at loss positions and all gradients are those of the full packed forward (tolerance: fp32 summation
+    order of the shared rows' gradients)."""
+    samples = rl_batch()
+    out = {}
+    for compact in (False, True):
+        batch = pack_samples(samples, compact=compact)
+        actor = Actor(tiny_model(), actor_cfg(), torch.device("cpu"), 8)
+        logprobs_T, entropy_T = actor.forward_batch(batch, with_entropy=True)
+        ((logprobs_T * batch.advantages_T).sum() + 0.1 * (entropy_T * batch.loss_mask_T).sum()).backward()
+        grads = {n: p.grad for n, p in actor.model.named_parameters()}
+        out[compact] = (logprobs_T.detach(), entropy_T.detach(), grads, batch)
+    batch = out[True][3]
+    assert batch.stream.input_ids_U.numel() < batch.num_tokens - len(samples)  # prompts shared, last tokens gone
+    on = batch.loss_mask_T.bool()
+    torch.testing.assert_close(out[True][0][on], out[False][0][on], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out[True][1][on], out[False][1][on], rtol=1e-6, atol=1e-6)
+    for name, grad in out[False][2].items():
+        torch.testing.assert_close(out[True][2][name], grad, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
@@ -83,3 +106,23 @@ def test_sft_step_is_token_mean_cross_entropy_and_cut_invariant():
         params.append(_params(actor.model))
     for name in params[0]:
         torch.testing.assert_close(params[1][name], params[0][name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("grad_clip", [0.0, 1e-3, 1e6])
+def test_clip_and_step_equals_clip_grad_norm(grad_clip):
+    """The scale pass runs only when it clips; gradients, norm and the step are bit-identical to torch's."""
+    from moeloop.train.actor import clip_and_step
+    results = []
+    for ours in (True, False):
+        model = tiny_model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model.lm_head(model.forward_packed(torch.arange(1, 9), [8])).square().mean().backward()
+        if ours:
+            norm = clip_and_step(model, optimizer, grad_clip)
+        else:
+            norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf")))
+            optimizer.step()
+        results.append((norm, _params(model)))
+    assert results[0][0] == results[1][0]
+    for name, p in results[1][1].items():
+        assert torch.equal(results[0][1][name], p), name

@@ -1,10 +1,11 @@
 """How attention layers reach keys and values: an `AttentionContext` passed through the forward.
 
 The model never owns a KV cache. Training and teacher-forced logprobs pass a `PackedAttention`
-(one flat token stream, causal inside each sequence, no padding); the rollout engine passes its own
+(one flat token stream, causal inside each sequence, no padding), or a `GatheredAttention` when the
+forward runs on fewer rows (a shared prompt once); the rollout engine passes its own
 context that writes K/V into paged blocks and attends over them. Same layer code for both.
 
-Shapes: T tokens in the flat stream, H query heads, G key/value heads (H % G == 0),
+Shapes: T tokens in the flat stream (U <= T rows computed under GatheredAttention), H query heads, G key/value heads (H % G == 0),
 Dk query/key head dim, Dv value head dim (MLA has Dk != Dv).
 """
 from __future__ import annotations
@@ -84,3 +85,19 @@ class PackedAttention:
         o_SHLD = F.scaled_dot_product_attention(pad(q_THD), pad(k_TGD), pad(v_TGDv), is_causal=True, scale=scale,
                                                 enable_gqa=gqa)
         return o_SHLD.transpose(1, 2).reshape(S * L, *o_SHLD.shape[1:2], o_SHLD.shape[-1]).index_select(0, slots)
+
+
+class GatheredAttention:
+    """`PackedAttention` for a forward over U stream rows (a shared prompt once): q/k/v rows are gathered into
+    the packed layout (`gather_T`, every sequence whole), attended there, and stream row u takes the output
+    at packed position `owner_U[u]`. Gradients of a shared k/v row sum over its copies."""
+
+    def __init__(self, cu_seqlens: torch.Tensor, gather_T: torch.Tensor, owner_U: torch.Tensor):
+        self.packed, self.gather_T, self.owner_U = PackedAttention(cu_seqlens), gather_T, owner_U
+
+    def attend(self, layer_idx: int, q_UHD: torch.Tensor, k_UGD: torch.Tensor, v_UGDv: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        g = self.gather_T  # index_select: its backward is index_add, no accumulate-index_put
+        o_THDv = self.packed.attend(layer_idx, q_UHD.index_select(0, g), k_UGD.index_select(0, g),
+                                    v_UGDv.index_select(0, g), scale)
+        return o_THDv.index_select(0, self.owner_U)

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from moeloop.algo.losses import SHARE_KEYS, PolicyInputs, actor_loss, reduce_metrics
 from moeloop.config.schema import ActorSection
-from moeloop.model.attention import PackedAttention
+from moeloop.model.attention import GatheredAttention, PackedAttention
 from moeloop.parallel.fsdp import apply_fsdp, build_dp_mesh
 from moeloop.train.head import LogprobHead
 from moeloop.train.packing import PackedBatch, global_loss_denominators, pack_samples, split_micro_batches
@@ -58,8 +58,7 @@ class PolicyForward:
             apply_fsdp(model, mesh, param_dtype)
 
     def forward_batch(self, batch: PackedBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        hidden_TD = self.model(batch.input_ids_T, batch.position_ids_T, PackedAttention(batch.cu_seqlens))
-        return self.model.lm_head(hidden_TD, batch.labels_T, 1.0, with_entropy)
+        return self.model.lm_head(packed_hidden(self.model, batch), batch.labels_T, 1.0, with_entropy)
 
     def micro_batches(self, samples: list[Sample]) -> list[list[int]]:
         """Token-budget cut, padded with empty micro-batches to the max count over DP ranks."""
@@ -91,6 +90,16 @@ class PolicyForward:
             yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
 
 
+def packed_hidden(model: nn.Module, batch: PackedBatch) -> torch.Tensor:
+    """Final hidden states [T, D] of the packed positions; with a compact stream the model runs on its U rows
+    only and they are gathered back (the head then sees every position as before)."""
+    if batch.stream is None:
+        return model(batch.input_ids_T, batch.position_ids_T, PackedAttention(batch.cu_seqlens))
+    st = batch.stream
+    hidden_UD = model(st.input_ids_U, st.position_ids_U, GatheredAttention(batch.cu_seqlens, st.gather_T, st.owner_U))
+    return hidden_UD.index_select(0, st.gather_T)
+
+
 def global_metrics(local: dict[str, float]) -> dict[str, float]:
     """Loss shares add over ranks; the other metrics are averaged weighted by loss tokens."""
     if dp_size() == 1:
@@ -115,8 +124,13 @@ def dummy_sample() -> Sample:
 
 def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float) -> float:
     """Clip the global gradient norm (0 = no clipping), step, zero grads; returns the norm before clipping."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
-    norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    params = [p for p in model.parameters() if p.grad is not None]
+    total = torch.nn.utils.get_total_norm([p.grad for p in params])  # a DTensor under FSDP
+    norm = total.full_tensor() if isinstance(total, DTensor) else total
+    # clip_grad_norm_ always scales by min(clip / (norm + 1e-6), 1): a scale of exactly 1 is a pass over every
+    # gradient that changes nothing, so it runs only when it clips (same result, one memory pass fewer)
+    if grad_clip and float(grad_clip / (norm + 1e-6)) < 1.0:
+        torch.nn.utils.clip_grads_with_norm_(params, grad_clip, total)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return float(norm)

@@ -13,9 +13,8 @@ from torch import nn
 
 from moeloop.algo.losses import reduce_metrics, value_loss
 from moeloop.config.schema import CriticSection
-from moeloop.model.attention import PackedAttention
 from moeloop.train.actor import (PolicyForward, all_reduce_scalar, build_optimizer, clip_and_step, dp_size,
-                                 global_metrics, num_mini_batches, split_groups)
+                                 global_metrics, num_mini_batches, packed_hidden, split_groups)
 from moeloop.train.packing import PackedBatch, global_loss_denominators
 from moeloop.types import Sample
 
@@ -42,8 +41,7 @@ class Critic(PolicyForward):
         self.optimizer, self.scheduler = build_optimizer(model, cfg, total_steps)
 
     def values_of(self, batch: PackedBatch) -> torch.Tensor:
-        hidden_TD = self.model(batch.input_ids_T, batch.position_ids_T, PackedAttention(batch.cu_seqlens))
-        return self.model.lm_head(hidden_TD)
+        return self.model.lm_head(packed_hidden(self.model, batch))
 
     @torch.no_grad()
     def compute_values(self, samples: list[Sample]) -> None:

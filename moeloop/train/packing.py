@@ -11,6 +11,12 @@ offset o; `cu_seqlens` holds the offsets):
   every other position has loss_mask_T = 0 and zeros in the per-token tensors.
 So logprobs_T = log_softmax(logits_T)[labels_T] lines up with every per-token tensor. P >= 1 is
 required (a response token needs a preceding token to be predicted from).
+
+Compact stream: the n samples of a GRPO group repeat one prompt, a prompt token's hidden states depend
+only on the prompt (causal attention), and a sequence's last token predicts nothing; so `TokenStream`
+lists the U <= T rows the model must run (each distinct prompt once, each response but its last token)
+and `gather_T` maps the packed positions back onto them. Every loss position gets the same value and
+the same gradient as in the full forward (a shared row sums its copies' gradients).
 """
 from __future__ import annotations
 
@@ -51,6 +57,7 @@ class PackedBatch:
     advantages_T: Optional[torch.Tensor] = None
     returns_T: Optional[torch.Tensor] = None
     values_T: Optional[torch.Tensor] = None
+    stream: Optional["TokenStream"] = None  # the rows the model runs on; None = every position
 
     @property
     def num_tokens(self) -> int:
@@ -67,7 +74,49 @@ class PackedBatch:
 
     def to(self, device: torch.device | str) -> "PackedBatch":
         moved = {f.name: getattr(self, f.name).to(device) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+        if self.stream is not None:
+            moved["stream"] = self.stream.to(device)
         return replace(self, **moved)
+
+
+@dataclass
+class TokenStream:
+    """The U <= T rows the model runs on: input_ids_U[gather_T] == input_ids_T at every position that matters,
+    and owner_U[u] is the packed position whose attention output row u takes."""
+
+    input_ids_U: torch.Tensor  # int64 [U]
+    position_ids_U: torch.Tensor  # int64 [U]
+    gather_T: torch.Tensor  # int64 [T], stream row of each packed position
+    owner_U: torch.Tensor  # int64 [U]
+
+    def to(self, device: torch.device | str) -> "TokenStream":
+        return TokenStream(*(getattr(self, f.name).to(device) for f in fields(self)))
+
+
+def compact_stream(samples: list[Sample], input_ids_T: torch.Tensor, position_ids_T: torch.Tensor,
+                   cu_seqlens: torch.Tensor) -> Optional[TokenStream]:
+    """Rows for `samples` packed at `cu_seqlens`: each distinct prompt once, then each response without its
+    last token (that position predicts nothing and is seen by no other query: it reads its predecessor's
+    row, a placeholder whose loss weight is 0). None when nothing would be saved."""
+    prompt_rows: dict[tuple[int, ...], torch.Tensor] = {}
+    gather, owner, num_rows = [], [], 0
+    for i, s in enumerate(samples):
+        start, key, num_response = int(cu_seqlens[i]), tuple(s.prompt_ids), len(s.response_ids)
+        if key not in prompt_rows:
+            prompt_rows[key] = torch.arange(num_rows, num_rows + len(key))
+            owner.append(torch.arange(start, start + len(key)))
+            num_rows += len(key)
+        body = max(num_response - 1, 0)
+        rows = torch.arange(num_rows, num_rows + body)
+        owner.append(torch.arange(start + len(key), start + len(key) + body))
+        num_rows += body
+        gather += [prompt_rows[key], rows]
+        if num_response:
+            gather.append(rows[-1:] if body else prompt_rows[key][-1:])
+    owner_U = torch.cat(owner) if owner else torch.zeros(0, dtype=torch.int64)
+    if len(owner_U) == len(input_ids_T):
+        return None
+    return TokenStream(input_ids_T[owner_U], position_ids_T[owner_U], torch.cat(gather), owner_U)
 
 
 def _check_sample(i: int, sample: Sample) -> None:
@@ -91,8 +140,9 @@ def _pack_field(batch: PackedBatch, samples: list[Sample], name: str, dtype: tor
     return out
 
 
-def pack_samples(samples: list[Sample], dtype: torch.dtype = torch.float32) -> PackedBatch:
-    """Pack `samples` in order into one `PackedBatch` (CPU tensors; call `.to(device)`)."""
+def pack_samples(samples: list[Sample], dtype: torch.dtype = torch.float32, compact: bool = True) -> PackedBatch:
+    """Pack `samples` in order into one `PackedBatch` (CPU tensors; call `.to(device)`); `compact`: set
+    `batch.stream` when it saves rows."""
     for i, sample in enumerate(samples):
         _check_sample(i, sample)
     lengths = [s.num_tokens for s in samples]
@@ -111,6 +161,8 @@ def pack_samples(samples: list[Sample], dtype: torch.dtype = torch.float32) -> P
         batch.loss_mask_T[batch.response_slice(seq)] = response_mask(sample).to(dtype)
     for packed_name, sample_name in PER_TOKEN_FIELDS.items():
         setattr(batch, packed_name, _pack_field(batch, samples, sample_name, dtype))
+    if compact:
+        batch.stream = compact_stream(samples, batch.input_ids_T, batch.position_ids_T, cu)
     return batch
 
 
