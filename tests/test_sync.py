@@ -20,7 +20,7 @@ class FakeEngine:
 
     def __init__(self):
         self.paused = self.drained = False
-        self.version, self.weights, self.calls = 0, {}, []
+        self.version, self.weights, self.calls, self.data_ptrs = 0, {}, [], {}
 
     def pause(self):
         self.paused = True
@@ -38,7 +38,7 @@ class FakeEngine:
         if not self.drained:
             raise RuntimeError("update_weights needs a drained engine")
         for name, t in named:
-            self.weights[name] = t.clone()
+            self.weights[name], self.data_ptrs[name] = t.clone(), t.data_ptr()
         self.version = version
         self.calls.append("update")
 
@@ -79,11 +79,25 @@ def test_push_follows_drain_gate_and_bumps_version():
 
 
 class CorruptingTransport:
+    def moves_bytes(self, device):
+        return True
+
     def transfer(self, buckets):
         for b in buckets:
             if b.index == 1:
                 b.buffer[0] ^= 0xFF
             yield b
+
+
+def test_same_device_push_hands_over_views_without_copy():
+    """In process on the trainer's device nothing moves: the receiver reads the sender's own tensors (no
+    bucket copy, no fingerprint), still through the drain gate and the version bump."""
+    engine, stream = FakeEngine(), _stream()
+    report = WeightSyncer(InProcessTransport("cpu"), bucket_bytes=256).push(stream, engine, version=2)
+    assert engine.calls == ["pause", "drain", "update", "resume"] and engine.version == 2
+    assert report.num_tensors == 4 and report.num_bytes == sum(t.numel() * t.element_size() for _, t in stream)
+    for name, t in stream:
+        assert engine.data_ptrs[name] == t.data_ptr() and torch.equal(engine.weights[name], t)
 
 
 def test_corrupt_bucket_leaves_engine_paused_at_old_version():

@@ -1,8 +1,9 @@
 """`Components`: everything one RL run holds — built once from the config, saved and resumed as one.
 
 `build_components(cfg, resume)` makes the tokenizer, datasets and cursor, the actor (and a frozen
-reference when a KL term needs it), the colocated rollout engine, the reward pool, the weight
-syncer, checkpoints and the logger, and restores them from the latest checkpoint on `--resume`.
+reference when a KL term needs it), the colocated rollout engine (sharing the actor's parameters
+in process), the reward pool, the weight syncer, checkpoints and the logger, and restores them
+from the latest checkpoint on `--resume`.
 """
 from __future__ import annotations
 
@@ -28,9 +29,11 @@ from moeloop.plan import predict_peak_bytes
 from moeloop.reward import RewardPool
 from moeloop.rollout import Engine
 from moeloop.rollout.sampling_params import SamplingParams
-from moeloop.sync import DiskTransport, InProcessTransport, Transport, WeightSyncer
+from moeloop.sync import (DiskTransport, InProcessTransport, Transport, WeightSyncer, drain_before_step,
+                           share_parameters)
 from moeloop.train.actor import Actor, PolicyForward
 from moeloop.train.critic import Critic
+from moeloop.train.host_memory import retain_freed_host_memory
 
 
 @dataclass
@@ -141,6 +144,14 @@ def build_engine(cfg: RunConfig, model: torch.nn.Module, tokenizer: Any) -> Engi
                   detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
 
 
+def engine_model(cfg: RunConfig, env: RunEnv, actor: Actor) -> torch.nn.Module:
+    """The engine's model; in process, its parameters alias the actor's where device and dtype match."""
+    model = load_pretrained(cfg.model.path, dtype=dtype_of(cfg.model.dtype), device=env.device)
+    if cfg.sync.transport == "inprocess":
+        share_parameters(actor.model, model)
+    return model
+
+
 def _colocated_transport(cfg: RunConfig, env: RunEnv) -> Transport:
     if cfg.sync.transport == "disk":  # the fallback path, exercised end to end through safetensors files
         return DiskTransport(env.run_dir / "sync" / f"rank{env.rank}")
@@ -166,6 +177,8 @@ def build_components(cfg: RunConfig, resume: bool) -> Components:
     train = PromptDataset(load_rows(cfg.data.train_files, cfg.data.seed), tokenizer, cfg.data)
     val = PromptDataset(load_rows(cfg.data.val_files, cfg.data.seed), tokenizer, cfg.data) if cfg.data.val_files else None
     dtype = dtype_of(cfg.model.dtype)
+    if env.device.type == "cpu":
+        retain_freed_host_memory()  # gradients are freed and allocated again every step
     actor = Actor(load_policy(cfg), cfg.actor, env.device, cfg.data.max_response_length,
                   cfg.model.logprob_chunk_tokens, cfg.trainer.steps)
     needs_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
@@ -173,7 +186,9 @@ def build_components(cfg: RunConfig, resume: bool) -> Components:
                         cfg.model.logprob_chunk_tokens) if needs_ref else None
     critic = Critic(load_policy(cfg), cfg.critic, env.device, cfg.data.max_response_length,
                     cfg.trainer.steps) if cfg.critic.enable else None
-    engine = build_engine(cfg, load_pretrained(cfg.model.path, dtype=dtype, device=env.device), tokenizer)
+    engine = build_engine(cfg, engine_model(cfg, env, actor), tokenizer)
+    if cfg.sync.transport == "inprocess":
+        drain_before_step(actor.optimizer, engine)  # weights it shares change at the optimizer step
     ckpt = CheckpointManager(cfg.checkpoint.dir or env.run_dir / "checkpoints", cfg.checkpoint.keep)
     latest = ckpt.latest() if resume else None
     c = Components(

@@ -1,5 +1,6 @@
 """Weight sync: named tensor stream -> fingerprinted buckets -> transport -> verified, versioned apply."""
 from moeloop.sync.bucket import Bucket, fingerprint, pack_buckets, unpack_bucket
+from moeloop.sync.shared import drain_before_step, share_parameters
 from moeloop.sync.syncer import SyncReport, WeightSyncer, WeightSyncError
 from moeloop.sync.transport import BroadcastTransport, DiskTransport, InProcessTransport, Transport
 
@@ -16,4 +17,5 @@ def build_transport(kind: str, **kwargs) -> Transport:
 
 
 __all__ = ["Bucket", "BroadcastTransport", "DiskTransport", "InProcessTransport", "SyncReport", "Transport",
-           "WeightSyncError", "WeightSyncer", "build_transport", "fingerprint", "pack_buckets", "unpack_bucket"]
+           "WeightSyncError", "WeightSyncer", "build_transport", "drain_before_step", "fingerprint", "pack_buckets",
+           "share_parameters", "unpack_bucket"]

@@ -1,7 +1,9 @@
 """Pack a named tensor stream into flat byte buckets with a fingerprint each, and unpack them.
 
 A bucket is one contiguous uint8 buffer of at most `bucket_bytes` (a single tensor larger than
-that gets a bucket of its own) plus the metadata to cut it back into named tensors. The
+that gets a bucket of its own) plus the metadata to cut it back into named tensors; a bucket that
+never leaves the process's memory (`flat=False`) holds views of the sender's tensors instead, with
+no copy and no fingerprint: there are no moved bytes to verify. The
 fingerprint is CRC-32 for host buffers (zlib, GB/s) and a position-weighted word sum computed on the
 device for GPU buffers (no host copy); the bucket records which, so either side can verify it.
 """
@@ -30,15 +32,16 @@ class TensorMeta:
 @dataclass
 class Bucket:
     index: int
-    buffer: torch.Tensor  # uint8, flat
+    buffer: torch.Tensor | None  # uint8, flat; None for a bucket of views
     metas: list[TensorMeta] = field(default_factory=list)
     fingerprint: int = 0
     fingerprint_kind: str = "crc32"  # crc32 (host buffers) | wsum (device buffers)
     moved: bool = True  # False: the receiver holds the very buffer that was fingerprinted (nothing to verify)
+    views: list[torch.Tensor] | None = None  # the sender's tensors, when not flat
 
     @property
     def num_bytes(self) -> int:
-        return self.buffer.numel()
+        return self.buffer.numel() if self.buffer is not None else sum(m.num_bytes for m in self.metas)
 
 
 def fingerprint_kind_for(buffer_u8: torch.Tensor) -> str:
@@ -64,19 +67,26 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().contiguous().view(-1).view(torch.uint8)
 
 
-def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
-    """Yield buckets in stream order; each is fingerprinted once, when it is full."""
+def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+                 flat: bool = True) -> Iterator[Bucket]:
+    """Yield buckets in stream order; each flat one is fingerprinted once, when it is full."""
     pending: list[tuple[str, torch.Tensor]] = []
     pending_bytes, index = 0, 0
     for name, tensor in named_tensors:
         size = tensor.numel() * tensor.element_size()
         if pending and pending_bytes + size > bucket_bytes:
-            yield _make_bucket(index, pending)
+            yield _make_bucket(index, pending) if flat else _view_bucket(index, pending)
             pending, pending_bytes, index = [], 0, index + 1
         pending.append((name, tensor))
         pending_bytes += size
     if pending:
-        yield _make_bucket(index, pending)
+        yield _make_bucket(index, pending) if flat else _view_bucket(index, pending)
+
+
+def _view_bucket(index: int, items: list[tuple[str, torch.Tensor]]) -> Bucket:
+    views = [tensor.detach() for _, tensor in items]
+    metas = [TensorMeta(name, tuple(t.shape), t.dtype, -1, t.numel() * t.element_size()) for (name, _), t in zip(items, views)]
+    return Bucket(index, None, metas, fingerprint_kind="none", moved=False, views=views)
 
 
 def _make_bucket(index: int, items: list[tuple[str, torch.Tensor]]) -> Bucket:
@@ -93,7 +103,10 @@ def _make_bucket(index: int, items: list[tuple[str, torch.Tensor]]) -> Bucket:
 
 
 def unpack_bucket(bucket: Bucket) -> Iterator[tuple[str, torch.Tensor]]:
-    """Views into the bucket's buffer, one per tensor (no copy)."""
+    """Views into the bucket's buffer (or the sender's tensors), one per tensor (no copy)."""
+    if bucket.views is not None:
+        yield from ((meta.name, view) for meta, view in zip(bucket.metas, bucket.views))
+        return
     for meta in bucket.metas:
         raw = bucket.buffer[meta.offset_bytes: meta.offset_bytes + meta.num_bytes]
         yield meta.name, raw.view(meta.dtype).view(meta.shape)

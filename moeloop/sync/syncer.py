@@ -4,6 +4,7 @@
     report = syncer.push(actor.named_weights(), engine, version=step + 1)
         # 1. engine.pause(); engine.drain()      -> nothing in flight, nothing admitted
         # 2. stream -> buckets (fingerprinted) -> transport -> verify each bucket
+        #    (a transport that moves no bytes gets buckets of views: nothing copied, nothing to verify)
         # 3. engine.update_weights(verified tensors, version)   (raises unless drained)
         # 4. engine.resume()                     -> new samples carry `version`
 A bucket that fails verification raises `WeightSyncError` and leaves the engine paused at its old
@@ -11,6 +12,7 @@ version: it never generates from a half-updated model. Push again to recover.
 """
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Protocol
@@ -55,7 +57,11 @@ class WeightSyncer:
         """Send the stream; apply it to `receiver` (None on ranks that only feed a collective transport)."""
         start = time.perf_counter()
         report = SyncReport(version)
-        buckets = self.transport.transfer(pack_buckets(named_tensors, self.bucket_bytes))
+        stream = iter(named_tensors)
+        first = next(stream, None)
+        stream = itertools.chain([first] if first is not None else [], stream)
+        flat = first is None or self.transport.moves_bytes(first[1].device)
+        buckets = self.transport.transfer(pack_buckets(stream, self.bucket_bytes, flat))
         if receiver is None:
             for bucket in buckets:
                 self._record(bucket, report)

@@ -1,7 +1,7 @@
 """Transports move buckets from the trainer to a rollout engine's receiver.
 
 - `InProcessTransport`: same process (colocated); hands the bucket over, optionally copying it to
-  the engine's device.
+  the engine's device. On the trainer's own device nothing moves: buckets of views, no copy.
 - `DiskTransport`: one safetensors file per bucket plus a JSON manifest; the fallback that works
   across anything with a shared filesystem.
 - `BroadcastTransport`: torch.distributed broadcast (gloo on CPU, NCCL on GPU) from a source rank
@@ -24,6 +24,10 @@ _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, tor
 
 
 class Transport(Protocol):
+    def moves_bytes(self, device: torch.device) -> bool:
+        """Whether tensors on `device` leave their memory (then buckets are flat and fingerprinted)."""
+        ...
+
     def transfer(self, buckets: Iterable[Bucket]) -> Iterator[Bucket]:
         """Send the buckets; yield them as the receiver sees them."""
         ...
@@ -33,8 +37,14 @@ class InProcessTransport:
     def __init__(self, device: torch.device | str | None = None):
         self.device = device
 
+    def moves_bytes(self, device: torch.device) -> bool:
+        return self.device is not None and torch.device(self.device) != device
+
     def transfer(self, buckets: Iterable[Bucket]) -> Iterator[Bucket]:
         for bucket in buckets:
+            if bucket.views is not None:
+                yield bucket  # same memory: the receiver reads the sender's tensors
+                continue
             if self.device is not None and bucket.buffer.device != torch.device(self.device):
                 bucket = Bucket(bucket.index, bucket.buffer.to(self.device), bucket.metas, bucket.fingerprint,
                                 bucket.fingerprint_kind)
@@ -59,6 +69,9 @@ class DiskTransport:
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
 
+    def moves_bytes(self, device: torch.device) -> bool:
+        return True
+
     def transfer(self, buckets: Iterable[Bucket]) -> Iterator[Bucket]:
         self.directory.mkdir(parents=True, exist_ok=True)
         records = []
@@ -80,6 +93,9 @@ class BroadcastTransport:
 
     def __init__(self, src: int = 0, group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu"):
         self.src, self.group, self.device = src, group, torch.device(device)
+
+    def moves_bytes(self, device: torch.device) -> bool:
+        return True
 
     def transfer(self, buckets: Iterable[Bucket]) -> Iterator[Bucket]:
         is_src = dist.get_rank() == self.src
