@@ -4,7 +4,8 @@ Each layer call first writes this forward's k/v into their slots (`slot_mapping`
 query over its own sequence's cached K/V, causally: query j of a chunk of q_len tokens ending at
 context length L sees positions < L - q_len + j + 1. The flat stream mixes decode rows (q_len 1) and
 prefill chunks. Decode rows run batched: the Triton kernel when `use_kernel` (CUDA), else gather +
-SDPA over the padded batch; each prefill chunk runs SDPA on its own.
+SDPA over the padded batch. Prefill chunks that are whole sequences (no cached prefix) run together as one
+packed causal attention; a chunk that continues a cached prefix runs SDPA on its own.
 Shapes: T tokens, B decode rows, H/G query/kv heads, Dk/Dv head dims, L context, N blocks per sequence.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from moeloop.model.attention import PackedAttention, cu_seqlens_from_lengths
 from moeloop.rollout.decode_kernel import paged_decode_attention
 from moeloop.rollout.kv_cache import KVCache
 
@@ -48,6 +50,7 @@ class PagedAttention:
     def __init__(self, cache: KVCache, meta: AttentionMetadata, use_kernel: bool = False):
         self.cache, self.meta, self.use_kernel = cache, meta, use_kernel
         self._gather: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._fresh: tuple | None = None
 
     def attend(self, layer_idx: int, q_THD: torch.Tensor, k_TGD: torch.Tensor, v_TGDv: torch.Tensor,
                scale: float) -> torch.Tensor:
@@ -60,10 +63,29 @@ class PagedAttention:
         out = q_THD.new_empty(q_THD.shape[0], q_THD.shape[1], v_TGDv.shape[-1])
         if meta.num_decode:
             out[meta.decode_rows_B] = self._decode(q_THD[meta.decode_rows_B], k_cache, v_cache, scale)
+        fresh = self._fresh_prefills()
+        if fresh is not None:  # whole prompts with no cached prefix: one packed causal attention for all of them
+            rows, packed = fresh
+            out[rows] = packed.attend(layer_idx, q_THD[rows], k_TGD[rows], v_TGDv[rows], scale)
         for chunk in meta.prefills:
+            if fresh is not None and chunk.slots_L is None:
+                continue
             rows = slice(chunk.start, chunk.start + chunk.q_len)
             out[rows] = self._prefill(chunk, q_THD[rows], k_TGD[rows], v_TGDv[rows], k_cache, v_cache, scale)
         return out
+
+    def _fresh_prefills(self) -> tuple[torch.Tensor, PackedAttention] | None:
+        """(stream rows, packed attention) of the prefill chunks that are whole sequences, when there are several;
+        built once per forward."""
+        if self._fresh is None:
+            chunks = [c for c in self.meta.prefills if c.slots_L is None]
+            if len(chunks) < 2:
+                self._fresh = (None,)
+            else:
+                device = self.meta.slot_mapping_T.device
+                rows = torch.cat([torch.arange(c.start, c.start + c.q_len) for c in chunks]).to(device)
+                self._fresh = (rows, PackedAttention(cu_seqlens_from_lengths([c.q_len for c in chunks], device)))
+        return None if self._fresh[0] is None else self._fresh
 
     def attend_cached(self, layer_idx: int, q_BHD: torch.Tensor, scale: float) -> torch.Tensor:
         """Decode-only batch whose K/V are already in the cache (the fused decode forward writes them)."""
