@@ -63,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="moeloop actor.max_tokens_per_micro_batch; 0 = the whole batch, at most 16384 tokens")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads in each run; 0 = torch's default")
     p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "moeloop_e2e_vs_trl")
+    p.add_argument("--frameworks", default="moeloop,trl",
+                   help="which to run; one alone prints its numbers without the ratio (e.g. a re-measure of moeloop)")
     p.add_argument("--only", choices=["moeloop", "trl"], help=argparse.SUPPRESS)
     p.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -295,8 +297,9 @@ def report(args: argparse.Namespace, runs: dict[str, list[dict]]) -> None:
     print("median over repeats:")
     for fw, m in med.items():
         print(f"  {fw:>8}: step {m['step_s']:.3f} s, {m['samples_per_s']:.1f} samples/s, {m['tokens_per_s']:.0f} tokens/s")
-    ratio = {k: med["moeloop"][k] / med["trl"][k] for k in ("samples_per_s", "tokens_per_s")}
-    print(f"  ratio moeloop/trl: samples/s {ratio['samples_per_s']:.2f}x, tokens/s {ratio['tokens_per_s']:.2f}x")
+    if len(med) == 2:
+        ratio = {k: med["moeloop"][k] / med["trl"][k] for k in ("samples_per_s", "tokens_per_s")}
+        print(f"  ratio moeloop/trl: samples/s {ratio['samples_per_s']:.2f}x, tokens/s {ratio['tokens_per_s']:.2f}x")
     print("reward curves (per-step mean reward):")
     for fw, summaries in runs.items():
         for i, s in enumerate(summaries):
@@ -306,8 +309,9 @@ def report(args: argparse.Namespace, runs: dict[str, list[dict]]) -> None:
         keys = list(summaries[0]["phases"])
         parts = [f"{k} {statistics.median(s['phases'].get(k, 0.0) for s in summaries):.4f}" for k in keys]
         print(f"  {fw:>8}: " + ", ".join(parts))
-    last = statistics.median(s["save_last_s"] for s in runs["moeloop"])
-    print(f"  moeloop final-step save_checkpoint (DCP + HF export, not in the medians): {last:.3f} s")
+    if "moeloop" in runs:
+        last = statistics.median(s["save_last_s"] for s in runs["moeloop"])
+        print(f"  moeloop final-step save_checkpoint (DCP + HF export, not in the medians): {last:.3f} s")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -320,16 +324,17 @@ def main(argv: list[str] | None = None) -> None:
         return
     args.workdir.mkdir(parents=True, exist_ok=True)
     args.model_dir = make_model(args.size, args.workdir / f"model-{args.size}")
-    runs: dict[str, list[dict]] = {"moeloop": [], "trl": []}
+    frameworks = [fw for fw in ("moeloop", "trl") if fw in args.frameworks.split(",")]
+    runs: dict[str, list[dict]] = {fw: [] for fw in frameworks}
     prompts: dict[str, list] = {}
     for repeat in range(args.repeats):
-        order = ["moeloop", "trl"] if repeat % 2 == 0 else ["trl", "moeloop"]
+        order = frameworks if repeat % 2 == 0 else frameworks[::-1]
         for fw in order:
             steps = run_child(args, fw, repeat)
             prompts[fw] = [[_user_text(p) for p in step["prompts"]] for step in steps]
             runs[fw].append(summarise(steps))
             print(f"repeat {repeat + 1} {fw}: median step {runs[fw][-1]['step_s']:.3f} s", file=sys.stderr, flush=True)
-        if prompts["moeloop"] != prompts["trl"]:
+        if len(prompts) == 2 and prompts["moeloop"] != prompts["trl"]:
             sys.exit(f"prompts differ between frameworks: {prompts['moeloop'][0]} vs {prompts['trl'][0]}")
     report(args, runs)
 
