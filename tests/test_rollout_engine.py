@@ -116,6 +116,14 @@ def test_group_of_8_uses_prompt_blocks_once():
         torch.testing.assert_close(torch.tensor(o.logprobs), ref, atol=1e-5, rtol=0)
 
 
+def test_group_with_nothing_to_share_starts_together():
+    engine = make_engine(tiny_model())  # block_size 4: a 4-token prompt has no full block a follower could reuse
+    engine.add_request([5, 6, 7, 8], SamplingParams(n=8, temperature=1.0, max_tokens=4, seed=0))
+    engine.step()
+    assert len(engine.scheduler.running) == 8 and engine.num_prefill_tokens == 8 * 4
+    assert engine.blocks.num_prefix_hit_blocks == 0
+
+
 def test_seed_reproducible_and_independent_of_batch():
     model = tiny_model()
     p = prompts(1, seed=7)[0]

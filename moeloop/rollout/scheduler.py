@@ -105,7 +105,8 @@ class Scheduler:
         skipped: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if seq.blocked_on_leader or seq.num_pending:  # pending: its last token reaches the host first
+            shareable = (len(seq) - 1) // self.blocks.block_size  # full prompt blocks a follower could share
+            if (seq.blocked_on_leader and shareable) or seq.num_pending:  # pending: its last token reaches the host first
                 skipped.append(self.waiting.popleft())
                 continue
             hits = self.blocks.match_prefix(seq)

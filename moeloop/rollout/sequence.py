@@ -1,7 +1,8 @@
 """`Sequence`: one sample being generated — its tokens, KV block table, progress and status.
 
 A request with n samples becomes n sequences. Sample 0 is the group leader; samples 1..n-1 wait
-until the leader's prompt KV is computed, then reuse its full prompt blocks through the prefix cache.
+until the leader's prompt KV is computed, then reuse its full prompt blocks through the prefix cache
+(a prompt shorter than one block has nothing to share: its samples start together).
 
 Pending tokens (async scheduling): a token sampled by a step that is still running on the device is
 counted in `len(seq)` and `num_response_tokens` (so the next step can be scheduled) but is not yet in
