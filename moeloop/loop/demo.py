@@ -1,8 +1,8 @@
 """`moeloop demo`: the README's main job on a CPU in a few minutes.
 
 Builds a tiny Qwen3-MoE and its tokenizer, SFTs it briefly on synthetic two-digit addition, then
-runs GRPO with a verifiable reward; prints held-out greedy accuracy after SFT and after RL, and
-leaves plots (reward.png, phases.png) and an HF export under runs/demo/.
+runs GRPO with a verifiable reward; prints held-out accuracy (sampled and greedy) after SFT and after
+RL, and leaves plots (reward.png, phases.png) and an HF export under runs/demo/.
 """
 from __future__ import annotations
 
