@@ -83,3 +83,27 @@ def test_decode_expert_kernels_match_sorted_forward(num_tokens):
         ref = experts.sorted_forward(x, ids, wts, expert_counts(ids, 8))
         torch.testing.assert_close(fused_experts(experts, x, ids, wts), ref, **tol)
         torch.testing.assert_close(grouped_experts(experts, x, ids, wts), ref, **tol)
+
+
+def test_fused_failure_falls_back_to_module_forward(monkeypatch):
+    """A fused decode forward that fails (say, a kernel that does not compile on this GPU) is switched off with a
+    warning; decoding goes on through the module forward with the same outputs."""
+    import moeloop.rollout.runner as runner
+
+    model = tiny_model().to(DEVICE)
+    ps = prompts(4, seed=13)
+    ref = make_engine(model, enforce_eager=True).generate(ps, GREEDY_PARAMS)
+
+    def broken(*a, **kw):
+        raise RuntimeError("no kernel for this device")
+
+    monkeypatch.setattr(runner, "fused_decode_forward", broken)
+    engine = make_engine(model, enforce_eager=True)
+    engine.runner.use_kernel = True
+    with pytest.warns(UserWarning, match="module forward"):
+        outs = engine.generate(ps, GREEDY_PARAMS)
+    assert not engine.runner.fused_ok
+    assert [o.response_ids for o in outs] == [o.response_ids for o in ref]
+
+
+GREEDY_PARAMS = SamplingParams(temperature=0, max_tokens=6)

@@ -121,7 +121,7 @@ class DecodeGraphs:
             try:
                 self.capture()
             except Exception as err:  # e.g. a model op that syncs with the host; fall back to eager for good
-                warnings.warn(f"CUDA graph capture failed, decoding eagerly: {err}")
+                warnings.warn(f"CUDA graph capture failed ({'fused' if self.fused else 'module'} forward): {err}")
                 self.failed, self.graphs = True, {}
                 raise CaptureFailed from err
         B = len(ids)

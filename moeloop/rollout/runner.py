@@ -5,6 +5,7 @@ batches), and samples the sequences that reached their last token.
 # T tokens in the step, B sampled sequences, V vocab, N blocks per sequence
 from __future__ import annotations
 
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -116,6 +117,10 @@ class ModelRunner:
         try:
             logits_BV = self.graphs.run(ids, pos, slots, [p + 1 for p in pos], tables, patch)
         except CaptureFailed:
+            if self.graphs.fused:  # e.g. a fused kernel that does not compile here: capture the module forward
+                self._disable_fused("CUDA graph capture of the fused decode forward failed")
+                self.graphs = DecodeGraphs(self.model, self.cache, self.graphs.sizes[-1], self.max_blocks_per_seq)
+                return self._graph_logits(batch, patch, rows)
             self.graphs = None
             return None
         # a 1-token prompt chunk does not sample
@@ -127,11 +132,19 @@ class ModelRunner:
             dst, src, tokens_B = patch
             ids[torch.tensor(dst, device=self.device)] = tokens_B[torch.tensor(src, device=self.device)]
         ctx = PagedAttention(self.cache, meta, self.use_kernel)
+        hidden_TD = None
         if self.use_kernel and self.fused_ok and meta.decode_rows_B is None and not meta.prefills:
-            hidden_TD = fused_decode_forward(self.model, ids, pos, ctx)
-        else:
+            try:
+                hidden_TD = fused_decode_forward(self.model, ids, pos, ctx)
+            except Exception as err:  # the module forward rewrites the same K/V slots, so nothing is half-done
+                self._disable_fused(f"the fused decode forward failed ({err!r})")
+        if hidden_TD is None:
             hidden_TD = self.model(ids, pos, ctx)
         return None if not sample_rows else self.model.compute_logits(hidden_TD[sample_rows])
+
+    def _disable_fused(self, why: str) -> None:
+        warnings.warn(f"{why}; decoding with the module forward from now on")
+        self.fused_ok = False
 
     def _prepare(self, batch: ScheduledBatch):
         ids, pos, slots, sample_rows = [], [], [], []
