@@ -61,7 +61,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, cache, max_num_seqs, self.max_blocks_per_seq, fused=self.fused_ok)
         # two alternating host buffers for the sampled tokens: step t's is read before step t + 2 reuses it
         pin = self.device.type == "cuda"
-        self._out_host = [torch.empty(2, max_num_seqs, dtype=torch.float64, pin_memory=pin) for _ in range(2)]
+        self._out_host = [torch.empty(2 * max_num_seqs, dtype=torch.float64, pin_memory=pin) for _ in range(2)]
         self._out_turn = 0
 
     def drop_graphs(self) -> None:
@@ -96,7 +96,8 @@ class ModelRunner:
         out_XB = tokens_B[None].double() if logprobs_B is None else torch.stack([tokens_B.double(), logprobs_B.double()])
         step.tokens_B, step.row_of = tokens_B, {s.seq_id: j for j, s in enumerate(sampled)}
         if self.device.type == "cuda":
-            host = self._out_host[self._out_turn][:out_XB.shape[0], :out_XB.shape[1]]
+            # a contiguous prefix of the flat pinned buffer: a strided destination would make the copy synchronous
+            host = self._out_host[self._out_turn][:out_XB.numel()].view(out_XB.shape)
             self._out_turn ^= 1
             host.copy_(out_XB, non_blocking=True)
             step.host_XB, step.ready = host, torch.cuda.Event()
