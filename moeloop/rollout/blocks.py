@@ -60,8 +60,8 @@ class BlockManager:
 
     def new_blocks_needed(self, seq: Sequence, num_new_tokens: int, hits: list[int] | None = None) -> int:
         """Free blocks consumed by giving `seq` K/V room for `num_new_tokens` more tokens."""
-        if hits is None:
-            return max(0, self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table))
+        if hits is None:  # on every scheduled sequence every step: arithmetic inline
+            return max(0, -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table))
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)  # cached but sitting in the free list
         total = self.blocks_for(len(hits) * self.block_size + num_new_tokens)
         return total - len(hits) + revived
@@ -99,8 +99,11 @@ class BlockManager:
         """Register the full, computed blocks of `seq` whose token ids are known on the host in the prefix cache
         (call after the forward)."""
         bs = self.block_size
+        num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // bs
+        if num_full <= seq.num_hashed_blocks:  # the common decode step: no block filled
+            return
         prev = self.blocks[seq.block_table[seq.num_hashed_blocks - 1]].hash if seq.num_hashed_blocks else None
-        for i in range(seq.num_hashed_blocks, min(seq.num_computed_tokens, len(seq.token_ids)) // bs):
+        for i in range(seq.num_hashed_blocks, num_full):
             block = self.blocks[seq.block_table[i]]
             if block.hash is None:
                 block.key = block_key(prev, seq.token_ids[i * bs:(i + 1) * bs])

@@ -23,6 +23,11 @@ def triton_available() -> bool:
     return triton is not None
 
 
+def triton_interpreting() -> bool:
+    """Kernels run under Triton's CPU interpreter (TRITON_INTERPRET=1, the CPU tests)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 if triton is not None:
     @triton.jit
     def _attend_block(q, m_i, l_i, acc, start, ctx_len, b, g, k_ptr, v_ptr, tables_ptr, scale,
@@ -146,7 +151,7 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SGD: torch.Tensor, v_cac
         QH=qh, QH_PAD=max(16, triton.next_power_of_2(qh)), DK=Dk, DK_PAD=max(16, triton.next_power_of_2(Dk)),
         DV=Dv, DV_PAD=dv_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         PRECISION=precision, NUM_SPLITS=splits, CHUNK=chunk, num_warps=4,
-        DYNAMIC_LOOP=splits == 1 and os.environ.get("TRITON_INTERPRET") != "1")  # the interpreter: static trips
+        DYNAMIC_LOOP=splits == 1 and not triton_interpreting())  # the interpreter: static trip counts only
     if splits > 1:
         _merge_splits[(B, H)](dest, m, l, out, out.stride(0), out.stride(1), H=H, DV=Dv, DV_PAD=dv_pad,
                               NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), num_warps=4)

@@ -130,10 +130,8 @@ class Engine:
         if launched is None:
             return []
         tokens, logprobs = launched.result()
-        bs = self.blocks.block_size
         for seq in launched.seqs:
-            if min(seq.num_computed_tokens, len(seq.token_ids)) // bs > seq.num_hashed_blocks:  # a block filled
-                self.blocks.commit(seq)
+            self.blocks.commit(seq)
         done = []
         for j, seq in enumerate(launched.sampled):
             if seq.is_finished:  # it stopped on the step before; this token was computed past its end

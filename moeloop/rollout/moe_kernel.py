@@ -19,7 +19,7 @@ from torch import nn
 
 from moeloop.model.experts import Experts, expert_counts, register_experts_impl
 from moeloop.model.moe import MoE
-from moeloop.rollout.decode_kernel import triton
+from moeloop.rollout.decode_kernel import triton, triton_interpreting
 
 FUSED_MAX_ASSIGNMENTS = 32
 ALIGN_MAX_ASSIGNMENTS = 8192  # the counting sort holds all assignments in one program; a long prefill sorts instead
@@ -101,9 +101,7 @@ if triton is not None:
 def fused_experts(experts: Experts, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
     """Routed-expert output [T, D] of a decode batch (see the module docstring for the path taken)."""
     T, K = ids_TK.shape
-    if not x_TD.is_cuda and not _interpreting():
-        return experts.sorted_forward(x_TD, ids_TK, weights_TK, expert_counts(ids_TK, experts.num_experts))
-    if T * K > ALIGN_MAX_ASSIGNMENTS:
+    if (not x_TD.is_cuda and not triton_interpreting()) or T * K > ALIGN_MAX_ASSIGNMENTS:
         return experts.sorted_forward(x_TD, ids_TK, weights_TK, expert_counts(ids_TK, experts.num_experts))
     if T * K > FUSED_MAX_ASSIGNMENTS and x_TD.dtype == torch.bfloat16:
         return grouped_experts(experts, x_TD, ids_TK, weights_TK)
@@ -138,11 +136,6 @@ def grouped_experts(experts: Experts, x_TD: torch.Tensor, ids_TK: torch.Tensor, 
     _combine_rows[(T, triton.cdiv(D, block_d))](y_SD, dest_S, weights_TK.float().contiguous(), out_TD, D=D, K=K,
                                                 BLOCK_D=block_d, num_warps=4)
     return out_TD
-
-
-def _interpreting() -> bool:
-    import os
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 if triton is not None:

@@ -50,7 +50,7 @@ class PagedAttention:
     def __init__(self, cache: KVCache, meta: AttentionMetadata, use_kernel: bool = False):
         self.cache, self.meta, self.use_kernel = cache, meta, use_kernel
         self._gather: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._fresh: tuple | None = None
+        self._fresh = _fresh_prefills(meta)
 
     def attend(self, layer_idx: int, q_THD: torch.Tensor, k_TGD: torch.Tensor, v_TGDv: torch.Tensor,
                scale: float) -> torch.Tensor:
@@ -63,7 +63,7 @@ class PagedAttention:
         out = q_THD.new_empty(q_THD.shape[0], q_THD.shape[1], v_TGDv.shape[-1])
         if meta.num_decode:
             out[meta.decode_rows_B] = self._decode(q_THD[meta.decode_rows_B], k_cache, v_cache, scale)
-        fresh = self._fresh_prefills()
+        fresh = self._fresh
         if fresh is not None:  # whole prompts with no cached prefix: one packed causal attention for all of them
             rows, packed = fresh
             out[rows] = packed.attend(layer_idx, q_THD[rows], k_TGD[rows], v_TGDv[rows], scale)
@@ -73,19 +73,6 @@ class PagedAttention:
             rows = slice(chunk.start, chunk.start + chunk.q_len)
             out[rows] = self._prefill(chunk, q_THD[rows], k_TGD[rows], v_TGDv[rows], k_cache, v_cache, scale)
         return out
-
-    def _fresh_prefills(self) -> tuple[torch.Tensor, PackedAttention] | None:
-        """(stream rows, packed attention) of the prefill chunks that are whole sequences, when there are several;
-        built once per forward."""
-        if self._fresh is None:
-            chunks = [c for c in self.meta.prefills if c.slots_L is None]
-            if len(chunks) < 2:
-                self._fresh = (None,)
-            else:
-                device = self.meta.slot_mapping_T.device
-                rows = torch.cat([torch.arange(c.start, c.start + c.q_len) for c in chunks]).to(device)
-                self._fresh = (rows, PackedAttention(cu_seqlens_from_lengths([c.q_len for c in chunks], device)))
-        return None if self._fresh[0] is None else self._fresh
 
     def attend_cached(self, layer_idx: int, q_BHD: torch.Tensor, scale: float) -> torch.Tensor:
         """Decode-only batch whose K/V are already in the cache (the fused decode forward writes them)."""
@@ -129,3 +116,13 @@ class PagedAttention:
         o_HQD = F.scaled_dot_product_attention(q_HQD, k_GLD, v_GLD, attn_mask=mask, is_causal=causal, scale=scale,
                                                enable_gqa=k_GLD.shape[0] != q_HQD.shape[0])
         return o_HQD.transpose(0, 1)
+
+
+def _fresh_prefills(meta: AttentionMetadata) -> tuple[torch.Tensor, PackedAttention] | None:
+    """(stream rows, packed attention) of the prefill chunks that are whole sequences, when there are several."""
+    chunks = [c for c in meta.prefills if c.slots_L is None]
+    if len(chunks) < 2:
+        return None
+    device = meta.slot_mapping_T.device
+    rows = torch.tensor([r for c in chunks for r in range(c.start, c.start + c.q_len)], device=device)
+    return rows, PackedAttention(cu_seqlens_from_lengths([c.q_len for c in chunks], device))

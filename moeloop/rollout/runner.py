@@ -87,7 +87,7 @@ class ModelRunner:
         with decode_moe(self.model, self._moe_blocks) if self.device.type == "cuda" else nullcontext():
             logits_TV = self._graph_logits(batch, patch, rows)
             if logits_TV is None:
-                logits_TV = self._eager_logits(batch, patch)
+                logits_TV = self._eager_logits(batch, patch, rows)
         if logits_TV is None:
             return step
         st = self._sampling_tensors(sampled)
@@ -127,8 +127,8 @@ class ModelRunner:
         # a 1-token prompt chunk does not sample
         return logits_BV if len(rows) == len(batch) else logits_BV[rows] if rows else None
 
-    def _eager_logits(self, batch: ScheduledBatch, patch: "InputPatch | None") -> torch.Tensor | None:
-        ids, pos, slots, meta, sample_rows = self._prepare(batch)
+    def _eager_logits(self, batch: ScheduledBatch, patch: "InputPatch | None", rows: list[int]) -> torch.Tensor | None:
+        ids, pos, slots, meta, sample_rows = self._prepare(batch, set(rows))
         if patch is not None:
             dst, src, tokens_B = patch
             ids[torch.tensor(dst, device=self.device)] = tokens_B[torch.tensor(src, device=self.device)]
@@ -147,7 +147,7 @@ class ModelRunner:
         warnings.warn(f"{why}; decoding with the module forward from now on")
         self.fused_ok = False
 
-    def _prepare(self, batch: ScheduledBatch):
+    def _prepare(self, batch: ScheduledBatch, sampling: set[int]):
         ids, pos, slots, sample_rows = [], [], [], []
         decode_rows, decode_tables, decode_lens, prefills = [], [], [], []
         bs = self.cache.block_size
@@ -165,7 +165,7 @@ class ModelRunner:
                 decode_lens.append(ctx_len)
             else:
                 prefills.append((start, n, ctx_len, table))
-            if batch.samples(i):
+            if i in sampling:
                 sample_rows.append(start + n - 1)
         dev = self.device
         meta = AttentionMetadata(

@@ -13,8 +13,6 @@ from dataclasses import dataclass
 import torch
 
 _M32 = 0xFFFFFFFF
-
-
 _M64 = (1 << 64) - 1
 
 

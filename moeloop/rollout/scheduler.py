@@ -38,13 +38,15 @@ class ScheduledBatch:
 
     def sample_rows(self) -> list[int]:
         """Indices of the sequences that sample this step (`samples(i)` for every i, in one pass)."""
-        return [i for i, (seq, n) in enumerate(zip(self.seqs, self.num_new_tokens))
-                if seq.num_computed_tokens + n == len(seq.token_ids) + seq.num_pending]
+        return [i for i, (seq, n) in enumerate(zip(self.seqs, self.num_new_tokens)) if _reaches_end(seq, n)]
 
     def samples(self, i: int) -> bool:
         """Does sequence i reach its last token this step (so a new token is sampled)?"""
-        seq = self.seqs[i]
-        return seq.num_computed_tokens + self.num_new_tokens[i] == len(seq)
+        return _reaches_end(self.seqs[i], self.num_new_tokens[i])
+
+
+def _reaches_end(seq: Sequence, num_new_tokens: int) -> bool:
+    return seq.num_computed_tokens + num_new_tokens == len(seq)
 
 
 class Scheduler:
@@ -73,27 +75,21 @@ class Scheduler:
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> tuple[int, bool]:
         self._preempted_this_step = False
         pending, kept = deque(self.running), []
-        block_size = self.blocks.block_size
         while pending and budget > 0:
             seq = pending.popleft()
-            num_tokens = len(seq.token_ids) + seq.num_pending
-            if seq.num_pending and num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens:
-                kept.append(seq)  # its last token is still on the device: nothing left to compute
+            if seq.awaits_last_token:
+                kept.append(seq)  # nothing left to compute
                 continue
-            chunk = min(num_tokens - seq.num_computed_tokens, budget)
-            if chunk == 1 and seq.num_computed_tokens % block_size:  # a decode token inside its last block
-                batch.seqs.append(seq)
-                batch.num_new_tokens.append(1)
-                kept.append(seq)
-                budget -= 1
-                continue
-            while self.blocks.new_blocks_needed(seq, chunk) > self.blocks.num_free_blocks:
+            chunk = min(len(seq) - seq.num_computed_tokens, budget)
+            need = self.blocks.new_blocks_needed(seq, chunk)  # 0 for a decode token inside its last block
+            while need > self.blocks.num_free_blocks:
                 victim = pending.pop() if pending else seq
                 self.preempt(victim)
                 if victim is seq:
                     break
             else:
-                self.blocks.grow(seq, chunk)
+                if need:
+                    self.blocks.grow(seq, chunk)
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(chunk)
                 kept.append(seq)

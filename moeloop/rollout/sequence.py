@@ -58,6 +58,11 @@ class Sequence:
         return len(self) - self.num_prompt_tokens
 
     @property
+    def awaits_last_token(self) -> bool:
+        """Its max_tokens-th token is pending on the device: nothing left to schedule."""
+        return self.num_pending > 0 and len(self.token_ids) + self.num_pending - self.num_prompt_tokens >= self.params.max_tokens
+
+    @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
