@@ -98,25 +98,24 @@ def compact_stream(samples: list[Sample], input_ids_T: torch.Tensor, position_id
     """Rows for `samples` packed at `cu_seqlens`: each distinct prompt once, then each response without its
     last token (that position predicts nothing and is seen by no other query: it reads its predecessor's
     row, a placeholder whose loss weight is 0). None when nothing would be saved."""
-    prompt_rows: dict[tuple[int, ...], torch.Tensor] = {}
-    gather, owner, num_rows = [], [], 0
-    for i, s in enumerate(samples):
-        start, key, num_response = int(cu_seqlens[i]), tuple(s.prompt_ids), len(s.response_ids)
+    prompt_rows: dict[tuple[int, ...], range] = {}
+    gather: list[int] = []
+    owner: list[int] = []
+    for start, s in zip(cu_seqlens.tolist(), samples):
+        key, num_response = tuple(s.prompt_ids), len(s.response_ids)
         if key not in prompt_rows:
-            prompt_rows[key] = torch.arange(num_rows, num_rows + len(key))
-            owner.append(torch.arange(start, start + len(key)))
-            num_rows += len(key)
-        body = max(num_response - 1, 0)
-        rows = torch.arange(num_rows, num_rows + body)
-        owner.append(torch.arange(start + len(key), start + len(key) + body))
-        num_rows += body
-        gather += [prompt_rows[key], rows]
+            prompt_rows[key] = range(len(owner), len(owner) + len(key))
+            owner += range(start, start + len(key))
+        body = range(len(owner), len(owner) + max(num_response - 1, 0))
+        owner += range(start + len(key), start + len(key) + len(body))
+        gather += prompt_rows[key]
+        gather += body
         if num_response:
-            gather.append(rows[-1:] if body else prompt_rows[key][-1:])
-    owner_U = torch.cat(owner) if owner else torch.zeros(0, dtype=torch.int64)
-    if len(owner_U) == len(input_ids_T):
+            gather.append(body[-1] if body else prompt_rows[key][-1])
+    if len(owner) == len(input_ids_T):
         return None
-    return TokenStream(input_ids_T[owner_U], position_ids_T[owner_U], torch.cat(gather), owner_U)
+    owner_U = torch.tensor(owner, dtype=torch.int64)
+    return TokenStream(input_ids_T[owner_U], position_ids_T[owner_U], torch.tensor(gather, dtype=torch.int64), owner_U)
 
 
 def _check_sample(i: int, sample: Sample) -> None:
