@@ -1,0 +1,151 @@
+"""Where the actor update's time goes: moeloop's `Actor.update` vs a TRL-style padded forward/backward of the
+same model (transformers, bf16) on the same GRPO batch, in one run, plus the top CUDA kernels of moeloop's update.
+
+    python benchmarks/profile_update.py                      # H200: reference Qwen3-MoE, 16 x 8 x (20 + 256) tokens
+    python benchmarks/profile_update.py --micro-batch-tokens 40000,16384
+
+The transformers side is what TRL's update does per step (on-policy, no KL): one padded forward of
+prompt + completion, log-softmax of the completion logits, the clipped loss, backward, clip, AdamW.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from moeloop.config import load_config
+from moeloop.model.factory import build_model, init_model
+from moeloop.train.actor import Actor
+from moeloop.types import Sample
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def make_samples(groups: int, n: int, prompt_len: int, new_tokens: int, vocab: int) -> list[Sample]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for gi in range(groups):
+        prompt = torch.randint(3, vocab, (prompt_len + gi % 5,), generator=g).tolist()
+        for _ in range(n):
+            resp = torch.randint(3, vocab, (new_tokens,), generator=g).tolist()
+            adv = float(torch.randn((), generator=g))
+            out.append(Sample(prompt_ids=prompt, response_ids=resp, group_id=gi, loss_mask=[1] * new_tokens,
+                              advantages=[adv] * new_tokens, old_logprobs=None))
+    return out
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def peak_gib() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+
+
+def time_it(fn, repeats: int) -> float:
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def top_kernels(fn, top: int) -> None:
+    if not torch.cuda.is_available():
+        return
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync()
+    by_name: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            by_name.setdefault(e.name, []).append(e.device_time)
+    total = sum(sum(v) for v in by_name.values())
+    print(f"    GPU busy {total / 1e3:.1f} ms, {sum(len(v) for v in by_name.values())} kernels")
+    for name, ts in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        print(f"    {sum(ts) / 1e3:8.2f} ms {len(ts):6d}x  {name[:110]}")
+
+
+def hf_update(model_dir: Path, samples: list[Sample], lr: float):
+    """TRL's update in miniature: padded batch, logits -> selective log-softmax, clipped loss, backward, AdamW."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(DEVICE).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    P = max(len(s.prompt_ids) for s in samples)
+    C = len(samples[0].response_ids)
+    ids = torch.zeros(len(samples), P + C, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for i, s in enumerate(samples):  # left-padded prompts, as TRL
+        ids[i, P - len(s.prompt_ids):P] = torch.tensor(s.prompt_ids)
+        ids[i, P:] = torch.tensor(s.response_ids)
+        attn[i, P - len(s.prompt_ids):] = 1
+    adv = torch.tensor([s.advantages[0] for s in samples])
+    ids, attn, adv = ids.to(DEVICE), attn.to(DEVICE), adv.to(DEVICE)
+
+    def step() -> None:
+        logits = model(input_ids=ids, attention_mask=attn, logits_to_keep=C + 1).logits[:, :-1].float()
+        logp = torch.log_softmax(logits, -1).gather(-1, ids[:, P:, None]).squeeze(-1)
+        ratio = torch.exp(logp - logp.detach())
+        loss = -(torch.minimum(ratio * adv[:, None], ratio.clamp(0.8, 1.2) * adv[:, None])).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size", default="reference")
+    ap.add_argument("--groups", type=int, default=16)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=20)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--micro-batch-tokens", default="16384")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--top", type=int, default=16)
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+    model_dir = Path(tempfile.gettempdir()) / "moeloop_e2e_vs_trl" / f"model-{args.size}"  # e2e_vs_trl.py's model
+    if not (model_dir / "config.json").exists():
+        init_model("qwen3_moe", args.size, model_dir, seed=0)
+    vocab = build_model("qwen3_moe", args.size, seed=0).cfg.vocab_size
+    samples = make_samples(args.groups, args.n, args.prompt_len, args.new_tokens, vocab)
+    tokens = sum(s.num_tokens for s in samples)
+    print(f"batch: {len(samples)} samples, {tokens} tokens; torch {torch.__version__}, {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}")
+    for budget in [int(b) for b in args.micro_batch_tokens.split(",")]:
+        cfg = load_config(str(Path(__file__).resolve().parents[1] / "examples/tiny.yaml"), [
+            f"model.path={model_dir}", "model.dtype=bfloat16", "actor.optim.lr=1e-6",
+            f"actor.ppo_mini_batch_size={args.groups}", f"actor.max_tokens_per_micro_batch={budget}",
+            "actor.use_kl_loss=false"])
+        model = build_model("qwen3_moe", args.size, seed=0).to(torch.bfloat16)
+        actor = Actor(model, cfg.actor, DEVICE, args.new_tokens, cfg.model.logprob_chunk_tokens)
+        step = lambda: actor.update(samples)  # noqa: E731
+        s = time_it(step, args.repeats)
+        print(f"moeloop Actor.update, micro-batch budget {budget}: {s:.3f} s/update "
+              f"({len(actor.micro_batches(samples))} micro-batches), peak {peak_gib():.1f} GiB")
+        top_kernels(step, args.top)
+        del actor, model, step
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+    if not args.skip_hf:
+        step = hf_update(model_dir, samples, 1e-6)
+        s = time_it(step, args.repeats)
+        print(f"transformers padded fwd/bwd + AdamW (TRL-style update): {s:.3f} s/update, "
+              f"peak {peak_gib():.1f} GiB")
+        top_kernels(step, args.top)
+
+
+if __name__ == "__main__":
+    main()
