@@ -60,7 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, help="override the job's new tokens (dry runs)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="override the job's dtype (dry runs)")
     p.add_argument("--micro-batch-tokens", type=int, default=0,
-                   help="moeloop actor.max_tokens_per_micro_batch; 0 = the whole batch, at most 16384 tokens")
+                   help="moeloop actor.max_tokens_per_micro_batch; 0 = the whole batch (as TRL's one forward), "
+                        "on CPU at most 16384 tokens")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads in each run; 0 = torch's default")
     p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "moeloop_e2e_vs_trl")
     p.add_argument("--frameworks", default="moeloop,trl",
@@ -130,13 +131,14 @@ def run_moeloop(args: argparse.Namespace, run_dir: Path) -> list[dict]:
     from moeloop.loop.metrics import MetricsLogger
     job = args.job
     batch_tokens = job.prompts * job.n * (64 + job.new_tokens)
+    whole_batch = batch_tokens if args.device == "cuda" else min(batch_tokens, 16384)
     cfg = load_config(str(Path(__file__).resolve().parents[1] / "examples/tiny.yaml"), [
         f"model.path={args.model_dir}", f"model.dtype={job.dtype}", f"trainer.device={args.device}",
         f"trainer.run_dir={run_dir}", f"trainer.steps={args.steps}", "trainer.val_every=0", "trainer.log=[jsonl]",
         "trainer.seed=0", f"data.train_batch_size={job.prompts}", f"data.max_response_length={job.new_tokens}",
         "data.max_prompt_length=64", "data.val_files=[]", f"rollout.n={job.n}", "rollout.temperature=1.0",
         f"actor.optim.lr={job.lr}", f"actor.ppo_mini_batch_size={job.prompts}",
-        f"actor.max_tokens_per_micro_batch={args.micro_batch_tokens or min(batch_tokens, 16384)}",
+        f"actor.max_tokens_per_micro_batch={args.micro_batch_tokens or whole_batch}",
         "checkpoint.save_every=0", "algorithm.adv_estimator=grpo", "actor.use_kl_loss=false",
         "checkpoint.save_final=false", "checkpoint.export_hf_final=false", f"rollout.ignore_eos={job.exact_length}",
     ])

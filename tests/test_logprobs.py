@@ -17,7 +17,7 @@ def _inputs(dtype=torch.float32, seed=0):
 
 def _loss(logprobs, entropy, seed=1):
     g = torch.Generator().manual_seed(seed)
-    a, b = torch.randn(T, generator=g), torch.randn(T, generator=g)  # non-uniform upstream grads
+    a, b = (torch.randn(T, generator=g).to(logprobs.device) for _ in range(2))  # non-uniform upstream grads
     return (a * logprobs).sum() + (b * entropy).sum()
 
 
@@ -71,8 +71,11 @@ def test_frozen_weight_gets_no_grad():
     assert weight.grad is None and hidden.grad is not None
 
 
-def test_bf16_inputs_use_fp32_math():
-    hidden, weight, labels = _inputs(torch.bfloat16)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the bf16 GEMMs with fp32 accumulation are the CUDA path"))])
+def test_bf16_inputs_use_fp32_math(device):
+    hidden, weight, labels = (t.detach().to(device) for t in _inputs(torch.bfloat16))
+    hidden.requires_grad_(), weight.requires_grad_()
     got = _values_and_grads(token_logprobs, hidden, weight, labels, chunk_tokens=8)
     assert got[0].dtype == torch.float32 and got[1].dtype == torch.float32
     assert got[2].dtype == torch.bfloat16 and got[3].dtype == torch.bfloat16

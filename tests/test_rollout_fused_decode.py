@@ -63,7 +63,7 @@ def test_fused_decode_forward_bf16_logits_and_kv():
     assert (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean() >= 0.8
 
 
-@pytest.mark.parametrize("num_tokens", [1, 3, 40])
+@pytest.mark.parametrize("num_tokens", [1, 3, 40, 300])
 def test_decode_expert_kernels_match_sorted_forward(num_tokens):
     """The small-batch fused kernels and the grouped path (counting sort + grouped_mm + weighted sum) both equal
     `Experts.sorted_forward`; the counting sort gives the stable argsort's order and the grouped_mm offsets."""
@@ -82,7 +82,8 @@ def test_decode_expert_kernels_match_sorted_forward(num_tokens):
         wts = torch.rand(num_tokens, 3, device=DEVICE)
         ref = experts.sorted_forward(x, ids, wts, expert_counts(ids, 8))
         torch.testing.assert_close(fused_experts(experts, x, ids, wts), ref, **tol)
-        torch.testing.assert_close(grouped_experts(experts, x, ids, wts), ref, **tol)
+        for gemm in ("triton", "grouped_mm"):
+            torch.testing.assert_close(grouped_experts(experts, x, ids, wts, gemm), ref, **tol, msg=lambda m: f"{gemm}: {m}")
 
 
 def test_fused_failure_falls_back_to_module_forward(monkeypatch):

@@ -3,7 +3,11 @@
 `token_logprobs` never holds a full [T, V] logits tensor: it walks the tokens in chunks of
 `chunk_tokens`, keeps only per-token scalars (logsumexp, entropy), and recomputes each chunk's logits
 in backward. Peak extra memory is about chunk_tokens * V * 4 bytes * 3 instead of T * V * 4 * 3+.
-Math is fp32 inside every chunk whatever the input dtype.
+Math is fp32 inside every chunk whatever the input dtype. On CUDA, bf16/fp16 hidden states and weights go
+into the logits GEMM as they are, with fp32 accumulation and fp32 output (`mm(..., out_dtype=float32)`): the
+same products as upcasting both first (every bf16 value is exact in fp32) at tensor-core speed, and no fp32
+copy of the [V, D] weight. The backward's two GEMMs take dlogits rounded to that dtype (what every bf16
+trainer's logits gradient is), accumulating in fp32.
 
 Shapes: T tokens, D model dim, V vocab, C tokens in a chunk.
 """
@@ -48,10 +52,22 @@ def naive_token_logprobs(hidden_TD: torch.Tensor, lm_head_weight_VD: torch.Tenso
     return torch.where(valid_T, picked_T, torch.zeros_like(picked_T)), entropy_T
 
 
+def _low_precision_gemm(h_CD: torch.Tensor, w_VD: torch.Tensor) -> bool:
+    """Whether the GEMMs run in the inputs' 16-bit dtype with fp32 accumulation (CUDA), not upcast to fp32."""
+    return h_CD.is_cuda and h_CD.dtype in (torch.bfloat16, torch.float16) and w_VD.dtype == h_CD.dtype
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """fp32 a @ b: 16-bit CUDA inputs as they are (fp32 accumulate and output), anything else upcast."""
+    if _low_precision_gemm(a, b):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
 def _chunk_stats(h_CD: torch.Tensor, w_VD: torch.Tensor, labels_C: torch.Tensor, inv_temp: float,
                  with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp32 (logits, logsumexp, logprob of label, entropy) for one chunk; w_VD is already fp32."""
-    z_CV = (h_CD.float() @ w_VD.T).mul_(inv_temp)
+    """fp32 (logits, logsumexp, logprob of label, entropy) for one chunk."""
+    z_CV = _mm_f32(h_CD, w_VD.T).mul_(inv_temp)
     lse_C = torch.logsumexp(z_CV, dim=-1)
     picked_C = z_CV.gather(1, labels_C.clamp(min=0)[:, None])[:, 0] - lse_C
     picked_C = torch.where(labels_C >= 0, picked_C, torch.zeros_like(picked_C))
@@ -66,7 +82,7 @@ def _chunk_stats(h_CD: torch.Tensor, w_VD: torch.Tensor, labels_C: torch.Tensor,
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_TD, weight_VD, labels_T, temperature, chunk_tokens, with_entropy):
-        w_VD = weight_VD.float()  # a no-op for fp32 weights; one fp32 copy for bf16
+        w_VD = weight_VD if _low_precision_gemm(hidden_TD, weight_VD) else weight_VD.float()
         labels_T = labels_T.long()
         num_tokens = hidden_TD.shape[0]
         logprobs_T = hidden_TD.new_empty(num_tokens, dtype=torch.float32)
@@ -85,24 +101,28 @@ class _ChunkedLogprobs(torch.autograd.Function):
         hidden_TD, weight_VD, labels_T, lse_T, entropy_T = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         inv_temp = 1.0 / ctx.temperature
-        w_VD = weight_VD.float()
+        low = _low_precision_gemm(hidden_TD, weight_VD)
+        w_VD = weight_VD if low else weight_VD.float()
         grad_h_TD = torch.empty_like(hidden_TD) if need_h else None
-        grad_w_VD = torch.zeros_like(w_VD) if need_w else None
+        grad_w_VD = torch.zeros_like(weight_VD, dtype=torch.float32) if need_w else None
         if grad_logprobs_T is None:
             grad_logprobs_T = torch.zeros_like(lse_T)
         use_entropy = ctx.with_entropy and grad_entropy_T is not None
         num_tokens = hidden_TD.shape[0]
         for s in range(0, num_tokens, ctx.chunk_tokens):
             e = min(s + ctx.chunk_tokens, num_tokens)
-            h_CD, labels_C = hidden_TD[s:e].float(), labels_T[s:e]
-            logp_CV = (h_CD @ w_VD.T).mul_(inv_temp).sub_(lse_T[s:e, None])
+            h_CD, labels_C = (hidden_TD[s:e] if low else hidden_TD[s:e].float()), labels_T[s:e]
+            logp_CV = _mm_f32(h_CD, w_VD.T).mul_(inv_temp).sub_(lse_T[s:e, None])
             dz_CV = _dlogits(logp_CV, labels_C, grad_logprobs_T[s:e],
                              grad_entropy_T[s:e] if use_entropy else None, entropy_T[s:e])
-            dz_CV.mul_(inv_temp)
+            dz_CV = dz_CV.mul_(inv_temp).to(h_CD.dtype)
             if need_h:
                 grad_h_TD[s:e] = (dz_CV @ w_VD).to(hidden_TD.dtype)
             if need_w:
-                grad_w_VD.addmm_(dz_CV.T, h_CD)
+                if low:
+                    grad_w_VD.add_(torch.mm(dz_CV.T, h_CD, out_dtype=torch.float32))
+                else:
+                    grad_w_VD.addmm_(dz_CV.T, h_CD)
         if need_w:
             grad_w_VD = grad_w_VD.to(weight_VD.dtype)
         return grad_h_TD, grad_w_VD, None, None, None, None

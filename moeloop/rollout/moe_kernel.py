@@ -1,12 +1,14 @@
 """Fused Triton MoE for decode: the engine's `Experts` implementation "rollout_decode" on CUDA.
 
-Few tokens (T*K <= `FUSED_MAX_ASSIGNMENTS`, or any count outside bf16, where grouped_mm would sync the host)
-run two kernels with no sort: gate_up + SiLU*up per assignment, then down + the weighted sum over the K
-experts of each token. More tokens take the grouped path (each expert's weights read once): one kernel
-orders the assignments by expert (a stable counting sort: the same order as `Experts.sorted_forward`'s
-stable argsort, without the radix sort's kernels), the two grouped_mm calls, and one kernel for the
-weighted sum over each token's K rows. All free of host syncs, so they can be captured in a CUDA graph.
-Rounding points follow `Experts`.
+Few tokens (T*K <= `FUSED_MAX_ASSIGNMENTS`) run two kernels with no sort: gate_up + SiLU*up per assignment,
+then down + the weighted sum over the K experts of each token. More tokens take the grouped path (each
+expert's weights read once): one kernel orders the assignments by expert (a stable counting sort: the same
+order as `Experts.sorted_forward`'s stable argsort, without the radix sort's kernels), two grouped GEMMs,
+and one kernel for the weighted sum over each token's K rows. The grouped GEMMs are Triton kernels
+(`_expert_gemm`: one program per (expert, output tile), streaming that tile of the expert's weights once
+past all of its rows; the first reads its rows straight from the tokens and fuses SiLU*up), or
+`grouped_mm` when `GROUPED_GEMM = "grouped_mm"`. All free of host syncs, so they can be captured in a CUDA
+graph. Rounding points follow `Experts`.
 """
 # T tokens, D model dim, F expert ffn dim, K experts per token, S = T*K assignments
 from __future__ import annotations
@@ -22,6 +24,10 @@ from moeloop.model.moe import MoE
 from moeloop.rollout.decode_kernel import triton, triton_interpreting
 
 FUSED_MAX_ASSIGNMENTS = 32
+GROUPED_GEMM = "triton"  # or "grouped_mm" (torch's cutlass kernel; bf16 only)
+# `_expert_gemm` tiles: (BLOCK_N, BLOCK_K, num_warps, num_stages) for the gate_up and down launches
+GATE_UP_TILE = (64, 128, 4, 3)
+DOWN_TILE = (64, 128, 4, 3)
 ALIGN_MAX_ASSIGNMENTS = 8192  # the counting sort holds all assignments in one program; a long prefill sorts instead
 IMPL_NAME = "rollout_decode"
 
@@ -51,6 +57,43 @@ if triton is not None:
         u = acc_u.to(dt).to(tl.float32)
         act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
         tl.store(h_ptr + s.to(tl.int64) * F + f, (act * u).to(dt), mask=f_ok)
+
+    @triton.jit
+    def _expert_gemm(a_ptr, rows_ptr, w_ptr, offsets_ptr, out_ptr, s_we, s_wn, N_OUT: tl.constexpr,
+                     K_IN: tl.constexpr, GATED: tl.constexpr, GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, STATIC_M: tl.constexpr):
+        """Program (e, n): sorted rows [offsets[e-1], offsets[e]) times tile n of expert e's weights [N, K_IN].
+        Row r reads input row rows[r] of `a` (the token; row r itself without GATHER) and writes output row r. GATED: the weights hold
+        [gate; up] (2 * N_OUT rows) and the output is SiLU(gate) * up, rounded like the module path.
+        STATIC_M > 0: a fixed trip count of that many rows, masked (the interpreter cannot loop to a loaded bound)."""
+        e = tl.program_id(0)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < N_OUT
+        start = tl.load(offsets_ptr + e - 1, mask=e > 0, other=0)
+        end = tl.load(offsets_ptr + e)
+        w_rows = w_ptr + e.to(tl.int64) * s_we + n[:, None] * s_wn
+        dt = out_ptr.dtype.element_ty
+        for i in range(0, STATIC_M if STATIC_M > 0 else end - start, BLOCK_M):
+            m = start + i + tl.arange(0, BLOCK_M)
+            m_ok = m < end
+            src = tl.load(rows_ptr + m, mask=m_ok, other=0).to(tl.int64) if GATHER else m.to(tl.int64)
+            a_rows = a_ptr + src[:, None] * K_IN
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for k0 in range(0, K_IN, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = k < K_IN
+                a = tl.load(a_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+                if GATED:
+                    w_up = tl.load(w_rows + N_OUT * s_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                    acc_up = tl.dot(a, tl.trans(w_up), acc_up, input_precision=PRECISION)
+            if GATED:
+                g = acc.to(dt).to(tl.float32)
+                act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+                acc = act * acc_up.to(dt).to(tl.float32)
+            tl.store(out_ptr + m.to(tl.int64)[:, None] * N_OUT + n[None, :], acc.to(dt), mask=m_ok[:, None] & n_ok[None, :])
 
     @triton.jit
     def _align_by_expert(ids_ptr, token_ptr, dest_ptr, offsets_ptr, S, K: tl.constexpr, S_PAD: tl.constexpr):
@@ -103,7 +146,7 @@ def fused_experts(experts: Experts, x_TD: torch.Tensor, ids_TK: torch.Tensor, we
     T, K = ids_TK.shape
     if (not x_TD.is_cuda and not triton_interpreting()) or T * K > ALIGN_MAX_ASSIGNMENTS:
         return experts.sorted_forward(x_TD, ids_TK, weights_TK, expert_counts(ids_TK, experts.num_experts))
-    if T * K > FUSED_MAX_ASSIGNMENTS and x_TD.dtype == torch.bfloat16:
+    if T * K > FUSED_MAX_ASSIGNMENTS and (GROUPED_GEMM == "triton" or x_TD.dtype == torch.bfloat16):
         return grouped_experts(experts, x_TD, ids_TK, weights_TK)
     w_gu, w_d = experts.gate_up_proj, experts.down_proj
     D, F = experts.dim, experts.ffn_dim
@@ -120,9 +163,12 @@ def fused_experts(experts: Experts, x_TD: torch.Tensor, ids_TK: torch.Tensor, we
     return y_TD
 
 
-def grouped_experts(experts: Experts, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-    """`Experts.sorted_forward` with grouped_mm in 7 kernels: counting sort, gather, 2 grouped GEMMs (+ SiLU*up),
-    weighted sum. Same assignment order and rounding points, so the same numbers."""
+def grouped_experts(experts: Experts, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+                    gemm: str | None = None) -> torch.Tensor:
+    """`Experts.sorted_forward` as counting sort, 2 grouped GEMMs (the first fused with the gather and SiLU*up),
+    weighted sum; `gemm` = "triton" | "grouped_mm" (default `GROUPED_GEMM`; grouped_mm adds a gather and the
+    activation's kernels). Same assignment order and rounding points, so the same numbers up to GEMM
+    accumulation order."""
     T, K = ids_TK.shape
     S, E, D = T * K, experts.num_experts, experts.dim
     ids_S = ids_TK.reshape(-1).contiguous()
@@ -130,12 +176,35 @@ def grouped_experts(experts: Experts, x_TD: torch.Tensor, ids_TK: torch.Tensor, 
     token_S = torch.empty(S, dtype=torch.int64, device=x_TD.device)
     offsets_E = torch.empty(E, dtype=torch.int32, device=x_TD.device)
     _align_by_expert[(E,)](ids_S, token_S, dest_S, offsets_E, S, K=K, S_PAD=triton.next_power_of_2(S), num_warps=4)
-    y_SD = experts._grouped(x_TD.index_select(0, token_S), offsets_E)
+    if (gemm or GROUPED_GEMM) == "grouped_mm":
+        y_SD = experts._grouped(x_TD.index_select(0, token_S), offsets_E)
+    else:
+        y_SD = _triton_grouped(experts, x_TD.contiguous(), token_S, offsets_E, S)
     out_TD = torch.empty_like(x_TD)
     block_d = min(1024, triton.next_power_of_2(D))
     _combine_rows[(T, triton.cdiv(D, block_d))](y_SD, dest_S, weights_TK.float().contiguous(), out_TD, D=D, K=K,
                                                 BLOCK_D=block_d, num_warps=4)
     return out_TD
+
+
+def _triton_grouped(experts: Experts, x_TD: torch.Tensor, token_S: torch.Tensor, offsets_E: torch.Tensor,
+                    S: int) -> torch.Tensor:
+    """y_SD = down(SiLU(gate) * up) of each sorted row, via two `_expert_gemm` launches."""
+    E, D, F = experts.num_experts, experts.dim, experts.ffn_dim
+    w_gu, w_d = experts.gate_up_proj, experts.down_proj
+    # rows per expert on average -> the M tile (tl.dot wants >= 16); N/K tiles: a weight tile streamed per program
+    block_m = min(64, max(16, triton.next_power_of_2(-(-S // E))))
+    precision = "ieee" if x_TD.dtype == torch.float32 else "tf32"
+    static_m = S if triton_interpreting() else 0
+    h_SF = x_TD.new_empty(S, F)
+    y_SD = x_TD.new_empty(S, D)
+    for a, w, out, n_out, k_in, gated, (bn, bk, warps, stages) in (
+            (x_TD, w_gu, h_SF, F, D, True, GATE_UP_TILE), (h_SF, w_d, y_SD, D, F, False, DOWN_TILE)):
+        _expert_gemm[(E, triton.cdiv(n_out, bn))](a, token_S, w, offsets_E, out, w.stride(0), w.stride(1), N_OUT=n_out,
+                                                  K_IN=k_in, GATED=gated, GATHER=gated, BLOCK_M=block_m, BLOCK_N=bn,
+                                                  BLOCK_K=bk, PRECISION=precision, STATIC_M=static_m, num_warps=warps,
+                                                  num_stages=stages)
+    return y_SD
 
 
 if triton is not None:
