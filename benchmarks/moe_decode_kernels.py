@@ -5,7 +5,7 @@ the engine's grouped path with its Triton expert GEMMs vs with torch's grouped_m
 
 Each variant is captured in a CUDA graph of 20 calls and replayed (GPU time, no launch gaps). Bytes per call =
 distinct experts touched x 3*D*F*2 + activations; "% copy" = that over the measured device-to-device copy
-bandwidth. `--sweep` also times the `_expert_gemm` tile choices (BLOCK_N, BLOCK_K, warps, stages).
+bandwidth. `--slack` times the M-tile rule; `--sweep` also times the `_expert_gemm` tile choices (BLOCK_N, BLOCK_K, warps, stages).
 """
 from __future__ import annotations
 
@@ -62,7 +62,8 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=4)
     ap.add_argument("--dim", type=int, default=1536)
     ap.add_argument("--ffn", type=int, default=512)
-    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="also time the tile choices")
+    ap.add_argument("--slack", default="1,2,4", help="BLOCK_M_SLACK values to time (M tile = slack x mean rows/expert)")
     args = ap.parse_args()
     E, K, D, F = args.experts, args.top_k, args.dim, args.ffn
     bw = copy_bandwidth()
@@ -87,6 +88,12 @@ def main() -> None:
             for gemm in ("grouped_mm", "triton"):
                 t = graph_time(lambda: moe_kernel.grouped_experts(experts, x, ids, wts, gemm))
                 print(f"  {gemm:>10}: {t * 1e6:7.1f} us/call, {nbytes / t / 1e12:.2f} TB/s = {100 * nbytes / t / bw:.1f}% copy")
+            saved_slack = moe_kernel.BLOCK_M_SLACK
+            for slack in [int(v) for v in args.slack.split(",")]:
+                moe_kernel.BLOCK_M_SLACK = slack
+                t = graph_time(lambda: moe_kernel.grouped_experts(experts, x, ids, wts, "triton"))
+                print(f"    triton, BLOCK_M_SLACK={slack}: {t * 1e6:7.1f} us/call, {100 * nbytes / t / bw:.1f}% copy")
+            moe_kernel.BLOCK_M_SLACK = saved_slack
             if args.sweep:
                 saved = moe_kernel.GATE_UP_TILE, moe_kernel.DOWN_TILE
                 results = []

@@ -2,8 +2,9 @@
 `MoEForCausalLM.forward`, in about 13 kernels per layer instead of about 60.
 
 Per layer: residual add + RMSNorm (one kernel), the q/k/v projections, q/k head RMSNorm + RoPE + the K/V
-cache write (one kernel), paged attention, o_proj, add + RMSNorm, the router projection, softmax + top-k +
-renormalisation (one kernel), and the experts (`moe_kernel.fused_experts`). Every bf16 rounding of the module
+cache write (one kernel), paged attention, o_proj, add + RMSNorm, the router projection + softmax + top-k +
+renormalisation (one kernel), and the experts (`moe_kernel`: two kernels for a few tokens; for more, a sort
+and two grouped GEMMs whose rows' weighted sum is fused into the next add + RMSNorm). Every bf16 rounding of the module
 path is kept (norm output, weight product, each RoPE product and sum, residual sums), so outputs match it up
 to fp32 summation order inside a norm. Used for decode-only batches of GQA models with half-split RoPE over
 the whole head and a softmax router (Qwen3-MoE, Qwen3, Llama, Mixtral); `fused_supported` says when.
@@ -12,26 +13,33 @@ Shapes: T tokens, D model dim, H/G query/kv heads, Dh head dim, E experts, K exp
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moeloop.model.moe import MoE
 from moeloop.model.norm import RMSNorm
 from moeloop.rollout.decode_kernel import triton
-from moeloop.rollout.moe_kernel import fused_experts
+from moeloop.rollout.moe_kernel import fused_experts, grouped_expert_rows, uses_grouped_rows
 from moeloop.rollout.paged_attention import PagedAttention
 
 if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _add_rmsnorm(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, eps, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                     HAS_RES: tl.constexpr):
+    def _add_rmsnorm(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, dest_ptr, wts_ptr, eps, D: tl.constexpr,
+                     BLOCK_D: tl.constexpr, HAS_RES: tl.constexpr, COMBINE_K: tl.constexpr):
+        """COMBINE_K > 0: x is first the weighted sum of COMBINE_K expert rows x[dest[row, k]] (fp32, rounded)."""
         row = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, BLOCK_D)
         ok = d < D
         dt = y_ptr.dtype.element_ty
-        x = tl.load(x_ptr + row * D + d, mask=ok, other=0.0)
+        if COMBINE_K > 0:
+            acc = tl.zeros([BLOCK_D], tl.float32)
+            for k in tl.static_range(COMBINE_K):
+                src = tl.load(dest_ptr + row * COMBINE_K + k)
+                acc += tl.load(x_ptr + src * D + d, mask=ok, other=0.0).to(tl.float32) * tl.load(wts_ptr + row * COMBINE_K + k)
+            x = acc.to(dt)
+        else:
+            x = tl.load(x_ptr + row * D + d, mask=ok, other=0.0)
         if HAS_RES:
             x = (x.to(tl.float32) + tl.load(res_ptr + row * D + d, mask=ok, other=0.0).to(tl.float32)).to(dt)
             tl.store(res_out_ptr + row * D + d, x, mask=ok)
@@ -85,11 +93,18 @@ if triton is not None:
             tl.store(vc + HALF + i, tl.load(v_ptr + (t * G + g) * DH + HALF + i).to(vc_ptr.dtype.element_ty))
 
     @triton.jit
-    def _softmax_topk(logits_ptr, ids_ptr, wts_ptr, scale, E: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr,
-                      NORM: tl.constexpr):
+    def _softmax_topk(x_ptr, gate_ptr, ids_ptr, wts_ptr, scale, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                      E: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr):
+        """Router logits x[t] @ gate.T (fp32 accumulation, rounded to x's dtype as F.linear), softmax, top-k."""
         t = tl.program_id(0).to(tl.int64)
         e = tl.arange(0, E_PAD)
-        z = tl.load(logits_ptr + t * E + e, mask=e < E, other=float("-inf")).to(tl.float32)
+        acc = tl.zeros([E_PAD], tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            x = tl.load(x_ptr + t * D + d, mask=d < D, other=0.0).to(tl.float32)
+            w = tl.load(gate_ptr + e[:, None] * D + d[None, :], mask=(e[:, None] < E) & (d[None, :] < D), other=0.0)
+            acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
+        z = tl.where(e < E, acc.to(x_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
         p = tl.exp(z - tl.max(z, 0))
         p = p / tl.sum(p, 0)
         total = 0.0
@@ -123,13 +138,17 @@ def fused_supported(model: nn.Module) -> bool:
     return True
 
 
-def add_rmsnorm(x_TD: torch.Tensor, res_TD: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(res + x), res + x); with res None: (RMSNorm(x), x)."""
-    T, D = x_TD.shape
-    y_TD = torch.empty_like(x_TD)
-    res_out = x_TD if res_TD is None else torch.empty_like(x_TD)
-    _add_rmsnorm[(T,)](x_TD, x_TD if res_TD is None else res_TD, norm.weight, y_TD, res_out, norm.eps, D=D,
-                       BLOCK_D=triton.next_power_of_2(D), HAS_RES=res_TD is not None, num_warps=4)
+def add_rmsnorm(x_TD: torch.Tensor, res_TD: torch.Tensor | None, norm: RMSNorm,
+                combine: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(res + x), res + x); with res None: (RMSNorm(x), x). With `combine` = (dest_TK, weights_TK), x is
+    rows of expert outputs [S, D] and the added term is sum_k weights[t, k] * x[dest[t, k]] (rounded first)."""
+    T, D = x_TD.shape if combine is None else (combine[0].shape[0], x_TD.shape[1])
+    y_TD = x_TD.new_empty(T, D)
+    res_out = x_TD if res_TD is None else torch.empty_like(y_TD)
+    dest, wts = combine if combine is not None else (x_TD, x_TD)
+    _add_rmsnorm[(T,)](x_TD, x_TD if res_TD is None else res_TD, norm.weight, y_TD, res_out, dest, wts, norm.eps, D=D,
+                       BLOCK_D=triton.next_power_of_2(D), HAS_RES=res_TD is not None,
+                       COMBINE_K=0 if combine is None else combine[0].shape[1], num_warps=4)
     return y_TD, res_out
 
 
@@ -150,14 +169,18 @@ def qk_norm_rope_store(attn: nn.Module, q_TX: torch.Tensor, k_TX: torch.Tensor, 
     return q_out
 
 
-def route_softmax_topk(moe: MoE, logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids [T, K] int64, weights [T, K] fp32) exactly as `Router._route_softmax` (ties: lowest expert id)."""
-    T, E = logits_TE.shape
+def route_softmax_topk(moe: MoE, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [T, K] int64, weights [T, K] fp32) of the router on hidden states x, as `Router._route_softmax`
+    on `F.linear(x, gate.weight)` (ties: lowest expert id), in one kernel."""
+    T, D = x_TD.shape
     router = moe.gate
-    ids_TK = torch.empty(T, router.top_k, dtype=torch.int64, device=logits_TE.device)
-    wts_TK = torch.empty(T, router.top_k, dtype=torch.float32, device=logits_TE.device)
-    _softmax_topk[(T,)](logits_TE.contiguous(), ids_TK, wts_TK, float(router.routed_scaling_factor), E=E,
-                        E_PAD=triton.next_power_of_2(E), K=router.top_k, NORM=bool(router.norm_topk_prob), num_warps=1)
+    E = router.weight.shape[0]
+    ids_TK = torch.empty(T, router.top_k, dtype=torch.int64, device=x_TD.device)
+    wts_TK = torch.empty(T, router.top_k, dtype=torch.float32, device=x_TD.device)
+    e_pad = triton.next_power_of_2(E)
+    _softmax_topk[(T,)](x_TD.contiguous(), router.weight, ids_TK, wts_TK, float(router.routed_scaling_factor), D=D,
+                        BLOCK_D=max(16, min(triton.next_power_of_2(D), 8192 // e_pad)), E=E, E_PAD=e_pad,
+                        K=router.top_k, NORM=bool(router.norm_topk_prob), num_warps=4)
     return ids_TK, wts_TK
 
 
@@ -177,11 +200,14 @@ def fused_decode_forward(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Ten
         o_THD = ctx.attend_cached(i, q_THD, attn.scale)
         y_TD, res_TD = add_rmsnorm(attn.o_proj(o_THD.reshape(T, -1)), res_TD, layer.post_attention_layernorm)
         mlp = layer.mlp
-        if isinstance(mlp, MoE):
-            ids_TK, wts_TK = route_softmax_topk(mlp, F.linear(y_TD, mlp.gate.weight))
-            out_TD = fused_experts(mlp.experts, y_TD, ids_TK, wts_TK)
-        else:
-            out_TD = mlp(y_TD)
         norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else stack.norm
-        y_TD, res_TD = add_rmsnorm(out_TD, res_TD, norm)
+        if not isinstance(mlp, MoE):
+            y_TD, res_TD = add_rmsnorm(mlp(y_TD), res_TD, norm)
+            continue
+        ids_TK, wts_TK = route_softmax_topk(mlp, y_TD)
+        if uses_grouped_rows(y_TD, ids_TK):  # the weighted sum of the expert rows happens in the add + norm
+            rows_SD, dest_S = grouped_expert_rows(mlp.experts, y_TD, ids_TK)
+            y_TD, res_TD = add_rmsnorm(rows_SD, res_TD, norm, (dest_S.view(ids_TK.shape), wts_TK))
+        else:
+            y_TD, res_TD = add_rmsnorm(fused_experts(mlp.experts, y_TD, ids_TK, wts_TK), res_TD, norm)
     return y_TD

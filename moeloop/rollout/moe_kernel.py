@@ -28,6 +28,7 @@ GROUPED_GEMM = "triton"  # or "grouped_mm" (torch's cutlass kernel; bf16 only)
 # `_expert_gemm` tiles: (BLOCK_N, BLOCK_K, num_warps, num_stages) for the gate_up and down launches
 GATE_UP_TILE = (64, 128, 4, 3)
 DOWN_TILE = (64, 128, 4, 3)
+BLOCK_M_SLACK = 2
 ALIGN_MAX_ASSIGNMENTS = 8192  # the counting sort holds all assignments in one program; a long prefill sorts instead
 IMPL_NAME = "rollout_decode"
 
@@ -146,7 +147,7 @@ def fused_experts(experts: Experts, x_TD: torch.Tensor, ids_TK: torch.Tensor, we
     T, K = ids_TK.shape
     if (not x_TD.is_cuda and not triton_interpreting()) or T * K > ALIGN_MAX_ASSIGNMENTS:
         return experts.sorted_forward(x_TD, ids_TK, weights_TK, expert_counts(ids_TK, experts.num_experts))
-    if T * K > FUSED_MAX_ASSIGNMENTS and (GROUPED_GEMM == "triton" or x_TD.dtype == torch.bfloat16):
+    if uses_grouped_rows(x_TD, ids_TK):
         return grouped_experts(experts, x_TD, ids_TK, weights_TK)
     w_gu, w_d = experts.gate_up_proj, experts.down_proj
     D, F = experts.dim, experts.ffn_dim
@@ -169,22 +170,35 @@ def grouped_experts(experts: Experts, x_TD: torch.Tensor, ids_TK: torch.Tensor, 
     weighted sum; `gemm` = "triton" | "grouped_mm" (default `GROUPED_GEMM`; grouped_mm adds a gather and the
     activation's kernels). Same assignment order and rounding points, so the same numbers up to GEMM
     accumulation order."""
+    T, D = x_TD.shape
+    y_SD, dest_S = grouped_expert_rows(experts, x_TD, ids_TK, gemm)
+    out_TD = torch.empty_like(x_TD)
+    block_d = min(1024, triton.next_power_of_2(D))
+    _combine_rows[(T, triton.cdiv(D, block_d))](y_SD, dest_S, weights_TK.float().contiguous(), out_TD, D=D,
+                                                K=ids_TK.shape[1], BLOCK_D=block_d, num_warps=4)
+    return out_TD
+
+
+def grouped_expert_rows(experts: Experts, x_TD: torch.Tensor, ids_TK: torch.Tensor,
+                        gemm: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y_SD: each assignment's expert output in expert-sorted order, dest_S: assignment t*K+k -> its row), for
+    a weighted sum done by the caller (`grouped_experts`, or the fused decode's combine + add + RMSNorm)."""
     T, K = ids_TK.shape
-    S, E, D = T * K, experts.num_experts, experts.dim
+    S, E = T * K, experts.num_experts
     ids_S = ids_TK.reshape(-1).contiguous()
     dest_S = torch.empty(S, dtype=torch.int64, device=x_TD.device)
     token_S = torch.empty(S, dtype=torch.int64, device=x_TD.device)
     offsets_E = torch.empty(E, dtype=torch.int32, device=x_TD.device)
     _align_by_expert[(E,)](ids_S, token_S, dest_S, offsets_E, S, K=K, S_PAD=triton.next_power_of_2(S), num_warps=4)
     if (gemm or GROUPED_GEMM) == "grouped_mm":
-        y_SD = experts._grouped(x_TD.index_select(0, token_S), offsets_E)
-    else:
-        y_SD = _triton_grouped(experts, x_TD.contiguous(), token_S, offsets_E, S)
-    out_TD = torch.empty_like(x_TD)
-    block_d = min(1024, triton.next_power_of_2(D))
-    _combine_rows[(T, triton.cdiv(D, block_d))](y_SD, dest_S, weights_TK.float().contiguous(), out_TD, D=D, K=K,
-                                                BLOCK_D=block_d, num_warps=4)
-    return out_TD
+        return experts._grouped(x_TD.index_select(0, token_S), offsets_E), dest_S
+    return _triton_grouped(experts, x_TD.contiguous(), token_S, offsets_E, S), dest_S
+
+
+def uses_grouped_rows(x_TD: torch.Tensor, ids_TK: torch.Tensor) -> bool:
+    """Whether `fused_experts` takes the grouped path for this batch (so a caller may combine the rows itself)."""
+    S = ids_TK.numel()
+    return FUSED_MAX_ASSIGNMENTS < S <= ALIGN_MAX_ASSIGNMENTS and (GROUPED_GEMM == "triton" or x_TD.dtype == torch.bfloat16)
 
 
 def _triton_grouped(experts: Experts, x_TD: torch.Tensor, token_S: torch.Tensor, offsets_E: torch.Tensor,
@@ -192,8 +206,9 @@ def _triton_grouped(experts: Experts, x_TD: torch.Tensor, token_S: torch.Tensor,
     """y_SD = down(SiLU(gate) * up) of each sorted row, via two `_expert_gemm` launches."""
     E, D, F = experts.num_experts, experts.dim, experts.ffn_dim
     w_gu, w_d = experts.gate_up_proj, experts.down_proj
-    # rows per expert on average -> the M tile (tl.dot wants >= 16); N/K tiles: a weight tile streamed per program
-    block_m = min(64, max(16, triton.next_power_of_2(-(-S // E))))
+    # M tile: room for BLOCK_M_SLACK x the mean rows per expert, so most experts take one pass over their weight
+    # tile (tl.dot wants >= 16 rows); N/K tiles: the weight tile each program streams
+    block_m = min(64, max(16, triton.next_power_of_2(-(-BLOCK_M_SLACK * S // E))))
     precision = "ieee" if x_TD.dtype == torch.float32 else "tf32"
     static_m = S if triton_interpreting() else 0
     h_SF = x_TD.new_empty(S, F)
