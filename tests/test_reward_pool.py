@@ -10,6 +10,7 @@ import pytest
 from moeloop.config.schema import RewardSection
 from moeloop.reward.breaker import CircuitBreaker
 from moeloop.reward.pool import RewardFailure, RewardPool
+from moeloop.reward.rules import arith_reward
 from moeloop.types import RewardResult, Sample
 
 
@@ -108,6 +109,36 @@ def test_mask_fallback_removes_sample_from_loss(mode: str, counter: str) -> None
     assert stats.metrics()["reward/fallen_back_rate"] == 1.0
     assert all(s.reward_status == "masked" and not s.in_loss for s in samples)
     assert all(s.reward_info["fallback"] == "mask" and s.reward_info["error"] for s in samples)
+
+
+def test_inline_rule_runs_on_the_callers_thread_with_retries() -> None:
+    """A sync fn marked `runs_inline` (the arith rule) runs on the caller's thread; errors still retry and fall back."""
+    threads, seen = set(), {}
+
+    def rule(sample: Sample) -> float:
+        threads.add(threading.current_thread().name)
+        n = seen[sample.response_text] = seen.get(sample.response_text, 0) + 1
+        if sample.response_text == "3" or (sample.response_text == "1" and n == 1):
+            raise ValueError("bad")
+        return 1.0
+
+    rule.runs_inline = True
+    with RewardPool(rule, retries=1, backoff_s=0.0, fallback="mask") as pool:
+        assert pool._executor is None
+        samples = batch(4)
+        stats = pool.score(samples)
+    assert threads == {threading.current_thread().name}
+    assert stats.scored == 3 and stats.errored == 3 and stats.retried == 2 and stats.masked == 1
+    assert [s.in_loss for s in samples] == [True, True, True, False]
+    assert arith_reward.runs_inline is True
+
+    async def from_a_running_loop() -> None:  # score() inside async code: on the pool's thread, as before
+        assert pool.score(batch(1)).scored == 1
+
+    threads.clear()
+    with RewardPool(rule) as pool:
+        asyncio.run(from_a_running_loop())
+    assert threads == {"reward-pool"}
 
 
 def test_neutral_fallback_scores_but_keeps_in_loss() -> None:

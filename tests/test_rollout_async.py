@@ -79,6 +79,19 @@ def test_async_preemption_keeps_outputs():
     same(ref, out)
 
 
+def test_async_preemption_with_forked_groups_keeps_outputs():
+    model = tiny_model()
+    ps = prompts(6, seed=4)
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=9)
+    budget = 21 * kv_bytes_per_block(model.cfg, 4, torch.float32)
+    sync, ref, asyn, out = both(model, ps, params, kv_cache_bytes=budget)
+    assert sync.scheduler.num_preemptions > 0 and asyn.scheduler.num_preemptions > 0
+    same(ref, out)
+    for o in out:  # shared, copied and re-cached prompt blocks all hold the right K/V
+        forced = teacher_forced_logprobs(model, o.prompt_ids, o.response_ids)
+        torch.testing.assert_close(torch.tensor(o.logprobs), forced, atol=1e-5, rtol=0)
+
+
 def test_async_drain_gate_and_abort():
     model, new = tiny_model(seed=0), tiny_model(seed=1)
     engine = make_engine(model, async_scheduling="on")

@@ -99,14 +99,13 @@ def test_group_of_8_uses_prompt_blocks_once():
     engine = make_engine(model)
     prompt = prompts(1, seed=5, max_len=2)[0] * 18  # 18 tokens: 4 full blocks + 2 tokens
     engine.add_request(prompt, SamplingParams(n=8, temperature=1.0, max_tokens=4, seed=0))
-    engine.step()  # leader prefills the prompt
-    engine.step()  # followers take the 4 cached blocks, compute their 2-token tail
+    engine.step()  # the leader prefills the prompt once; the followers fork from it and sample too
     seqs = engine.scheduler.running
-    assert len(seqs) == 8
+    assert len(seqs) == 8 and all(s.num_response_tokens == 1 for s in seqs)
     prompt_blocks = {b for s in seqs for b in s.block_table[:5]}
     assert len(prompt_blocks) == 4 + 8  # 4 shared full blocks once, one partial block per sample (not 8 * 5)
     assert engine.blocks.num_prefix_hit_blocks == 4 * 7
-    assert engine.num_prefill_tokens == 18 + 7 * 2  # each follower computes only its 2-token tail
+    assert engine.num_prefill_tokens == 18  # no follower recomputes any prompt token
     outs = []
     while engine.has_unfinished():
         outs += engine.step()
@@ -116,12 +115,27 @@ def test_group_of_8_uses_prompt_blocks_once():
         torch.testing.assert_close(torch.tensor(o.logprobs), ref, atol=1e-5, rtol=0)
 
 
-def test_group_with_nothing_to_share_starts_together():
-    engine = make_engine(tiny_model())  # block_size 4: a 4-token prompt has no full block a follower could reuse
-    engine.add_request([5, 6, 7, 8], SamplingParams(n=8, temperature=1.0, max_tokens=4, seed=0))
+@pytest.mark.parametrize("prompt", [[5, 6, 7], [5, 6, 7, 8]])  # block_size 4: no full block / exactly one
+def test_group_forks_from_one_prefill(prompt):
+    model = tiny_model()
+    engine = make_engine(model)
+    params = SamplingParams(n=8, temperature=1.0, max_tokens=6, seed=0)
+    engine.add_request(prompt, params)
     engine.step()
-    assert len(engine.scheduler.running) == 8 and engine.num_prefill_tokens == 8 * 4
-    assert engine.blocks.num_prefix_hit_blocks == 0
+    assert len(engine.scheduler.running) == 8 and engine.num_prefill_tokens == len(prompt)
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert len({tuple(o.response_ids) for o in outs}) > 1
+    for o in outs:  # the copied partial block and the shared full one hold the right K/V
+        forced = teacher_forced_logprobs(model, o.prompt_ids, o.response_ids)
+        torch.testing.assert_close(torch.tensor(o.logprobs), forced, atol=1e-5, rtol=0)
+    # the same samples as without forks (one sequence at a time: every sample prefills or reuses cached blocks)
+    ref = make_engine(model, max_num_seqs=1).generate([prompt], params)
+    assert [o.response_ids for o in outs] == [r.response_ids for r in ref]
+    for o, r in zip(outs, ref):
+        torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(r.logprobs), atol=1e-5, rtol=0)
 
 
 def test_seed_reproducible_and_independent_of_batch():

@@ -1,7 +1,7 @@
 """Sampler: counter-based noise is batch-independent, top-k/top-p filter, logprobs are raw temperature-1."""
 import torch
 
-from moeloop.rollout.sampler import Sampler, SamplingTensors, filter_logits, row_key, uniform_noise
+from moeloop.rollout.sampler import Sampler, SamplingTensors, _mix32, filter_logits, noise_at, row_key, uniform_noise
 
 
 def tensors(temps, keys, top_k=None, top_p=None, vocab=50):
@@ -18,6 +18,19 @@ def test_noise_depends_only_on_row_key():
     assert torch.equal(u[1], uniform_noise(keys[1:2], 1000)[0])
     assert ((u > 0) & (u < 1)).all() and abs(u.mean().item() - 0.5) < 0.02
     assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
+
+
+def test_host_noise_equals_the_tensor_hash():
+    """The CPU path hashes in numpy uint32; every device must draw the same noise as the int64 tensor version."""
+    g = torch.Generator().manual_seed(0)
+    keys = torch.tensor([row_key(s, c) for s in range(64) for c in (0, 7)] + [0, 0xFFFFFFFF])
+    vocab = torch.cat([torch.arange(300), torch.randint(0, 2**31 - 1, (200,), generator=g)])[None, :]
+    h = _mix32(_mix32(keys[:, None] ^ vocab) ^ keys[:, None])
+    ref = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    got = noise_at(keys, vocab)
+    assert got.dtype == torch.float32 and torch.equal(got, ref)
+    ids = torch.randint(0, 300, (keys.shape[0], 5), generator=g)
+    assert torch.equal(noise_at(keys, ids), ref.gather(1, ids))
 
 
 def test_sampling_distribution_matches_softmax():

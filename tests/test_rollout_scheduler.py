@@ -15,14 +15,14 @@ def make_group(prompt, n, params=SamplingParams(max_tokens=4), request_id="r"):
 def fake_step(sched: Scheduler, next_token=lambda seq: 7):
     """What the engine does after a forward: advance, commit hashes, append a token, finish at max."""
     batch = sched.schedule()
-    for i, seq in enumerate(batch.seqs):
-        sampled = batch.samples(i)
-        seq.num_computed_tokens += batch.num_new_tokens[i]
+    sampled = [batch.samples(i) for i in range(len(batch))]
+    for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        seq.num_computed_tokens += n
         sched.blocks.commit(seq)
-        if sampled:
-            seq.append(next_token(seq), 0.0, 0)
-            if seq.num_response_tokens >= seq.params.max_tokens:
-                sched.finish(seq, "length")
+    for seq in [s for s, yes in zip(batch.seqs, sampled) if yes] + [f for f, _ in batch.forks]:
+        seq.append(next_token(seq), 0.0, 0)
+        if seq.num_response_tokens >= seq.params.max_tokens:
+            sched.finish(seq, "length")
     return batch
 
 
@@ -43,10 +43,10 @@ def test_group_of_8_shares_prompt_blocks_once():
     for s in group:
         sched.add(s)
     first = fake_step(sched)
-    assert first.seqs == [group[0]] and first.num_new_tokens == [18]  # followers wait for the leader
-    second = fake_step(sched)
-    # followers reuse the 4 full prompt blocks and compute only the 2 tokens of the partial block
-    assert [n for s, n in zip(second.seqs, second.num_new_tokens) if s is not group[0]] == [2] * 7
+    # the leader prefills; the followers fork from it: its 4 full prompt blocks, a copy of its partial one
+    assert first.seqs == [group[0]] and first.num_new_tokens == [18]
+    assert first.forks == [(s, 0) for s in group[1:]]
+    assert all(s.num_computed_tokens == 18 and s.num_response_tokens == 1 for s in group)
     shared = group[0].block_table[:4]
     assert all(s.block_table[:4] == shared for s in group)
     assert all(bm.blocks[b].ref_count == 8 for b in shared)
@@ -57,6 +57,40 @@ def test_group_of_8_shares_prompt_blocks_once():
     while sched.has_work():
         fake_step(sched)
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_followers_that_cannot_fork_reuse_the_cached_prompt():
+    bm = BlockManager(num_blocks=64, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=1, max_num_batched_tokens=256)  # no room to fork: one sequence at a time
+    group = make_group(list(range(10, 28)), 3)
+    for s in group:
+        sched.add(s)
+    first = fake_step(sched)
+    assert first.seqs == [group[0]] and not first.forks
+    while group[0] in sched.running:
+        fake_step(sched)
+    second = fake_step(sched)
+    assert second.seqs == [group[1]] and second.num_new_tokens == [2]  # 4 cached blocks, its own 2-token tail
+    while sched.has_work():
+        fake_step(sched)
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_fork_needs_a_free_block_for_the_partial_prompt_block():
+    bm = BlockManager(num_blocks=6, block_size=4)  # leader 5 blocks (18 tokens + room): 1 left for one fork
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=256)
+    group = make_group(list(range(10, 28)), 3)
+    for s in group:
+        sched.add(s)
+    first = fake_step(sched)
+    assert [f for f, _ in first.forks] == [group[1]] and list(sched.waiting) == [group[2]]
+    check_ref_counts(bm, sched.running)
+    for _ in range(100):
+        if not sched.has_work():
+            break
+        fake_step(sched)
+        check_ref_counts(bm, sched.running)
+    assert all(s.num_response_tokens == 4 for s in group) and bm.num_free_blocks == bm.num_blocks
 
 
 def test_prefix_cache_across_requests_and_eviction():

@@ -34,9 +34,10 @@ class RolloutWorker:
             raise RuntimeError(f"engine returned {len(request_ids)} requests for {len(examples)} prompts")
         group_of = {rid: group_base + i for i, rid in enumerate(request_ids)}
         samples = completions_to_samples(completions, group_of)
-        for sample in samples:
+        for sample, completion in zip(samples, completions):
             example = examples[sample.group_id - group_base]
             sample.prompt_text, sample.ground_truth = example.prompt_text, example.ground_truth
             sample.data_source = example.data_source
-            sample.response_text = self.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
+            if completion.text is None:  # the engine decodes when it has a detokenizer (build_engine: the same call)
+                sample.response_text = self.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
         return samples

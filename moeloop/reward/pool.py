@@ -9,7 +9,9 @@ exponential backoff, a circuit breaker, and an explicit fallback policy.
 Fallback after the last retry: `mask` -> status "masked" (out of the loss and of the group
 baseline, `Sample.in_loss`), `neutral` -> `neutral_score` with status "fallback", `fail` -> raise.
 Sync functions run in a thread (or process) pool created once; async functions on the pool's own
-event loop, which lives in a daemon thread for the pool's lifetime. A timed-out sync call cannot
+event loop, which lives in a daemon thread for the pool's lifetime. A sync function marked
+`runs_inline = True` (cheap, pure, bounded: the `arith` rule) runs on the caller's thread, on a
+private loop, when the executor is `thread`: no thread hand-off, and no timeout (it cannot hang). A timed-out sync call cannot
 be interrupted: it keeps its concurrency slot until it really returns, so the bound always holds.
 """
 from __future__ import annotations
@@ -47,7 +49,9 @@ class RewardPool:
         self.fallback, self.neutral_score = fallback, neutral_score
         self.breaker = breaker or CircuitBreaker(threshold=0)
         self._async_fn = is_async_fn(fn)
-        self._executor = None if self._async_fn else _make_executor(executor, concurrency)
+        self._inline = not self._async_fn and executor == "thread" and getattr(fn, "runs_inline", False) is True
+        self._executor = None if self._async_fn or self._inline else _make_executor(executor, concurrency)
+        self._inline_loop = asyncio.new_event_loop() if self._inline else None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="reward-pool", daemon=True)
         self._thread.start()
@@ -65,6 +69,8 @@ class RewardPool:
         """Score `samples` in place (blocking); see the module docstring for the fallback rules."""
         if threading.current_thread() is self._thread:
             raise RuntimeError("RewardPool.score called from the pool's own loop; use `await ascore`")
+        if self._inline_loop is not None and asyncio._get_running_loop() is None:
+            return self._inline_loop.run_until_complete(self._score(samples))  # no hop to the pool's thread
         return asyncio.run_coroutine_threadsafe(self._score(samples), self._loop).result()
 
     async def ascore(self, samples: list[Sample]) -> RewardStats:
@@ -83,6 +89,8 @@ class RewardPool:
             self._thread.join(timeout=10)
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._inline_loop is not None:
+            self._inline_loop.close()
 
     def __enter__(self) -> "RewardPool":
         return self
@@ -140,6 +148,9 @@ class RewardPool:
 
     async def _call(self, sample: Sample) -> RewardResult:
         """One attempt: take a concurrency slot, ask the breaker (now, not before queueing), call."""
+        if self._inline:  # one at a time on its loop: the concurrency bound holds trivially
+            self._admit()
+            return as_result(self.fn(sample))
         if self._async_fn:
             async with self._slots:
                 self._admit()

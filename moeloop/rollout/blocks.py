@@ -35,6 +35,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # hash -> block id
+        self.hashed: set[int] = set()  # ids of blocks whose hash is set (what a reset must clear)
         self.num_prefix_hit_blocks = 0  # counters for tests and metrics
         self.num_allocated_blocks = 0
 
@@ -66,7 +67,24 @@ class BlockManager:
         total = self.blocks_for(len(hits) * self.block_size + num_new_tokens)
         return total - len(hits) + revived
 
+    def fork_blocks_needed(self, seq: Sequence) -> int:
+        """Free blocks a fork of `seq`'s prompt takes: one for the partial last prompt block, if any."""
+        return int(seq.num_prompt_tokens % self.block_size != 0)
+
     # --- mutations -----------------------------------------------------------------------------
+    def fork(self, seq: Sequence, leader: Sequence) -> None:
+        """Give a fresh follower its leader's prompt K/V (computed in this step): the full prompt blocks by reference
+        and a fresh block for the partial last one, whose slots the runner copies from the leader's after the forward."""
+        assert not seq.block_table and seq.num_computed_tokens == 0 and leader.num_prompt_tokens == seq.num_prompt_tokens
+        num_full = seq.num_prompt_tokens // self.block_size
+        for bid in leader.block_table[:num_full]:
+            self.blocks[bid].ref_count += 1  # held by the leader: never in the free list
+        seq.block_table = leader.block_table[:num_full]
+        seq.num_hashed_blocks = 0  # its first commit walks them: hashed by the leader, or (leader preempted first) by it
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.num_prefix_hit_blocks += num_full
+        self.grow(seq, 0)
+
     def take_prefix(self, seq: Sequence, hits: list[int]) -> None:
         """Give a sequence with an empty block table its cached prefix blocks."""
         assert not seq.block_table and seq.num_computed_tokens == 0
@@ -91,6 +109,7 @@ class BlockManager:
             if block.hash is not None and self.cached.get(block.hash) == bid:
                 del self.cached[block.hash]  # evict its prefix-cache entry
             block.hash = block.key = None
+            self.hashed.discard(bid)
             block.ref_count = 1
             seq.block_table.append(bid)
             self.num_allocated_blocks += 1
@@ -108,6 +127,7 @@ class BlockManager:
             if block.hash is None:
                 block.key = block_key(prev, seq.token_ids[i * bs:(i + 1) * bs])
                 block.hash = hash(block.key)
+                self.hashed.add(block.block_id)
                 self.cached.setdefault(block.hash, block.block_id)  # an equal block may already be cached
             prev = block.hash
             seq.num_hashed_blocks = i + 1
@@ -127,5 +147,6 @@ class BlockManager:
         if len(self.free) != self.num_blocks:
             raise RuntimeError("reset_prefix_cache needs every block free (no sequence in flight)")
         self.cached.clear()
-        for block in self.blocks:
-            block.hash = block.key = None
+        for bid in self.hashed:  # not every block: a large cache has tens of thousands
+            self.blocks[bid].hash = self.blocks[bid].key = None
+        self.hashed.clear()

@@ -60,10 +60,12 @@ class PagedAttention:
         v_cache.index_copy_(0, meta.slot_mapping_T, v_TGDv.to(v_cache.dtype))
         if meta.decode_rows_B is None and not meta.prefills:
             return self._decode(q_THD, k_cache, v_cache, scale)
+        fresh = self._fresh
+        if fresh is not None and fresh[0] is None:  # the stream is nothing but whole prompts: no row gather/scatter
+            return fresh[1].attend(layer_idx, q_THD, k_TGD, v_TGDv, scale)
         out = q_THD.new_empty(q_THD.shape[0], q_THD.shape[1], v_TGDv.shape[-1])
         if meta.num_decode:
             out[meta.decode_rows_B] = self._decode(q_THD[meta.decode_rows_B], k_cache, v_cache, scale)
-        fresh = self._fresh
         if fresh is not None:  # whole prompts with no cached prefix: one packed causal attention for all of them
             rows, packed = fresh
             out[rows] = packed.attend(layer_idx, q_THD[rows], k_TGD[rows], v_TGDv[rows], scale)
@@ -83,22 +85,25 @@ class PagedAttention:
         if self.use_kernel:
             return paged_decode_attention(q_BHD.contiguous(), k_cache, v_cache, meta.block_tables_BN,
                                           meta.context_lens_B, self.cache.block_size, scale).to(q_BHD.dtype)
-        slots_BL, mask_BL = self._gather_index()
-        k_BGLD = k_cache[slots_BL].transpose(1, 2).to(q_BHD.dtype)
-        v_BGLD = v_cache[slots_BL].transpose(1, 2).to(q_BHD.dtype)
-        o_BH1D = F.scaled_dot_product_attention(q_BHD[:, :, None], k_BGLD, v_BGLD, attn_mask=mask_BL[:, None, None],
+        slots_S, bias_B11L = self._gather_index(q_BHD.dtype)  # index_select on flat slots: ~4x cheaper than k_cache[slots_BL]
+        B, L = bias_B11L.shape[0], bias_B11L.shape[-1]
+        k_BGLD = k_cache.index_select(0, slots_S).view(B, L, *k_cache.shape[1:]).transpose(1, 2).to(q_BHD.dtype)
+        v_BGLD = v_cache.index_select(0, slots_S).view(B, L, *v_cache.shape[1:]).transpose(1, 2).to(q_BHD.dtype)
+        o_BH1D = F.scaled_dot_product_attention(q_BHD[:, :, None], k_BGLD, v_BGLD, attn_mask=bias_B11L,
                                                 scale=scale, enable_gqa=k_BGLD.shape[1] != q_BHD.shape[1])
         return o_BH1D[:, :, 0]
 
-    def _gather_index(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slots [B, Lmax] of every decode row's context (padded) and the validity mask; built once per forward."""
+    def _gather_index(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots of every decode row's context (padded to Lmax, flattened [B * Lmax]) and the additive mask [B, 1, 1,
+        Lmax] (0 / -inf: what SDPA would make of the boolean mask in every layer); built once per forward."""
         if self._gather is None:
             meta, bs = self.meta, self.cache.block_size
             pos_L = torch.arange(meta.max_decode_len, device=meta.block_tables_BN.device)
             blocks_BL = meta.block_tables_BN.long().gather(1, (pos_L // bs)[None].expand(meta.num_decode, -1))
             mask_BL = pos_L[None] < meta.context_lens_B[:, None]
             slots_BL = torch.where(mask_BL, blocks_BL * bs + pos_L % bs, 0)
-            self._gather = slots_BL, mask_BL
+            bias_BL = torch.zeros(mask_BL.shape, dtype=dtype, device=mask_BL.device).masked_fill_(~mask_BL, float("-inf"))
+            self._gather = slots_BL.view(-1), bias_BL[:, None, None]
         return self._gather
 
     def _prefill(self, chunk: PrefillChunk, q_QHD: torch.Tensor, k_QGD: torch.Tensor, v_QGD: torch.Tensor,
@@ -118,11 +123,14 @@ class PagedAttention:
         return o_HQD.transpose(0, 1)
 
 
-def _fresh_prefills(meta: AttentionMetadata) -> tuple[torch.Tensor, PackedAttention] | None:
-    """(stream rows, packed attention) of the prefill chunks that are whole sequences, when there are several."""
+def _fresh_prefills(meta: AttentionMetadata) -> tuple[torch.Tensor | None, PackedAttention] | None:
+    """(stream rows, packed attention) of the prefill chunks that are whole sequences, when there are several;
+    rows None when those chunks are the whole stream (then in stream order: the attention takes it as is)."""
     chunks = [c for c in meta.prefills if c.slots_L is None]
     if len(chunks) < 2:
         return None
     device = meta.slot_mapping_T.device
+    if meta.num_decode == 0 and len(chunks) == len(meta.prefills):
+        return None, PackedAttention(cu_seqlens_from_lengths([c.q_len for c in chunks], device))
     rows = torch.tensor([r for c in chunks for r in range(c.start, c.start + c.q_len)], device=device)
     return rows, PackedAttention(cu_seqlens_from_lengths([c.q_len for c in chunks], device))

@@ -6,7 +6,8 @@ batches), and samples the sequences that reached their last token.
 from __future__ import annotations
 
 import warnings
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -80,14 +81,17 @@ class ModelRunner:
 
         A decode row whose input token is still pending on the host (sampled by `prev`, not yet appended) takes
         it from `prev.tokens_B` on the device, so consecutive steps need no host round trip in between."""
-        rows = batch.sample_rows()
-        sampled = [batch.seqs[i] for i in rows]
+        own = batch.sample_rows()
+        rows = own + [i for _, i in batch.forks]  # a fork samples from its leader's logits row
+        sampled = [batch.seqs[i] for i in own] + [f for f, _ in batch.forks]
         step = LaunchedStep(batch.seqs, sampled)
         patch = _pending_inputs(batch, prev)
-        with decode_moe(self.model, self._moe_blocks) if self.device.type == "cuda" else nullcontext():
-            logits_TV = self._graph_logits(batch, patch, rows)
+        with decode_moe(self.model, self._moe_blocks) if self.device.type == "cuda" else _no_router_stats(self._moe_blocks):
+            logits_TV = self._graph_logits(batch, patch, rows)  # never with forks: their leader's chunk is >= 2
             if logits_TV is None:
                 logits_TV = self._eager_logits(batch, patch, rows)
+        if batch.forks:
+            self._copy_fork_tails(batch)
         if logits_TV is None:
             return step
         st = self._sampling_tensors(sampled)
@@ -128,7 +132,8 @@ class ModelRunner:
         return logits_BV if len(rows) == len(batch) else logits_BV[rows] if rows else None
 
     def _eager_logits(self, batch: ScheduledBatch, patch: "InputPatch | None", rows: list[int]) -> torch.Tensor | None:
-        ids, pos, slots, meta, sample_rows = self._prepare(batch, set(rows))
+        ids, pos, slots, meta, last_rows = self._prepare(batch)
+        sample_rows = [last_rows[i] for i in rows]
         if patch is not None:
             dst, src, tokens_B = patch
             ids[torch.tensor(dst, device=self.device)] = tokens_B[torch.tensor(src, device=self.device)]
@@ -147,11 +152,26 @@ class ModelRunner:
         warnings.warn(f"{why}; decoding with the module forward from now on")
         self.fused_ok = False
 
-    def _prepare(self, batch: ScheduledBatch, sampling: set[int]):
-        ids, pos, slots, sample_rows = [], [], [], []
+    def _copy_fork_tails(self, batch: ScheduledBatch) -> None:
+        """K/V of the partial last prompt block: from each fork's leader (just computed) to the fork's own block."""
+        bs, src, dst = self.cache.block_size, [], []
+        for seq, i in batch.forks:
+            num_full, tail = divmod(seq.num_prompt_tokens, bs)
+            if tail:
+                src += range(batch.seqs[i].block_table[num_full] * bs, batch.seqs[i].block_table[num_full] * bs + tail)
+                dst += range(seq.block_table[num_full] * bs, seq.block_table[num_full] * bs + tail)
+        if src:
+            src_S = torch.tensor(src, dtype=torch.int64, device=self.device)
+            dst_S = torch.tensor(dst, dtype=torch.int64, device=self.device)
+            for kv_LSGD in (self.cache.k, self.cache.v):
+                kv_LSGD.index_copy_(1, dst_S, kv_LSGD.index_select(1, src_S))
+
+    def _prepare(self, batch: ScheduledBatch):
+        """Flat inputs and attention metadata of the batch, and the stream row of each sequence's last token."""
+        ids, pos, slots, last_rows = [], [], [], []
         decode_rows, decode_tables, decode_lens, prefills = [], [], [], []
         bs = self.cache.block_size
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start, first = len(ids), seq.num_computed_tokens
             ctx_len = first + n
             ids += seq.token_ids[first:ctx_len]
@@ -165,8 +185,7 @@ class ModelRunner:
                 decode_lens.append(ctx_len)
             else:
                 prefills.append((start, n, ctx_len, table))
-            if i in sampling:
-                sample_rows.append(start + n - 1)
+            last_rows.append(start + n - 1)
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping_T=torch.tensor(slots, dtype=torch.int64, device=dev),
@@ -182,7 +201,7 @@ class ModelRunner:
             meta.prefills.append(PrefillChunk(start, n, ctx_len, slots_L))
         ids_T = torch.tensor(ids, dtype=torch.int64, device=dev)
         pos_T = torch.tensor(pos, dtype=torch.int64, device=dev)
-        return ids_T, pos_T, meta.slot_mapping_T, meta, sample_rows
+        return ids_T, pos_T, meta.slot_mapping_T, meta, last_rows
 
     def _sampling_tensors(self, seqs) -> SamplingTensors:
         dev, V = self.device, self.vocab_size
@@ -194,7 +213,21 @@ class ModelRunner:
         ints = torch.tensor([top_ks, keys], dtype=torch.int64).to(dev, non_blocking=True)
         return SamplingTensors(floats[0], ints[0], floats[1], ints[1],
                                any_filter=any(k < V for k in top_ks) or any(p < 1 for p in top_ps),
-                               all_greedy=all(t == 0 for t in temps), max_top_k=max(top_ks))
+                               all_greedy=all(t == 0 for t in temps), max_top_k=max(top_ks),
+                               any_greedy=any(t == 0 for t in temps))
+
+
+@contextmanager
+def _no_router_stats(blocks: list[MoE]) -> Iterator[None]:
+    """Rollout forwards need no load-balance stats (same outputs, fewer ops); restored on exit (a shared model trains)."""
+    saved = [b.record_stats for b in blocks]
+    try:
+        for b in blocks:
+            b.__dict__["record_stats"] = False  # straight into __dict__: nn.Module.__setattr__ costs ~5 us a call
+        yield
+    finally:
+        for b, record in zip(blocks, saved):
+            b.__dict__["record_stats"] = record
 
 
 InputPatch = tuple[list[int], list[int], torch.Tensor]  # (input rows, rows of prev.tokens_B, prev.tokens_B)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 _M32 = 0xFFFFFFFF
@@ -41,8 +42,28 @@ def uniform_noise(keys_B: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 def noise_at(keys_B: torch.Tensor, vocab_BN: torch.Tensor) -> torch.Tensor:
     """`uniform_noise` at the given vocab ids only ([B, N] or [1, N]): the same value a full row would hold."""
+    if keys_B.device.type == "cpu":
+        return _noise_at_numpy(keys_B, vocab_BN)
     h_BN = _mix32(_mix32(keys_B[:, None] ^ vocab_BN) ^ keys_B[:, None])
     return ((h_BN >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def _noise_at_numpy(keys_B: torch.Tensor, vocab_BN: torch.Tensor) -> torch.Tensor:
+    """`noise_at` on the host in native uint32 (products wrap mod 2**32: the low 32 bits `_mix32` keeps), a third of
+    the tensor ops' time at sampling sizes; the same bits (integer hash, then exact or correctly rounded fp32)."""
+    keys = keys_B.numpy().astype(np.uint32)[:, None]
+    h = _mix32_numpy(_mix32_numpy(keys ^ vocab_BN.numpy().astype(np.uint32)) ^ keys)
+    return torch.from_numpy(((h >> 8).astype(np.float32) + np.float32(0.5)) * np.float32(1.0 / (1 << 24)))
+
+
+def _mix32_numpy(x: np.ndarray) -> np.ndarray:
+    """`_mix32` on a uint32 array, in place."""
+    x ^= x >> 16
+    x *= np.uint32(0x7FEB352D)
+    x ^= x >> 15
+    x *= np.uint32(0x846CA68B)
+    x ^= x >> 16
+    return x
 
 
 @dataclass
@@ -54,6 +75,7 @@ class SamplingTensors:
     any_filter: bool
     all_greedy: bool
     max_top_k: int | None = None  # host max of top_ks_B; small -> sample among torch.topk candidates, no sort
+    any_greedy: bool = True  # some row has temperature 0 (False: no greedy argmax needed)
 
 
 def filter_logits(logits_BV: torch.Tensor, top_ks_B: torch.Tensor, top_ps_B: torch.Tensor) -> torch.Tensor:
@@ -92,18 +114,22 @@ class Sampler:
                  want_logprobs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Return (token ids [B], logprobs [B] of those tokens under the raw temperature-1 softmax)."""
         logits_BV = logits_BV.float()
-        greedy_B = logits_BV.argmax(dim=-1)
         if st.all_greedy:
-            tokens_B = greedy_B
-        elif st.max_top_k is not None and st.max_top_k <= TOPK_CANDIDATES_MAX:
-            tokens_B = torch.where(st.temperatures_B > 0, _sample_top_k(logits_BV, st), greedy_B)
-        else:
+            return self._with_logprobs(logits_BV, logits_BV.argmax(dim=-1), want_logprobs)
+        if st.any_filter and st.max_top_k is not None and st.max_top_k <= TOPK_CANDIDATES_MAX:
+            sampled_B = _sample_top_k(logits_BV, st)
+        else:  # no filter: Gumbel-max over the full vocab (the same scores per vocab id as the top-k path)
             z_BV = filter_logits(logits_BV, st.top_ks_B, st.top_ps_B) if st.any_filter else logits_BV
             temps_B = torch.where(st.temperatures_B > 0, st.temperatures_B, torch.ones_like(st.temperatures_B))
             u_BV = uniform_noise(st.keys_B, logits_BV.shape[-1])
             gumbel_BV = -torch.log(-torch.log(u_BV))
             sampled_B = (z_BV / temps_B[:, None] + gumbel_BV).argmax(dim=-1)
-            tokens_B = torch.where(st.temperatures_B > 0, sampled_B, greedy_B)
+        tokens_B = torch.where(st.temperatures_B > 0, sampled_B, logits_BV.argmax(dim=-1)) if st.any_greedy else sampled_B
+        return self._with_logprobs(logits_BV, tokens_B, want_logprobs)
+
+    @staticmethod
+    def _with_logprobs(logits_BV: torch.Tensor, tokens_B: torch.Tensor,
+                       want_logprobs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         logprobs_B = None
         if want_logprobs:
             logprobs_B = torch.log_softmax(logits_BV, dim=-1).gather(1, tokens_B[:, None])[:, 0]

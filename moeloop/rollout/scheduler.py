@@ -7,6 +7,13 @@ cache usually still holds most of its blocks). Then, unless paused or something 
 waiting sequences are admitted in FIFO order while `max_num_seqs`, `max_num_batched_tokens` and the
 free blocks allow. Prefill and decode tokens go in one flat batch.
 
+Forks (n samples, one prefill): when a group leader's chunk completes its prompt this step (a chunk of at least
+2 tokens, so the batch never takes the decode-only CUDA-graph path), its waiting followers are forked instead of
+prefilling the same prompt again: they take the leader's full prompt blocks by reference and a private block for the
+partial last one (the runner copies those K/V slots after the forward), and sample their first token from the
+leader's last-token logits with their own seeds. A follower that cannot fork waits for the leader and reuses its
+cached prompt blocks as before.
+
 With async scheduling a sequence may carry pending tokens (sampled by a step still on the device). It is
 scheduled as usual (its next input comes from the device), except when its pending token is its last one
 (max_tokens reached): then it waits, unscheduled, until the engine appends that token and finishes it.
@@ -24,6 +31,14 @@ from moeloop.rollout.sequence import Sequence, SequenceStatus
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)  # chunk length per sequence
+    forks: list[tuple[Sequence, int]] = field(default_factory=list)  # (follower, its leader's index in seqs)
+    prompt_ends: dict[int, int] = field(default_factory=dict)  # seq_id -> index, chunks that complete a prompt
+
+    def add(self, seq: Sequence, chunk: int) -> None:
+        if chunk >= 2 and len(seq.token_ids) == seq.num_prompt_tokens == seq.num_computed_tokens + chunk:
+            self.prompt_ends[seq.seq_id] = len(self.seqs)
+        self.seqs.append(seq)
+        self.num_new_tokens.append(chunk)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -90,8 +105,7 @@ class Scheduler:
             else:
                 if need:
                     self.blocks.grow(seq, chunk)
-                batch.seqs.append(seq)
-                batch.num_new_tokens.append(chunk)
+                batch.add(seq, chunk)
                 kept.append(seq)
                 budget -= chunk
         self.running = kept + list(pending)  # unscheduled ones (budget spent) stay running
@@ -99,8 +113,12 @@ class Scheduler:
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         skipped: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if self._fork(seq, batch):
+                continue
+            if budget <= 0:
+                break
             shareable = (len(seq) - 1) // self.blocks.block_size  # full prompt blocks a follower could share
             if (seq.blocked_on_leader and shareable) or seq.num_pending:  # pending: its last token reaches the host first
                 skipped.append(self.waiting.popleft())
@@ -114,10 +132,25 @@ class Scheduler:
             self.blocks.grow(seq, chunk)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(chunk)
+            batch.add(seq, chunk)
             budget -= chunk
         self.waiting.extendleft(reversed(skipped))
+
+    def _fork(self, seq: Sequence, batch: ScheduledBatch) -> bool:
+        """Admit a fresh follower (the head of `waiting`) as a fork of its leader, if the leader's prompt completes in
+        this batch and a block for the partial last prompt block is free."""
+        lead = seq.leader
+        if lead is None or seq.num_computed_tokens or seq.num_pending or len(seq.token_ids) != seq.num_prompt_tokens:
+            return False
+        index = batch.prompt_ends.get(lead.seq_id)
+        if index is None or self.blocks.fork_blocks_needed(seq) > self.blocks.num_free_blocks:
+            return False
+        self.waiting.popleft()
+        self.blocks.fork(seq, lead)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        batch.forks.append((seq, index))
+        return True
 
     def preempt(self, seq: Sequence) -> None:
         """Free the sequence's blocks and put it back at the front of the queue (recompute later)."""

@@ -1,8 +1,9 @@
 """`Sequence`: one sample being generated — its tokens, KV block table, progress and status.
 
-A request with n samples becomes n sequences. Sample 0 is the group leader; samples 1..n-1 wait
-until the leader's prompt KV is computed, then reuse its full prompt blocks through the prefix cache
-(a prompt shorter than one block has nothing to share: its samples start together).
+A request with n samples becomes n sequences. Sample 0 is the group leader; samples 1..n-1 fork from it
+in the step its prompt K/V is computed (shared full blocks, a copy of the partial one; see the scheduler). One that
+cannot fork waits for the leader and reuses its full prompt blocks through the prefix cache (with none to share,
+it prefills on its own).
 
 Pending tokens (async scheduling): a token sampled by a step that is still running on the device is
 counted in `len(seq)` and `num_response_tokens` (so the next step can be scheduled) but is not yet in
