@@ -227,9 +227,10 @@ if triton is not None:
 
 
 @contextmanager
-def decode_moe(model: nn.Module, blocks: list[MoE] | None = None) -> Iterator[None]:
-    """Inside: every MoE block skips router stats and runs `fused_experts`; restored on exit (a shared model trains).
-    `blocks`: the model's MoE blocks, when the caller has them (saves a module walk per step)."""
+def decode_moe(model: nn.Module, blocks: list[MoE] | None = None, kernels: bool = True) -> Iterator[None]:
+    """Inside: every MoE block skips router stats (same outputs, fewer ops) and, with `kernels` and triton, runs
+    `fused_experts`; restored on exit (a shared model trains). `blocks`: the model's MoE blocks, when the caller
+    has them (saves a module walk per step)."""
     blocks = [m for m in model.modules() if isinstance(m, MoE)] if blocks is None else blocks
     saved = [(b.record_stats, b.experts.impl) for b in blocks]
     # plain attributes written straight into __dict__: nn.Module.__setattr__ costs ~5 us a call, 64 per decode step
@@ -237,7 +238,7 @@ def decode_moe(model: nn.Module, blocks: list[MoE] | None = None) -> Iterator[No
     try:
         for b in blocks:
             b.__dict__["record_stats"] = False
-            if triton is not None:
+            if kernels and triton is not None:
                 b.experts.__dict__["_impl"] = IMPL_NAME
         yield
     finally:

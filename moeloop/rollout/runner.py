@@ -6,8 +6,6 @@ batches), and samples the sequences that reached their last token.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -86,7 +84,7 @@ class ModelRunner:
         sampled = [batch.seqs[i] for i in own] + [f for f, _ in batch.forks]
         step = LaunchedStep(batch.seqs, sampled)
         patch = _pending_inputs(batch, prev)
-        with decode_moe(self.model, self._moe_blocks) if self.device.type == "cuda" else _no_router_stats(self._moe_blocks):
+        with decode_moe(self.model, self._moe_blocks, kernels=self.device.type == "cuda"):
             logits_TV = self._graph_logits(batch, patch, rows)  # never with forks: their leader's chunk is >= 2
             if logits_TV is None:
                 logits_TV = self._eager_logits(batch, patch, rows)
@@ -215,19 +213,6 @@ class ModelRunner:
                                any_filter=any(k < V for k in top_ks) or any(p < 1 for p in top_ps),
                                all_greedy=all(t == 0 for t in temps), max_top_k=max(top_ks),
                                any_greedy=any(t == 0 for t in temps))
-
-
-@contextmanager
-def _no_router_stats(blocks: list[MoE]) -> Iterator[None]:
-    """Rollout forwards need no load-balance stats (same outputs, fewer ops); restored on exit (a shared model trains)."""
-    saved = [b.record_stats for b in blocks]
-    try:
-        for b in blocks:
-            b.__dict__["record_stats"] = False  # straight into __dict__: nn.Module.__setattr__ costs ~5 us a call
-        yield
-    finally:
-        for b, record in zip(blocks, saved):
-            b.__dict__["record_stats"] = record
 
 
 InputPatch = tuple[list[int], list[int], torch.Tensor]  # (input rows, rows of prev.tokens_B, prev.tokens_B)
