@@ -8,6 +8,8 @@ implementations, weighted in fp32 and summed back per token:
   are multiples of 16 bytes (D and F multiples of 8 in bf16, 4 in fp32); groups may be empty.
 - "loop": one pair of matmuls per non-empty expert (one host sync for the counts); any device and dtype.
 "auto" takes grouped_mm on CUDA in bf16/fp16 and on CPU where its kernel exists, with aligned dims; else the loop.
+On CUDA the gather into sorted order and the weighted sum back run as `expert_rows` kernels (fewer, deterministic
+backward passes); elsewhere as torch indexing ops. Same math and rounding points either way.
 Other implementations plug in with `register_experts_impl(name, fn)` (the rollout engine's fused decode kernels).
 """
 # T tokens, D model dim, F expert ffn dim, E experts, K experts per token, S = T*K sorted assignments
@@ -20,6 +22,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from moeloop.model.expert_rows import combine_rows, gather_rows, row_kernels_apply
 
 EXPERTS_IMPLS = ("auto", "grouped_mm", "loop")
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -110,14 +114,17 @@ class Experts(nn.Module):
                        counts_E: torch.Tensor) -> torch.Tensor:
         """The built-in path: assignments sorted by expert, grouped_mm or the loop, weighted sum per token."""
         T, K = ids_TK.shape
-        perm_S = torch.argsort(ids_TK.reshape(-1), stable=True)
-        x_SD = x_TD[perm_S // K]
+        perm_S = torch.argsort(ids_TK.reshape(-1), stable=True)  # sorted row -> assignment
+        inv_perm_S = torch.empty_like(perm_S)  # assignment -> sorted row
+        inv_perm_S[perm_S] = torch.arange(perm_S.numel(), device=perm_S.device)
+        kernels = row_kernels_apply(x_TD)
+        x_SD = gather_rows(x_TD, perm_S // K, inv_perm_S.view(T, K)) if kernels else x_TD[perm_S // K]
         if self.resolved_impl(x_TD) == "grouped_mm":
             y_SD = self._grouped(x_SD, torch.cumsum(counts_E, 0, dtype=torch.int32))
         else:
             y_SD = self._looped(x_SD, counts_E)
-        inv_perm_S = torch.empty_like(perm_S)
-        inv_perm_S[perm_S] = torch.arange(perm_S.numel(), device=perm_S.device)
+        if kernels:
+            return combine_rows(y_SD, inv_perm_S.view(T, K), weights_TK)
         y_TKD = y_SD[inv_perm_S].view(T, K, self.dim)
         return (y_TKD * weights_TK.float()[..., None]).sum(dim=1).to(x_TD.dtype)
 

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from moeloop.model.expert_rows import combine
 from moeloop.model.experts import Experts, expert_counts, register_experts_impl
 from moeloop.model.moe import MoE
 from moeloop.rollout.decode_kernel import triton, triton_interpreting
@@ -111,16 +112,6 @@ if triton is not None:
         tl.store(offsets_ptr + e, start + tl.sum(mine, 0))
 
     @triton.jit
-    def _combine_rows(y_ptr, dest_ptr, wts_ptr, out_ptr, D: tl.constexpr, K: tl.constexpr, BLOCK_D: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
-        d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        acc = tl.zeros([BLOCK_D], tl.float32)
-        for k in tl.static_range(K):
-            row = tl.load(dest_ptr + t * K + k)
-            acc += tl.load(y_ptr + row * D + d, mask=d < D, other=0.0).to(tl.float32) * tl.load(wts_ptr + t * K + k)
-        tl.store(out_ptr + t * D + d, acc.to(out_ptr.dtype.element_ty), mask=d < D)
-
-    @triton.jit
     def _down_combine(h_ptr, w_ptr, ids_ptr, wts_ptr, y_ptr, s_we, s_wd, D: tl.constexpr, F: tl.constexpr, K: tl.constexpr,
                       BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
         t = tl.program_id(0)
@@ -170,13 +161,8 @@ def grouped_experts(experts: Experts, x_TD: torch.Tensor, ids_TK: torch.Tensor, 
     weighted sum; `gemm` = "triton" | "grouped_mm" (default `GROUPED_GEMM`; grouped_mm adds a gather and the
     activation's kernels). Same assignment order and rounding points, so the same numbers up to GEMM
     accumulation order."""
-    T, D = x_TD.shape
     y_SD, dest_S = grouped_expert_rows(experts, x_TD, ids_TK, gemm)
-    out_TD = torch.empty_like(x_TD)
-    block_d = min(1024, triton.next_power_of_2(D))
-    _combine_rows[(T, triton.cdiv(D, block_d))](y_SD, dest_S, weights_TK.float().contiguous(), out_TD, D=D,
-                                                K=ids_TK.shape[1], BLOCK_D=block_d, num_warps=4)
-    return out_TD
+    return combine(y_SD, dest_S.view(ids_TK.shape), weights_TK.float().contiguous(), x_TD.shape[0])
 
 
 def grouped_expert_rows(experts: Experts, x_TD: torch.Tensor, ids_TK: torch.Tensor,
