@@ -243,3 +243,15 @@ def test_triton_decode_path_keeps_greedy_outputs():
     engine.runner.use_kernel = True
     outs = engine.generate(ps, GREEDY)
     assert [o.response_ids for o in outs] == [o.response_ids for o in ref]
+
+
+def test_flat_graph_inputs_layout():
+    """`flat_inputs` (the CUDA graphs' staging layout): ids | positions | slots | lengths, each padded to the graph
+    size (padding rows point at the scratch block, length 1), then block tables padded with the scratch block,
+    then the patch's row lists."""
+    from moeloop.rollout.cuda_graphs import flat_inputs
+    flat, n_in = flat_inputs(3, 4, scratch=9, block_size=16, ids=[5, 6], pos=[17, 3], slots=[33, 51], lens=[18, 4],
+                             tables=[[2, 3], [4]], patch=([1], [0], None))
+    assert n_in == 3 * 4 + 3 * 4
+    assert list(flat) == [5, 6, 0, 17, 3, 0, 33, 51, 9 * 16, 18, 4, 1,
+                          2, 3, 9, 9, 4, 9, 9, 9, 9, 9, 9, 9, 1, 0]

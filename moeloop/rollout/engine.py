@@ -113,11 +113,10 @@ class Engine:
         return done
 
     def _launch(self, batch: ScheduledBatch) -> LaunchedStep:
+        launched = self.runner.launch(batch, self._in_flight)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             if n > 1 or seq.num_computed_tokens < seq.num_prompt_tokens:  # prompt chunks and recomputes
                 self.num_prefill_tokens += n
-        launched = self.runner.launch(batch, self._in_flight)
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
         for seq in launched.sampled:
             seq.num_pending += 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -18,7 +19,8 @@ from moeloop.rollout.fused_decode import fused_decode_forward, fused_supported
 from moeloop.rollout.kv_cache import KVCache
 from moeloop.rollout.moe_kernel import decode_moe
 from moeloop.rollout.paged_attention import AttentionMetadata, PagedAttention, PrefillChunk, slots_of
-from moeloop.rollout.sampler import Sampler, SamplingTensors, row_key
+from moeloop.rollout.sampler import Sampler, SamplingTensors, row_keys
+from moeloop.rollout.sampling_params import SamplingParams
 from moeloop.rollout.scheduler import ScheduledBatch
 from moeloop.rollout.sequence import Sequence
 
@@ -112,13 +114,8 @@ class ModelRunner:
         """Logits of a decode-only batch (every row samples) through the CUDA graphs; None when not applicable."""
         if self.graphs is None or not self.graphs.fits(len(batch)) or any(n != 1 for n in batch.num_new_tokens):
             return None
-        bs = self.cache.block_size
-        pos = [s.num_computed_tokens for s in batch.seqs]
-        ids = [_token_at(s, p) for s, p in zip(batch.seqs, pos)]
-        tables = [s.block_table for s in batch.seqs]
-        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)]
         try:
-            logits_BV = self.graphs.run(ids, pos, slots, [p + 1 for p in pos], tables, patch)
+            logits_BV = self.graphs.run(*decode_inputs(batch, self.cache.block_size), patch)
         except CaptureFailed:
             if self.graphs.fused:  # e.g. a fused kernel that does not compile here: capture the module forward
                 self._disable_fused("CUDA graph capture of the fused decode forward failed")
@@ -202,20 +199,38 @@ class ModelRunner:
         return ids_T, pos_T, meta.slot_mapping_T, meta, last_rows
 
     def _sampling_tensors(self, seqs) -> SamplingTensors:
-        dev, V = self.device, self.vocab_size
-        temps = [s.params.temperature for s in seqs]
-        top_ks = [V if s.params.top_k == -1 else min(s.params.top_k, V) for s in seqs]
-        top_ps = [s.params.top_p for s in seqs]
-        keys = [row_key(s.seed, s.num_response_tokens) for s in seqs]
+        dev, V, B = self.device, self.vocab_size, len(seqs)
+        params = [s.params for s in seqs]
+        uniform = params.count(params[0]) == B  # one SamplingParams for the batch (the usual RL step)
+        temps, top_ks, top_ps = _row_params(params[:1] if uniform else params, V)
+        flags = dict(any_filter=any(k < V for k in top_ks) or any(p < 1 for p in top_ps),
+                     all_greedy=all(t == 0 for t in temps), max_top_k=max(top_ks), any_greedy=any(t == 0 for t in temps))
+        if uniform:
+            temps, top_ks, top_ps = temps * B, top_ks * B, top_ps * B
+        keys = row_keys([s.seed for s in seqs], [len(s.token_ids) + s.num_pending - s.num_prompt_tokens for s in seqs])
         floats = torch.tensor([temps, top_ps], dtype=torch.float32).to(dev, non_blocking=True)
-        ints = torch.tensor([top_ks, keys], dtype=torch.int64).to(dev, non_blocking=True)
-        return SamplingTensors(floats[0], ints[0], floats[1], ints[1],
-                               any_filter=any(k < V for k in top_ks) or any(p < 1 for p in top_ps),
-                               all_greedy=all(t == 0 for t in temps), max_top_k=max(top_ks),
-                               any_greedy=any(t == 0 for t in temps))
+        ints = torch.from_numpy(np.stack([np.array(top_ks, dtype=np.int64), keys])).to(dev, non_blocking=True)
+        return SamplingTensors(floats[0], ints[0], floats[1], ints[1], **flags)
+
+
+def _row_params(params: list[SamplingParams], vocab_size: int) -> tuple[list[float], list[int], list[float]]:
+    """(temperatures, top-ks clamped to the vocab, top-ps) of each row's sampling params."""
+    V = vocab_size
+    return ([p.temperature for p in params], [V if p.top_k == -1 else min(p.top_k, V) for p in params],
+            [p.top_p for p in params])
 
 
 InputPatch = tuple[list[int], list[int], torch.Tensor]  # (input rows, rows of prev.tokens_B, prev.tokens_B)
+
+
+def decode_inputs(batch: ScheduledBatch, block_size: int) -> tuple[list[int], ...]:
+    """(ids, positions, slots, context lengths, block tables) of a decode-only batch, as host lists."""
+    bs, seqs = block_size, batch.seqs
+    pos = [s.num_computed_tokens for s in seqs]
+    ids = [t[p] if p < len(t) else 0 for t, p in zip([s.token_ids for s in seqs], pos)]  # 0: pending (`_token_at`)
+    tables = [s.block_table for s in seqs]
+    slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)]
+    return ids, pos, slots, [p + 1 for p in pos], tables
 
 
 def _token_at(seq: Sequence, position: int) -> int:

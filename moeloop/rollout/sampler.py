@@ -26,6 +26,15 @@ def row_key(seed: int, counter: int) -> int:
     return (z ^ (z >> 31)) & _M32
 
 
+def row_keys(seeds: list[int], counters: list[int]) -> np.ndarray:
+    """`row_key` of many rows at once (numpy uint64 arithmetic wraps mod 2**64 like the & _M64 masks), as int64."""
+    z = np.array(seeds, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.array(counters, dtype=np.uint64)
+    z += np.uint64(1)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return ((z ^ (z >> np.uint64(31))) & np.uint64(_M32)).astype(np.int64)
+
+
 def _mix32(x: torch.Tensor) -> torch.Tensor:
     """lowbias32 integer hash on int64 tensors holding uint32 values (low 32 bits of each product)."""
     x = x ^ (x >> 16)
