@@ -61,6 +61,8 @@ def combine(y_SD: torch.Tensor, dest_TK: torch.Tensor, weights_TK: torch.Tensor 
     """The `_combine_rows` launch: [T, D] in y's dtype; unit weights when `weights_TK` is None."""
     D, K = y_SD.shape[1], dest_TK.shape[1]
     out_TD = y_SD.new_empty(T, D)
+    if T == 0:
+        return out_TD
     block_d = min(1024, triton.next_power_of_2(D))
     _combine_rows[(T, triton.cdiv(D, block_d))](y_SD, dest_TK, dest_TK if weights_TK is None else weights_TK, out_TD,
                                                 D=D, K=K, BLOCK_D=block_d, WEIGHTED=weights_TK is not None,
@@ -93,6 +95,8 @@ class _CombineRows(torch.autograd.Function):
         D = y_SD.shape[1]
         grad_y = torch.empty_like(y_SD)
         grad_w = torch.empty(T, K, dtype=torch.float32, device=y_SD.device)
+        if T == 0:
+            return grad_y, None, grad_w
         _combine_rows_backward[(T,)](grad_TD.contiguous(), y_SD, dest_TK, weights_TK, grad_y, grad_w, D=D, K=K,
                                      BLOCK_D=triton.next_power_of_2(D), num_warps=8)
         return grad_y, None, grad_w
