@@ -229,7 +229,8 @@ def decode_inputs(batch: ScheduledBatch, block_size: int) -> tuple[list[int], ..
     """(ids, positions, slots, context lengths, block tables) of a decode-only batch, as host lists."""
     bs, seqs = block_size, batch.seqs
     pos = [s.num_computed_tokens for s in seqs]
-    ids = [t[p] if p < len(t) else 0 for t, p in zip([s.token_ids for s in seqs], pos)]  # 0: pending, patched on the device
+    # 0: a token still pending on the host, patched in on the device
+    ids = [t[p] if p < len(t) else 0 for t, p in zip([s.token_ids for s in seqs], pos)]
     tables = [s.block_table for s in seqs]
     slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)]
     return ids, pos, slots, [p + 1 for p in pos], tables
