@@ -62,3 +62,27 @@ def test_logprobs_are_raw_temperature_one_and_greedy_is_argmax():
     assert tokens[1] in logits[1].topk(3).indices
     ref = torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0]
     assert torch.equal(logprobs, ref)
+
+
+def test_gumbel_kernel_equals_the_torch_draw():
+    """The one-kernel full-vocab draw (CUDA; here the Triton interpreter on CPU) picks the torch path's tokens:
+    same hash, same noise, same logs and division, first index among equal maxima."""
+    import os
+    import pytest
+    from moeloop.rollout.decode_kernel import triton_available
+    from moeloop.rollout.gumbel_kernel import gumbel_argmax
+    if not triton_available():
+        pytest.skip("triton is not installed")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and not under the Triton interpreter")
+    g = torch.Generator().manual_seed(0)
+    B, V = 37, 3001  # V not a multiple of the kernel's block
+    logits = (torch.randn(B, V, generator=g) * 3).to(device)
+    logits[5, 100:110] = 50.0  # near-ties decided by the noise
+    temps = (torch.rand(B, generator=g) + 0.3).to(device)
+    temps[3] = 0.0  # a greedy row draws at temperature 1 (the caller replaces it by the argmax)
+    keys = torch.tensor([row_key(s, 7 * s) for s in range(B)], device=device)
+    u = uniform_noise(keys, V)
+    ref = (logits / torch.where(temps > 0, temps, torch.ones_like(temps))[:, None] - torch.log(-torch.log(u))).argmax(-1)
+    assert torch.equal(gumbel_argmax(logits, keys, temps), ref)

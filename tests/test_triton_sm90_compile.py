@@ -107,3 +107,10 @@ def _compile_paged_decode():
     compile_sm90(decode_kernel._merge_splits, dict(part_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", o_ptr="*bf16",
                                                    s_ob="i64", s_oh="i64"),
                  dict(H=H, DV=DH, DV_PAD=DH, NUM_SPLITS=4, SPLITS_PAD=4))
+
+
+def _compile_gumbel_argmax():
+    from moeloop.rollout import gumbel_kernel
+    compile_sm90(gumbel_kernel._gumbel_argmax, dict(logits_ptr="*fp32", keys_ptr="*i64", temps_ptr="*fp32",
+                                                    out_ptr="*i64", s_lb="i64"),
+                 dict(V=32000, BLOCK_V=1024, LIBDEVICE=True))

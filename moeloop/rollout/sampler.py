@@ -13,6 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from moeloop.rollout.decode_kernel import triton_available
+from moeloop.rollout.gumbel_kernel import gumbel_argmax
+
 _M32 = 0xFFFFFFFF
 _M64 = (1 << 64) - 1
 
@@ -127,6 +130,8 @@ class Sampler:
             return self._with_logprobs(logits_BV, logits_BV.argmax(dim=-1), want_logprobs)
         if st.any_filter and st.max_top_k is not None and st.max_top_k <= TOPK_CANDIDATES_MAX:
             sampled_B = _sample_top_k(logits_BV, st)
+        elif not st.any_filter and logits_BV.is_cuda and triton_available():  # the same draw in one kernel
+            sampled_B = gumbel_argmax(logits_BV, st.keys_B, st.temperatures_B)
         else:  # no filter: Gumbel-max over the full vocab (the same scores per vocab id as the top-k path)
             z_BV = filter_logits(logits_BV, st.top_ks_B, st.top_ps_B) if st.any_filter else logits_BV
             temps_B = torch.where(st.temperatures_B > 0, st.temperatures_B, torch.ones_like(st.temperatures_B))
