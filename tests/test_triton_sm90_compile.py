@@ -114,3 +114,13 @@ def _compile_gumbel_argmax():
     compile_sm90(gumbel_kernel._gumbel_argmax, dict(logits_ptr="*fp32", keys_ptr="*i64", temps_ptr="*fp32",
                                                     out_ptr="*i64", s_lb="i64"),
                  dict(V=32000, BLOCK_V=1024, LIBDEVICE=True))
+
+
+def _compile_rmsnorm():
+    from moeloop.model import norm
+    for dim in (D, DH):  # the layer norms and the per-head q/k norms
+        compile_sm90(norm._rmsnorm_fwd, dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", rstd_ptr="*fp32", eps="fp32"),
+                     dict(D=dim, BLOCK_D=triton.next_power_of_2(dim)))
+        compile_sm90(norm._rmsnorm_bwd, dict(dy_ptr="*bf16", x_ptr="*bf16", w_ptr="*bf16", rstd_ptr="*fp32",
+                                             dx_ptr="*bf16", dw_ptr="*fp32", R="i32"),
+                     dict(D=dim, BLOCK_D=triton.next_power_of_2(dim), ROWS=32))
