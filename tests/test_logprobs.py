@@ -107,3 +107,30 @@ def test_bad_shapes_raise():
         token_logprobs(hidden, weight[:, :-1], labels)
     with pytest.raises(ValueError, match="labels"):
         token_logprobs(hidden, weight, labels[:-1])
+
+
+@pytest.mark.parametrize("temperature,with_entropy,ignore", [(1.0, True, False), (0.7, True, True), (1.0, False, True)])
+def test_chunk_kernels_equal_naive(monkeypatch, temperature, with_entropy, ignore):
+    """The Triton chunk kernels (CUDA; here under the Triton interpreter) give the naive values and gradients."""
+    import os
+    import moeloop.model.logprobs as lp_mod
+    from moeloop.model.logprob_kernels import triton
+    if triton is None:
+        pytest.skip("triton is not installed")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and not under the Triton interpreter")
+    monkeypatch.setattr(lp_mod, "kernels_apply", lambda h: True)
+    hidden, weight, labels = _inputs()
+    if ignore:
+        labels[::4] = -100
+    ref_lp, ref_ent = naive_token_logprobs(hidden, weight, labels, temperature)
+    lp, ent = token_logprobs(hidden, weight, labels, temperature, chunk_tokens=10, with_entropy=with_entropy)
+    torch.testing.assert_close(lp, ref_lp, rtol=1e-5, atol=1e-5)
+    loss = _loss(lp, ent) if with_entropy else (lp * torch.linspace(-1, 1, T)).sum()
+    ref_loss = _loss(ref_lp, ref_ent) if with_entropy else (ref_lp * torch.linspace(-1, 1, T)).sum()
+    got = torch.autograd.grad(loss, (hidden, weight))
+    want = torch.autograd.grad(ref_loss, (hidden, weight))
+    if with_entropy:
+        torch.testing.assert_close(ent, ref_ent, rtol=1e-5, atol=1e-5)
+    for g_, w_ in zip(got, want):
+        torch.testing.assert_close(g_, w_, rtol=1e-5, atol=1e-5)

@@ -124,3 +124,15 @@ def _compile_rmsnorm():
         compile_sm90(norm._rmsnorm_bwd, dict(dy_ptr="*bf16", x_ptr="*bf16", w_ptr="*bf16", rstd_ptr="*fp32",
                                              dx_ptr="*bf16", dw_ptr="*fp32", R="i32"),
                      dict(D=dim, BLOCK_D=triton.next_power_of_2(dim), ROWS=32))
+
+
+def _compile_logprob_chunk_kernels():
+    from moeloop.model import logprob_kernels as lk
+    vocab = 32000
+    for with_entropy in (True, False):
+        compile_sm90(lk._chunk_stats, dict(z_ptr="*fp32", labels_ptr="*i64", lse_ptr="*fp32", picked_ptr="*fp32",
+                                           ent_ptr="*fp32", inv_temp="fp32"),
+                     dict(V=vocab, BLOCK_V=lk.BLOCK_V, WITH_ENTROPY=with_entropy))
+        compile_sm90(lk._chunk_dlogits, dict(z_ptr="*fp32", dz_ptr="*bf16", labels_ptr="*i64", g_lp_ptr="*fp32",
+                                             g_ent_ptr="*fp32", lse_ptr="*fp32", ent_ptr="*fp32", inv_temp="fp32"),
+                     dict(V=vocab, BLOCK_V=lk.BLOCK_V, HAS_ENTROPY=with_entropy))

@@ -7,13 +7,16 @@ Math is fp32 inside every chunk whatever the input dtype. On CUDA, bf16/fp16 hid
 into the logits GEMM as they are, with fp32 accumulation and fp32 output (`mm(..., out_dtype=float32)`): the
 same products as upcasting both first (every bf16 value is exact in fp32) at tensor-core speed, and no fp32
 copy of the [V, D] weight. The backward's two GEMMs take dlogits rounded to that dtype (what every bf16
-trainer's logits gradient is), accumulating in fp32.
+trainer's logits gradient is), accumulating in fp32. On CUDA the per-chunk softmax statistics and dlogits are
+Triton kernels (`logprob_kernels`): two reads of the chunk's logits forward, one backward.
 
 Shapes: T tokens, D model dim, V vocab, C tokens in a chunk.
 """
 from __future__ import annotations
 
 import torch
+
+from moeloop.model.logprob_kernels import chunk_dlogits, chunk_stats, kernels_apply
 
 IGNORE_INDEX = -100  # labels < 0 give logprob 0, entropy still computed, and no logprob gradient
 
@@ -88,8 +91,13 @@ class _ChunkedLogprobs(torch.autograd.Function):
         logprobs_T = hidden_TD.new_empty(num_tokens, dtype=torch.float32)
         entropy_T = torch.zeros_like(logprobs_T)
         lse_T = torch.empty_like(logprobs_T)
+        kernels = kernels_apply(hidden_TD)
         for s in range(0, num_tokens, chunk_tokens):
             e = min(s + chunk_tokens, num_tokens)
+            if kernels:
+                chunk_stats(_mm_f32(hidden_TD[s:e], w_VD.T), labels_T[s:e], 1.0 / temperature, with_entropy,
+                            lse_T[s:e], logprobs_T[s:e], entropy_T[s:e])
+                continue
             _, lse_T[s:e], logprobs_T[s:e], entropy_T[s:e] = _chunk_stats(
                 hidden_TD[s:e], w_VD, labels_T[s:e], 1.0 / temperature, with_entropy)
         ctx.save_for_backward(hidden_TD, weight_VD, labels_T, lse_T, entropy_T)
@@ -112,10 +120,14 @@ class _ChunkedLogprobs(torch.autograd.Function):
         for s in range(0, num_tokens, ctx.chunk_tokens):
             e = min(s + ctx.chunk_tokens, num_tokens)
             h_CD, labels_C = (hidden_TD[s:e] if low else hidden_TD[s:e].float()), labels_T[s:e]
-            logp_CV = _mm_f32(h_CD, w_VD.T).mul_(inv_temp).sub_(lse_T[s:e, None])
-            dz_CV = _dlogits(logp_CV, labels_C, grad_logprobs_T[s:e],
-                             grad_entropy_T[s:e] if use_entropy else None, entropy_T[s:e])
-            dz_CV = dz_CV.mul_(inv_temp).to(h_CD.dtype)
+            g_ent_C = grad_entropy_T[s:e] if use_entropy else None
+            if kernels_apply(hidden_TD):
+                dz_CV = chunk_dlogits(_mm_f32(h_CD, w_VD.T), labels_C, grad_logprobs_T[s:e], g_ent_C, lse_T[s:e],
+                                      entropy_T[s:e], inv_temp, h_CD.dtype)
+            else:
+                logp_CV = _mm_f32(h_CD, w_VD.T).mul_(inv_temp).sub_(lse_T[s:e, None])
+                dz_CV = _dlogits(logp_CV, labels_C, grad_logprobs_T[s:e], g_ent_C, entropy_T[s:e])
+                dz_CV = dz_CV.mul_(inv_temp).to(h_CD.dtype)
             if need_h:
                 grad_h_TD[s:e] = (dz_CV @ w_VD).to(hidden_TD.dtype)
             if need_w:
