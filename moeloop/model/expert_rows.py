@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from moeloop.model.kernel_switch import kernels_enabled
+
 try:
     import triton
     import triton.language as tl
@@ -54,7 +56,7 @@ if triton is not None:
 
 def row_kernels_apply(x: torch.Tensor) -> bool:
     """Whether `gather_rows`/`combine_rows` run their Triton kernels for tensors like x (CUDA with triton)."""
-    return triton is not None and x.is_cuda
+    return triton is not None and x.is_cuda and kernels_enabled()
 
 
 def combine(y_SD: torch.Tensor, dest_TK: torch.Tensor, weights_TK: torch.Tensor | None, T: int) -> torch.Tensor:

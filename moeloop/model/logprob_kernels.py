@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from moeloop.model.kernel_switch import kernels_enabled
+
 try:
     import triton
     import triton.language as tl
@@ -74,7 +76,7 @@ if triton is not None:
 
 def kernels_apply(hidden: torch.Tensor) -> bool:
     """Whether the chunk math runs as these kernels (CUDA with triton) instead of torch ops."""
-    return triton is not None and hidden.is_cuda
+    return triton is not None and hidden.is_cuda and kernels_enabled()
 
 
 def chunk_stats(z_CV: torch.Tensor, labels_C: torch.Tensor, inv_temp: float, with_entropy: bool,

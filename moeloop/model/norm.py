@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moeloop.model.kernel_switch import kernels_enabled
+
 try:
     import triton
     import triton.language as tl
@@ -88,7 +90,7 @@ class _RMSNormFn(torch.autograd.Function):
 
 def fused_rmsnorm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """The Triton path: CUDA, triton installed, input and weight of one dtype."""
-    return triton is not None and x.is_cuda and x.dtype == weight.dtype
+    return triton is not None and x.is_cuda and x.dtype == weight.dtype and kernels_enabled()
 
 
 class RMSNorm(nn.Module):

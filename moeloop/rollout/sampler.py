@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from moeloop.model.kernel_switch import kernels_enabled
 from moeloop.rollout.decode_kernel import triton_available
 from moeloop.rollout.gumbel_kernel import gumbel_argmax
 
@@ -130,7 +131,7 @@ class Sampler:
             return self._with_logprobs(logits_BV, logits_BV.argmax(dim=-1), want_logprobs)
         if st.any_filter and st.max_top_k is not None and st.max_top_k <= TOPK_CANDIDATES_MAX:
             sampled_B = _sample_top_k(logits_BV, st)
-        elif not st.any_filter and logits_BV.is_cuda and triton_available():  # the same draw in one kernel
+        elif not st.any_filter and logits_BV.is_cuda and triton_available() and kernels_enabled():  # the same draw in one kernel
             sampled_B = gumbel_argmax(logits_BV, st.keys_B, st.temperatures_B)
         else:  # no filter: Gumbel-max over the full vocab (the same scores per vocab id as the top-k path)
             z_BV = filter_logits(logits_BV, st.top_ks_B, st.top_ps_B) if st.any_filter else logits_BV

@@ -1,0 +1,22 @@
+"""MOELOOP_KERNELS=off turns every CUDA-side Triton path of the model and the engine back to torch ops."""
+from types import SimpleNamespace
+
+import torch
+
+from moeloop.model.expert_rows import row_kernels_apply
+from moeloop.model.kernel_switch import kernels_enabled
+from moeloop.model.logprob_kernels import kernels_apply
+from moeloop.model.norm import fused_rmsnorm_applies
+from moeloop.model.norm import triton as norm_triton
+
+
+def test_switch_turns_the_kernel_paths_off(monkeypatch):
+    cuda_like = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)  # what the predicates look at
+    weight = SimpleNamespace(dtype=torch.bfloat16)
+    monkeypatch.delenv("MOELOOP_KERNELS", raising=False)
+    assert kernels_enabled()
+    on = [row_kernels_apply(cuda_like), kernels_apply(cuda_like), fused_rmsnorm_applies(cuda_like, weight)]
+    assert on == [norm_triton is not None] * 3  # on wherever triton is installed
+    monkeypatch.setenv("MOELOOP_KERNELS", "off")
+    assert not kernels_enabled()
+    assert [row_kernels_apply(cuda_like), kernels_apply(cuda_like), fused_rmsnorm_applies(cuda_like, weight)] == [False] * 3
