@@ -27,7 +27,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--host-profile", action="store_true", help="also cProfile the host side of the timed steps")
+    ap.add_argument("--no-row-linear", action="store_true",
+                    help="B=1 projections through cuBLAS instead of the one-launch `_row_linear` kernel (A/B)")
     args = ap.parse_args()
+    if args.no_row_linear:
+        import moeloop.rollout.fused_decode as fused_decode
+        fused_decode.ROW_LINEAR = False
     model = build_model("qwen3_moe", args.size, seed=0).to("cuda", torch.bfloat16).eval()
     for B in [int(b) for b in args.batch.split(",")]:
         P, N = 128, 256

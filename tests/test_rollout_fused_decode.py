@@ -3,6 +3,7 @@ module forward: same greedy tokens and logprobs through the engine (fp32), and l
 for a bf16 model. On CPU it runs under the Triton interpreter; skipped without triton."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 from moeloop.rollout import SamplingParams
 from moeloop.rollout.decode_kernel import triton_available
@@ -108,3 +109,33 @@ def test_fused_failure_falls_back_to_module_forward(monkeypatch):
 
 
 GREEDY_PARAMS = SamplingParams(temperature=0, max_tokens=6)
+
+
+def test_row_linear_equals_f_linear():
+    """One token through up to three projections in one launch (the B=1 decode path) == F.linear of each."""
+    from torch import nn
+    from moeloop.rollout.fused_decode import project, row_linear_applies
+
+    torch.manual_seed(0)
+    x = torch.randn(1, 40, device=DEVICE)
+    mods = [nn.Linear(40, n, bias=False).to(DEVICE) for n in (48, 16, 32)]
+    assert row_linear_applies(x, mods, 16)
+    for got, m in zip(project(x, mods), mods):
+        torch.testing.assert_close(got, F.linear(x, m.weight), rtol=1e-5, atol=1e-5)
+    (one,) = project(x, mods[:1], block_n=8)
+    torch.testing.assert_close(one, F.linear(x, mods[0].weight), rtol=1e-5, atol=1e-5)
+    assert not row_linear_applies(torch.randn(2, 40, device=DEVICE), mods, 16)  # more tokens: cuBLAS
+    assert not row_linear_applies(x, [nn.Linear(40, 16).to(DEVICE)], 16)  # a bias: the module path
+
+
+def test_fused_decode_single_sequence_matches_module_path():
+    """B=1 decode takes the one-launch projections; same tokens and logprobs as the module forward."""
+    model = tiny_model("qwen3_moe").to(DEVICE)
+    ps = prompts(1, seed=5)
+    params = SamplingParams(n=1, temperature=1.0, max_tokens=5, seed=2)
+    ref = make_engine(model, enforce_eager=True).generate(ps, params)
+    engine = make_engine(model, enforce_eager=True)
+    engine.runner.use_kernel = True
+    outs = engine.generate(ps, params)
+    assert [o.response_ids for o in outs] == [o.response_ids for o in ref]
+    torch.testing.assert_close(torch.tensor(outs[0].logprobs), torch.tensor(ref[0].logprobs), atol=1e-5, rtol=0)

@@ -136,3 +136,11 @@ def _compile_logprob_chunk_kernels():
         compile_sm90(lk._chunk_dlogits, dict(z_ptr="*fp32", dz_ptr="*bf16", labels_ptr="*i64", g_lp_ptr="*fp32",
                                              g_ent_ptr="*fp32", lse_ptr="*fp32", ent_ptr="*fp32", inv_temp="fp32"),
                      dict(V=vocab, BLOCK_V=lk.BLOCK_V, HAS_ENTROPY=with_entropy))
+
+
+def _compile_row_linear():
+    from moeloop.rollout import fused_decode
+    for n0, n1, block_n in ((H * DH, G * DH, 16), (D, 0, 16), (E, 0, 8)):  # q|k|v, o_proj, router
+        compile_sm90(fused_decode._row_linear, dict(x_ptr="*bf16", w0_ptr="*bf16", w1_ptr="*bf16", w2_ptr="*bf16",
+                                                    out_ptr="*bf16"),
+                     dict(N0=n0, N1=n1, D=D if n0 != D else H * DH, BLOCK_N=block_n, BLOCK_D=512))

@@ -1,7 +1,8 @@
 """Fused decode forward for the rollout engine's CUDA path: the same weights and rounding points as
 `MoEForCausalLM.forward`, in about 13 kernels per layer instead of about 60.
 
-Per layer: residual add + RMSNorm (one kernel), the q/k/v projections, q/k head RMSNorm + RoPE + the K/V
+Per layer: residual add + RMSNorm (one kernel), the q/k/v projections (one `_row_linear` launch for a single
+token, else cuBLAS), q/k head RMSNorm + RoPE + the K/V
 cache write (one kernel), paged attention, o_proj, add + RMSNorm, the router projection, softmax + top-k +
 renormalisation (one kernel), and the experts (`moe_kernel`: two kernels for a few tokens; for more, a sort
 and two grouped GEMMs whose rows' weighted sum is fused into the next add + RMSNorm). Every bf16 rounding of the module
@@ -94,6 +95,27 @@ if triton is not None:
             tl.store(vc + HALF + i, tl.load(v_ptr + (t * G + g) * DH + HALF + i).to(vc_ptr.dtype.element_ty))
 
     @triton.jit
+    def _row_linear(x_ptr, w0_ptr, w1_ptr, w2_ptr, out_ptr, N0: tl.constexpr, N1: tl.constexpr, D: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+        """One token: out[n] = x . W[n] over the rows of [W0; W1; W2] (N0, N1, then the rest), fp32 accumulation,
+        rounded once. A program owns BLOCK_N output rows of one weight (the host checks BLOCK_N divides N0, N1)."""
+        start = tl.program_id(0) * BLOCK_N
+        r = tl.arange(0, BLOCK_N)
+        if start < N0:
+            w_rows = w0_ptr + (start + r).to(tl.int64)[:, None] * D
+        elif start < N0 + N1:
+            w_rows = w1_ptr + (start - N0 + r).to(tl.int64)[:, None] * D
+        else:
+            w_rows = w2_ptr + (start - N0 - N1 + r).to(tl.int64)[:, None] * D
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            x = tl.load(x_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+            w = tl.load(w_rows + d[None, :], mask=d[None, :] < D, other=0.0).to(tl.float32)
+            acc += tl.sum(w * x[None, :], 1)
+        tl.store(out_ptr + start + r, acc.to(out_ptr.dtype.element_ty))
+
+    @triton.jit
     def _softmax_topk(logits_ptr, ids_ptr, wts_ptr, scale, E: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr,
                       NORM: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
@@ -163,6 +185,36 @@ def qk_norm_rope_store(attn: nn.Module, q_TX: torch.Tensor, k_TX: torch.Tensor, 
     return q_out
 
 
+ROW_LINEAR = True  # a one-token decode (B=1) runs its projections as `_row_linear` launches instead of cuBLAS GEMVs
+
+
+def row_linear_applies(x_TD: torch.Tensor, linears: list[nn.Module], block_n: int) -> bool:
+    """One token, bias-free weights of x's dtype and width, output rows a multiple of `block_n` per weight."""
+    return (ROW_LINEAR and x_TD.shape[0] == 1 and len(linears) <= 3 and x_TD.is_contiguous()
+            and all(getattr(m, "bias", None) is None and m.weight.dtype == x_TD.dtype and m.weight.shape[1] == x_TD.shape[1]
+                    and m.weight.shape[0] % block_n == 0 and m.weight.is_contiguous() for m in linears))
+
+
+def row_linear(x_TD: torch.Tensor, linears: list[nn.Module], block_n: int) -> torch.Tensor:
+    """[1, N0 + N1 + N2]: x through up to three bias-free projections in one launch (`_row_linear`)."""
+    ws = [m.weight for m in linears]
+    sizes = [w.shape[0] for w in ws]
+    out = x_TD.new_empty(1, sum(sizes))
+    ws += [ws[-1]] * (3 - len(ws))
+    _row_linear[(out.shape[1] // block_n,)](x_TD, ws[0], ws[1], ws[2], out, N0=sizes[0],
+                                             N1=sizes[1] if len(sizes) > 1 else 0, D=x_TD.shape[1], BLOCK_N=block_n,
+                                             BLOCK_D=min(512, triton.next_power_of_2(x_TD.shape[1])), num_warps=4)
+    return out
+
+
+def project(x_TD: torch.Tensor, linears: list[nn.Module], block_n: int = 16) -> list[torch.Tensor]:
+    """x @ W.T (+ bias) for each module's `weight` (nn.Linear, or the router): one `_row_linear` launch for a
+    single token when it applies, else one F.linear each."""
+    if row_linear_applies(x_TD, linears, block_n):
+        return list(row_linear(x_TD, linears, block_n).split([m.weight.shape[0] for m in linears], dim=1))
+    return [F.linear(x_TD, m.weight, getattr(m, "bias", None)) for m in linears]
+
+
 def route_softmax_topk(moe: MoE, logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids [T, K] int64, weights [T, K] fp32) exactly as `Router._route_softmax` (ties: lowest expert id).
     (A router GEMV fused in here, one program per token, measured 19 us per layer at B=1 on the H200: slower
@@ -187,16 +239,19 @@ def fused_decode_forward(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Ten
     for i, layer in enumerate(layers):
         attn = layer.self_attn
         T = y_TD.shape[0]
-        q_THD = qk_norm_rope_store(attn, attn.q_proj(y_TD), attn.k_proj(y_TD), attn.v_proj(y_TD), rope.cos_TR,
-                                   rope.sin_TR, ctx.cache.k[i], ctx.cache.v[i], slots_T)
+        q_TX, k_TX, v_TX = project(y_TD, [attn.q_proj, attn.k_proj, attn.v_proj])
+        q_THD = qk_norm_rope_store(attn, q_TX, k_TX, v_TX, rope.cos_TR, rope.sin_TR, ctx.cache.k[i], ctx.cache.v[i],
+                                   slots_T)
         o_THD = ctx.attend_cached(i, q_THD, attn.scale)
-        y_TD, res_TD = add_rmsnorm(attn.o_proj(o_THD.reshape(T, -1)), res_TD, layer.post_attention_layernorm)
+        (o_TD,) = project(o_THD.reshape(T, -1), [attn.o_proj])
+        y_TD, res_TD = add_rmsnorm(o_TD, res_TD, layer.post_attention_layernorm)
         mlp = layer.mlp
         norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else stack.norm
         if not isinstance(mlp, MoE):
             y_TD, res_TD = add_rmsnorm(mlp(y_TD), res_TD, norm)
             continue
-        ids_TK, wts_TK = route_softmax_topk(mlp, F.linear(y_TD, mlp.gate.weight))
+        (logits_TE,) = project(y_TD, [mlp.gate], block_n=8)
+        ids_TK, wts_TK = route_softmax_topk(mlp, logits_TE)
         if uses_grouped_rows(y_TD, ids_TK):  # the weighted sum of the expert rows happens in the add + norm
             rows_SD, dest_S = grouped_expert_rows(mlp.experts, y_TD, ids_TK)
             y_TD, res_TD = add_rmsnorm(rows_SD, res_TD, norm, (dest_S.view(ids_TK.shape), wts_TK))
