@@ -16,15 +16,11 @@ from __future__ import annotations
 
 import torch
 
-from moeloop.model.kernel_switch import kernels_enabled
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the CPU wheel of torch ships without triton
-    triton = None
+from moeloop.model.kernel_switch import kernels_apply as row_kernels_apply, triton
 
 if triton is not None:
+    import triton.language as tl
+
     @triton.jit
     def _combine_rows(y_ptr, dest_ptr, wts_ptr, out_ptr, D: tl.constexpr, K: tl.constexpr, BLOCK_D: tl.constexpr,
                       WEIGHTED: tl.constexpr):
@@ -52,11 +48,6 @@ if triton is not None:
             tl.store(grad_w_ptr + t * K + k, tl.sum(y * g, 0))
             w = tl.load(wts_ptr + t * K + k)
             tl.store(grad_y_ptr + row * D + d, (g * w).to(grad_y_ptr.dtype.element_ty), mask=ok)
-
-
-def row_kernels_apply(x: torch.Tensor) -> bool:
-    """Whether `gather_rows`/`combine_rows` run their Triton kernels for tensors like x (CUDA with triton)."""
-    return triton is not None and x.is_cuda and kernels_enabled()
 
 
 def combine(y_SD: torch.Tensor, dest_TK: torch.Tensor, weights_TK: torch.Tensor | None, T: int) -> torch.Tensor:

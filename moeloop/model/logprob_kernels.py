@@ -12,17 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from moeloop.model.kernel_switch import kernels_enabled
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the CPU wheel of torch ships without triton
-    triton = None
+from moeloop.model.kernel_switch import kernels_apply, triton
 
 BLOCK_V = 1024
 
 if triton is not None:
+    import triton.language as tl
+
     @triton.jit
     def _chunk_stats(z_ptr, labels_ptr, lse_ptr, picked_ptr, ent_ptr, inv_temp, V: tl.constexpr,
                      BLOCK_V: tl.constexpr, WITH_ENTROPY: tl.constexpr):
@@ -72,11 +68,6 @@ if triton is not None:
                 dz = p * -g_lp
             dz = tl.where(v == label, dz + g_lp, dz) * inv_temp
             tl.store(dz_ptr + row * V + v, dz.to(dz_ptr.dtype.element_ty), mask=ok)
-
-
-def kernels_apply(hidden: torch.Tensor) -> bool:
-    """Whether the chunk math runs as these kernels (CUDA with triton) instead of torch ops."""
-    return triton is not None and hidden.is_cuda and kernels_enabled()
 
 
 def chunk_stats(z_CV: torch.Tensor, labels_C: torch.Tensor, inv_temp: float, with_entropy: bool,

@@ -12,15 +12,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moeloop.model.kernel_switch import kernels_enabled
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the CPU wheel of torch ships without triton
-    triton = None
+from moeloop.model.kernel_switch import kernels_apply, triton
 
 if triton is not None:
+    import triton.language as tl
+
     @triton.jit
     def _rmsnorm_fwd(x_ptr, w_ptr, y_ptr, rstd_ptr, eps, D: tl.constexpr, BLOCK_D: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
@@ -89,7 +85,7 @@ class _RMSNormFn(torch.autograd.Function):
 
 def fused_rmsnorm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """The Triton path: CUDA, triton installed, input and weight of one dtype."""
-    return triton is not None and x.is_cuda and x.dtype == weight.dtype and kernels_enabled()
+    return kernels_apply(x) and x.dtype == weight.dtype
 
 
 class RMSNorm(nn.Module):

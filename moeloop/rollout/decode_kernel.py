@@ -12,11 +12,10 @@ import os
 
 import torch
 
-try:
-    import triton
+from moeloop.model.kernel_switch import triton
+
+if triton is not None:
     import triton.language as tl
-except ImportError:  # the CPU wheel of torch ships without triton
-    triton = None
 
 
 def triton_available() -> bool:

@@ -130,7 +130,7 @@ def _fresh_prefills(meta: AttentionMetadata) -> tuple[torch.Tensor | None, Packe
     if len(chunks) < 2:
         return None
     device = meta.slot_mapping_T.device
+    packed = PackedAttention(cu_seqlens_from_lengths([c.q_len for c in chunks], device))
     if meta.num_decode == 0 and len(chunks) == len(meta.prefills):
-        return None, PackedAttention(cu_seqlens_from_lengths([c.q_len for c in chunks], device))
-    rows = torch.tensor([r for c in chunks for r in range(c.start, c.start + c.q_len)], device=device)
-    return rows, PackedAttention(cu_seqlens_from_lengths([c.q_len for c in chunks], device))
+        return None, packed
+    return torch.tensor([r for c in chunks for r in range(c.start, c.start + c.q_len)], device=device), packed

@@ -13,25 +13,20 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from moeloop.model.kernel_switch import kernels_enabled
-from moeloop.rollout.decode_kernel import triton_available
+from moeloop.model.kernel_switch import kernels_apply
 from moeloop.rollout.gumbel_kernel import gumbel_argmax
 
 _M32 = 0xFFFFFFFF
-_M64 = (1 << 64) - 1
 
 
 def row_key(seed: int, counter: int) -> int:
-    """32-bit key of one (sequence seed, token index) pair: the splitmix64 finaliser of seed * golden + counter
-    (a few integer ops: it runs on the host for every sampled row of every step)."""
-    z = (seed * 0x9E3779B97F4A7C15 + counter + 1) & _M64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
-    return (z ^ (z >> 31)) & _M32
+    """32-bit key of one (sequence seed, token index) pair (`row_keys` of one row)."""
+    return int(row_keys([seed], [counter])[0])
 
 
 def row_keys(seeds: list[int], counters: list[int]) -> np.ndarray:
-    """`row_key` of many rows at once (numpy uint64 arithmetic wraps mod 2**64 like the & _M64 masks), as int64."""
+    """32-bit keys (int64) of (sequence seed, token index) pairs: the splitmix64 finaliser of seed * golden +
+    counter + 1, in numpy uint64 (wrapping mod 2**64); it runs on the host for every sampled row of every step."""
     z = np.array(seeds, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.array(counters, dtype=np.uint64)
     z += np.uint64(1)
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
@@ -131,7 +126,7 @@ class Sampler:
             return self._with_logprobs(logits_BV, logits_BV.argmax(dim=-1), want_logprobs)
         if st.any_filter and st.max_top_k is not None and st.max_top_k <= TOPK_CANDIDATES_MAX:
             sampled_B = _sample_top_k(logits_BV, st)
-        elif not st.any_filter and logits_BV.is_cuda and triton_available() and kernels_enabled():  # the same draw in one kernel
+        elif not st.any_filter and kernels_apply(logits_BV):  # the same draw in one kernel
             sampled_B = gumbel_argmax(logits_BV, st.keys_B, st.temperatures_B)
         else:  # no filter: Gumbel-max over the full vocab (the same scores per vocab id as the top-k path)
             z_BV = filter_logits(logits_BV, st.top_ks_B, st.top_ps_B) if st.any_filter else logits_BV

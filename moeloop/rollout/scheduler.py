@@ -53,9 +53,7 @@ class ScheduledBatch:
 
     def sample_rows(self) -> list[int]:
         """Indices of the sequences that sample this step (`samples(i)` for every i, in one pass)."""
-        return [i for i, (seq, n) in enumerate(zip(self.seqs, self.num_new_tokens))
-                if seq.num_computed_tokens + n == len(seq.token_ids) + seq.num_pending]  # `_reaches_end`, inlined:
-        # this runs over every row of every step, where the host work per row sets the GPU decode rate
+        return [i for i, (seq, n) in enumerate(zip(self.seqs, self.num_new_tokens)) if _reaches_end(seq, n)]
 
     def samples(self, i: int) -> bool:
         """Does sequence i reach its last token this step (so a new token is sampled)?"""
