@@ -76,6 +76,16 @@ def top_kernels(fn, top: int) -> None:
         print(f"    {sum(ts) / 1e3:8.2f} ms {len(ts):6d}x  {name[:110]}")
 
 
+def top_ops(fn, top: int) -> None:
+    """The aten ops that launch the most GPU time (self time: kernels launched by the op itself)."""
+    if not torch.cuda.is_available() or top <= 0:
+        return
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync()
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=top, max_name_column_width=60))
+
+
 def hf_update(model_dir: Path, samples: list[Sample], lr: float):
     """TRL's update in miniature: padded batch, logits -> selective log-softmax, clipped loss, backward, AdamW."""
     from transformers import AutoModelForCausalLM
@@ -115,6 +125,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--top", type=int, default=16)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--ops", type=int, default=0, help="also print the top N aten ops by GPU self time")
     args = ap.parse_args()
     model_dir = Path(tempfile.gettempdir()) / "moeloop_e2e_vs_trl" / f"model-{args.size}"  # e2e_vs_trl.py's model
     if not (model_dir / "config.json").exists():
@@ -135,6 +146,7 @@ def main() -> None:
         print(f"moeloop Actor.update, micro-batch budget {budget}: {s:.3f} s/update "
               f"({len(actor.micro_batches(samples))} micro-batches), peak {peak_gib():.1f} GiB")
         top_kernels(step, args.top)
+        top_ops(step, args.ops)
         del actor, model, step
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

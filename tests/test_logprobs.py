@@ -7,11 +7,11 @@ from moeloop.model.logprobs import naive_token_logprobs, token_logprobs
 T, V, D = 37, 101, 16
 
 
-def _inputs(dtype=torch.float32, seed=0):
+def _inputs(dtype=torch.float32, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    hidden = (torch.randn(T, D, generator=g) * 2).to(dtype).requires_grad_()
-    weight = torch.randn(V, D, generator=g).to(dtype).requires_grad_()
-    labels = torch.randint(0, V, (T,), generator=g)
+    hidden = (torch.randn(T, D, generator=g) * 2).to(device, dtype).requires_grad_()
+    weight = torch.randn(V, D, generator=g).to(device, dtype).requires_grad_()
+    labels = torch.randint(0, V, (T,), generator=g).to(device)
     return hidden, weight, labels
 
 
@@ -120,14 +120,16 @@ def test_chunk_kernels_equal_naive(monkeypatch, temperature, with_entropy, ignor
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no GPU and not under the Triton interpreter")
     monkeypatch.setattr(lp_mod, "kernels_apply", lambda h: True)
-    hidden, weight, labels = _inputs()
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels need CUDA tensors outside the interpreter
+    hidden, weight, labels = _inputs(device=device)
     if ignore:
         labels[::4] = -100
     ref_lp, ref_ent = naive_token_logprobs(hidden, weight, labels, temperature)
     lp, ent = token_logprobs(hidden, weight, labels, temperature, chunk_tokens=10, with_entropy=with_entropy)
     torch.testing.assert_close(lp, ref_lp, rtol=1e-5, atol=1e-5)
-    loss = _loss(lp, ent) if with_entropy else (lp * torch.linspace(-1, 1, T)).sum()
-    ref_loss = _loss(ref_lp, ref_ent) if with_entropy else (ref_lp * torch.linspace(-1, 1, T)).sum()
+    ramp = torch.linspace(-1, 1, T, device=device)
+    loss = _loss(lp, ent) if with_entropy else (lp * ramp).sum()
+    ref_loss = _loss(ref_lp, ref_ent) if with_entropy else (ref_lp * ramp).sum()
     got = torch.autograd.grad(loss, (hidden, weight))
     want = torch.autograd.grad(ref_loss, (hidden, weight))
     if with_entropy:

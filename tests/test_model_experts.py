@@ -11,15 +11,15 @@ needs_grouped_mm = pytest.mark.skipif(not grouped_mm_available(), reason="this t
 T, D, FF, E, K = 13, 16, 8, 6, 2  # E > T*K/3 so some experts get no token
 
 
-def _experts_and_inputs(seed=0):
+def _experts_and_inputs(seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    experts = Experts(E, D, FF)
+    experts = Experts(E, D, FF).to(device)
     with torch.no_grad():
         experts.gate_up_proj.copy_(torch.randn(E, 2 * FF, D, generator=g) * 0.3)
         experts.down_proj.copy_(torch.randn(E, D, FF, generator=g) * 0.3)
-    x = torch.randn(T, D, generator=g, requires_grad=True)
-    ids = torch.stack([torch.randperm(E - 2, generator=g)[:K] for _ in range(T)])  # experts E-2, E-1 unused
-    weights = torch.rand(T, K, generator=g, requires_grad=True)
+    x = torch.randn(T, D, generator=g).to(device).requires_grad_()
+    ids = torch.stack([torch.randperm(E - 2, generator=g)[:K] for _ in range(T)]).to(device)  # experts E-2, E-1 unused
+    weights = torch.rand(T, K, generator=g).to(device).requires_grad_()
     counts = torch.bincount(ids.reshape(-1), minlength=E)
     return experts, x, ids, weights, counts
 
@@ -36,14 +36,14 @@ def _per_token_reference(experts, x, ids, weights):
     return torch.stack(out)
 
 
-def _run(impl, seed=0):
-    experts, x, ids, weights, counts = _experts_and_inputs(seed)
+def _run(impl, seed=0, device="cpu"):
+    experts, x, ids, weights, counts = _experts_and_inputs(seed, device)
     if impl == "reference":
         y = _per_token_reference(experts, x, ids, weights)
     else:
         experts.impl = impl
         y = experts(x, ids, weights, counts)
-    (y * torch.linspace(-1, 1, D)).square().sum().backward()  # a real loss: no stride-0 grads
+    (y * torch.linspace(-1, 1, D, device=y.device)).square().sum().backward()  # a real loss: no stride-0 grads
     return [y.detach(), x.grad, weights.grad, experts.gate_up_proj.grad, experts.down_proj.grad]
 
 
@@ -65,9 +65,10 @@ def test_row_kernels_match_torch_indexing(monkeypatch):
         pytest.skip("triton is not installed")
     if not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no GPU and not under the Triton interpreter")
-    ref = _run("loop")
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels need CUDA tensors outside the interpreter
+    ref = _run("loop", device=device)
     monkeypatch.setattr(experts_mod, "row_kernels_apply", lambda x: True)
-    got = _run("loop")
+    got = _run("loop", device=device)
     for name, a, b in zip(["y", "grad_x", "grad_weights", "grad_gate_up", "grad_down"], got, ref):
         assert max_rel_err(a, b) < 1e-6, name
 
