@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from moeloop.algo.losses import SHARE_KEYS, PolicyInputs, actor_loss, reduce_metrics
 from moeloop.config.schema import ActorSection
-from moeloop.model.attention import GatheredAttention, PackedAttention
+from moeloop.model.attention import GatheredAttention, PackedAttention, RowMap, gather_rows
 from moeloop.parallel.fsdp import apply_fsdp, build_dp_mesh
 from moeloop.train.head import LogprobHead
 from moeloop.train.packing import PackedBatch, global_loss_denominators, pack_samples, split_micro_batches
@@ -97,7 +97,7 @@ def packed_hidden(model: nn.Module, batch: PackedBatch) -> torch.Tensor:
         return model(batch.input_ids_T, batch.position_ids_T, PackedAttention(batch.cu_seqlens))
     st = batch.stream
     hidden_UD = model(st.input_ids_U, st.position_ids_U, GatheredAttention(batch.cu_seqlens, st.gather_T, st.owner_U))
-    return hidden_UD.index_select(0, st.gather_T)
+    return gather_rows(hidden_UD, RowMap.of_gather(st.gather_T, st.owner_U))
 
 
 def global_metrics(local: dict[str, float]) -> dict[str, float]:
