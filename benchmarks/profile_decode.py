@@ -29,6 +29,8 @@ def main() -> None:
     ap.add_argument("--host-profile", action="store_true", help="also cProfile the host side of the timed steps")
     ap.add_argument("--no-row-linear", action="store_true",
                     help="B=1 projections through cuBLAS instead of the one-launch `_row_linear` kernel (A/B)")
+    ap.add_argument("--top-k", type=int, default=50, help="-1: full-vocab sampling at temperature 1 (the e2e job)")
+    ap.add_argument("--no-logprobs", dest="logprobs", action="store_false", help="skip the sampled tokens' logprobs")
     args = ap.parse_args()
     if args.no_row_linear:
         import moeloop.rollout.fused_decode as fused_decode
@@ -42,10 +44,10 @@ def main() -> None:
                                               max_model_len=P + N), eos_token_ids=[])
         g = torch.Generator().manual_seed(0)
         prompts = torch.randint(3, model.cfg.vocab_size, (B, P), generator=g).tolist()
-        engine.generate(prompts, SamplingParams(max_tokens=4, top_k=50, seed=0))  # warm-up + graph capture
-        engine.blocks.reset_prefix_cache()
+        engine.generate(prompts, SamplingParams(max_tokens=4, top_k=args.top_k, seed=0, logprobs=args.logprobs))
+        engine.blocks.reset_prefix_cache()  # above: warm-up + graph capture
         for p in prompts:
-            engine.add_request(p, SamplingParams(max_tokens=N, top_k=50, seed=1))
+            engine.add_request(p, SamplingParams(max_tokens=N, top_k=args.top_k, seed=1, logprobs=args.logprobs))
         for _ in range(8):  # prefill, then into steady decode
             engine.step()
         torch.cuda.synchronize()
