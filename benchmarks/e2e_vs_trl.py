@@ -66,6 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "moeloop_e2e_vs_trl")
     p.add_argument("--frameworks", default="moeloop,trl",
                    help="which to run; one alone prints its numbers without the ratio (e.g. a re-measure of moeloop)")
+    p.add_argument("--gen-profile", action="store_true",
+                   help="moeloop: profile the third step's generation (wall, engine steps, GPU busy, top kernels); "
+                        "that step's time then includes the profiler's")
     p.add_argument("--only", choices=["moeloop", "trl"], help=argparse.SUPPRESS)
     p.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -159,6 +162,9 @@ def run_moeloop(args: argparse.Namespace, run_dir: Path) -> list[dict]:
 
     def recorded_generate(self: RolloutWorker, examples: list, *a: Any, **kw: Any) -> list:
         prompts_seen.append([e.prompt_text for e in examples])
+        if args.gen_profile and len(prompts_seen) == 3:
+            return profiled_generate(self, lambda: generate(self, examples, *a, **kw), args.workdir / "gen-profile.txt",
+                                     args.device)
         return generate(self, examples, *a, **kw)
 
     rl.build_components, MetricsLogger.log, RolloutWorker.generate = timed_build, timed_log, recorded_generate
@@ -238,6 +244,38 @@ def run_trl(args: argparse.Namespace, run_dir: Path) -> list[dict]:
     return out
 
 
+def profiled_generate(worker: Any, run: Callable, out: Path, device: str) -> Any:
+    """One generation call under the CUDA profiler: wall, engine steps, host seconds inside `Engine.step`, GPU busy."""
+    from torch.profiler import ProfilerActivity, profile
+    engine, steps_before, host = worker.engine, worker.engine.num_steps, [0.0]
+    step = engine.step
+
+    def timed_step() -> Any:
+        t = time.perf_counter()
+        result = step()
+        host[0] += time.perf_counter() - t
+        return result
+
+    engine.step = timed_step
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA if device == "cuda" else ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        result = run()
+        sync(device)
+        wall = time.perf_counter() - t
+    del engine.step
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]  # none on CPU
+    by_name: dict[str, float] = {}
+    for e in kernels:
+        by_name[e.name] = by_name.get(e.name, 0.0) + e.device_time / 1e3
+    steps = engine.num_steps - steps_before
+    lines = [f"generate: wall {wall * 1e3:.1f} ms, {steps} engine steps ({wall / steps * 1e3:.2f} ms/step), "
+             f"Engine.step {host[0] * 1e3:.1f} ms, GPU busy {sum(by_name.values()):.1f} ms, {len(kernels)} kernels"]
+    lines += [f"   {ms:8.2f} ms  {name[:100]}" for name, ms in sorted(by_name.items(), key=lambda kv: -kv[1])[:12]]
+    out.write_text("\n".join(lines) + "\n")
+    return result
+
+
 def _timed(fn: Callable, phase: str, now: dict, device: str) -> Callable:
     def wrapper(*a: Any, **kw: Any) -> Any:
         sync(device)
@@ -259,10 +297,14 @@ def run_child(args: argparse.Namespace, framework: str, repeat: int) -> list[dic
            "--run-dir", str(run_dir),           "--size", args.size, "--steps", str(args.steps), "--device", args.device,
            "--prompts", str(args.job.prompts), "--new-tokens", str(args.job.new_tokens), "--dtype", args.job.dtype,
            "--micro-batch-tokens", str(args.micro_batch_tokens), "--threads", str(args.threads), "--workdir", str(args.workdir),
-           "--job", "reference" if args.job.exact_length else "cpu"]
+           "--job", "reference" if args.job.exact_length else "cpu"] + (["--gen-profile"] if args.gen_profile else [])
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         sys.exit(f"{framework} repeat {repeat} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    profile_txt = args.workdir / "gen-profile.txt"
+    if args.gen_profile and profile_txt.exists():
+        print(f"{framework} repeat {repeat}, step 3 " + profile_txt.read_text(), end="")
+        profile_txt.unlink()
     return json.loads(result.read_text())
 
 
