@@ -37,15 +37,20 @@ def compile_all() -> None:
         sys.exit("\n".join(failed))
 
 
-def compile_sm90(kernel, types: dict[str, str], consts: dict, num_warps: int = 4, num_stages: int = 3) -> None:
-    """`types`: the non-constexpr arguments' Triton types; `consts`: the constexpr values."""
+def compile_sm90(kernel, types: dict[str, str], consts: dict, num_warps: int = 4, num_stages: int = 3,
+                 enable_fp_fusion: bool = True):
+    """`types`: the non-constexpr arguments' Triton types; `consts`: the constexpr values. Returns the compiled
+    kernel (its `.asm` holds the PTX)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     signature = {name: types.get(name, "constexpr") for name in kernel.arg_names}
     assert set(signature) - set(types) == set(consts), "every argument is either typed or a constexpr"
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+                              target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages,
+                                       "enable_fp_fusion": enable_fp_fusion})
     assert compiled.asm["cubin"]
+    return compiled
 
 
 def _compile_expert_gemm():
@@ -144,3 +149,17 @@ def _compile_row_linear():
         compile_sm90(fused_decode._row_linear, dict(x_ptr="*bf16", w0_ptr="*bf16", w1_ptr="*bf16", w2_ptr="*bf16",
                                                     out_ptr="*bf16"),
                      dict(N0=n0, N1=n1, D=D if n0 != D else H * DH, BLOCK_N=block_n, BLOCK_D=512))
+
+
+def _compile_rope_half_split():
+    from moeloop.model import rope_kernel
+    for heads in (H, G):  # q and k
+        for backward in (False, True):
+            compiled = compile_sm90(
+                rope_kernel._rope_half_split,
+                dict(x_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", y_ptr="*bf16", num_rows="i32", s_xt="i32",
+                     s_xh="i32"),
+                dict(H=heads, R2=DH // 2, BLOCK_R2=DH // 2, BLOCK_ROWS=32, BACKWARD=backward, BY_BITS=False),
+                enable_fp_fusion=False)
+            # as launched: an FMA would merge a product into the add unrounded, off by a bf16 ulp from torch
+            assert "fma.rn" not in compiled.asm["ptx"]

@@ -22,3 +22,8 @@ def kernels_enabled() -> bool:
 def kernels_apply(x: torch.Tensor) -> bool:
     """The Triton path for tensors like x: triton installed, x on CUDA, the switch on."""
     return triton is not None and x.is_cuda and kernels_enabled()
+
+
+def triton_interpreting() -> bool:
+    """Kernels run under Triton's CPU interpreter (TRITON_INTERPRET=1, the CPU tests)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"

@@ -1,6 +1,7 @@
 """Rotary position embeddings for a packed token stream: inverse frequencies (default, linear, llama3, yarn),
-the cos/sin tables for given position ids, the two rotation layouts (half-split, and DeepSeek-V3's
-interleaved pairs), and the YaRN softmax-scale correction of DeepSeek MLA. Numerics follow transformers.
+the cos/sin tables for given position ids, the two rotation layouts (half-split, on CUDA one Triton kernel each
+way from rope_kernel.py, and DeepSeek-V3's interleaved pairs), and the YaRN softmax-scale correction of DeepSeek
+MLA. Numerics follow transformers.
 """
 # T tokens, H heads, R rotary dim (even), R2 = R // 2 frequencies
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 
 from moeloop.model.config import ModelConfig
+from moeloop.model.rope_kernel import rope_half_split_kernel, rope_kernel_applies
 
 
 @dataclass
@@ -25,6 +27,8 @@ class RopeTables:
     def rotate(self, x_THR: torch.Tensor) -> torch.Tensor:
         if self.interleaved:
             return _rotate_interleaved(x_THR, self.cos_TR, self.sin_TR)
+        if rope_kernel_applies(x_THR, self.cos_TR, self.sin_TR):
+            return rope_half_split_kernel(x_THR, self.cos_TR, self.sin_TR)  # same values, one kernel each way
         return _rotate_half_split(x_THR, self.cos_TR, self.sin_TR)
 
 

@@ -8,11 +8,9 @@ Shapes: B sequences, H query heads, G kv heads, Dk/Dv head dims, N max blocks pe
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-from moeloop.model.kernel_switch import triton
+from moeloop.model.kernel_switch import triton, triton_interpreting  # noqa: F401 (re-exported)
 
 if triton is not None:
     import triton.language as tl
@@ -20,11 +18,6 @@ if triton is not None:
 
 def triton_available() -> bool:
     return triton is not None
-
-
-def triton_interpreting() -> bool:
-    """Kernels run under Triton's CPU interpreter (TRITON_INTERPRET=1, the CPU tests)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 if triton is not None:
