@@ -87,6 +87,27 @@ def test_decode_expert_kernels_match_sorted_forward(num_tokens):
             torch.testing.assert_close(grouped_experts(experts, x, ids, wts, gemm), ref, **tol, msg=lambda m: f"{gemm}: {m}")
 
 
+@pytest.mark.parametrize("m_splits", [1, 4])
+def test_grouped_expert_gemm_with_skewed_routing(monkeypatch, m_splits):
+    """Every token picks expert 0 (as the n samples of one prompt tend to): its 300 rows span 5 row chunks, which
+    M_SPLITS programs share (chunks j, j + M_SPLITS, ...); the output equals `Experts.sorted_forward`."""
+    import moeloop.rollout.moe_kernel as moe_kernel
+    from moeloop.model.experts import Experts, expert_counts
+    monkeypatch.setattr(moe_kernel, "M_SPLITS", m_splits)
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    experts = Experts(8, 64, 32, "grouped_mm").to(DEVICE, dtype)
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0, 0.1)
+        experts.down_proj.normal_(0, 0.1)
+        x = torch.randn(300, 64, device=DEVICE, dtype=dtype)
+        ids = torch.stack([torch.cat([torch.zeros(1, dtype=torch.long), 1 + torch.randperm(7)[:2]]) for _ in range(300)])
+        ids, wts = ids.to(DEVICE), torch.rand(300, 3, device=DEVICE)
+        ref = experts.sorted_forward(x, ids, wts, expert_counts(ids, 8))
+        torch.testing.assert_close(moe_kernel.grouped_experts(experts, x, ids, wts, "triton"), ref, **tol)
+
+
 def test_fused_failure_falls_back_to_module_forward(monkeypatch):
     """A fused decode forward that fails (say, a kernel that does not compile on this GPU) is switched off with a
     warning; decoding goes on through the module forward with the same outputs."""

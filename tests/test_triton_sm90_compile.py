@@ -60,7 +60,7 @@ def _compile_expert_gemm():
                      dict(a_ptr="*bf16", rows_ptr="*i64", w_ptr="*bf16", offsets_ptr="*i32", out_ptr="*bf16",
                           s_we="i64", s_wn="i64"),
                      dict(N_OUT=F if gated else D, K_IN=D if gated else F, GATED=gated, GATHER=gated, BLOCK_M=32,
-                          BLOCK_N=64, BLOCK_K=128, PRECISION="tf32", STATIC_M=0))
+                          BLOCK_N=64, BLOCK_K=128, PRECISION="tf32", STATIC_M=0, M_SPLITS=4))
 
 
 def _compile_align_and_small_batch_experts():

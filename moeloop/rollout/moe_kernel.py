@@ -13,6 +13,7 @@ graph. Rounding points follow `Experts`.
 # T tokens, D model dim, F expert ffn dim, K experts per token, S = T*K assignments
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from collections.abc import Iterator
 
@@ -30,6 +31,9 @@ GROUPED_GEMM = "triton"  # or "grouped_mm" (torch's cutlass kernel; bf16 only)
 GATE_UP_TILE = (64, 128, 4, 3)
 DOWN_TILE = (64, 128, 4, 3)
 BLOCK_M_SLACK = 2
+# programs per (expert, weight tile), each taking every M_SPLITS-th row chunk: routing in RL is skewed (the n
+# samples of a prompt pick alike), and one expert's rows looping in one program set the kernel's time
+M_SPLITS = int(os.environ.get("MOELOOP_MOE_M_SPLITS", "4"))
 ALIGN_MAX_ASSIGNMENTS = 8192  # the counting sort holds all assignments in one program; a long prefill sorts instead
 IMPL_NAME = "rollout_decode"
 
@@ -63,8 +67,10 @@ if triton is not None:
     @triton.jit
     def _expert_gemm(a_ptr, rows_ptr, w_ptr, offsets_ptr, out_ptr, s_we, s_wn, N_OUT: tl.constexpr,
                      K_IN: tl.constexpr, GATED: tl.constexpr, GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, STATIC_M: tl.constexpr):
-        """Program (e, n): sorted rows [offsets[e-1], offsets[e]) times tile n of expert e's weights [N, K_IN].
+                     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, STATIC_M: tl.constexpr, M_SPLITS: tl.constexpr):
+        """Program (e, n, j): sorted rows [offsets[e-1], offsets[e]) times tile n of expert e's weights [N, K_IN],
+        row chunks j, j + M_SPLITS, ... of BLOCK_M (an expert that many tokens chose is spread over M_SPLITS
+        programs instead of looping alone while the rest of the GPU idles; a split with no rows exits).
         Row r reads input row rows[r] of `a` (the token; row r itself without GATHER) and writes output row r. GATED: the weights hold
         [gate; up] (2 * N_OUT rows) and the output is SiLU(gate) * up, rounded like the module path.
         STATIC_M > 0: a fixed trip count of that many rows, masked (the interpreter cannot loop to a loaded bound)."""
@@ -75,9 +81,13 @@ if triton is not None:
         end = tl.load(offsets_ptr + e)
         w_rows = w_ptr + e.to(tl.int64) * s_we + n[:, None] * s_wn
         dt = out_ptr.dtype.element_ty
-        for i in range(0, STATIC_M if STATIC_M > 0 else end - start, BLOCK_M):
+        j = tl.program_id(2)
+        # the interpreter cannot start a loop at a program id: it visits every chunk and masks the other splits'
+        # (bounds inline: the interpreter turns assigned ints into tensors, which range() rejects)
+        for i in range(0 if STATIC_M > 0 else j * BLOCK_M, STATIC_M if STATIC_M > 0 else end - start,
+                       BLOCK_M if STATIC_M > 0 else M_SPLITS * BLOCK_M):
             m = start + i + tl.arange(0, BLOCK_M)
-            m_ok = m < end
+            m_ok = (m < end) & ((i // BLOCK_M) % M_SPLITS == j) if STATIC_M > 0 else m < end
             src = tl.load(rows_ptr + m, mask=m_ok, other=0).to(tl.int64) if GATHER else m.to(tl.int64)
             a_rows = a_ptr + src[:, None] * K_IN
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -201,9 +211,10 @@ def _triton_grouped(experts: Experts, x_TD: torch.Tensor, token_S: torch.Tensor,
     y_SD = x_TD.new_empty(S, D)
     for a, w, out, n_out, k_in, gated, (bn, bk, warps, stages) in (
             (x_TD, w_gu, h_SF, F, D, True, GATE_UP_TILE), (h_SF, w_d, y_SD, D, F, False, DOWN_TILE)):
-        _expert_gemm[(E, triton.cdiv(n_out, bn))](a, token_S, w, offsets_E, out, w.stride(0), w.stride(1), N_OUT=n_out,
+        _expert_gemm[(E, triton.cdiv(n_out, bn), M_SPLITS)](a, token_S, w, offsets_E, out, w.stride(0), w.stride(1), N_OUT=n_out,
                                                   K_IN=k_in, GATED=gated, GATHER=gated, BLOCK_M=block_m, BLOCK_N=bn,
-                                                  BLOCK_K=bk, PRECISION=precision, STATIC_M=static_m, num_warps=warps,
+                                                  BLOCK_K=bk, PRECISION=precision, STATIC_M=static_m, M_SPLITS=M_SPLITS,
+                                                  num_warps=warps,
                                                   num_stages=stages)
     return y_SD
 
