@@ -129,3 +129,9 @@ def test_partition_equal_count_by_hand():
     assert partition_for_dp(samples, 2, equal_count=True) == [[0, 3], [1, 2]]
     with pytest.raises(ValueError, match="equal_count"):
         partition_for_dp(samples, 3, equal_count=True)
+
+
+def test_loss_mask_of_wrong_length_is_named():
+    bad = Sample(prompt_ids=[1, 2], response_ids=[3, 4, 5], loss_mask=[1, 1])
+    with pytest.raises(ValueError, match="sample 0: loss_mask has 2 values for 3 response tokens"):
+        pack_samples([bad])

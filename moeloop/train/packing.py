@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Optional
 
+import numpy as np
 import torch
 
 from moeloop.algo.advantages import response_mask
@@ -114,52 +115,74 @@ def compact_stream(samples: list[Sample], input_ids_T: torch.Tensor, position_id
             gather.append(body[-1] if body else prompt_rows[key][-1])
     if len(owner) == len(input_ids_T):
         return None
-    owner_U = torch.tensor(owner, dtype=torch.int64)
-    return TokenStream(input_ids_T[owner_U], position_ids_T[owner_U], torch.tensor(gather, dtype=torch.int64), owner_U)
+    owner_U = _tensor(owner, torch.int64)
+    return TokenStream(input_ids_T[owner_U], position_ids_T[owner_U], _tensor(gather, torch.int64), owner_U)
 
 
 def _check_sample(i: int, sample: Sample) -> None:
     if not sample.prompt_ids and sample.response_ids:
         raise ValueError(f"sample {i}: empty prompt; a response token must be predicted from a preceding token")
-    for name in PER_TOKEN_FIELDS.values():
+    for name in ("loss_mask", *PER_TOKEN_FIELDS.values()):
         values = getattr(sample, name)
         if values is not None and len(values) != len(sample.response_ids):
             raise ValueError(f"sample {i}: {name} has {len(values)} values for {len(sample.response_ids)} response tokens")
 
 
-def _pack_field(batch: PackedBatch, samples: list[Sample], name: str, dtype: torch.dtype) -> Optional[torch.Tensor]:
+def _tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+    """torch.tensor(values, dtype) through numpy: ~3x faster on long Python lists, same values."""
+    return torch.from_numpy(np.asarray(values, dtype=torch.empty(0, dtype=dtype).numpy().dtype))
+
+
+def _response_aligned(samples: list[Sample], values: list, dtype: torch.dtype) -> torch.Tensor:
+    """One flat [T] tensor from each sample's R per-response-token values: P - 1 zeros, the values, one zero."""
+    flat: list = []
+    for s, v in zip(samples, values):
+        if s.num_tokens:
+            flat += [0] * (len(s.prompt_ids) - 1)
+            flat += v
+            flat.append(0)
+    return _tensor(flat, dtype)
+
+
+def _pack_field(samples: list[Sample], name: str, dtype: torch.dtype) -> Optional[torch.Tensor]:
     present = [getattr(s, name) is not None for s in samples]
     if not any(present):
         return None
     if not all(present):
         raise ValueError(f"sample {present.index(False)} has no {name} while others have it")
-    out = torch.zeros(batch.num_tokens, dtype=dtype)
-    for seq, sample in enumerate(samples):
-        out[batch.response_slice(seq)] = torch.tensor(getattr(sample, name), dtype=dtype)
-    return out
+    return _response_aligned(samples, [getattr(s, name) for s in samples], dtype)
 
 
 def pack_samples(samples: list[Sample], dtype: torch.dtype = torch.float32, compact: bool = True) -> PackedBatch:
     """Pack `samples` in order into one `PackedBatch` (CPU tensors; call `.to(device)`); `compact`: set
-    `batch.stream` when it saves rows."""
+    `batch.stream` when it saves rows. Built as flat Python lists, one tensor per field (a tensor per sample
+    costs ~20 ms at 128 x 276 tokens)."""
     for i, sample in enumerate(samples):
         _check_sample(i, sample)
     lengths = [s.num_tokens for s in samples]
     cu = torch.zeros(len(samples) + 1, dtype=torch.int32)
     cu[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
-    seqs = [torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.int64) for s in samples]
-    ids = torch.cat(seqs) if seqs else torch.zeros(0, dtype=torch.int64)
-    labels = torch.cat([torch.cat([q[1:], q.new_zeros(1)]) for q in seqs if len(q)] or [ids])
+    ids: list[int] = []
+    labels: list[int] = []
+    positions: list[int] = []
+    for s, n in zip(samples, lengths):
+        ids += s.prompt_ids
+        ids += s.response_ids
+        if n:
+            labels += ids[len(ids) - n + 1:]
+            labels.append(0)
+        positions += range(n)
+    masks = [s.loss_mask if s.in_loss and s.loss_mask is not None else
+             [float(s.in_loss)] * len(s.response_ids) for s in samples]
     batch = PackedBatch(
-        input_ids_T=ids, labels_T=labels,
-        position_ids_T=torch.cat([torch.arange(n) for n in lengths]) if lengths else ids.clone(),
-        loss_mask_T=torch.zeros(len(ids), dtype=dtype), cu_seqlens=cu, max_seqlen=max(lengths, default=0),
+        input_ids_T=_tensor(ids, torch.int64), labels_T=_tensor(labels, torch.int64),
+        position_ids_T=_tensor(positions, torch.int64),
+        loss_mask_T=_response_aligned(samples, masks, torch.float64).to(dtype), cu_seqlens=cu,
+        max_seqlen=max(lengths, default=0),
         prompt_lens=[len(s.prompt_ids) for s in samples], response_lens=[len(s.response_ids) for s in samples],
     )
-    for seq, sample in enumerate(samples):
-        batch.loss_mask_T[batch.response_slice(seq)] = response_mask(sample).to(dtype)
     for packed_name, sample_name in PER_TOKEN_FIELDS.items():
-        setattr(batch, packed_name, _pack_field(batch, samples, sample_name, dtype))
+        setattr(batch, packed_name, _pack_field(samples, sample_name, dtype))
     if compact:
         batch.stream = compact_stream(samples, batch.input_ids_T, batch.position_ids_T, cu)
     return batch
