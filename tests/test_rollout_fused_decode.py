@@ -160,3 +160,78 @@ def test_fused_decode_single_sequence_matches_module_path():
     outs = engine.generate(ps, params)
     assert [o.response_ids for o in outs] == [o.response_ids for o in ref]
     torch.testing.assert_close(torch.tensor(outs[0].logprobs), torch.tensor(ref[0].logprobs), atol=1e-5, rtol=0)
+
+
+def test_packed_qkv_projection_equals_three_and_follows_weight_changes():
+    """With `pack_qkv` the fused forward runs q|k|v as one GEMM over a packed copy of the weights: the same outputs
+    as three projections. The copy goes stale on an in-place weight change until `refresh()` sees the source's
+    version counter move; a parameter that aliases another tensor (shared with a trainer) changes under that
+    tensor's counter, so only `refresh(force=True)` (what `Engine.update_weights` calls) catches it."""
+    from moeloop.rollout.fused_decode import pack_qkv
+    model = tiny_model("qwen3_moe").to(DEVICE)
+    cache = make_engine(model, enforce_eager=True).cache
+    B, layers = 3, model.model.layers
+    tables = torch.arange(B * 3, device=DEVICE, dtype=torch.int32).view(B, 3)
+    slots = tables[:, 0].long() * cache.block_size + 4
+    ids, pos = torch.randint(3, 256, (B,), device=DEVICE), torch.full((B,), 4, device=DEVICE)
+    lens = torch.full((B,), 5, dtype=torch.int32, device=DEVICE)
+    gemm_rows = []
+
+    def logits(packs=None):
+        saved = [layer.self_attn.__dict__.pop("_decode_qkv", None) for layer in layers]
+        if packs is not None:
+            for layer, pack in zip(layers, packs):
+                layer.self_attn.__dict__["_decode_qkv"] = pack
+        for layer in range(len(cache.k)):  # the same cached context for every call
+            g = torch.Generator(device=DEVICE).manual_seed(layer)
+            cache.k[layer].copy_(torch.randn(cache.k[layer].shape, generator=g, device=DEVICE))
+            cache.v[layer].copy_(torch.randn(cache.v[layer].shape, generator=g, device=DEVICE))
+        ctx = PagedAttention(cache, AttentionMetadata(slots, None, tables, lens, 5, []), use_kernel=False)
+        real_linear = F.linear
+        F.linear = lambda x, w, b=None: gemm_rows.append(w.shape[0]) or real_linear(x, w, b)
+        try:
+            with torch.no_grad():
+                return model.compute_logits(fused_decode_forward(model, ids, pos, ctx))
+        finally:
+            F.linear = real_linear
+            for layer, pack in zip(layers, saved):
+                layer.self_attn.__dict__.pop("_decode_qkv", None)
+
+    ref = logits()
+    packs = pack_qkv(model)
+    gemm_rows.clear()
+    torch.testing.assert_close(logits(packs), ref, rtol=1e-5, atol=1e-5)
+    attn = layers[0].self_attn
+    qkv_rows = sum(m.weight.shape[0] for m in (attn.q_proj, attn.k_proj, attn.v_proj))
+    assert gemm_rows.count(qkv_rows) == len(layers)  # one packed GEMM per layer
+
+    with torch.no_grad():
+        attn.k_proj.weight.mul_(1.5)  # in place: the version counter moves
+    live = logits()
+    assert not torch.allclose(live, ref)
+    torch.testing.assert_close(logits(packs), ref, rtol=1e-5, atol=1e-5)  # stale copy
+    for p in packs:
+        p.refresh()
+    torch.testing.assert_close(logits(packs), live, rtol=1e-5, atol=1e-5)
+
+    trainer_weight = attn.v_proj.weight.detach().clone()
+    attn.v_proj.weight.data = trainer_weight  # as `share_parameters` aliases the trainer's tensor
+    packs = pack_qkv(model)
+    with torch.no_grad():
+        trainer_weight.mul_(0.5)  # the trainer's counter moves, not the engine parameter's
+    live = logits()
+    for p in packs:
+        p.refresh()
+    assert not torch.allclose(logits(packs), live)  # not seen without force
+    for p in packs:
+        p.refresh(force=True)
+    torch.testing.assert_close(logits(packs), live, rtol=1e-5, atol=1e-5)
+
+
+def test_update_weights_refreshes_the_packed_copies(monkeypatch):
+    model = tiny_model("qwen3_moe").to(DEVICE)
+    engine = make_engine(model, enforce_eager=True)
+    forced = []
+    monkeypatch.setattr(engine.runner, "refresh_weights", lambda force=False: forced.append(force))
+    engine.update_weights(model.state_dict().items())
+    assert forced == [True]

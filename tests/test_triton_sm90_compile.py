@@ -95,7 +95,8 @@ def _compile_fused_decode_kernels():
     compile_sm90(fused_decode._qk_norm_rope_store,
                  dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", qw_ptr="*bf16", kw_ptr="*bf16", cos_ptr="*bf16",
                       sin_ptr="*bf16", slots_ptr="*i64", qo_ptr="*bf16", kc_ptr="*bf16", vc_ptr="*bf16", eps="fp32",
-                      s_kc="i64", s_vc="i64"), dict(H=H, G=G, HALF=DH // 2, QK_NORM=True), num_warps=1)
+                      s_q="i64", s_k="i64", s_v="i64", s_kc="i64", s_vc="i64"), dict(H=H, G=G, HALF=DH // 2, QK_NORM=True),
+                 num_warps=1)
     compile_sm90(fused_decode._softmax_topk, dict(logits_ptr="*bf16", ids_ptr="*i64", wts_ptr="*fp32", scale="fp32"),
                  dict(E=E, E_PAD=E, K=K, NORM=True), num_warps=1)
 

@@ -32,6 +32,7 @@ from torch import nn
 from moeloop.config.schema import RolloutSection
 from moeloop.rollout.blocks import BlockManager
 from moeloop.rollout.completion import Completion
+from moeloop.rollout.fused_decode import pack_qkv, qkv_packs_apply
 from moeloop.rollout.kv_cache import KVCache, kv_budget_bytes, kv_bytes_per_block
 from moeloop.rollout.runner import LaunchedStep, ModelRunner
 from moeloop.rollout.sampling_params import SamplingParams
@@ -48,12 +49,13 @@ class Engine:
         self.model = model.eval()
         param = next(model.parameters())
         mcfg = model.cfg
+        qkv_packs = pack_qkv(model) if qkv_packs_apply(model) else []  # allocated before the KV budget is taken
         budget = kv_budget_bytes(cfg.kv_cache_bytes, cfg.gpu_memory_utilization, param.device)
         num_blocks = budget // kv_bytes_per_block(mcfg, cfg.block_size, param.dtype) - 1  # one scratch block
         self.cache = KVCache(mcfg, num_blocks, cfg.block_size, param.dtype, param.device)
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        self.runner = ModelRunner(model, self.cache, cfg.max_num_seqs, cfg.max_model_len, cfg.enforce_eager)
+        self.runner = ModelRunner(model, self.cache, cfg.max_num_seqs, cfg.max_model_len, cfg.enforce_eager, qkv_packs)
         self.async_scheduling = cfg.async_scheduling == "on" or (cfg.async_scheduling == "auto"
                                                                  and param.device.type == "cuda")
         self._in_flight: LaunchedStep | None = None
@@ -241,6 +243,7 @@ class Engine:
         if missing:
             raise ValueError(f"update_weights: {len(missing)} parameters missing, e.g. {sorted(missing)[:3]}")
         self._weights_consistent = True
+        self.runner.refresh_weights(force=True)  # shared parameters change without the engine's counters moving
         self.blocks.reset_prefix_cache()
         self.policy_version = self.policy_version + 1 if version is None else int(version)
 

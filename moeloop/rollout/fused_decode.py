@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeloop.model.kernel_switch import kernels_enabled
 from moeloop.model.moe import MoE
 from moeloop.model.norm import RMSNorm
 from moeloop.rollout.decode_kernel import triton
@@ -72,27 +73,28 @@ if triton is not None:
 
     @triton.jit
     def _qk_norm_rope_store(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, slots_ptr, qo_ptr,
-                            kc_ptr, vc_ptr, eps, s_kc, s_vc, H: tl.constexpr, G: tl.constexpr,
+                            kc_ptr, vc_ptr, eps, s_q, s_k, s_v, s_kc, s_vc, H: tl.constexpr, G: tl.constexpr,
                             HALF: tl.constexpr, QK_NORM: tl.constexpr):
+        """Row strides s_q/s_k/s_v: q, k, v may be column slices of one packed q|k|v projection."""
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         DH = 2 * HALF
         i = tl.arange(0, HALF)
         dt = qo_ptr.dtype.element_ty
         if h < H:
-            o1, o2 = _norm_rope_half(q_ptr + (t * H + h) * DH, qw_ptr, cos_ptr, sin_ptr, t, eps, HALF, QK_NORM, dt)
+            o1, o2 = _norm_rope_half(q_ptr + t * s_q + h * DH, qw_ptr, cos_ptr, sin_ptr, t, eps, HALF, QK_NORM, dt)
             tl.store(qo_ptr + (t * H + h) * DH + i, o1)
             tl.store(qo_ptr + (t * H + h) * DH + HALF + i, o2)
         else:
             g = h - H
             slot = tl.load(slots_ptr + t)
-            o1, o2 = _norm_rope_half(k_ptr + (t * G + g) * DH, kw_ptr, cos_ptr, sin_ptr, t, eps, HALF, QK_NORM, dt)
+            o1, o2 = _norm_rope_half(k_ptr + t * s_k + g * DH, kw_ptr, cos_ptr, sin_ptr, t, eps, HALF, QK_NORM, dt)
             kc = kc_ptr + slot * s_kc + g * DH
             tl.store(kc + i, o1.to(kc_ptr.dtype.element_ty))
             tl.store(kc + HALF + i, o2.to(kc_ptr.dtype.element_ty))
             vc = vc_ptr + slot * s_vc + g * DH
-            tl.store(vc + i, tl.load(v_ptr + (t * G + g) * DH + i).to(vc_ptr.dtype.element_ty))
-            tl.store(vc + HALF + i, tl.load(v_ptr + (t * G + g) * DH + HALF + i).to(vc_ptr.dtype.element_ty))
+            tl.store(vc + i, tl.load(v_ptr + t * s_v + g * DH + i).to(vc_ptr.dtype.element_ty))
+            tl.store(vc + HALF + i, tl.load(v_ptr + t * s_v + g * DH + HALF + i).to(vc_ptr.dtype.element_ty))
 
     @triton.jit
     def _row_linear(x_ptr, w0_ptr, w1_ptr, w2_ptr, out_ptr, N0: tl.constexpr, N1: tl.constexpr, D: tl.constexpr,
@@ -178,8 +180,9 @@ def qk_norm_rope_store(attn: nn.Module, q_TX: torch.Tensor, k_TX: torch.Tensor, 
     qk_norm = hasattr(attn, "q_norm")
     qw, kw = (attn.q_norm.weight, attn.k_norm.weight) if qk_norm else (q_TX, q_TX)
     eps = attn.q_norm.eps if qk_norm else 0.0
-    _qk_norm_rope_store[(T, H + G)](q_TX.contiguous(), k_TX.contiguous(), v_TX.contiguous(), qw, kw,
-                                    cos_TR.contiguous(), sin_TR.contiguous(), slots_T, q_out, k_cache, v_cache, eps,
+    q_TX, k_TX, v_TX = (x if x.stride(1) == 1 else x.contiguous() for x in (q_TX, k_TX, v_TX))
+    _qk_norm_rope_store[(T, H + G)](q_TX, k_TX, v_TX, qw, kw, cos_TR.contiguous(), sin_TR.contiguous(), slots_T, q_out,
+                                    k_cache, v_cache, eps, q_TX.stride(0), k_TX.stride(0), v_TX.stride(0),
                                     k_cache.stride(0), v_cache.stride(0), H=H, G=G, HALF=Dh // 2, QK_NORM=qk_norm,
                                     num_warps=1)
     return q_out
@@ -205,6 +208,65 @@ def row_linear(x_TD: torch.Tensor, linears: list[nn.Module], block_n: int) -> to
                                              N1=sizes[1] if len(sizes) > 1 else 0, D=x_TD.shape[1], BLOCK_N=block_n,
                                              BLOCK_D=min(512, triton.next_power_of_2(x_TD.shape[1])), num_warps=4)
     return out
+
+
+class QKVPack:
+    """One attention layer's q|k|v weights (and biases) copied into one [Nq + Nk + Nv, D] buffer, so a decode
+    batch of several tokens runs one GEMM instead of three. Being a copy, it is refreshed in place (the CUDA
+    graphs keep its pointer): `refresh()` when a source's autograd version counter moved (an optimizer step or a
+    no-grad copy into the engine's own parameters), `refresh(force=True)` from `Engine.update_weights` (a
+    parameter shared with the trainer changes under the trainer's tensor's counter, not the engine's)."""
+
+    def __init__(self, attn: nn.Module):
+        self.linears = [attn.q_proj, attn.k_proj, attn.v_proj]
+        self.sizes = [m.weight.shape[0] for m in self.linears]
+        with torch.no_grad():
+            self.weight = torch.cat([m.weight for m in self.linears])
+            biases = [m.bias for m in self.linears]
+            self.bias = None if any(b is None for b in biases) else torch.cat(biases)
+        self._seen = self._versions()
+
+    def _versions(self) -> tuple | object:
+        try:
+            return tuple((t._version, t.data_ptr()) for m in self.linears for t in (m.weight, m.bias) if t is not None)
+        except RuntimeError:  # an inference tensor has no version counter: copy every time (correct, slower)
+            return object()
+
+    def refresh(self, force: bool = False) -> None:
+        seen = self._versions()
+        if force or seen != self._seen:
+            with torch.no_grad():
+                torch.cat([m.weight for m in self.linears], out=self.weight)
+                if self.bias is not None:
+                    torch.cat([m.bias for m in self.linears], out=self.bias)
+            self._seen = seen
+
+
+def qkv_packs_apply(model: nn.Module) -> bool:
+    """The engine's CUDA decode takes the fused forward here (so `pack_qkv` pays off)."""
+    param = next(model.parameters())
+    return param.is_cuda and kernels_enabled() and fused_supported(model)
+
+
+def pack_qkv(model: nn.Module) -> list[QKVPack]:
+    """A `QKVPack` on every attention layer (kept in the module's __dict__: not a parameter, not in the state
+    dict); the fused forward uses them for more than one token."""
+    packs = []
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        attn.__dict__["_decode_qkv"] = pack = QKVPack(attn)
+        packs.append(pack)
+    return packs
+
+
+def project_qkv(x_TD: torch.Tensor, attn: nn.Module) -> list[torch.Tensor]:
+    """q, k, v of x: one `_row_linear` launch for a single token, one GEMM on the layer's `QKVPack` (column
+    slices of its output) for more, else three GEMMs."""
+    linears = [attn.q_proj, attn.k_proj, attn.v_proj]
+    pack = attn.__dict__.get("_decode_qkv")
+    if pack is None or row_linear_applies(x_TD, linears, 16):
+        return project(x_TD, linears)
+    return list(F.linear(x_TD, pack.weight, pack.bias).split(pack.sizes, dim=1))
 
 
 def project(x_TD: torch.Tensor, linears: list[nn.Module], block_n: int = 16) -> list[torch.Tensor]:
@@ -239,7 +301,7 @@ def fused_decode_forward(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Ten
     for i, layer in enumerate(layers):
         attn = layer.self_attn
         T = y_TD.shape[0]
-        q_TX, k_TX, v_TX = project(y_TD, [attn.q_proj, attn.k_proj, attn.v_proj])
+        q_TX, k_TX, v_TX = project_qkv(y_TD, attn)
         q_THD = qk_norm_rope_store(attn, q_TX, k_TX, v_TX, rope.cos_TR, rope.sin_TR, ctx.cache.k[i], ctx.cache.v[i],
                                    slots_T)
         o_THD = ctx.attend_cached(i, q_THD, attn.scale)

@@ -16,7 +16,7 @@ from moeloop.model.kernel_switch import kernels_enabled
 from moeloop.model.moe import MoE
 from moeloop.rollout.cuda_graphs import CaptureFailed, DecodeGraphs
 from moeloop.rollout.decode_kernel import triton_available
-from moeloop.rollout.fused_decode import fused_decode_forward, fused_supported
+from moeloop.rollout.fused_decode import QKVPack, fused_decode_forward, fused_supported
 from moeloop.rollout.kv_cache import KVCache
 from moeloop.rollout.moe_kernel import decode_moe
 from moeloop.rollout.paged_attention import AttentionMetadata, PagedAttention, PrefillChunk, slots_of
@@ -49,8 +49,9 @@ class LaunchedStep:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, cache: KVCache, max_num_seqs: int, max_model_len: int,
-                 enforce_eager: bool = False):
+                 enforce_eager: bool = False, qkv_packs: list[QKVPack] | None = None):
         self.model, self.cache = model, cache
+        self.qkv_packs = qkv_packs or []  # the fused forward's packed q|k|v weights (`pack_qkv`), kept fresh here
         self.device = next(model.parameters()).device
         self.vocab_size = model.cfg.vocab_size
         self.sampler = Sampler()
@@ -65,6 +66,11 @@ class ModelRunner:
         pin = self.device.type == "cuda"
         self._out_host = [torch.empty(2 * max_num_seqs, dtype=torch.float64, pin_memory=pin) for _ in range(2)]
         self._out_turn = 0
+
+    def refresh_weights(self, force: bool = False) -> None:
+        """Re-copy packed weights whose sources changed (force: all of them; after `Engine.update_weights`)."""
+        for pack in self.qkv_packs:
+            pack.refresh(force)
 
     def drop_graphs(self) -> None:
         """Captured graphs point at KV memory; call before the cache is freed (sleep)."""
@@ -87,6 +93,7 @@ class ModelRunner:
         sampled = [batch.seqs[i] for i in own] + [f for f, _ in batch.forks]
         step = LaunchedStep(batch.seqs, sampled)
         patch = _pending_inputs(batch, prev)
+        self.refresh_weights()
         with decode_moe(self.model, self._moe_blocks, kernels=self.device.type == "cuda" and kernels_enabled()):
             logits_TV = self._graph_logits(batch, patch, rows)  # never with forks: their leader's chunk is >= 2
             if logits_TV is None:
