@@ -86,3 +86,14 @@ def test_gumbel_kernel_equals_the_torch_draw():
     u = uniform_noise(keys, V)
     ref = (logits / torch.where(temps > 0, temps, torch.ones_like(temps))[:, None] - torch.log(-torch.log(u))).argmax(-1)
     assert torch.equal(gumbel_argmax(logits, keys, temps), ref)
+    import moeloop.rollout.gumbel_kernel as gumbel_kernel
+    splits = gumbel_kernel.SPLITS
+    try:
+        for gumbel_kernel.SPLITS in (1, 3):  # one program per row; slices of 1024 ids and a short last one
+            assert torch.equal(gumbel_argmax(logits, keys, temps), ref)
+        logits[7, 1024:1030] = logits[7, 2048:2054] = 80.0  # near-ties in two later slices, decided by the noise
+        ref = (logits / torch.where(temps > 0, temps, torch.ones_like(temps))[:, None]
+               - torch.log(-torch.log(u))).argmax(-1)
+        assert torch.equal(gumbel_argmax(logits, keys, temps), ref) and ref[7] >= 1024
+    finally:
+        gumbel_kernel.SPLITS = splits

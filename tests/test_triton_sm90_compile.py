@@ -117,9 +117,9 @@ def _compile_paged_decode():
 
 def _compile_gumbel_argmax():
     from moeloop.rollout import gumbel_kernel
-    compile_sm90(gumbel_kernel._gumbel_argmax, dict(logits_ptr="*fp32", keys_ptr="*i64", temps_ptr="*fp32",
-                                                    out_ptr="*i64", s_lb="i64"),
-                 dict(V=32000, BLOCK_V=1024, LIBDEVICE=True))
+    compile_sm90(gumbel_kernel._gumbel_argmax, dict(logits_ptr="*fp32", keys_ptr="*i64", temps_ptr="*fp32", score_ptr="*fp32",
+                                                    idx_ptr="*i64", s_lb="i64"),
+                 dict(V=32000, SPLIT_V=4096, BLOCK_V=1024, LIBDEVICE=True))
 
 
 def _compile_rmsnorm():
