@@ -10,7 +10,8 @@ import torch
 
 from moeloop.algo.aggregation import LOSS_AGG_MODES, aggregate_loss, loss_denominator
 from moeloop.algo.kl import kl_estimate
-from moeloop.algo.losses import PolicyInputs, actor_loss, gspo_loss_T, ppo_clip_loss_T, reduce_metrics, value_loss
+from moeloop.algo.losses import (PolicyInputs, actor_loss, gspo_loss_T, metrics_to_floats, ppo_clip_loss_T,
+                                 reduce_metrics, value_loss)
 from moeloop.config.schema import ActorSection, CriticSection
 from moeloop.train.packing import global_loss_denominators, pack_samples, split_micro_batches, unpack_response_values
 from moeloop.types import Sample
@@ -85,6 +86,11 @@ def test_ppo_clip_and_dual_clip_branches():
     assert float(loss) == pytest.approx(sum(expected) / 7, rel=1e-12)
     assert (m["pg_clipfrac_high"], m["pg_clipfrac_low"], m["pg_clipfrac_dual"]) == pytest.approx((1 / 7, 1 / 7, 1 / 7))
     assert m["ppo_kl"] == pytest.approx(-sum(math.log(r) for r in ratio) / 7)
+    _, lazy = actor_loss(inputs, cfg, denominator=7.0, host_metrics=False)  # device scalars: no host sync
+    assert isinstance(lazy["pg_loss"], torch.Tensor) and metrics_to_floats(lazy) == m
+    _, none_masked = actor_loss(PolicyInputs(logp.detach(), torch.zeros(7, dtype=F64), adv, torch.zeros(7, dtype=F64),
+                                             inputs.cu_seqlens), cfg, denominator=7.0)
+    assert none_masked["ppo_kl"] == 0.0 and none_masked["num_loss_tokens"] == 0.0
 
 
 def test_gspo_sequence_ratio_by_hand():

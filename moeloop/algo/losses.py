@@ -45,9 +45,19 @@ class PolicyInputs:
                 raise ValueError(f"{name} has shape {tuple(value.shape)}, logprobs_T has {tuple(shape)}")
 
 
-def _masked_mean(values_T: torch.Tensor, mask_T: torch.Tensor) -> float:
+def _masked_mean(values_T: torch.Tensor, mask_T: torch.Tensor) -> torch.Tensor:
+    """Mean over the mask's positions in fp64 (0 with none), as a device scalar: no host sync."""
     mask = mask_T.bool()
-    return float(values_T.detach()[mask].double().mean()) if mask.any() else 0.0
+    return torch.where(mask, values_T.detach().double(), 0.0).sum() / mask.sum().clamp(min=1)
+
+
+def metrics_to_floats(metrics: dict[str, torch.Tensor | float]) -> dict[str, float]:
+    """Device scalars to Python floats in one host transfer."""
+    keys = [k for k, v in metrics.items() if isinstance(v, torch.Tensor)]
+    out = {k: float(v) for k, v in metrics.items() if not isinstance(v, torch.Tensor)}
+    if keys:
+        out.update(zip(keys, torch.stack([metrics[k].detach().double() for k in keys]).tolist()))
+    return {k: out[k] for k in metrics}
 
 
 def ppo_clip_loss_T(
@@ -94,7 +104,7 @@ def _policy_loss_T(inputs: PolicyInputs, cfg: ActorSection) -> tuple[torch.Tenso
     raise ValueError(f"actor.policy_loss={cfg.policy_loss!r}; expected ppo|gspo")
 
 
-def _ratio_metrics(inputs: PolicyInputs, ratio_T: torch.Tensor, cfg: ActorSection) -> dict[str, float]:
+def _ratio_metrics(inputs: PolicyInputs, ratio_T: torch.Tensor, cfg: ActorSection) -> dict[str, torch.Tensor | float]:
     adv, mask, r = inputs.advantages_T, inputs.loss_mask_T, ratio_T.detach()
     dual = cfg.policy_loss == "ppo"
     return {
@@ -102,34 +112,36 @@ def _ratio_metrics(inputs: PolicyInputs, ratio_T: torch.Tensor, cfg: ActorSectio
         "pg_clipfrac_low": _masked_mean(((adv < 0) & (r < 1 - cfg.clip_ratio_low)).float(), mask),
         "pg_clipfrac_dual": _masked_mean(((adv < 0) & (r > cfg.clip_ratio_c)).float(), mask) if dual else 0.0,
         "ppo_kl": _masked_mean(inputs.old_logprobs_T - inputs.logprobs_T, mask),
-        "num_loss_tokens": float(mask.bool().sum()),
+        "num_loss_tokens": mask.bool().sum(),
     }
 
 
-def actor_loss(inputs: PolicyInputs, cfg: ActorSection, denominator: float) -> tuple[torch.Tensor, dict[str, float]]:
+def actor_loss(inputs: PolicyInputs, cfg: ActorSection, denominator: float,
+               host_metrics: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
     """pg_loss + kl_loss_coef * kl_loss - entropy_coeff * entropy, each aggregated with
-    `cfg.loss_agg_mode` over the global `denominator`. Returns (loss share, metrics)."""
+    `cfg.loss_agg_mode` over the global `denominator`. Returns (loss share, metrics). `host_metrics=False`:
+    the metrics stay device scalars (`metrics_to_floats` later), so the backward is queued without waiting."""
     inputs.check()
     def agg(values_T: torch.Tensor) -> torch.Tensor:
         return aggregate_loss(values_T, inputs.loss_mask_T, inputs.cu_seqlens, cfg.loss_agg_mode, denominator)
 
     pg_T, ratio_T = _policy_loss_T(inputs, cfg)
     pg_loss = agg(pg_T)
-    loss, metrics = pg_loss, {"pg_loss": float(pg_loss.detach()), **_ratio_metrics(inputs, ratio_T, cfg)}
+    loss, metrics = pg_loss, {"pg_loss": pg_loss.detach(), **_ratio_metrics(inputs, ratio_T, cfg)}
     if cfg.use_kl_loss:
         if inputs.ref_logprobs_T is None:
             raise ValueError("actor.use_kl_loss needs ref_logprobs_T")
         kl_T = kl_estimate(inputs.logprobs_T, inputs.ref_logprobs_T, cfg.kl_loss_type)
         kl_loss = agg(kl_T)
         loss = loss + cfg.kl_loss_coef * kl_loss
-        metrics.update(kl_loss=float(kl_loss.detach()), kl_mean=_masked_mean(kl_T, inputs.loss_mask_T))
+        metrics.update(kl_loss=kl_loss.detach(), kl_mean=_masked_mean(kl_T, inputs.loss_mask_T))
     if cfg.entropy_coeff != 0 and inputs.entropy_T is None:
         raise ValueError("actor.entropy_coeff != 0 needs entropy_T")
     if inputs.entropy_T is not None:
         entropy_loss = agg(inputs.entropy_T)
         loss = loss - cfg.entropy_coeff * entropy_loss
-        metrics.update(entropy_loss=float(entropy_loss.detach()), entropy=_masked_mean(inputs.entropy_T, inputs.loss_mask_T))
-    return loss, metrics
+        metrics.update(entropy_loss=entropy_loss.detach(), entropy=_masked_mean(inputs.entropy_T, inputs.loss_mask_T))
+    return loss, metrics_to_floats(metrics) if host_metrics else metrics
 
 
 def value_loss(
@@ -140,12 +152,12 @@ def value_loss(
     clipped = old_values_T + (values_T - old_values_T).clamp(-cfg.cliprange_value, cfg.cliprange_value)
     unclipped_T, clipped_T = (values_T - returns_T).square(), (clipped - returns_T).square()
     loss = 0.5 * aggregate_loss(torch.maximum(unclipped_T, clipped_T), loss_mask_T, cu_seqlens, cfg.loss_agg_mode, denominator)
-    return loss, {
-        "vf_loss": float(loss.detach()),
+    return loss, metrics_to_floats({
+        "vf_loss": loss.detach(),
         "vf_clipfrac": _masked_mean((clipped_T > unclipped_T).float(), loss_mask_T),
         "vpred_mean": _masked_mean(values_T, loss_mask_T),
-        "num_loss_tokens": float(loss_mask_T.bool().sum()),
-    }
+        "num_loss_tokens": loss_mask_T.bool().sum(),
+    })
 
 
 def reduce_metrics(per_micro_batch: list[dict[str, float]]) -> dict[str, float]:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from moeloop.algo.losses import SHARE_KEYS, PolicyInputs, actor_loss, reduce_metrics
+from moeloop.algo.losses import SHARE_KEYS, PolicyInputs, actor_loss, metrics_to_floats, reduce_metrics
 from moeloop.config.schema import ActorSection
 from moeloop.model.attention import GatheredAttention, PackedAttention, RowMap, gather_rows
 from moeloop.parallel.fsdp import apply_fsdp, build_dp_mesh
@@ -168,11 +168,12 @@ class Actor(PolicyForward):
             old = batch.old_logprobs_T if batch.old_logprobs_T is not None else logprobs_T.detach()
             inputs = PolicyInputs(logprobs_T, old, batch.advantages_T, batch.loss_mask_T, batch.cu_seqlens,
                                   batch.ref_logprobs_T, entropy_T)
-            loss, m = actor_loss(inputs, self.cfg, denominator)
+            loss, m = actor_loss(inputs, self.cfg, denominator, host_metrics=False)
             (loss * dp_size()).backward()  # FSDP averages gradients over DP; the loss is already global
             if part:
                 per_micro.append(m)
         grad_norm = clip_and_step(self.model, self.optimizer, self.cfg.grad_clip)
+        per_micro = [metrics_to_floats(m) for m in per_micro]  # after the step: no wait between forward and backward
         out = global_metrics(reduce_metrics(per_micro) if per_micro else {})
         out["grad_norm"] = grad_norm
         return out
