@@ -4,6 +4,7 @@ that the GPU build of the same source goes through (a kernel that only the inter
 The compiles run in one child process without TRITON_INTERPRET (under it, @triton.jit gives interpreted
 functions that cannot be compiled). Skipped without triton."""
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,7 +39,7 @@ def compile_all() -> None:
 
 
 def compile_sm90(kernel, types: dict[str, str], consts: dict, num_warps: int = 4, num_stages: int = 3,
-                 enable_fp_fusion: bool = True):
+                 enable_fp_fusion: bool = True, enable_reflect_ftz: bool = True):
     """`types`: the non-constexpr arguments' Triton types; `consts`: the constexpr values. Returns the compiled
     kernel (its `.asm` holds the PTX)."""
     from triton.backends.compiler import GPUTarget
@@ -48,7 +49,8 @@ def compile_sm90(kernel, types: dict[str, str], consts: dict, num_warps: int = 4
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts),
                               target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages,
-                                       "enable_fp_fusion": enable_fp_fusion})
+                                       "enable_fp_fusion": enable_fp_fusion,
+                                       "enable_reflect_ftz": enable_reflect_ftz})
     assert compiled.asm["cubin"]
     return compiled
 
@@ -164,3 +166,19 @@ def _compile_rope_half_split():
                 enable_fp_fusion=False)
             # as launched: an FMA would merge a product into the add unrounded, off by a bf16 ulp from torch
             assert "fma.rn" not in compiled.asm["ptx"]
+
+
+def _compile_swiglu():
+    from moeloop.model import swiglu_kernel
+    consts = dict(F=F, BLOCK_F=256, BLOCK_ROWS=8, BY_BITS=False, LIBDEVICE=True)
+    for kernel, types in ((swiglu_kernel._swiglu_fwd, dict(h_ptr="*bf16", y_ptr="*bf16", num_rows="i32", s_h="i32")),
+                          (swiglu_kernel._swiglu_bwd, dict(h_ptr="*bf16", dy_ptr="*bf16", dh_ptr="*bf16",
+                                                           num_rows="i32", s_h="i32", s_dy="i32"))):
+        ptx = compile_sm90(kernel, types, consts, num_warps=8, enable_fp_fusion=True,
+                           enable_reflect_ftz=False).asm["ptx"]
+        # as launched, the contractions nvcc makes in torch's silu kernels: every 1 + (product) is one FMA (expf's
+        # final scaling; the backward's x * (1 - sig)); IEEE division (div.full would be ~2 ulps off)
+        one = r"0f3F800000;"
+        assert re.search(r"fma\.rn\.f32\s+%r\d+, %r\d+, %r\d+, " + one, ptx)
+        assert not re.search(r"add(\.rn)?\.f32\s+%r\d+, %r\d+, " + one, ptx)
+        assert "div.rn.f32" in ptx and "div.full" not in ptx

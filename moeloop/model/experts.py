@@ -9,7 +9,8 @@ implementations, weighted in fp32 and summed back per token:
 - "loop": one pair of matmuls per non-empty expert (one host sync for the counts); any device and dtype.
 "auto" takes grouped_mm on CUDA in bf16/fp16 and on CPU where its kernel exists, with aligned dims; else the loop.
 On CUDA the gather into sorted order and the weighted sum back run as `expert_rows` kernels (fewer, deterministic
-backward passes); elsewhere as torch indexing ops. Same math and rounding points either way.
+backward passes), and SiLU(gate) * up as one `swiglu_kernel` each way; elsewhere as torch ops. Same math and
+rounding points either way.
 Other implementations plug in with `register_experts_impl(name, fn)` (the rollout engine's fused decode kernels).
 """
 # T tokens, D model dim, F expert ffn dim, E experts, K experts per token, S = T*K sorted assignments
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeloop.model.expert_rows import combine_rows, gather_rows, row_kernels_apply
+from moeloop.model.swiglu_kernel import swiglu_kernel, swiglu_kernel_applies
 
 EXPERTS_IMPLS = ("auto", "grouped_mm", "loop")
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -61,6 +63,14 @@ def register_experts_impl(name: str, fn: ExpertsFn) -> None:
     if name in EXPERTS_IMPLS:
         raise ValueError(f"experts impl {name!r} is built in")
     _PLUGGED_IMPLS[name] = fn
+
+
+def silu_mul(h_S2F: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up of h = cat[gate, up] on the last dim: one Triton kernel each way on CUDA, same bits."""
+    if swiglu_kernel_applies(h_S2F):
+        return swiglu_kernel(h_S2F)
+    gate_SF, up_SF = h_S2F.chunk(2, dim=-1)
+    return F.silu(gate_SF) * up_SF
 
 
 def expert_counts(ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -131,8 +141,7 @@ class Experts(nn.Module):
     def _grouped(self, x_SD: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
         # weights as [E, in, out] column-major views: the layout grouped_mm takes without a copy
         h_S2F = _grouped_mm(x_SD, self.gate_up_proj.transpose(-2, -1), offs=offsets_E)
-        gate_SF, up_SF = h_S2F.chunk(2, dim=-1)
-        return _grouped_mm(F.silu(gate_SF) * up_SF, self.down_proj.transpose(-2, -1), offs=offsets_E)
+        return _grouped_mm(silu_mul(h_S2F), self.down_proj.transpose(-2, -1), offs=offsets_E)
 
     def _looped(self, x_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         outs = []
@@ -141,6 +150,5 @@ class Experts(nn.Module):
         for e, x_nD in enumerate(x_SD.split(counts_E.tolist())):
             if x_nD.shape[0] == 0:
                 continue
-            gate_nF, up_nF = F.linear(x_nD, gate_up[e]).chunk(2, dim=-1)
-            outs.append(F.linear(F.silu(gate_nF) * up_nF, down[e]))
+            outs.append(F.linear(silu_mul(F.linear(x_nD, gate_up[e])), down[e]))
         return torch.cat(outs) if outs else x_SD.new_zeros(0, self.dim)
