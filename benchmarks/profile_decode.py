@@ -29,9 +29,18 @@ def main() -> None:
     ap.add_argument("--host-profile", action="store_true", help="also cProfile the host side of the timed steps")
     ap.add_argument("--no-row-linear", action="store_true",
                     help="B=1 projections through cuBLAS instead of the one-launch `_row_linear` kernel (A/B)")
+    ap.add_argument("--no-qkv-pack", action="store_true", help="q, k, v as three GEMMs at B > 1 (A/B of `QKVPack`)")
+    ap.add_argument("--no-router-fused", action="store_true",
+                    help="router projection through cuBLAS + `_softmax_topk` instead of `_router_topk` (A/B)")
     ap.add_argument("--top-k", type=int, default=50, help="-1: full-vocab sampling at temperature 1 (the e2e job)")
     ap.add_argument("--no-logprobs", dest="logprobs", action="store_false", help="skip the sampled tokens' logprobs")
     args = ap.parse_args()
+    if args.no_qkv_pack:
+        import moeloop.rollout.engine as engine_mod
+        engine_mod.qkv_packs_apply = lambda model: False
+    if args.no_router_fused:
+        import moeloop.rollout.fused_decode as fused_decode
+        fused_decode.ROUTER_FUSED_MIN_TOKENS = 0
     if args.no_row_linear:
         import moeloop.rollout.fused_decode as fused_decode
         fused_decode.ROW_LINEAR = False

@@ -235,3 +235,25 @@ def test_update_weights_refreshes_the_packed_copies(monkeypatch):
     monkeypatch.setattr(engine.runner, "refresh_weights", lambda force=False: forced.append(force))
     engine.update_weights(model.state_dict().items())
     assert forced == [True]
+
+
+@pytest.mark.parametrize("num_tokens", [5, 16, 37])
+def test_router_topk_kernel_equals_projection_then_topk(num_tokens):
+    """From ROUTER_FUSED_MIN_TOKENS tokens the router GEMM runs inside the top-k kernel (`_router_topk`); the
+    same experts and weights as the module router (`Router._route_softmax` on F.linear logits)."""
+    import moeloop.rollout.fused_decode as fd
+    model = tiny_model("qwen3_moe").to(DEVICE)
+    moe = next(layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "gate"))
+    x = torch.randn(num_tokens, model.cfg.hidden_size, device=DEVICE)
+    launches = []
+    real = fd._router_topk
+    fd._router_topk = type("Spy", (), {"__getitem__": lambda self, grid: launches.append(grid) or real[grid]})()
+    try:
+        with torch.no_grad():
+            ids, wts = fd.route(moe, x)
+            want = moe.gate(x)
+    finally:
+        fd._router_topk = real
+    assert len(launches) == (num_tokens >= fd.ROUTER_FUSED_MIN_TOKENS)
+    assert torch.equal(ids, want.ids_TK)
+    torch.testing.assert_close(wts, want.weights_TK, rtol=1e-6, atol=1e-6)

@@ -101,6 +101,9 @@ def _compile_fused_decode_kernels():
                  num_warps=1)
     compile_sm90(fused_decode._softmax_topk, dict(logits_ptr="*bf16", ids_ptr="*i64", wts_ptr="*fp32", scale="fp32"),
                  dict(E=E, E_PAD=E, K=K, NORM=True), num_warps=1)
+    compile_sm90(fused_decode._router_topk, dict(x_ptr="*bf16", w_ptr="*bf16", ids_ptr="*i64", wts_ptr="*fp32",
+                                                 scale="fp32", T="i32"),
+                 dict(D=D, E=E, E_PAD=E, K=K, NORM=True, BLOCK_T=16, BLOCK_D=128, PRECISION="tf32"))
 
 
 def _compile_paged_decode():

@@ -4,7 +4,7 @@
 Per layer: residual add + RMSNorm (one kernel), the q/k/v projections (one `_row_linear` launch for a single
 token, else cuBLAS), q/k head RMSNorm + RoPE + the K/V
 cache write (one kernel), paged attention, o_proj, add + RMSNorm, the router projection, softmax + top-k +
-renormalisation (one kernel), and the experts (`moe_kernel`: two kernels for a few tokens; for more, a sort
+renormalisation (one kernel with the projection inside from 16 tokens on), and the experts (`moe_kernel`: two kernels for a few tokens; for more, a sort
 and two grouped GEMMs whose rows' weighted sum is fused into the next add + RMSNorm). Every bf16 rounding of the module
 path is kept (norm output, weight product, each RoPE product and sum, residual sums), so outputs match it up
 to fp32 summation order inside a norm. Used for decode-only batches of GQA models with half-split RoPE over
@@ -143,6 +143,39 @@ if triton is not None:
                 tl.store(wts_ptr + t * K + k, w * scale)
 
 
+    @triton.jit
+    def _router_topk(x_ptr, w_ptr, ids_ptr, wts_ptr, scale, T, D: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
+                     K: tl.constexpr, NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                     PRECISION: tl.constexpr):
+        """Tokens [p * BLOCK_T, (p + 1) * BLOCK_T): router logits x @ W.T (fp32 accumulation, rounded to x's dtype
+        as the module's F.linear output), softmax in fp32, top-K (lowest expert id among ties), renormalised and
+        scaled: `_softmax_topk`'s math on the logits this program computes itself (one launch, not two)."""
+        t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_ok = t < T
+        e = tl.arange(0, E_PAD)
+        acc = tl.zeros([BLOCK_T, E_PAD], tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            x = tl.load(x_ptr + t[:, None] * D + d[None, :], mask=t_ok[:, None] & (d[None, :] < D), other=0.0)
+            w = tl.load(w_ptr + e[:, None] * D + d[None, :], mask=(e[:, None] < E) & (d[None, :] < D), other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        z = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+        z = tl.where(e[None, :] < E, z, float("-inf"))
+        p = tl.exp(z - tl.max(z, 1)[:, None])
+        p = p / tl.sum(p, 1)[:, None]
+        total = tl.zeros([BLOCK_T], tl.float32)
+        for k in tl.static_range(K):  # k-th largest (lowest id among ties), then masked out
+            best = tl.max(p, 1)
+            idx = tl.min(tl.where(p == best[:, None], e[None, :], E_PAD), 1)
+            tl.store(ids_ptr + t * K + k, idx.to(tl.int64), mask=t_ok)
+            tl.store(wts_ptr + t * K + k, best, mask=t_ok)
+            total += best
+            p = tl.where(e[None, :] == idx[:, None], -1.0, p)
+        for k in tl.static_range(K):
+            w_k = tl.load(wts_ptr + t * K + k, mask=t_ok, other=0.0)
+            tl.store(wts_ptr + t * K + k, (w_k / total if NORM else w_k) * scale, mask=t_ok)
+
+
 def fused_supported(model: nn.Module) -> bool:
     """GQA attention with half-split RoPE over the whole head, softmax routers, SiLU experts, no shared experts."""
     cfg = model.cfg
@@ -277,6 +310,31 @@ def project(x_TD: torch.Tensor, linears: list[nn.Module], block_n: int = 16) -> 
     return [F.linear(x_TD, m.weight, getattr(m, "bias", None)) for m in linears]
 
 
+ROUTER_FUSED_MIN_TOKENS = 16  # from this many tokens the router GEMM runs inside the top-k kernel (tl.dot tiles)
+
+
+def route(moe: MoE, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [T, K], weights [T, K]) of x's tokens: one `_router_topk` launch for a batch of at least
+    ROUTER_FUSED_MIN_TOKENS tokens (a bias-free router of x's dtype), else the projection (`project`) and
+    `_softmax_topk`."""
+    router, (T, D) = moe.gate, x_TD.shape
+    w = router.weight
+    if ROUTER_FUSED_MIN_TOKENS and T >= ROUTER_FUSED_MIN_TOKENS and w.dtype == x_TD.dtype and w.is_contiguous() \
+            and x_TD.is_contiguous():
+        E, K = w.shape[0], router.top_k
+        ids_TK = torch.empty(T, K, dtype=torch.int64, device=x_TD.device)
+        wts_TK = torch.empty(T, K, dtype=torch.float32, device=x_TD.device)
+        block_t = 16
+        _router_topk[(triton.cdiv(T, block_t),)](x_TD, w, ids_TK, wts_TK, float(router.routed_scaling_factor), T, D=D,
+                                                 E=E, E_PAD=max(16, triton.next_power_of_2(E)), K=K,
+                                                 NORM=bool(router.norm_topk_prob), BLOCK_T=block_t, BLOCK_D=128,
+                                                 PRECISION="ieee" if x_TD.dtype == torch.float32 else "tf32",
+                                                 num_warps=4)
+        return ids_TK, wts_TK
+    (logits_TE,) = project(x_TD, [router], block_n=8)
+    return route_softmax_topk(moe, logits_TE)
+
+
 def route_softmax_topk(moe: MoE, logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids [T, K] int64, weights [T, K] fp32) exactly as `Router._route_softmax` (ties: lowest expert id).
     (A router GEMV fused in here, one program per token, measured 19 us per layer at B=1 on the H200: slower
@@ -312,8 +370,7 @@ def fused_decode_forward(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Ten
         if not isinstance(mlp, MoE):
             y_TD, res_TD = add_rmsnorm(mlp(y_TD), res_TD, norm)
             continue
-        (logits_TE,) = project(y_TD, [mlp.gate], block_n=8)
-        ids_TK, wts_TK = route_softmax_topk(mlp, logits_TE)
+        ids_TK, wts_TK = route(mlp, y_TD)
         if uses_grouped_rows(y_TD, ids_TK):  # the weighted sum of the expert rows happens in the add + norm
             rows_SD, dest_S = grouped_expert_rows(mlp.experts, y_TD, ids_TK)
             y_TD, res_TD = add_rmsnorm(rows_SD, res_TD, norm, (dest_S.view(ids_TK.shape), wts_TK))
