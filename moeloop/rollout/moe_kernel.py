@@ -87,7 +87,8 @@ if triton is not None:
         for i in range(0 if STATIC_M > 0 else j * BLOCK_M, STATIC_M if STATIC_M > 0 else end - start,
                        BLOCK_M if STATIC_M > 0 else M_SPLITS * BLOCK_M):
             m = start + i + tl.arange(0, BLOCK_M)
-            m_ok = (m < end) & ((i // BLOCK_M) % M_SPLITS == j) if STATIC_M > 0 else m < end
+            # (a vector compare for the split: triton 3.9's interpreter rejects a mask mixed with a scalar one)
+            m_ok = (m < end) & (m * 0 + (i // BLOCK_M) % M_SPLITS == j) if STATIC_M > 0 else m < end
             src = tl.load(rows_ptr + m, mask=m_ok, other=0).to(tl.int64) if GATHER else m.to(tl.int64)
             a_rows = a_ptr + src[:, None] * K_IN
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
