@@ -1,7 +1,6 @@
 """The half-split RoPE Triton path (CUDA; here under the Triton interpreter on CPU) is bit-identical to the torch
 ops in fp32 and bf16: values and the input gradient, for q-like and k-like head counts and strided input views;
 the gate keeps interleaved rotation, mixed dtypes and tables that need a gradient on torch."""
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -9,13 +8,9 @@ import torch
 
 from moeloop.model import rope_kernel
 from moeloop.model.rope import RopeTables, RotaryEmbedding, _rotate_half_split
+from tests.kernels import DEVICE, needs_kernels
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = [
-    pytest.mark.skipif(rope_kernel.triton is None, reason="triton is not installed"),
-    pytest.mark.skipif(DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
-                       reason="no GPU and not under the Triton interpreter"),
-]
+pytestmark = needs_kernels
 
 
 @pytest.fixture

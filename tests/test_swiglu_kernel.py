@@ -1,7 +1,6 @@
 """The experts' SiLU(gate) * up Triton path (CUDA; here under the Triton interpreter on CPU) against the torch ops:
 values and the gradient of h, for the strided [S, 2F] views grouped_mm gives and through `Experts`, with grad and
 under inference_mode; the gate keeps torch where the kernel does not apply."""
-import os
 
 import pytest
 import torch
@@ -9,13 +8,9 @@ import torch.nn.functional as F
 
 from moeloop.model import swiglu_kernel
 from moeloop.model.experts import Experts, expert_counts, grouped_mm_available
+from tests.kernels import DEVICE, needs_kernels
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = [
-    pytest.mark.skipif(swiglu_kernel.triton is None, reason="triton is not installed"),
-    pytest.mark.skipif(DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
-                       reason="no GPU and not under the Triton interpreter"),
-]
+pytestmark = needs_kernels
 
 
 @pytest.fixture

@@ -1,0 +1,15 @@
+"""Shared by the Triton kernel tests: the device their tensors live on (CUDA when there is one; on CPU the kernels
+run under the interpreter that tests/conftest.py turns on) and the skip marks for where they cannot run."""
+import os
+
+import pytest
+import torch
+
+from moeloop.model.kernel_switch import triton
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_kernels = [
+    pytest.mark.skipif(triton is None, reason="triton is not installed"),
+    pytest.mark.skipif(DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+                       reason="no GPU and not under the Triton interpreter"),
+]
