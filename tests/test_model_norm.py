@@ -15,7 +15,7 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("shape", [(37, 48), (5, 3, 16), (0, 24)])
+@pytest.mark.parametrize("shape", [(37, 48), (5, 3, 16), (0, 24), (7, 6, 128)])  # 128: 16-row tiles, a partial one
 def test_kernel_equals_module_math_fp32(shape):
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(*shape, generator=g) * 3).to(DEVICE).requires_grad_()

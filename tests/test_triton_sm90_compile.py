@@ -130,11 +130,12 @@ def _compile_gumbel_argmax():
 def _compile_rmsnorm():
     from moeloop.model import norm
     for dim in (D, DH):  # the layer norms and the per-head q/k norms
-        compile_sm90(norm._rmsnorm_fwd, dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", rstd_ptr="*fp32", eps="fp32"),
-                     dict(D=dim, BLOCK_D=triton.next_power_of_2(dim)))
+        block_d, block_r = norm._row_block(dim)
+        compile_sm90(norm._rmsnorm_fwd, dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", rstd_ptr="*fp32", eps="fp32",
+                                             R="i32"), dict(D=dim, BLOCK_D=block_d, BLOCK_R=block_r))
         compile_sm90(norm._rmsnorm_bwd, dict(dy_ptr="*bf16", x_ptr="*bf16", w_ptr="*bf16", rstd_ptr="*fp32",
                                              dx_ptr="*bf16", dw_ptr="*fp32", R="i32"),
-                     dict(D=dim, BLOCK_D=triton.next_power_of_2(dim), ROWS=32))
+                     dict(D=dim, BLOCK_D=block_d, ROWS=32, BLOCK_R=min(block_r, 32)))
 
 
 def _compile_logprob_chunk_kernels():

@@ -18,39 +18,48 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _rmsnorm_fwd(x_ptr, w_ptr, y_ptr, rstd_ptr, eps, D: tl.constexpr, BLOCK_D: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
+    def _rmsnorm_fwd(x_ptr, w_ptr, y_ptr, rstd_ptr, eps, R, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                     BLOCK_R: tl.constexpr):
+        """Rows [p * BLOCK_R, (p + 1) * BLOCK_R): several short rows a program (a q/k head norm is 128 wide)."""
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
         d = tl.arange(0, BLOCK_D)
-        ok = d < D
+        m = (rows < R)[:, None] & (d < D)[None, :]
         dt = y_ptr.dtype.element_ty
-        x = tl.load(x_ptr + row * D + d, mask=ok, other=0.0).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
-        normed = (x * rstd).to(dt).to(tl.float32)
-        w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
-        tl.store(y_ptr + row * D + d, (w * normed).to(dt), mask=ok)
-        tl.store(rstd_ptr + row, rstd)
+        x = tl.load(x_ptr + rows[:, None] * D + d[None, :], mask=m, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, 1) / D + eps)
+        normed = (x * rstd[:, None]).to(dt).to(tl.float32)
+        w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rows[:, None] * D + d[None, :], (w[None, :] * normed).to(dt), mask=m)
+        tl.store(rstd_ptr + rows, rstd, mask=rows < R)
 
     @triton.jit
     def _rmsnorm_bwd(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr, R, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                     ROWS: tl.constexpr):
-        """Program p: rows [p * ROWS, (p + 1) * ROWS); its partial weight gradient goes to dw[p]."""
+                     ROWS: tl.constexpr, BLOCK_R: tl.constexpr):
+        """Program p: rows [p * ROWS, (p + 1) * ROWS), BLOCK_R at a time; its partial weight gradient goes to
+        dw[p]."""
         p = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, BLOCK_D)
-        ok = d < D
+        d_ok = d < D
         dt = dx_ptr.dtype.element_ty
-        w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
         dw = tl.zeros([BLOCK_D], tl.float32)
-        for i in range(ROWS):
-            row = p * ROWS + i
-            m = ok & (row + 0 * d < R)  # a vector compare: newer interpreters reject a scalar-and-vector mask
-            x = tl.load(x_ptr + row * D + d, mask=m, other=0.0).to(tl.float32)
-            dy = tl.load(dy_ptr + row * D + d, mask=m, other=0.0).to(tl.float32)
-            rstd = tl.load(rstd_ptr + tl.minimum(row, R - 1))  # a dead row (past R) reads a live one, stores nothing
-            dw += dy * (x * rstd).to(dt).to(tl.float32)
-            dn = (dy * w).to(dt).to(tl.float32)  # autograd's grad of the normalised value, in the input dtype
-            dx = rstd * dn - x * (rstd * rstd * rstd) * (tl.sum(dn * x, 0) / D)
-            tl.store(dx_ptr + row * D + d, dx.to(dt), mask=m)
-        tl.store(dw_ptr + p * D + d, dw, mask=ok)
+        for i in range(0, ROWS, BLOCK_R):
+            rows = p * ROWS + i + tl.arange(0, BLOCK_R)
+            m = (rows < R)[:, None] & d_ok[None, :]
+            x = tl.load(x_ptr + rows[:, None] * D + d[None, :], mask=m, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + rows[:, None] * D + d[None, :], mask=m, other=0.0).to(tl.float32)
+            rstd = tl.load(rstd_ptr + tl.minimum(rows, R - 1))  # a dead row (past R) reads a live one, stores nothing
+            dw += tl.sum(dy * (x * rstd[:, None]).to(dt).to(tl.float32), 0)
+            dn = (dy * w[None, :]).to(dt).to(tl.float32)  # autograd's grad of the normalised value, in the input dtype
+            dx = rstd[:, None] * dn - x * (rstd * rstd * rstd)[:, None] * (tl.sum(dn * x, 1) / D)[:, None]
+            tl.store(dx_ptr + rows[:, None] * D + d[None, :], dx.to(dt), mask=m)
+        tl.store(dw_ptr + p * D + d, dw, mask=d_ok)
+
+
+def _row_block(D: int) -> tuple[int, int]:
+    """(BLOCK_D, rows a tile): ~2048 elements a tile, so a 128-wide head norm is not one tiny program a row."""
+    block_d = triton.next_power_of_2(D)
+    return block_d, max(1, 2048 // block_d)
 
 
 class _RMSNormFn(torch.autograd.Function):
@@ -62,8 +71,9 @@ class _RMSNormFn(torch.autograd.Function):
         y_RD = torch.empty_like(x_RD)
         rstd_R = torch.empty(R, dtype=torch.float32, device=x.device)
         if R:
-            _rmsnorm_fwd[(R,)](x_RD, weight, y_RD, rstd_R, eps, D=D, BLOCK_D=triton.next_power_of_2(D),
-                               num_warps=4 if D <= 2048 else 8)
+            block_d, block_r = _row_block(D)
+            _rmsnorm_fwd[(triton.cdiv(R, block_r),)](x_RD, weight, y_RD, rstd_R, eps, R, D=D, BLOCK_D=block_d,
+                                                     BLOCK_R=block_r, num_warps=4 if D <= 2048 else 8)
         ctx.save_for_backward(x_RD, weight, rstd_R)
         return y_RD.view(x.shape)
 
@@ -76,8 +86,10 @@ class _RMSNormFn(torch.autograd.Function):
         dx_RD = torch.empty_like(x_RD)
         dw_PD = torch.empty(max(programs, 1), D, dtype=torch.float32, device=x_RD.device)
         if R:
+            block_d, block_r = _row_block(D)
             _rmsnorm_bwd[(programs,)](dy.reshape(-1, D).contiguous(), x_RD, weight, rstd_R, dx_RD, dw_PD, R, D=D,
-                                      BLOCK_D=triton.next_power_of_2(D), ROWS=rows, num_warps=4 if D <= 2048 else 8)
+                                      BLOCK_D=block_d, ROWS=rows, BLOCK_R=min(block_r, rows),
+                                      num_warps=4 if D <= 2048 else 8)
         else:
             dw_PD.zero_()
         return dx_RD.view(dy.shape), dw_PD.sum(0).to(weight.dtype), None
