@@ -47,3 +47,27 @@ def test_cuda_async_scheduling_equals_sync_with_stops():
     assert any(o.finish_reason == "stop" for o in asyn)
     for a, s in zip(asyn, sync):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(s.logprobs), atol=1e-4, rtol=0)
+
+
+def test_cuda_shared_weights_changed_in_place_reach_the_packed_qkv_on_push():
+    """The engine aliases a trainer's parameters (`share_parameters`) and decodes through its packed q|k|v copies.
+    Weights changed in place by the trainer reach those copies at the push (`update_weights`), so the engine then
+    generates what an engine freshly built on the new weights does."""
+    from moeloop.sync.shared import share_parameters
+    trainer = tiny_model(seed=0).cuda()
+    model = tiny_model(seed=5).cuda()
+    share_parameters(trainer, model)
+    engine = make_engine(model, enforce_eager=False)
+    assert engine.runner.qkv_packs  # the fused decode with packed projections is in use
+    ps = prompts(8, seed=9)
+    before = [o.response_ids for o in engine.generate(ps, GREEDY)]
+    with torch.no_grad():
+        for name, p in trainer.named_parameters():
+            if "self_attn" in name:
+                p.mul_(-1.0)  # a large change: the greedy tokens move
+    engine.update_weights(trainer.state_dict().items(), version=1)
+    after = [o.response_ids for o in engine.generate(ps, GREEDY)]
+    fresh = tiny_model(seed=1).cuda()
+    fresh.load_state_dict(trainer.state_dict())
+    want = [o.response_ids for o in make_engine(fresh, enforce_eager=False).generate(ps, GREEDY)]
+    assert after == want and after != before
