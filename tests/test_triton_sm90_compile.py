@@ -62,7 +62,7 @@ def _compile_expert_gemm():
                      dict(a_ptr="*bf16", rows_ptr="*i64", w_ptr="*bf16", offsets_ptr="*i32", out_ptr="*bf16",
                           s_we="i64", s_wn="i64"),
                      dict(N_OUT=F if gated else D, K_IN=D if gated else F, GATED=gated, GATHER=gated, BLOCK_M=32,
-                          BLOCK_N=64, BLOCK_K=128, PRECISION="tf32", STATIC_M=0, M_SPLITS=4))
+                          BLOCK_N=64, BLOCK_K=128, PRECISION="tf32", STATIC_M=0, M_SPLITS=4, LIBDEVICE=True))
 
 
 def _compile_align_and_small_batch_experts():
@@ -70,7 +70,7 @@ def _compile_align_and_small_batch_experts():
     compile_sm90(moe_kernel._align_by_expert, dict(ids_ptr="*i64", token_ptr="*i64", dest_ptr="*i64",
                                                    offsets_ptr="*i32", S="i32"), dict(K=K, S_PAD=1024))
     compile_sm90(moe_kernel._gate_up_silu, dict(x_ptr="*bf16", w_ptr="*bf16", ids_ptr="*i64", h_ptr="*bf16",
-                                                s_we="i64", s_wf="i64"), dict(D=D, F=F, K=K, BLOCK_F=8, BLOCK_D=512))
+                                                s_we="i64", s_wf="i64"), dict(D=D, F=F, K=K, BLOCK_F=8, BLOCK_D=512, LIBDEVICE=True))
     compile_sm90(moe_kernel._down_combine, dict(h_ptr="*bf16", w_ptr="*bf16", ids_ptr="*i64", wts_ptr="*fp32",
                                                y_ptr="*bf16", s_we="i64", s_wd="i64"),
                  dict(D=D, F=F, K=K, BLOCK_D=4, BLOCK_F=512))
@@ -94,11 +94,12 @@ def _compile_fused_decode_kernels():
                      dict(x_ptr="*bf16", res_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", res_out_ptr="*bf16",
                           dest_ptr="*i64", wts_ptr="*fp32", eps="fp32"),
                      dict(D=D, BLOCK_D=2048, HAS_RES=True, COMBINE_K=combine_k))
-    compile_sm90(fused_decode._qk_norm_rope_store,
+    compiled = compile_sm90(fused_decode._qk_norm_rope_store,
                  dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", qw_ptr="*bf16", kw_ptr="*bf16", cos_ptr="*bf16",
                       sin_ptr="*bf16", slots_ptr="*i64", qo_ptr="*bf16", kc_ptr="*bf16", vc_ptr="*bf16", eps="fp32",
                       s_q="i64", s_k="i64", s_v="i64", s_kc="i64", s_vc="i64"), dict(H=H, G=G, HALF=DH // 2, QK_NORM=True),
-                 num_warps=1)
+                 num_warps=1, enable_fp_fusion=False)
+    assert "fma.rn" not in compiled.asm["ptx"]  # as launched: 12 FMAs with fusion on, each skipping a bf16 rounding
     compile_sm90(fused_decode._softmax_topk, dict(logits_ptr="*bf16", ids_ptr="*i64", wts_ptr="*fp32", scale="fp32"),
                  dict(E=E, E_PAD=E, K=K, NORM=True), num_warps=1)
     compile_sm90(fused_decode._router_topk, dict(x_ptr="*bf16", w_ptr="*bf16", ids_ptr="*i64", wts_ptr="*fp32",

@@ -217,7 +217,9 @@ def qk_norm_rope_store(attn: nn.Module, q_TX: torch.Tensor, k_TX: torch.Tensor, 
     _qk_norm_rope_store[(T, H + G)](q_TX, k_TX, v_TX, qw, kw, cos_TR.contiguous(), sin_TR.contiguous(), slots_T, q_out,
                                     k_cache, v_cache, eps, q_TX.stride(0), k_TX.stride(0), v_TX.stride(0),
                                     k_cache.stride(0), v_cache.stride(0), H=H, G=G, HALF=Dh // 2, QK_NORM=qk_norm,
-                                    num_warps=1)
+                                    num_warps=1, enable_fp_fusion=False)
+    # (no FMA: LLVM lowers each bf16 round trip to a bf16 mul and add, and fusing them would skip the rounding of
+    # the RoPE products that the module path and the trainer's rope kernel keep)
     return q_out
 
 

@@ -40,9 +40,13 @@ IMPL_NAME = "rollout_decode"
 if triton is not None:
     import triton.language as tl
 
+    # SiLU as torch's CUDA kernel computes it (libdevice expf, IEEE division): the trainer's swiglu kernel does the
+    # same, so rollout and training activations round alike
+    from moeloop.model.swiglu_kernel import _one_plus_exp_neg
+
     @triton.jit
     def _gate_up_silu(x_ptr, w_ptr, ids_ptr, h_ptr, s_we, s_wf, D: tl.constexpr, F: tl.constexpr, K: tl.constexpr,
-                      BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr):
+                      BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr, LIBDEVICE: tl.constexpr):
         s = tl.program_id(0)
         f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
         f_ok = f < F
@@ -61,13 +65,14 @@ if triton is not None:
         dt = h_ptr.dtype.element_ty
         g = acc_g.to(dt).to(tl.float32)
         u = acc_u.to(dt).to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        act = tl.math.div_rn(g, _one_plus_exp_neg(g, LIBDEVICE)).to(dt).to(tl.float32)  # torch's CUDA silu
         tl.store(h_ptr + s.to(tl.int64) * F + f, (act * u).to(dt), mask=f_ok)
 
     @triton.jit
     def _expert_gemm(a_ptr, rows_ptr, w_ptr, offsets_ptr, out_ptr, s_we, s_wn, N_OUT: tl.constexpr,
                      K_IN: tl.constexpr, GATED: tl.constexpr, GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, STATIC_M: tl.constexpr, M_SPLITS: tl.constexpr):
+                     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, STATIC_M: tl.constexpr, M_SPLITS: tl.constexpr,
+                     LIBDEVICE: tl.constexpr):
         """Program (e, n, j): sorted rows [offsets[e-1], offsets[e]) times tile n of expert e's weights [N, K_IN],
         row chunks j, j + M_SPLITS, ... of BLOCK_M (an expert that many tokens chose is spread over M_SPLITS
         programs instead of looping alone while the rest of the GPU idles; a split with no rows exits).
@@ -104,7 +109,7 @@ if triton is not None:
                     acc_up = tl.dot(a, tl.trans(w_up), acc_up, input_precision=PRECISION)
             if GATED:
                 g = acc.to(dt).to(tl.float32)
-                act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+                act = tl.math.div_rn(g, _one_plus_exp_neg(g, LIBDEVICE)).to(dt).to(tl.float32)
                 acc = act * acc_up.to(dt).to(tl.float32)
             tl.store(out_ptr + m.to(tl.int64)[:, None] * N_OUT + n[None, :], acc.to(dt), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -158,7 +163,8 @@ def fused_experts(experts: Experts, x_TD: torch.Tensor, ids_TK: torch.Tensor, we
     # wide tiles and many programs: at B=1 this is a weight stream of K experts, bound by the bytes in flight
     block_d, block_f = min(512, triton.next_power_of_2(D)), min(512, triton.next_power_of_2(F))
     _gate_up_silu[(T * K, triton.cdiv(F, 8))](x_TD, w_gu, ids_S, h_SF, w_gu.stride(0), w_gu.stride(1),
-                                               D=D, F=F, K=K, BLOCK_F=8, BLOCK_D=block_d, num_warps=4)
+                                               D=D, F=F, K=K, BLOCK_F=8, BLOCK_D=block_d,
+                                               LIBDEVICE=not triton_interpreting(), num_warps=4)
     y_TD = torch.empty_like(x_TD)
     _down_combine[(T, triton.cdiv(D, 4))](h_SF, w_d, ids_S, weights_TK.float().contiguous(), y_TD,
                                            w_d.stride(0), w_d.stride(1), D=D, F=F, K=K, BLOCK_D=4, BLOCK_F=block_f,
@@ -215,7 +221,7 @@ def _triton_grouped(experts: Experts, x_TD: torch.Tensor, token_S: torch.Tensor,
         _expert_gemm[(E, triton.cdiv(n_out, bn), M_SPLITS)](a, token_S, w, offsets_E, out, w.stride(0), w.stride(1), N_OUT=n_out,
                                                   K_IN=k_in, GATED=gated, GATHER=gated, BLOCK_M=block_m, BLOCK_N=bn,
                                                   BLOCK_K=bk, PRECISION=precision, STATIC_M=static_m, M_SPLITS=M_SPLITS,
-                                                  num_warps=warps,
+                                                  LIBDEVICE=not triton_interpreting(), num_warps=warps,
                                                   num_stages=stages)
     return y_SD
 
