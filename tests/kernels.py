@@ -13,3 +13,13 @@ needs_kernels = [
     pytest.mark.skipif(DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
                        reason="no GPU and not under the Triton interpreter"),
 ]
+
+
+def counted_launches(monkeypatch, module, tag) -> list:
+    """Forces `module`'s kernel path (CPU tensors run under the interpreter) and records `tag(*args, **kw)` of each
+    call of its `_launch`, so a test can assert the kernels really ran."""
+    calls = []
+    launch = module._launch
+    monkeypatch.setattr(module, "kernels_apply", lambda x: True)
+    monkeypatch.setattr(module, "_launch", lambda *a, **k: calls.append(tag(*a, **k)) or launch(*a, **k))
+    return calls

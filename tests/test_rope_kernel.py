@@ -8,19 +8,15 @@ import torch
 
 from moeloop.model import rope_kernel
 from moeloop.model.rope import RopeTables, RotaryEmbedding, _rotate_half_split
-from tests.kernels import DEVICE, needs_kernels
+from tests.kernels import DEVICE, counted_launches, needs_kernels
 
 pytestmark = needs_kernels
 
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Forces the kernel path on CPU tensors and counts kernel launches (forward and backward)."""
-    calls = []
-    launch = rope_kernel._launch
-    monkeypatch.setattr(rope_kernel, "kernels_apply", lambda x: True)
-    monkeypatch.setattr(rope_kernel, "_launch", lambda *a, **k: calls.append(k["backward"]) or launch(*a, **k))
-    return calls
+    """Forces the kernel path on CPU tensors and records each launch: False forward, True backward."""
+    return counted_launches(monkeypatch, rope_kernel, lambda *a, **k: k["backward"])
 
 
 def _tables(T: int, R: int, dtype: torch.dtype, g: torch.Generator) -> RopeTables:

@@ -8,19 +8,15 @@ import torch.nn.functional as F
 
 from moeloop.model import swiglu_kernel
 from moeloop.model.experts import Experts, expert_counts, grouped_mm_available
-from tests.kernels import DEVICE, needs_kernels
+from tests.kernels import DEVICE, counted_launches, needs_kernels
 
 pytestmark = needs_kernels
 
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Forces the kernel path on CPU tensors and counts launches: False forward, True backward."""
-    calls = []
-    launch = swiglu_kernel._launch
-    monkeypatch.setattr(swiglu_kernel, "kernels_apply", lambda x: True)
-    monkeypatch.setattr(swiglu_kernel, "_launch", lambda h, dy: calls.append(dy is not None) or launch(h, dy))
-    return calls
+    """Forces the kernel path on CPU tensors and records each launch: False forward, True backward."""
+    return counted_launches(monkeypatch, swiglu_kernel, lambda h, dy: dy is not None)
 
 
 def _h(S: int, F: int, layout: str, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
