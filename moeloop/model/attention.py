@@ -124,9 +124,11 @@ class PackedAttention:
                scale: float) -> torch.Tensor:
         if self.batched:
             if self._pad_rows is None or self._pad_rows.src_P.device != q_THD.device:
-                slots = self.padded_slots(q_THD.device)
-                self._pad_rows = RowMap.of_gather(torch.arange(len(slots), device=slots.device), slots, slots,
-                                                  len(self.lengths) * self.max_len)
+                slots = self.padded_slots(q_THD.device)  # every token read once: no extra readers, no host sync
+                src_P = slots.new_zeros(len(self.lengths) * self.max_len).index_copy_(
+                    0, slots, torch.arange(len(slots), device=slots.device))
+                none = slots[:0]
+                self._pad_rows = RowMap(src_P, slots, none, none)
             return self.attend_padded(q_THD, k_TGD, v_TGDv, scale, self._pad_rows, self._slots)
         outs = []
         for start, end in zip(self.bounds[:-1], self.bounds[1:]):
