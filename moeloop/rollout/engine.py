@@ -37,7 +37,7 @@ from moeloop.rollout.kv_cache import KVCache, kv_budget_bytes, kv_bytes_per_bloc
 from moeloop.rollout.runner import LaunchedStep, ModelRunner
 from moeloop.rollout.sampling_params import SamplingParams
 from moeloop.rollout.scheduler import ScheduledBatch, Scheduler
-from moeloop.rollout.sequence import Sequence
+from moeloop.rollout.sequence import Sequence, SequenceStatus
 
 
 class Engine:
@@ -131,15 +131,17 @@ class Engine:
         if launched is None:
             return []
         tokens, logprobs = launched.result()
+        commit, finish_reason, version = self.blocks.commit, self._finish_reason, self.policy_version  # hot loop
         for seq in launched.seqs:
-            self.blocks.commit(seq)
+            commit(seq)
         done = []
+        finished = SequenceStatus.FINISHED
         for j, seq in enumerate(launched.sampled):
-            if seq.is_finished:  # it stopped on the step before; this token was computed past its end
+            if seq.status is finished:  # it stopped on the step before; this token was computed past its end
                 continue
             self.num_generated_tokens += 1
-            seq.append(tokens[j], logprobs[j] if seq.params.logprobs else None, self.policy_version)
-            reason = self._finish_reason(seq)
+            seq.append(tokens[j], logprobs[j] if seq.params.logprobs else None, version)
+            reason = finish_reason(seq)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 done.append(self._completion(seq))

@@ -247,13 +247,15 @@ def decode_inputs(batch: ScheduledBatch, block_size: int) -> tuple[list[int], ..
 def _pending_inputs(batch: ScheduledBatch, prev: LaunchedStep | None) -> InputPatch | None:
     """Input rows whose token was sampled by `prev` and has not reached the host yet (decode rows only)."""
     dst, src, row = [], [], 0
+    row_of = prev.row_of if prev is not None else {}
     for seq, n in zip(batch.seqs, batch.num_new_tokens):
-        last = seq.num_computed_tokens + n - 1
-        if last >= len(seq.token_ids):
-            if prev is None or seq.seq_id not in prev.row_of or n != 1:
-                raise RuntimeError(f"sequence {seq.seq_id}: input token {last} is pending but not from the last step")
+        if seq.num_computed_tokens + n > len(seq.token_ids):  # its last input token is pending
+            j = row_of.get(seq.seq_id)
+            if j is None or n != 1:
+                raise RuntimeError(f"sequence {seq.seq_id}: input token {seq.num_computed_tokens + n - 1} is pending "
+                                   "but not from the last step")
             dst.append(row)
-            src.append(prev.row_of[seq.seq_id])
+            src.append(j)
         row += n
     return (dst, src, prev.tokens_B) if dst else None
 

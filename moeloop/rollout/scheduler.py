@@ -90,23 +90,25 @@ class Scheduler:
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> tuple[int, bool]:
         self._preempted_this_step = False
         pending, kept = deque(self.running), []
+        blocks = self.blocks
+        blocks_needed, add, keep = blocks.new_blocks_needed, batch.add, kept.append  # per sequence per step
         while pending and budget > 0:
             seq = pending.popleft()
             if seq.awaits_last_token:
-                kept.append(seq)  # nothing left to compute
+                keep(seq)  # nothing left to compute
                 continue
             chunk = min(len(seq) - seq.num_computed_tokens, budget)
-            need = self.blocks.new_blocks_needed(seq, chunk)  # 0 for a decode token inside its last block
-            while need > self.blocks.num_free_blocks:
+            need = blocks_needed(seq, chunk)  # 0 for a decode token inside its last block
+            while need and need > blocks.num_free_blocks:
                 victim = pending.pop() if pending else seq
                 self.preempt(victim)
                 if victim is seq:
                     break
             else:
                 if need:
-                    self.blocks.grow(seq, chunk)
-                batch.add(seq, chunk)
-                kept.append(seq)
+                    blocks.grow(seq, chunk)
+                add(seq, chunk)
+                keep(seq)
                 budget -= chunk
         self.running = kept + list(pending)  # unscheduled ones (budget spent) stay running
         return budget, not pending

@@ -26,6 +26,10 @@ class SequenceStatus(enum.Enum):
 
 
 class Sequence:
+    __slots__ = ("seq_id", "request_id", "sample_index", "params", "seed", "leader", "num_prompt_tokens", "token_ids",
+                 "logprobs", "status", "block_table", "num_computed_tokens", "num_hashed_blocks", "finish_reason",
+                 "policy_version", "num_preemptions", "num_pending")  # read per sequence per decode step
+
     def __init__(self, request_id: str, sample_index: int, prompt_ids: list[int], params: SamplingParams,
                  seed: int, leader: "Sequence | None" = None):
         self.seq_id = next(_ids)
@@ -77,7 +81,8 @@ class Sequence:
     def append(self, token_id: int, logprob: float | None, policy_version: int) -> None:
         if len(self.token_ids) == self.num_prompt_tokens:
             self.policy_version = policy_version
-        self.num_pending = max(0, self.num_pending - 1)
+        if self.num_pending:
+            self.num_pending -= 1
         self.token_ids.append(token_id)
         if logprob is not None:
             self.logprobs.append(logprob)
