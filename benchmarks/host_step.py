@@ -71,8 +71,9 @@ def main() -> None:
                         eos_token_ids=[])
         stub_forward(engine)
         g = torch.Generator().manual_seed(0)
+        params = SamplingParams(max_tokens=N, top_k=50, seed=1, logprobs=True)  # one object, as `generate` passes it
         for p in torch.randint(3, model.cfg.vocab_size, (B, P), generator=g).tolist():
-            engine.add_request(p, SamplingParams(max_tokens=N, top_k=50, seed=1, logprobs=True))
+            engine.add_request(p, params)
         for _ in range(4):  # prefill, then into steady decode
             engine.step()
         times = []

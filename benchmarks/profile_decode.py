@@ -55,8 +55,9 @@ def main() -> None:
         prompts = torch.randint(3, model.cfg.vocab_size, (B, P), generator=g).tolist()
         engine.generate(prompts, SamplingParams(max_tokens=4, top_k=args.top_k, seed=0, logprobs=args.logprobs))
         engine.blocks.reset_prefix_cache()  # above: warm-up + graph capture
-        for p in prompts:
-            engine.add_request(p, SamplingParams(max_tokens=N, top_k=args.top_k, seed=1, logprobs=args.logprobs))
+        params = SamplingParams(max_tokens=N, top_k=args.top_k, seed=1, logprobs=args.logprobs)
+        for p in prompts:  # one params object for all, as `Engine.generate` passes it
+            engine.add_request(p, params)
         for _ in range(8):  # prefill, then into steady decode
             engine.step()
         torch.cuda.synchronize()
