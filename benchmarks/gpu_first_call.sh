@@ -8,7 +8,7 @@ set -u
 python3 -m pytest -q -p no:cacheprovider tests/test_model_norm.py tests/test_model_experts.py tests/test_logprobs.py \
     tests/test_rollout_sampler.py tests/test_rollout_cuda.py tests/test_rollout_fused_decode.py tests/test_sync_shared.py \
     tests/test_kernel_switch.py tests/test_rope_kernel.py tests/test_swiglu_kernel.py tests/test_packed_attention.py \
-    2>&1 | grep -E "^(FAILED|ERROR)|passed|failed" | tail -12
+    --tb=short 2>&1 | grep -E "^(FAILED|ERROR|E  )|passed|failed" | head -60
 timeout 150 python3 benchmarks/profile_update.py --micro-batch-tokens 40960 --skip-hf --repeats 3 --top 12
 timeout 60 python3 benchmarks/profile_decode.py --batch 128,256 --top 6 --top-k -1
 timeout 40 python3 benchmarks/profile_decode.py --batch 128 --top 3 --top-k -1 --no-qkv-pack      # A/B: QKVPack
