@@ -126,13 +126,13 @@ def test_chunk_kernels_equal_naive(monkeypatch, temperature, with_entropy, ignor
         labels[::4] = -100
     ref_lp, ref_ent = naive_token_logprobs(hidden, weight, labels, temperature)
     lp, ent = token_logprobs(hidden, weight, labels, temperature, chunk_tokens=10, with_entropy=with_entropy)
-    torch.testing.assert_close(lp, ref_lp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lp, ref_lp, rtol=1e-5, atol=1e-5, msg=lambda m: f"logprobs: {m}")
     ramp = torch.linspace(-1, 1, T, device=device)
     loss = _loss(lp, ent) if with_entropy else (lp * ramp).sum()
     ref_loss = _loss(ref_lp, ref_ent) if with_entropy else (ref_lp * ramp).sum()
     got = torch.autograd.grad(loss, (hidden, weight))
     want = torch.autograd.grad(ref_loss, (hidden, weight))
     if with_entropy:
-        torch.testing.assert_close(ent, ref_ent, rtol=1e-5, atol=1e-5)
-    for g_, w_ in zip(got, want):
-        torch.testing.assert_close(g_, w_, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ent, ref_ent, rtol=1e-5, atol=1e-5, msg=lambda m: f"entropy: {m}")
+    for name, g_, w_ in zip(["grad_hidden", "grad_weight"], got, want):
+        torch.testing.assert_close(g_, w_, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
