@@ -8,7 +8,9 @@ set -u
 python3 -m pytest -q -p no:cacheprovider tests/test_model_norm.py tests/test_model_experts.py tests/test_logprobs.py \
     tests/test_rollout_sampler.py tests/test_rollout_cuda.py tests/test_rollout_fused_decode.py tests/test_sync_shared.py \
     tests/test_kernel_switch.py tests/test_rope_kernel.py tests/test_swiglu_kernel.py tests/test_packed_attention.py \
-    --tb=short 2>&1 | grep -E "^(FAILED|ERROR|E  )|passed|failed" | head -60
+    --tb=short > /tmp/gpu_tests.log 2>&1
+grep -E "^(FAILED|ERROR|E  )" /tmp/gpu_tests.log | head -40  # each failure's assertion lines
+tail -1 /tmp/gpu_tests.log
 timeout 150 python3 benchmarks/profile_update.py --micro-batch-tokens 40960 --skip-hf --repeats 3 --top 12
 timeout 60 python3 benchmarks/profile_decode.py --batch 128,256 --top 6 --top-k -1
 timeout 40 python3 benchmarks/profile_decode.py --batch 128 --top 3 --top-k -1 --no-qkv-pack      # A/B: QKVPack
