@@ -106,6 +106,8 @@ class Engine:
             raise RuntimeError("weights are half-updated (an update_weights call failed): update again first")
         if not self.cache.is_allocated:
             raise RuntimeError("the engine is asleep: call wake() first")
+        if self._in_flight is None and not self.scheduler.running:  # idle: weights may have changed in place since
+            self.runner.refresh_weights()  # (while sequences run they may not: update_weights needs a drain)
         batch = self.scheduler.schedule()
         launched = self._launch(batch) if batch.seqs else None
         done, self._ready = self._ready + self._flush(), []

@@ -93,7 +93,6 @@ class ModelRunner:
         sampled = [batch.seqs[i] for i in own] + [f for f, _ in batch.forks]
         step = LaunchedStep(batch.seqs, sampled)
         patch = _pending_inputs(batch, prev)
-        self.refresh_weights()
         with decode_moe(self.model, self._moe_blocks, kernels=self.device.type == "cuda" and kernels_enabled()):
             logits_TV = self._graph_logits(batch, patch, rows)  # never with forks: their leader's chunk is >= 2
             if logits_TV is None:
