@@ -116,12 +116,13 @@ class _ChunkedLogprobs(torch.autograd.Function):
         if grad_logprobs_T is None:
             grad_logprobs_T = torch.zeros_like(lse_T)
         use_entropy = ctx.with_entropy and grad_entropy_T is not None
+        kernels = kernels_apply(hidden_TD)
         num_tokens = hidden_TD.shape[0]
         for s in range(0, num_tokens, ctx.chunk_tokens):
             e = min(s + ctx.chunk_tokens, num_tokens)
             h_CD, labels_C = (hidden_TD[s:e] if low else hidden_TD[s:e].float()), labels_T[s:e]
             g_ent_C = grad_entropy_T[s:e] if use_entropy else None
-            if kernels_apply(hidden_TD):
+            if kernels:
                 dz_CV = chunk_dlogits(_mm_f32(h_CD, w_VD.T), labels_C, grad_logprobs_T[s:e], g_ent_C, lse_T[s:e],
                                       entropy_T[s:e], inv_temp, h_CD.dtype)
             else:
