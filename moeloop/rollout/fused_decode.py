@@ -118,38 +118,38 @@ if triton is not None:
         tl.store(out_ptr + start + r, acc.to(out_ptr.dtype.element_ty))
 
     @triton.jit
+    def _softmax_topk_store(z, t, t_ok, e, ids_ptr, wts_ptr, scale, K: tl.constexpr, NORM: tl.constexpr):
+        """Rows t of fp32 router logits z [BLOCK_T, E_PAD] (padding -inf): softmax, the top K (lowest expert id
+        among ties) into ids/wts [T, K], renormalised when NORM, times `scale` (`Router._route_softmax`)."""
+        p = tl.exp(z - tl.max(z, 1)[:, None])
+        p = p / tl.sum(p, 1)[:, None]
+        total = tl.zeros_like(tl.max(p, 1))
+        for k in tl.static_range(K):  # k-th largest (lowest id among ties), then masked out
+            best = tl.max(p, 1)
+            idx = tl.min(tl.where(p == best[:, None], e[None, :], e.shape[0]), 1)
+            tl.store(ids_ptr + t * K + k, idx.to(tl.int64), mask=t_ok)
+            tl.store(wts_ptr + t * K + k, best, mask=t_ok)
+            total += best
+            p = tl.where(e[None, :] == idx[:, None], -1.0, p)
+        for k in tl.static_range(K):
+            w_k = tl.load(wts_ptr + t * K + k, mask=t_ok, other=0.0)
+            tl.store(wts_ptr + t * K + k, (w_k / total if NORM else w_k) * scale, mask=t_ok)
+
+    @triton.jit
     def _softmax_topk(logits_ptr, ids_ptr, wts_ptr, scale, E: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr,
                       NORM: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
+        """Program t: one token's routing from its logits row."""
+        t = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
         e = tl.arange(0, E_PAD)
-        z = tl.load(logits_ptr + t * E + e, mask=e < E, other=float("-inf")).to(tl.float32)
-        p = tl.exp(z - tl.max(z, 0))
-        p = p / tl.sum(p, 0)
-        total = 0.0
-        for k in tl.static_range(K):  # k-th largest (lowest id among ties), then masked out
-            best = tl.max(p, 0)
-            idx = tl.min(tl.where(p == best, e, E_PAD), 0)
-            tl.store(ids_ptr + t * K + k, idx.to(tl.int64))
-            tl.store(wts_ptr + t * K + k, best)
-            total += best
-            p = tl.where(e == idx, -1.0, p)
-        if NORM:
-            for k in tl.static_range(K):
-                w = tl.load(wts_ptr + t * K + k)
-                tl.store(wts_ptr + t * K + k, w / total * scale)
-        else:
-            for k in tl.static_range(K):
-                w = tl.load(wts_ptr + t * K + k)
-                tl.store(wts_ptr + t * K + k, w * scale)
-
+        z = tl.load(logits_ptr + t[:, None] * E + e[None, :], mask=e[None, :] < E, other=float("-inf")).to(tl.float32)
+        _softmax_topk_store(z, t, t >= 0, e, ids_ptr, wts_ptr, scale, K, NORM)
 
     @triton.jit
     def _router_topk(x_ptr, w_ptr, ids_ptr, wts_ptr, scale, T, D: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
                      K: tl.constexpr, NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
                      PRECISION: tl.constexpr):
         """Tokens [p * BLOCK_T, (p + 1) * BLOCK_T): router logits x @ W.T (fp32 accumulation, rounded to x's dtype
-        as the module's F.linear output), softmax in fp32, top-K (lowest expert id among ties), renormalised and
-        scaled: `_softmax_topk`'s math on the logits this program computes itself (one launch, not two)."""
+        as the module's F.linear output), then `_softmax_topk`'s routing (one launch, not two)."""
         t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
         t_ok = t < T
         e = tl.arange(0, E_PAD)
@@ -159,21 +159,8 @@ if triton is not None:
             x = tl.load(x_ptr + t[:, None] * D + d[None, :], mask=t_ok[:, None] & (d[None, :] < D), other=0.0)
             w = tl.load(w_ptr + e[:, None] * D + d[None, :], mask=(e[:, None] < E) & (d[None, :] < D), other=0.0)
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-        z = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
-        z = tl.where(e[None, :] < E, z, float("-inf"))
-        p = tl.exp(z - tl.max(z, 1)[:, None])
-        p = p / tl.sum(p, 1)[:, None]
-        total = tl.zeros([BLOCK_T], tl.float32)
-        for k in tl.static_range(K):  # k-th largest (lowest id among ties), then masked out
-            best = tl.max(p, 1)
-            idx = tl.min(tl.where(p == best[:, None], e[None, :], E_PAD), 1)
-            tl.store(ids_ptr + t * K + k, idx.to(tl.int64), mask=t_ok)
-            tl.store(wts_ptr + t * K + k, best, mask=t_ok)
-            total += best
-            p = tl.where(e[None, :] == idx[:, None], -1.0, p)
-        for k in tl.static_range(K):
-            w_k = tl.load(wts_ptr + t * K + k, mask=t_ok, other=0.0)
-            tl.store(wts_ptr + t * K + k, (w_k / total if NORM else w_k) * scale, mask=t_ok)
+        z = tl.where(e[None, :] < E, acc.to(x_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
+        _softmax_topk_store(z, t, t_ok, e, ids_ptr, wts_ptr, scale, K, NORM)
 
 
 def fused_supported(model: nn.Module) -> bool:
