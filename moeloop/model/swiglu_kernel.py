@@ -28,18 +28,29 @@ if triton is not None:
         return 1.0 + tl.exp(-x)
 
     @triton.jit
-    def _swiglu_fwd(h_ptr, y_ptr, num_rows, s_h, F: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                    BY_BITS: tl.constexpr, LIBDEVICE: tl.constexpr):
-        """y [S, F] (contiguous) = silu(gate) * up, gate = h[:, :F] and up = h[:, F:] of h [S, 2F] (row stride s_h)."""
+    def _silu(x, dt: tl.constexpr, BY_BITS: tl.constexpr, LIBDEVICE: tl.constexpr):
+        """silu(x) of fp32 x as torch's CUDA kernel computes it (x / (1 + expf(-x)), IEEE division), rounded to
+        dt, in fp32 (also the rollout's decode MoE kernels)."""
+        return _rounded(tl.math.div_rn(x, _one_plus_exp_neg(x, LIBDEVICE)), dt, BY_BITS)
+
+    @triton.jit
+    def _gate_up_tile(h_ptr, num_rows, s_h, F: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+        """This program's tile: (rows, cols f, mask, gate = h[rows, f], up = h[rows, F + f]) in fp32."""
         rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
         ok = (rows < num_rows)[:, None] & (f < F)[None, :]
         gate_ptr = h_ptr + (rows * s_h)[:, None] + f[None, :]
-        dt = y_ptr.dtype.element_ty
         x = tl.load(gate_ptr, mask=ok, other=0.0).to(tl.float32)
         up = tl.load(gate_ptr + F, mask=ok, other=0.0).to(tl.float32)
-        s = _rounded(tl.math.div_rn(x, _one_plus_exp_neg(x, LIBDEVICE)), dt, BY_BITS)
-        y = s * up
+        return rows, f, ok, x, up
+
+    @triton.jit
+    def _swiglu_fwd(h_ptr, y_ptr, num_rows, s_h, F: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                    BY_BITS: tl.constexpr, LIBDEVICE: tl.constexpr):
+        """y [S, F] (contiguous) = silu(gate) * up, gate = h[:, :F] and up = h[:, F:] of h [S, 2F] (row stride s_h)."""
+        rows, f, ok, x, up = _gate_up_tile(h_ptr, num_rows, s_h, F, BLOCK_F, BLOCK_ROWS)
+        dt = y_ptr.dtype.element_ty
+        y = _silu(x, dt, BY_BITS, LIBDEVICE) * up
         if BY_BITS:
             y = _bf16_rne(y)
         tl.store(y_ptr + (rows * F)[:, None] + f[None, :], y.to(dt), mask=ok)
@@ -49,13 +60,8 @@ if triton is not None:
                     BLOCK_ROWS: tl.constexpr, BY_BITS: tl.constexpr, LIBDEVICE: tl.constexpr):
         """dh [S, 2F] (contiguous; the gate's gradient in [:, :F], up's in [:, F:]) from dy [S, F] (row stride s_dy)
         and h [S, 2F] (row stride s_h)."""
-        rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-        f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
-        ok = (rows < num_rows)[:, None] & (f < F)[None, :]
-        gate_ptr = h_ptr + (rows * s_h)[:, None] + f[None, :]
+        rows, f, ok, x, up = _gate_up_tile(h_ptr, num_rows, s_h, F, BLOCK_F, BLOCK_ROWS)
         dt = dh_ptr.dtype.element_ty
-        x = tl.load(gate_ptr, mask=ok, other=0.0).to(tl.float32)
-        up = tl.load(gate_ptr + F, mask=ok, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + (rows * s_dy)[:, None] + f[None, :], mask=ok, other=0.0).to(tl.float32)
         denom = _one_plus_exp_neg(x, LIBDEVICE)
         s = _rounded(tl.math.div_rn(x, denom), dt, BY_BITS)  # the forward's silu(gate), which autograd saves

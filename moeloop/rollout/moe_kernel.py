@@ -42,7 +42,7 @@ if triton is not None:
 
     # SiLU as torch's CUDA kernel computes it (libdevice expf, IEEE division): the trainer's swiglu kernel does the
     # same, so rollout and training activations round alike
-    from moeloop.model.swiglu_kernel import _one_plus_exp_neg
+    from moeloop.model.swiglu_kernel import _silu
 
     @triton.jit
     def _gate_up_silu(x_ptr, w_ptr, ids_ptr, h_ptr, s_we, s_wf, D: tl.constexpr, F: tl.constexpr, K: tl.constexpr,
@@ -65,8 +65,7 @@ if triton is not None:
         dt = h_ptr.dtype.element_ty
         g = acc_g.to(dt).to(tl.float32)
         u = acc_u.to(dt).to(tl.float32)
-        act = tl.math.div_rn(g, _one_plus_exp_neg(g, LIBDEVICE)).to(dt).to(tl.float32)  # torch's CUDA silu
-        tl.store(h_ptr + s.to(tl.int64) * F + f, (act * u).to(dt), mask=f_ok)
+        tl.store(h_ptr + s.to(tl.int64) * F + f, (_silu(g, dt, False, LIBDEVICE) * u).to(dt), mask=f_ok)
 
     @triton.jit
     def _expert_gemm(a_ptr, rows_ptr, w_ptr, offsets_ptr, out_ptr, s_we, s_wn, N_OUT: tl.constexpr,
@@ -109,8 +108,7 @@ if triton is not None:
                     acc_up = tl.dot(a, tl.trans(w_up), acc_up, input_precision=PRECISION)
             if GATED:
                 g = acc.to(dt).to(tl.float32)
-                act = tl.math.div_rn(g, _one_plus_exp_neg(g, LIBDEVICE)).to(dt).to(tl.float32)
-                acc = act * acc_up.to(dt).to(tl.float32)
+                acc = _silu(g, dt, False, LIBDEVICE) * acc_up.to(dt).to(tl.float32)
             tl.store(out_ptr + m.to(tl.int64)[:, None] * N_OUT + n[None, :], acc.to(dt), mask=m_ok[:, None] & n_ok[None, :])
 
     @triton.jit
