@@ -247,6 +247,7 @@ def run_trl(args: argparse.Namespace, run_dir: Path) -> list[dict]:
 def profiled_generate(worker: Any, run: Callable, out: Path, device: str) -> Any:
     """One generation call under the CUDA profiler: wall, engine steps, host seconds inside `Engine.step`, GPU busy."""
     from torch.profiler import ProfilerActivity, profile
+    from cuda_kernels import kernel_times
     engine, steps_before, host = worker.engine, worker.engine.num_steps, [0.0]
     step = engine.step
 
@@ -264,14 +265,13 @@ def profiled_generate(worker: Any, run: Callable, out: Path, device: str) -> Any
         sync(device)
         wall = time.perf_counter() - t
     del engine.step
-    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]  # none on CPU
-    by_name: dict[str, float] = {}
-    for e in kernels:
-        by_name[e.name] = by_name.get(e.name, 0.0) + e.device_time / 1e3
+    by_name = kernel_times(prof)  # none on CPU
+    busy_ms = sum(sum(v) for v in by_name.values()) / 1e3
     steps = engine.num_steps - steps_before
     lines = [f"generate: wall {wall * 1e3:.1f} ms, {steps} engine steps ({wall / steps * 1e3:.2f} ms/step), "
-             f"Engine.step {host[0] * 1e3:.1f} ms, GPU busy {sum(by_name.values()):.1f} ms, {len(kernels)} kernels"]
-    lines += [f"   {ms:8.2f} ms  {name[:100]}" for name, ms in sorted(by_name.items(), key=lambda kv: -kv[1])[:12]]
+             f"Engine.step {host[0] * 1e3:.1f} ms, GPU busy {busy_ms:.1f} ms, "
+             f"{sum(len(v) for v in by_name.values())} kernels"]
+    lines += [f"   {sum(us) / 1e3:8.2f} ms  {name[:100]}" for name, us in list(by_name.items())[:12]]
     out.write_text("\n".join(lines) + "\n")
     return result
 

@@ -9,11 +9,11 @@ import argparse
 import cProfile
 import pstats
 import time
-from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from cuda_kernels import kernel_times
 from moeloop.config.schema import RolloutSection
 from moeloop.model.factory import build_model
 from moeloop.rollout import Engine, SamplingParams
@@ -78,15 +78,11 @@ def main() -> None:
             for _ in range(args.steps):
                 engine.step()
             torch.cuda.synchronize()
-        kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
-        by_name: dict[str, list[float]] = defaultdict(list)
-        for e in kernels:
-            by_name[e.name].append(e.device_time)
-        busy = sum(e.device_time for e in kernels) / args.steps / 1e3
+        by_name = kernel_times(prof)
+        busy = sum(sum(v) for v in by_name.values()) / args.steps / 1e3
         print(f"B={B}: wall {wall * 1e3:.2f} ms/step, GPU kernel time {busy:.2f} ms/step, "
-              f"{len(kernels) / args.steps:.0f} kernels/step")
-        rows = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:args.top]
-        for name, times in rows:
+              f"{sum(len(v) for v in by_name.values()) / args.steps:.0f} kernels/step")
+        for name, times in list(by_name.items())[:args.top]:
             print(f"   {sum(times) / args.steps / 1e3:7.3f} ms/step  {len(times) / args.steps:5.0f}/step  "
                   f"{sum(times) / len(times):7.1f} us  {name[:90]}")
         while engine.has_unfinished():

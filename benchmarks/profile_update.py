@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from cuda_kernels import kernel_times
 from moeloop.config import load_config
 from moeloop.model.factory import build_model, init_model
 from moeloop.train.actor import Actor
@@ -66,13 +67,10 @@ def top_kernels(fn, top: int) -> None:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         sync()
-    by_name: dict[str, list[float]] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            by_name.setdefault(e.name, []).append(e.device_time)
+    by_name = kernel_times(prof)
     total = sum(sum(v) for v in by_name.values())
     print(f"    GPU busy {total / 1e3:.1f} ms, {sum(len(v) for v in by_name.values())} kernels")
-    for name, ts in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]:
+    for name, ts in list(by_name.items())[:top]:
         print(f"    {sum(ts) / 1e3:8.2f} ms {len(ts):6d}x  {name[:110]}")
 
 
