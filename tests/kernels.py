@@ -8,11 +8,9 @@ import torch
 from moeloop.model.kernel_switch import triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-needs_kernels = [
-    pytest.mark.skipif(triton is None, reason="triton is not installed"),
-    pytest.mark.skipif(DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
-                       reason="no GPU and not under the Triton interpreter"),
-]
+needs_kernels = pytest.mark.skipif(
+    triton is None or (DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"),
+    reason="triton is not installed" if triton is None else "no GPU and not under the Triton interpreter")
 
 
 def counted_launches(monkeypatch, module, tag) -> list:

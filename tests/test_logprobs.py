@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from moeloop.model.logprobs import naive_token_logprobs, token_logprobs
+from tests.kernels import DEVICE, needs_kernels
 
 T, V, D = 37, 101, 16
 
@@ -109,18 +110,13 @@ def test_bad_shapes_raise():
         token_logprobs(hidden, weight, labels[:-1])
 
 
+@needs_kernels
 @pytest.mark.parametrize("temperature,with_entropy,ignore", [(1.0, True, False), (0.7, True, True), (1.0, False, True)])
 def test_chunk_kernels_equal_naive(monkeypatch, temperature, with_entropy, ignore):
     """The Triton chunk kernels (CUDA; here under the Triton interpreter) give the naive values and gradients."""
-    import os
     import moeloop.model.logprobs as lp_mod
-    from moeloop.model.logprob_kernels import triton
-    if triton is None:
-        pytest.skip("triton is not installed")
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no GPU and not under the Triton interpreter")
     monkeypatch.setattr(lp_mod, "kernels_apply", lambda h: True)
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels need CUDA tensors outside the interpreter
+    device = DEVICE  # the kernels need CUDA tensors outside the interpreter
     hidden, weight, labels = _inputs(device=device)
     if ignore:
         labels[::4] = -100

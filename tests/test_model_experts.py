@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from moeloop.model.experts import Experts, grouped_mm_available
+from tests.kernels import DEVICE, needs_kernels
 from tests.model_pairs import hf_model, max_rel_err, our_model, token_batch
 
 needs_grouped_mm = pytest.mark.skipif(not grouped_mm_available(), reason="this torch has no grouped_mm")
@@ -56,19 +57,14 @@ def test_experts_match_per_token_reference(impl):
         assert max_rel_err(a, b) < 1e-5
 
 
+@needs_kernels
 def test_row_kernels_match_torch_indexing(monkeypatch):
     """The CUDA gather/combine kernels (`expert_rows`; here under the Triton interpreter, or on the GPU) give the
     torch-indexing path's values and gradients."""
     import moeloop.model.experts as experts_mod
-    from moeloop.model.expert_rows import triton
-    if triton is None:
-        pytest.skip("triton is not installed")
-    if not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no GPU and not under the Triton interpreter")
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels need CUDA tensors outside the interpreter
-    ref = _run("loop", device=device)
+    ref = _run("loop", device=DEVICE)  # the kernels need CUDA tensors outside the interpreter
     monkeypatch.setattr(experts_mod, "row_kernels_apply", lambda x: True)
-    got = _run("loop", device=device)
+    got = _run("loop", device=DEVICE)
     for name, a, b in zip(["y", "grad_x", "grad_weights", "grad_gate_up", "grad_down"], got, ref):
         assert max_rel_err(a, b) < 1e-6, name
 

@@ -1,18 +1,12 @@
 """RMSNorm's Triton path (CUDA; here under the Triton interpreter on CPU) equals the module math in torch ops:
 values and the gradients of input and weight, for a hidden-size norm and a per-head (q/k) norm."""
-import os
-
 import pytest
 import torch
 
-from moeloop.model.norm import RMSNorm, rmsnorm_kernel, rmsnorm_reference, triton
+from moeloop.model.norm import RMSNorm, rmsnorm_kernel, rmsnorm_reference
+from tests.kernels import DEVICE, needs_kernels
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = [
-    pytest.mark.skipif(triton is None, reason="triton is not installed"),
-    pytest.mark.skipif(DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
-                       reason="no GPU and not under the Triton interpreter"),
-]
+pytestmark = needs_kernels
 
 
 @pytest.mark.parametrize("shape", [(37, 48), (5, 3, 16), (0, 24), (7, 6, 128)])  # 128: 16-row tiles, a partial one

@@ -2,6 +2,7 @@
 import torch
 
 from moeloop.rollout.sampler import Sampler, SamplingTensors, _mix32, filter_logits, noise_at, row_key, uniform_noise
+from tests.kernels import DEVICE, needs_kernels
 
 
 def tensors(temps, keys, top_k=None, top_p=None, vocab=50):
@@ -64,18 +65,12 @@ def test_logprobs_are_raw_temperature_one_and_greedy_is_argmax():
     assert torch.equal(logprobs, ref)
 
 
+@needs_kernels
 def test_gumbel_kernel_equals_the_torch_draw():
     """The one-kernel full-vocab draw (CUDA; here the Triton interpreter on CPU) picks the torch path's tokens:
     same hash, same noise, same logs and division, first index among equal maxima."""
-    import os
-    import pytest
-    from moeloop.rollout.decode_kernel import triton_available
     from moeloop.rollout.gumbel_kernel import gumbel_argmax
-    if not triton_available():
-        pytest.skip("triton is not installed")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no GPU and not under the Triton interpreter")
+    device = DEVICE
     g = torch.Generator().manual_seed(0)
     B, V = 37, 3001  # V not a multiple of the kernel's block
     logits = (torch.randn(B, V, generator=g) * 3).to(device)
