@@ -24,14 +24,17 @@ WHITEN_EPS = 1e-8  # added to the batch variance inside rsqrt (verl masked_white
 def response_mask(sample: Sample) -> torch.Tensor:
     """Float64 [R] 0/1 mask of the response tokens that count: `sample.loss_mask` if set, all ones
     otherwise, all zeros for a masked sample."""
+    return torch.tensor(response_mask_values(sample), dtype=torch.float64)
+
+
+def response_mask_values(sample: Sample) -> list:
+    """`response_mask` as a Python list (packing many samples converts once for all of them)."""
     num = len(sample.response_ids)
-    if not sample.in_loss:
-        return torch.zeros(num, dtype=torch.float64)
-    if sample.loss_mask is None:
-        return torch.ones(num, dtype=torch.float64)
+    if not sample.in_loss or sample.loss_mask is None:
+        return [float(sample.in_loss)] * num
     if len(sample.loss_mask) != num:
         raise ValueError(f"loss_mask has {len(sample.loss_mask)} values for {num} response tokens")
-    return torch.tensor(sample.loss_mask, dtype=torch.float64)
+    return sample.loss_mask
 
 
 def _groups(samples: list[Sample]) -> dict[int, list[int]]:

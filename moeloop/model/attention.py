@@ -43,11 +43,11 @@ class RowMap:
 
     @classmethod
     def of_gather(cls, gather_P: torch.Tensor, primary_U: torch.Tensor, readers_P: torch.Tensor | None = None,
-                  num_out: int | None = None, fill: int = 0) -> "RowMap":
+                  num_out: int | None = None) -> "RowMap":
         """Out row `readers_P[t]` (default t) reads in row `gather_P[t]`; in row u's primary reader is out row
-        `primary_U[u]` (one of its readers). Out rows that no t names (`num_out` > len) read row `fill`."""
+        `primary_U[u]` (one of its readers). Out rows that no t names (`num_out` > len: pads) read row 0."""
         readers_P = torch.arange(len(gather_P), device=gather_P.device) if readers_P is None else readers_P
-        src_P = gather_P if num_out is None else gather_P.new_full((num_out,), fill).index_copy_(0, readers_P, gather_P)
+        src_P = gather_P if num_out is None else gather_P.new_zeros(num_out).index_copy_(0, readers_P, gather_P)
         extra = primary_U[gather_P] != readers_P  # one host sync, once per forward
         return cls(src_P, primary_U, readers_P[extra], gather_P[extra])
 

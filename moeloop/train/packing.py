@@ -26,7 +26,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from moeloop.algo.advantages import response_mask
+from moeloop.algo.advantages import response_mask, response_mask_values
 from moeloop.algo.aggregation import loss_denominator
 from moeloop.types import Sample
 
@@ -172,8 +172,7 @@ def pack_samples(samples: list[Sample], dtype: torch.dtype = torch.float32, comp
             labels += ids[len(ids) - n + 1:]
             labels.append(0)
         positions += range(n)
-    masks = [s.loss_mask if s.in_loss and s.loss_mask is not None else
-             [float(s.in_loss)] * len(s.response_ids) for s in samples]
+    masks = [response_mask_values(s) for s in samples]
     batch = PackedBatch(
         input_ids_T=_tensor(ids, torch.int64), labels_T=_tensor(labels, torch.int64),
         position_ids_T=_tensor(positions, torch.int64),
