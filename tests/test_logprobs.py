@@ -130,5 +130,7 @@ def test_chunk_kernels_equal_naive(monkeypatch, temperature, with_entropy, ignor
     want = torch.autograd.grad(ref_loss, (hidden, weight))
     if with_entropy:
         torch.testing.assert_close(ent, ref_ent, rtol=1e-5, atol=1e-5, msg=lambda m: f"entropy: {m}")
+    # gradients: sums over tokens, chunk by chunk here and in one GEMM there; on the H200 the two fp32 reduction
+    # orders differ by up to 2.2e-5 on 2 of 1616 weight-gradient entries (temperature 0.7 scales them by 1/0.7)
     for name, g_, w_ in zip(["grad_hidden", "grad_weight"], got, want):
-        torch.testing.assert_close(g_, w_, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(g_, w_, rtol=1e-5, atol=5e-5, msg=lambda m: f"{name}: {m}")

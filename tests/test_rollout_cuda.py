@@ -61,13 +61,18 @@ def test_cuda_shared_weights_changed_in_place_reach_the_packed_qkv_on_push():
     assert engine.runner.qkv_packs  # the fused decode with packed projections is in use
     ps = prompts(8, seed=9)
     before = [o.response_ids for o in engine.generate(ps, GREEDY)]
-    with torch.no_grad():
-        for name, p in trainer.named_parameters():
-            if "self_attn" in name:
-                p.mul_(-1.0)  # a large change: the greedy tokens move
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():  # a large change to the packed projections only (negating all of attention would not
+        for name, p in trainer.named_parameters():  # change the function: q/k norms and o_proj undo the signs)
+            if any(f"self_attn.{w}_proj" in name for w in "qkv"):
+                p.add_(torch.randn(p.shape, generator=g, device="cuda"), alpha=0.5 * p.std().item())
     engine.update_weights(trainer.state_dict().items(), version=1)
+    for pack, layer in zip(engine.runner.qkv_packs, model.model.layers):
+        attn = layer.self_attn
+        assert torch.equal(pack.weight, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
     after = [o.response_ids for o in engine.generate(ps, GREEDY)]
     fresh = tiny_model(seed=1).cuda()
     fresh.load_state_dict(trainer.state_dict())
     want = [o.response_ids for o in make_engine(fresh, enforce_eager=False).generate(ps, GREEDY)]
-    assert after == want and after != before
+    assert after != before  # the change moves the greedy tokens
+    assert after == want
