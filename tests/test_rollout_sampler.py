@@ -1,7 +1,9 @@
 """Sampler: counter-based noise is batch-independent, top-k/top-p filter, logprobs are raw temperature-1."""
+import pytest
 import torch
 
 from moeloop.rollout.sampler import Sampler, SamplingTensors, _mix32, filter_logits, noise_at, row_key, uniform_noise
+from moeloop.rollout.gumbel_kernel import topk_gumbel_argmax
 from tests.kernels import DEVICE, needs_kernels
 
 
@@ -92,3 +94,34 @@ def test_gumbel_kernel_equals_the_torch_draw():
         assert torch.equal(gumbel_argmax(logits, keys, temps), ref) and ref[7] >= 1024
     finally:
         gumbel_kernel.SPLITS = splits
+
+
+@needs_kernels
+@pytest.mark.parametrize("with_top_p", [False, True])
+def test_topk_kernel_equals_the_torch_top_k_draw(monkeypatch, with_top_p):
+    """The top-k path's one-kernel draw among the torch.topk candidates (CUDA; here the Triton interpreter) picks
+    the torch path's tokens: per-row top-k (1 keeps only the max), top-p on some (peaked) rows, near-ties decided by the noise."""
+    import moeloop.rollout.sampler as sampler
+    device = DEVICE
+    g = torch.Generator().manual_seed(1)
+    B, V = 61, 3001
+    logits = (torch.randn(B, V, generator=g) * 0.5).to(device)  # flat: the noise decides among the candidates
+    logits[4, 200:230] = 9.0  # 30 equal maxima: top-k 50 keeps them all
+    temps = (torch.rand(B, generator=g) + 0.3)
+    top_ks = torch.tensor([1, 2, 5, 17, 50, 64, 40] * 9)[:B]
+    top_ps = torch.where(torch.arange(B) % 3 == 1, 0.6, 1.0) if with_top_p else torch.ones(B)
+    logits[1::3] *= 12  # peaked rows: a 0.6 nucleus holds a few of the candidates
+    keys = torch.tensor([row_key(s, 3 * s + 1) for s in range(B)])
+    st = SamplingTensors(temps.to(device), top_ks.to(device), top_ps.to(device), keys.to(device), any_filter=True,
+                         all_greedy=False, max_top_k=64, any_greedy=False, any_top_p=with_top_p)
+    monkeypatch.setattr(sampler, "kernels_apply", lambda t: False)
+    want = sampler._sample_top_k(logits, st)
+    monkeypatch.setattr(sampler, "kernels_apply", lambda t: True)
+    launched = []
+    monkeypatch.setattr(sampler, "topk_gumbel_argmax", lambda *a: launched.append(1) or topk_gumbel_argmax(*a))
+    got = sampler._sample_top_k(logits, st)
+    assert launched and torch.equal(got, want)
+    only_max = (top_ks == 1).to(device)
+    assert torch.equal(got[only_max], logits.argmax(-1)[only_max]) and 200 <= got[4] < 230
+    full = filter_logits(logits, st.top_ks_B, st.top_ps_B)  # the full-vocab filter keeps every drawn token
+    assert torch.isfinite(full.gather(1, got[:, None])).all()

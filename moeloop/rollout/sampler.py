@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from moeloop.model.kernel_switch import kernels_apply
-from moeloop.rollout.gumbel_kernel import gumbel_argmax
+from moeloop.rollout.gumbel_kernel import gumbel_argmax, topk_gumbel_argmax
 
 _M32 = 0xFFFFFFFF
 
@@ -84,6 +84,7 @@ class SamplingTensors:
     all_greedy: bool
     max_top_k: int | None = None  # host max of top_ks_B; small -> sample among torch.topk candidates, no sort
     any_greedy: bool = True  # some row has temperature 0 (False: no greedy argmax needed)
+    any_top_p: bool = True  # some row has top_p < 1 (False: no nucleus mask needed)
 
 
 def filter_logits(logits_BV: torch.Tensor, top_ks_B: torch.Tensor, top_ps_B: torch.Tensor) -> torch.Tensor:
@@ -104,12 +105,19 @@ TOPK_CANDIDATES_MAX = 1024
 
 def _sample_top_k(logits_BV: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """`filter_logits` + Gumbel-max restricted to each row's `max_top_k` largest logits (noise by vocab id, so the
-    draw equals the full-vocab one). Top-p mass is measured under the full softmax, as `filter_logits` does."""
+    draw equals the full-vocab one). Top-p mass is measured under the full softmax, as `filter_logits` does.
+    With the kernels, the rank/top-p masks, noise, scores and argmax are one launch (`topk_gumbel_argmax`)."""
     vals_BN, ids_BN = logits_BV.topk(st.max_top_k, dim=-1)
+    nucleus_BN = None  # candidates outside the top-p nucleus
+    if st.any_top_p:
+        probs_BN = (vals_BN - logits_BV.logsumexp(dim=-1, keepdim=True)).exp()
+        nucleus_BN = (probs_BN.cumsum(dim=-1) - probs_BN) > st.top_ps_B[:, None]
+    if kernels_apply(logits_BV):
+        return topk_gumbel_argmax(vals_BN, ids_BN, st.keys_B, st.temperatures_B, st.top_ks_B, nucleus_BN)
     rank_N = torch.arange(vals_BN.shape[-1], device=logits_BV.device)
     drop_BN = rank_N[None, :] >= st.top_ks_B[:, None]
-    probs_BN = (vals_BN - logits_BV.logsumexp(dim=-1, keepdim=True)).exp()
-    drop_BN |= (probs_BN.cumsum(dim=-1) - probs_BN) > st.top_ps_B[:, None]
+    if nucleus_BN is not None:
+        drop_BN |= nucleus_BN
     drop_BN[:, 0] = False
     temps_B = torch.where(st.temperatures_B > 0, st.temperatures_B, torch.ones_like(st.temperatures_B))
     gumbel_BN = -torch.log(-torch.log(noise_at(st.keys_B, ids_BN)))
