@@ -125,3 +125,34 @@ def test_topk_kernel_equals_the_torch_top_k_draw(monkeypatch, with_top_p):
     assert torch.equal(got[only_max], logits.argmax(-1)[only_max]) and 200 <= got[4] < 230
     full = filter_logits(logits, st.top_ks_B, st.top_ps_B)  # the full-vocab filter keeps every drawn token
     assert torch.isfinite(full.gather(1, got[:, None])).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", ["top_k_same", "top_k_top_p", "full_vocab", "greedy_rows"])
+def test_kernel_sampler_on_bf16_logits_equals_the_fp32_torch_path(monkeypatch, case):
+    """With the kernels the sampler reads bf16 logits as they are (the decode's lm_head output: no fp32 copy; with
+    one top-k for every row, an unsorted topk): the same tokens and logprobs as the torch path on an fp32 copy."""
+    import moeloop.rollout.sampler as sampler
+    device = DEVICE
+    g = torch.Generator().manual_seed(2)
+    B, V = 40, 2500
+    logits = (torch.randn(B, V, generator=g) * 2).to(torch.bfloat16).to(device)  # bf16: many equal values
+    temps = torch.rand(B, generator=g) + 0.4
+    if case == "greedy_rows":
+        temps[::3] = 0.0
+    top_ks = {"top_k_same": [50] * B, "top_k_top_p": [50, 7, 1, 33] * (B // 4)}.get(case, [V] * B)
+    top_ps = [0.7, 1.0] * (B // 2) if case == "top_k_top_p" else [1.0] * B
+    keys = torch.tensor([row_key(s, s + 11) for s in range(B)])
+    st = SamplingTensors(temps.to(device), torch.tensor(top_ks, device=device), torch.tensor(top_ps, device=device),
+                         keys.to(device), any_filter=case.startswith("top_k"), all_greedy=False,
+                         max_top_k=max(top_ks), any_greedy=case == "greedy_rows",
+                         any_top_p=case == "top_k_top_p", same_top_k=len(set(top_ks)) == 1)
+    monkeypatch.setattr(sampler, "kernels_apply", lambda t: False)
+    want_tokens, want_lp = Sampler()(logits.float(), st, want_logprobs=True)
+    monkeypatch.setattr(sampler, "kernels_apply", lambda t: True)
+    sorts = []
+    topk = torch.Tensor.topk
+    monkeypatch.setattr(torch.Tensor, "topk", lambda t, k, dim=-1, sorted=True: sorts.append(sorted) or topk(t, k, dim, sorted=sorted))
+    tokens, lp = Sampler()(logits, st, want_logprobs=True)
+    assert torch.equal(tokens, want_tokens) and lp.dtype == torch.float32 and torch.equal(lp, want_lp)
+    assert sorts == {"top_k_same": [False], "top_k_top_p": [True]}.get(case, [])

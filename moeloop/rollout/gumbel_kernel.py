@@ -119,7 +119,7 @@ def topk_gumbel_argmax(vals_BN: torch.Tensor, ids_BN: torch.Tensor, keys_B: torc
     B, N = vals_BN.shape
     out_B = torch.empty(B, dtype=torch.int64, device=vals_BN.device)
     if B:
-        vals_BN, ids_BN = vals_BN.float().contiguous(), ids_BN.contiguous()
+        vals_BN, ids_BN = vals_BN.contiguous(), ids_BN.contiguous()  # any float dtype: widened on load
         drop = drop_BN.to(torch.int8).contiguous() if drop_BN is not None else vals_BN  # unread without HAS_DROP
         _topk_gumbel[(B,)](vals_BN, ids_BN, keys_B.contiguous(), temperatures_B.float().contiguous(),
                            top_ks_B.contiguous(), drop, out_B, N, BLOCK_N=max(16, triton.next_power_of_2(N)),

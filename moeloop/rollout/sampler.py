@@ -85,6 +85,7 @@ class SamplingTensors:
     max_top_k: int | None = None  # host max of top_ks_B; small -> sample among torch.topk candidates, no sort
     any_greedy: bool = True  # some row has temperature 0 (False: no greedy argmax needed)
     any_top_p: bool = True  # some row has top_p < 1 (False: no nucleus mask needed)
+    same_top_k: bool = False  # every row has top_k == max_top_k
 
 
 def filter_logits(logits_BV: torch.Tensor, top_ks_B: torch.Tensor, top_ps_B: torch.Tensor) -> torch.Tensor:
@@ -107,12 +108,15 @@ def _sample_top_k(logits_BV: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """`filter_logits` + Gumbel-max restricted to each row's `max_top_k` largest logits (noise by vocab id, so the
     draw equals the full-vocab one). Top-p mass is measured under the full softmax, as `filter_logits` does.
     With the kernels, the rank/top-p masks, noise, scores and argmax are one launch (`topk_gumbel_argmax`)."""
-    vals_BN, ids_BN = logits_BV.topk(st.max_top_k, dim=-1)
+    kernel = kernels_apply(logits_BV)
+    # every row keeps all max_top_k candidates: their order does not matter to the kernel (no sort launched)
+    unranked = kernel and st.same_top_k and not st.any_top_p
+    vals_BN, ids_BN = logits_BV.topk(st.max_top_k, dim=-1, sorted=not unranked)
     nucleus_BN = None  # candidates outside the top-p nucleus
     if st.any_top_p:
-        probs_BN = (vals_BN - logits_BV.logsumexp(dim=-1, keepdim=True)).exp()
+        probs_BN = (vals_BN.float() - logits_BV.float().logsumexp(dim=-1, keepdim=True)).exp()
         nucleus_BN = (probs_BN.cumsum(dim=-1) - probs_BN) > st.top_ps_B[:, None]
-    if kernels_apply(logits_BV):
+    if kernel:
         return topk_gumbel_argmax(vals_BN, ids_BN, st.keys_B, st.temperatures_B, st.top_ks_B, nucleus_BN)
     rank_N = torch.arange(vals_BN.shape[-1], device=logits_BV.device)
     drop_BN = rank_N[None, :] >= st.top_ks_B[:, None]
@@ -128,8 +132,12 @@ def _sample_top_k(logits_BV: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
 class Sampler:
     def __call__(self, logits_BV: torch.Tensor, st: SamplingTensors,
                  want_logprobs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Return (token ids [B], logprobs [B] of those tokens under the raw temperature-1 softmax)."""
-        logits_BV = logits_BV.float()
+        """Return (token ids [B], logprobs [B] of those tokens under the raw temperature-1 softmax).
+
+        With the kernels, bf16 logits are read as they are (the kernels, topk, argmax and the fp32 log_softmax
+        widen each value exactly); the torch path works on an fp32 copy. Same tokens and logprobs either way."""
+        if not kernels_apply(logits_BV):
+            logits_BV = logits_BV.float()
         if st.all_greedy:
             return self._with_logprobs(logits_BV, logits_BV.argmax(dim=-1), want_logprobs)
         if st.any_filter and st.max_top_k is not None and st.max_top_k <= TOPK_CANDIDATES_MAX:
@@ -150,5 +158,5 @@ class Sampler:
                        want_logprobs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         logprobs_B = None
         if want_logprobs:
-            logprobs_B = torch.log_softmax(logits_BV, dim=-1).gather(1, tokens_B[:, None])[:, 0]
+            logprobs_B = torch.log_softmax(logits_BV, dim=-1, dtype=torch.float32).gather(1, tokens_B[:, None])[:, 0]
         return tokens_B, logprobs_B
