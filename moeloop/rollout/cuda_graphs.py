@@ -56,15 +56,19 @@ class DecodeGraphs:
 
     def _fill(self, size: int, ids: list[int], pos: list[int], slots: list[int], lens: list[int],
               tables: list[list[int]], patch: tuple[list[int], list[int], torch.Tensor] | None = None) -> None:
+        # the steady decode: rows 0..n-1 take the previous step's tokens 0..n-1 (dst rises from 0: the last is n-1)
+        in_order = patch is not None and patch[0] == patch[1] and patch[0][-1] == len(patch[0]) - 1
         flat, n_in = flat_inputs(size, self.max_blocks_per_seq, self.cache.scratch_block, self.cache.block_size, ids,
-                                 pos, slots, lens, tables, patch)
+                                 pos, slots, lens, tables, None if in_order else patch)
         turn = self._turn = self._turn ^ 1
         if self._copied[turn] is not None:
             self._copied[turn].synchronize()
         staging = self._staging[turn][:len(flat)]
         staging.copy_(torch.frombuffer(flat, dtype=torch.int64))
         self.inputs[:n_in].copy_(staging[:n_in], non_blocking=True)
-        if patch is not None:  # ids[rows] = tokens[source rows], on the device
+        if in_order:  # one device copy, no index lists
+            self.inputs[:len(patch[0])].copy_(patch[2][:len(patch[0])])
+        elif patch is not None:  # ids[rows] = tokens[source rows], on the device
             n_patch = len(patch[0])
             index = self.patch_index[:2 * n_patch]
             index.copy_(staging[n_in:], non_blocking=True)

@@ -104,7 +104,10 @@ class ModelRunner:
         st = self._sampling_tensors(sampled)
         want_logprobs = any(s.params.logprobs for s in sampled)
         tokens_B, logprobs_B = self.sampler(logits_TV, st, want_logprobs)
-        out_XB = tokens_B[None].double() if logprobs_B is None else torch.stack([tokens_B.double(), logprobs_B.double()])
+        out_XB = torch.empty(1 if logprobs_B is None else 2, len(tokens_B), dtype=torch.float64, device=self.device)
+        out_XB[0].copy_(tokens_B)  # casting copies: one launch a row (a stack of casts was three)
+        if logprobs_B is not None:
+            out_XB[1].copy_(logprobs_B)
         step.tokens_B, step.row_of = tokens_B, {s.seq_id: j for j, s in enumerate(sampled)}
         if self.device.type == "cuda":
             # a contiguous prefix of the flat pinned buffer: a strided destination would make the copy synchronous
