@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from moeloop.model.logprob_kernels import chunk_dlogits, chunk_stats, kernels_apply
+from moeloop.model.kernel_switch import kernels_apply
+from moeloop.model.logprob_kernels import chunk_dlogits, chunk_stats
 
 IGNORE_INDEX = -100  # labels < 0 give logprob 0, entropy still computed, and no logprob gradient
 

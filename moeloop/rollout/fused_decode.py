@@ -2,12 +2,12 @@
 `MoEForCausalLM.forward`, in about 13 kernels per layer instead of about 60.
 
 Per layer: residual add + RMSNorm (one kernel), the q/k/v projections (one `_row_linear` launch for a single
-token, else cuBLAS), q/k head RMSNorm + RoPE + the K/V
-cache write (one kernel), paged attention, o_proj, add + RMSNorm, the router projection, softmax + top-k +
-renormalisation (one kernel with the projection inside from 16 tokens on), and the experts (`moe_kernel`: two kernels for a few tokens; for more, a sort
-and two grouped GEMMs whose rows' weighted sum is fused into the next add + RMSNorm). Every bf16 rounding of the module
-path is kept (norm output, weight product, each RoPE product and sum, residual sums), so outputs match it up
-to fp32 summation order inside a norm. Used for decode-only batches of GQA models with half-split RoPE over
+token, else one cuBLAS GEMM on the packed q|k|v copy), q/k head RMSNorm + RoPE + the K/V cache write (one
+kernel), paged attention, o_proj, add + RMSNorm, the router projection, softmax + top-k + renormalisation (one
+kernel with the projection inside from 16 tokens on), and the experts (`moe_kernel`: two kernels for a few
+tokens; for more, a sort and two grouped GEMMs whose rows' weighted sum is fused into the next add + RMSNorm).
+Every bf16 rounding of the module path is kept (norm output, weight product, each RoPE product and sum, residual
+sums), so outputs match it up to fp32 summation order inside a norm. Used for decode-only batches of GQA models with half-split RoPE over
 the whole head and a softmax router (Qwen3-MoE, Qwen3, Llama, Mixtral); `fused_supported` says when.
 Shapes: T tokens, D model dim, H/G query/kv heads, Dh head dim, E experts, K experts per token.
 """
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeloop.model.kernel_switch import kernels_enabled
+from moeloop.model.kernel_switch import kernels_apply
 from moeloop.model.moe import MoE
 from moeloop.model.norm import RMSNorm
 from moeloop.rollout.decode_kernel import triton
@@ -273,8 +273,7 @@ class QKVPack:
 
 def qkv_packs_apply(model: nn.Module) -> bool:
     """The engine's CUDA decode takes the fused forward here (so `pack_qkv` pays off)."""
-    param = next(model.parameters())
-    return param.is_cuda and kernels_enabled() and fused_supported(model)
+    return kernels_apply(next(model.parameters())) and fused_supported(model)
 
 
 def pack_qkv(model: nn.Module) -> list[QKVPack]:

@@ -12,10 +12,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from moeloop.model.kernel_switch import kernels_enabled
+from moeloop.model.kernel_switch import kernels_apply
 from moeloop.model.moe import MoE
 from moeloop.rollout.cuda_graphs import CaptureFailed, DecodeGraphs
-from moeloop.rollout.decode_kernel import triton_available
 from moeloop.rollout.fused_decode import QKVPack, fused_decode_forward, fused_supported
 from moeloop.rollout.kv_cache import KVCache
 from moeloop.rollout.moe_kernel import decode_moe
@@ -55,7 +54,7 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.vocab_size = model.cfg.vocab_size
         self.sampler = Sampler()
-        self.use_kernel = self.device.type == "cuda" and triton_available() and kernels_enabled()
+        self.use_kernel = kernels_apply(next(model.parameters()))  # CUDA, triton, the switch on
         self.max_blocks_per_seq = -(-max_model_len // cache.block_size)
         self._moe_blocks = [m for m in model.modules() if isinstance(m, MoE)]
         self.fused_ok = fused_supported(model)  # the fused decode forward applies (used with the kernels)
@@ -93,7 +92,7 @@ class ModelRunner:
         sampled = [batch.seqs[i] for i in own] + [f for f, _ in batch.forks]
         step = LaunchedStep(batch.seqs, sampled)
         patch = _pending_inputs(batch, prev)
-        with decode_moe(self.model, self._moe_blocks, kernels=self.device.type == "cuda" and kernels_enabled()):
+        with decode_moe(self.model, self._moe_blocks, kernels=self.use_kernel):
             logits_TV = self._graph_logits(batch, patch, rows)  # never with forks: their leader's chunk is >= 2
             if logits_TV is None:
                 logits_TV = self._eager_logits(batch, patch, rows)
