@@ -19,12 +19,11 @@ import time
 
 import torch
 
-from moeloop.config.schema import RolloutSection
 from moeloop.model.factory import build_model
 from moeloop.rollout import Engine, SamplingParams
 from moeloop.rollout.cuda_graphs import batch_ladder, flat_inputs
-from moeloop.rollout.kv_cache import kv_bytes_per_block
 from moeloop.rollout.runner import decode_inputs
+from sized_engine import sized_engine
 
 
 def stub_forward(engine: Engine) -> None:
@@ -64,11 +63,7 @@ def main() -> None:
     print(f"host work per decode step, device work stubbed; torch {torch.__version__}, 1 thread; "
           f"prompt {P}, up to {N} new tokens, top-k 50 sampling with logprobs")
     for B in [int(b) for b in args.batch.split(",")]:
-        blocks = B * -(-(P + N) // 16) + 8
-        kv = int(1.2 * blocks * kv_bytes_per_block(model.cfg, 16, torch.float32))
-        engine = Engine(model, RolloutSection(max_num_seqs=B, max_num_batched_tokens=max(8192, B * P),
-                                              kv_cache_bytes=kv, max_model_len=P + N, async_scheduling="on"),
-                        eos_token_ids=[])
+        engine = sized_engine(model, B, P, N, async_scheduling="on")
         stub_forward(engine)
         g = torch.Generator().manual_seed(0)
         params = SamplingParams(max_tokens=N, top_k=50, seed=1, logprobs=True)  # one object, as `generate` passes it

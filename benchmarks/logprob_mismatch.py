@@ -19,12 +19,11 @@ import os
 
 import torch
 
-from moeloop.config.schema import RolloutSection
 from moeloop.model.factory import build_model
-from moeloop.rollout import Engine, SamplingParams
-from moeloop.rollout.kv_cache import kv_bytes_per_block
+from moeloop.rollout import SamplingParams
 from moeloop.train.actor import PolicyForward
 from moeloop.types import Sample
+from sized_engine import sized_engine
 
 
 def main() -> None:
@@ -44,9 +43,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, model.cfg.vocab_size, (args.prompts, args.prompt_len), generator=g).tolist()
     B, total = args.prompts * args.n, args.prompt_len + args.new_tokens
-    kv = int(1.2 * (B * -(-total // 16) + 8) * kv_bytes_per_block(model.cfg, 16, dtype))
-    engine = Engine(model, RolloutSection(max_num_seqs=B, block_size=16, kv_cache_bytes=kv, max_model_len=total),
-                    eos_token_ids=[])
+    engine = sized_engine(model, B, args.prompt_len, args.new_tokens)
     params = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.new_tokens, seed=0, logprobs=True)
     outs = engine.generate(prompts, params)
     samples = [Sample(prompt_ids=o.prompt_ids, response_ids=o.response_ids, response_logprobs=o.logprobs,

@@ -14,10 +14,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from cuda_kernels import kernel_times
-from moeloop.config.schema import RolloutSection
 from moeloop.model.factory import build_model
-from moeloop.rollout import Engine, SamplingParams
-from moeloop.rollout.kv_cache import kv_bytes_per_block
+from moeloop.rollout import SamplingParams
+from sized_engine import sized_engine
 
 
 def main() -> None:
@@ -47,10 +46,7 @@ def main() -> None:
     model = build_model("qwen3_moe", args.size, seed=0).to("cuda", torch.bfloat16).eval()
     for B in [int(b) for b in args.batch.split(",")]:
         P, N = 128, 256
-        blocks = B * -(-(P + N) // 16) + 8
-        kv = int(1.2 * blocks * kv_bytes_per_block(model.cfg, 16, torch.bfloat16))
-        engine = Engine(model, RolloutSection(max_num_seqs=B, max_num_batched_tokens=max(8192, B * P), kv_cache_bytes=kv,
-                                              max_model_len=P + N), eos_token_ids=[])
+        engine = sized_engine(model, B, P, N)
         g = torch.Generator().manual_seed(0)
         prompts = torch.randint(3, model.cfg.vocab_size, (B, P), generator=g).tolist()
         engine.generate(prompts, SamplingParams(max_tokens=4, top_k=args.top_k, seed=0, logprobs=args.logprobs))

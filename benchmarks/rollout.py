@@ -18,11 +18,11 @@ import time
 import torch
 import transformers
 
-from moeloop.config.schema import RolloutSection
 from moeloop.model.experts import Experts
 from moeloop.model.factory import build_model
-from moeloop.rollout import Engine, SamplingParams
+from moeloop.rollout import SamplingParams
 from moeloop.rollout.kv_cache import kv_bytes_per_block
+from sized_engine import sized_engine
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -77,10 +77,7 @@ def timed(fn, device: str, repeats: int) -> float:
 
 def bench_moeloop(model, prompts: list[list[int]], new_tokens: int, device: str, repeats: int) -> tuple[float, float]:
     B, P = len(prompts), len(prompts[0])
-    num_blocks = B * -(-(P + new_tokens) // 16) + 8
-    kv_bytes = int(1.2 * num_blocks * kv_bytes_per_block(model.cfg, 16, next(model.parameters()).dtype))
-    engine = Engine(model, RolloutSection(max_num_seqs=B, max_num_batched_tokens=max(8192, B * P), block_size=16,
-                                          kv_cache_bytes=kv_bytes, max_model_len=P + new_tokens), eos_token_ids=[])
+    engine = sized_engine(model, B, P, new_tokens)
 
     def run(n: int):
         outs = engine.generate(prompts, SamplingParams(temperature=1.0, top_k=50, max_tokens=n, seed=0))
