@@ -10,23 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from moeloop.model.kernel_switch import kernels_apply, triton, triton_interpreting
+from moeloop.model.kernel_switch import kernels_apply, rounds_by_bits, triton
 
 if triton is not None:
     import triton.language as tl
 
-    @triton.jit
-    def _bf16_rne(x):
-        """fp32 -> nearest-even bf16 value, kept in fp32, by bits: the interpreter's cast truncates instead."""
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
-
-    @triton.jit
-    def _rounded(x, dt: tl.constexpr, BY_BITS: tl.constexpr):
-        if BY_BITS:
-            return _bf16_rne(x)
-        return x.to(dt).to(tl.float32)
+    from moeloop.model.kernel_switch import bf16_rne, rounded
 
     @triton.jit
     def _rope_half_split(x_ptr, cos_ptr, sin_ptr, y_ptr, num_rows, s_xt, s_xh, H: tl.constexpr, R2: tl.constexpr,
@@ -48,13 +37,13 @@ if triton is not None:
         s1 = tl.load(sin_ptr + tab, mask=ok, other=0.0).to(tl.float32)
         s2 = tl.load(sin_ptr + tab + R2, mask=ok, other=0.0).to(tl.float32)
         if BACKWARD:  # g * cos + cat((g * sin)_2, -(g * sin)_1)
-            y1 = _rounded(x1 * c1, dt, BY_BITS) + _rounded(x2 * s2, dt, BY_BITS)
-            y2 = _rounded(x2 * c2, dt, BY_BITS) - _rounded(x1 * s1, dt, BY_BITS)
+            y1 = rounded(x1 * c1, dt, BY_BITS) + rounded(x2 * s2, dt, BY_BITS)
+            y2 = rounded(x2 * c2, dt, BY_BITS) - rounded(x1 * s1, dt, BY_BITS)
         else:  # x * cos + cat(-x2, x1) * sin
-            y1 = _rounded(x1 * c1, dt, BY_BITS) - _rounded(x2 * s1, dt, BY_BITS)
-            y2 = _rounded(x2 * c2, dt, BY_BITS) + _rounded(x1 * s2, dt, BY_BITS)
+            y1 = rounded(x1 * c1, dt, BY_BITS) - rounded(x2 * s1, dt, BY_BITS)
+            y2 = rounded(x2 * c2, dt, BY_BITS) + rounded(x1 * s2, dt, BY_BITS)
         if BY_BITS:
-            y1, y2 = _bf16_rne(y1), _bf16_rne(y2)
+            y1, y2 = bf16_rne(y1), bf16_rne(y2)
         y1_ptr = y_ptr + (rows * 2 * R2)[:, None] + i[None, :]
         tl.store(y1_ptr, y1.to(dt), mask=ok)
         tl.store(y1_ptr + R2, y2.to(dt), mask=ok)
@@ -68,7 +57,7 @@ def _launch(x_THR: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor, bac
     y_THR = torch.empty((T, H, R), dtype=x_THR.dtype, device=x_THR.device)
     block_r2 = triton.next_power_of_2(R // 2)
     block_rows = max(1, 2048 // block_r2)  # 4096 elements a program for R=128
-    by_bits = triton_interpreting() and x_THR.dtype == torch.bfloat16
+    by_bits = rounds_by_bits(x_THR.dtype)
     if T * H:
         # no fp fusion: LLVM turns each bf16 round trip into a bf16 mul and add, which fusion would merge into an
         # FMA that skips the product's rounding (in fp32 likewise)

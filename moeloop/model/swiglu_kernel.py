@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from moeloop.model.kernel_switch import kernels_apply, triton, triton_interpreting
+from moeloop.model.kernel_switch import kernels_apply, rounds_by_bits, triton, triton_interpreting
 
 if triton is not None:
     import triton.language as tl
     from triton.language.extra import libdevice
 
-    from moeloop.model.rope_kernel import _bf16_rne, _rounded  # bf16 rounding that also holds under the interpreter
+    from moeloop.model.kernel_switch import bf16_rne, rounded  # bf16 rounding that also holds under the interpreter
 
     @triton.jit
     def _one_plus_exp_neg(x, LIBDEVICE: tl.constexpr):
@@ -31,7 +31,7 @@ if triton is not None:
     def _silu(x, dt: tl.constexpr, BY_BITS: tl.constexpr, LIBDEVICE: tl.constexpr):
         """silu(x) of fp32 x as torch's CUDA kernel computes it (x / (1 + expf(-x)), IEEE division), rounded to
         dt, in fp32 (also the rollout's decode MoE kernels)."""
-        return _rounded(tl.math.div_rn(x, _one_plus_exp_neg(x, LIBDEVICE)), dt, BY_BITS)
+        return rounded(tl.math.div_rn(x, _one_plus_exp_neg(x, LIBDEVICE)), dt, BY_BITS)
 
     @triton.jit
     def _gate_up_tile(h_ptr, num_rows, s_h, F: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_ROWS: tl.constexpr):
@@ -52,7 +52,7 @@ if triton is not None:
         dt = y_ptr.dtype.element_ty
         y = _silu(x, dt, BY_BITS, LIBDEVICE) * up
         if BY_BITS:
-            y = _bf16_rne(y)
+            y = bf16_rne(y)
         tl.store(y_ptr + (rows * F)[:, None] + f[None, :], y.to(dt), mask=ok)
 
     @triton.jit
@@ -64,13 +64,13 @@ if triton is not None:
         dt = dh_ptr.dtype.element_ty
         dy = tl.load(dy_ptr + (rows * s_dy)[:, None] + f[None, :], mask=ok, other=0.0).to(tl.float32)
         denom = _one_plus_exp_neg(x, LIBDEVICE)
-        s = _rounded(tl.math.div_rn(x, denom), dt, BY_BITS)  # the forward's silu(gate), which autograd saves
+        s = rounded(tl.math.div_rn(x, denom), dt, BY_BITS)  # the forward's silu(gate), which autograd saves
         sig = tl.math.div_rn(1.0, denom)
         d_up = dy * s
-        d_s = _rounded(dy * up, dt, BY_BITS)
+        d_s = rounded(dy * up, dt, BY_BITS)
         d_x = d_s * sig * (1.0 + x * (1.0 - sig))
         if BY_BITS:
-            d_x, d_up = _bf16_rne(d_x), _bf16_rne(d_up)
+            d_x, d_up = bf16_rne(d_x), bf16_rne(d_up)
         dx_ptr = dh_ptr + (rows * 2 * F)[:, None] + f[None, :]
         tl.store(dx_ptr, d_x.to(dt), mask=ok)
         tl.store(dx_ptr + F, d_up.to(dt), mask=ok)
@@ -90,7 +90,7 @@ def _launch(h_S2F: torch.Tensor, dy_SF: torch.Tensor | None) -> torch.Tensor:
     # backward's x * (1 - sig) into 1 + ...); no product that torch rounds to the dtype feeds an add. libdevice
     # without flush-to-zero, also nvcc's default.
     meta = dict(F=F, BLOCK_F=block_f, BLOCK_ROWS=block_rows, LIBDEVICE=not triton_interpreting(),
-                BY_BITS=triton_interpreting() and h_S2F.dtype == torch.bfloat16, num_warps=8,
+                BY_BITS=rounds_by_bits(h_S2F.dtype), num_warps=8,
                 enable_fp_fusion=True, enable_reflect_ftz=False)
     if dy_SF is None:
         _swiglu_fwd[grid](h_S2F, out, S, h_S2F.stride(0), **meta)
