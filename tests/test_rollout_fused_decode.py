@@ -64,12 +64,15 @@ def test_fused_decode_forward_bf16_logits_and_kv():
     assert (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean() >= 0.8
 
 
-@pytest.mark.parametrize("num_tokens", [1, 3, 40, 300])
-def test_decode_expert_kernels_match_sorted_forward(num_tokens):
+@pytest.mark.parametrize("num_tokens,max_width", [(1, 2048), (3, 2048), (2, 32), (40, 2048), (300, 2048)])
+def test_decode_expert_kernels_match_sorted_forward(monkeypatch, num_tokens, max_width):
     """The small-batch fused kernels and the grouped path (counting sort + grouped_mm + weighted sum) both equal
-    `Experts.sorted_forward`; the counting sort gives the stable argsort's order and the grouped_mm offsets."""
+    `Experts.sorted_forward`; the counting sort gives the stable argsort's order and the grouped_mm offsets.
+    max_width 32: the small-batch kernels hold narrower weight tiles than a row and loop over the rest."""
     from moeloop.model.experts import Experts, expert_counts
+    from moeloop.rollout import moe_kernel
     from moeloop.rollout.moe_kernel import fused_experts, grouped_experts
+    monkeypatch.setattr(moe_kernel, "FEW_MAX_WIDTH", max_width)
 
     torch.manual_seed(num_tokens)
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # CUDA grouped_mm takes bf16
@@ -132,16 +135,22 @@ def test_fused_failure_falls_back_to_module_forward(monkeypatch):
 GREEDY_PARAMS = SamplingParams(temperature=0, max_tokens=6)
 
 
-def test_row_linear_equals_f_linear():
-    """One token through up to three projections in one launch (the B=1 decode path) == F.linear of each."""
+@pytest.mark.parametrize("max_d", [2048, 16])
+def test_row_linear_equals_f_linear(monkeypatch, max_d):
+    """One token through up to three projections in one launch (the B=1 decode path) == F.linear of each.
+    max_d 16: a program holds 16 weight columns at a time and loops over the 40 (the last block masked)."""
     from torch import nn
+    from moeloop.rollout import fused_decode
     from moeloop.rollout.fused_decode import project, row_linear_applies
 
+    monkeypatch.setattr(fused_decode, "ROW_LINEAR_MAX_D", max_d)
     torch.manual_seed(0)
     x = torch.randn(1, 40, device=DEVICE)
     mods = [nn.Linear(40, n, bias=False).to(DEVICE) for n in (48, 16, 32)]
     assert row_linear_applies(x, mods, 16)
-    for got, m in zip(project(x, mods), mods):
+    for got, m in zip(project(x, mods, block_n=16), mods):
+        torch.testing.assert_close(got, F.linear(x, m.weight), rtol=1e-5, atol=1e-5)
+    for got, m in zip(project(x, mods), mods):  # the default tile
         torch.testing.assert_close(got, F.linear(x, m.weight), rtol=1e-5, atol=1e-5)
     (one,) = project(x, mods[:1], block_n=8)
     torch.testing.assert_close(one, F.linear(x, mods[0].weight), rtol=1e-5, atol=1e-5)

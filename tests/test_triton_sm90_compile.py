@@ -62,18 +62,19 @@ def _compile_expert_gemm():
                      dict(a_ptr="*bf16", rows_ptr="*i64", w_ptr="*bf16", offsets_ptr="*i32", out_ptr="*bf16",
                           s_we="i64", s_wn="i64"),
                      dict(N_OUT=F if gated else D, K_IN=D if gated else F, GATED=gated, GATHER=gated, BLOCK_M=32,
-                          BLOCK_N=64, BLOCK_K=128, PRECISION="tf32", STATIC_M=0, M_SPLITS=4, LIBDEVICE=True))
+                          BLOCK_N=64, BLOCK_K=128, PRECISION="tf32", STATIC_M=0, M_SPLITS=4, LIBDEVICE=True, PDL=gated))
 
 
 def _compile_align_and_small_batch_experts():
     from moeloop.rollout import moe_kernel
     compile_sm90(moe_kernel._align_by_expert, dict(ids_ptr="*i64", token_ptr="*i64", dest_ptr="*i64",
-                                                   offsets_ptr="*i32", S="i32"), dict(K=K, S_PAD=1024))
+                                                   offsets_ptr="*i32", S="i32"), dict(K=K, S_PAD=1024, PDL=True))
     compile_sm90(moe_kernel._gate_up_silu, dict(x_ptr="*bf16", w_ptr="*bf16", ids_ptr="*i64", h_ptr="*bf16",
-                                                s_we="i64", s_wf="i64"), dict(D=D, F=F, K=K, BLOCK_F=8, BLOCK_D=512, LIBDEVICE=True))
+                                                s_we="i64", s_wf="i64"),
+                 dict(D=D, F=F, K=K, BLOCK_F=4, BLOCK_D=2048, LIBDEVICE=True, PDL=True), num_warps=8)
     compile_sm90(moe_kernel._down_combine, dict(h_ptr="*bf16", w_ptr="*bf16", ids_ptr="*i64", wts_ptr="*fp32",
                                                y_ptr="*bf16", s_we="i64", s_wd="i64"),
-                 dict(D=D, F=F, K=K, BLOCK_D=4, BLOCK_F=512))
+                 dict(D=D, F=F, K=K, K_PAD=K, BLOCK_D=4, BLOCK_F=512, PDL=True))
 
 
 def _compile_combine_rows_and_backward():
@@ -93,18 +94,19 @@ def _compile_fused_decode_kernels():
         compile_sm90(fused_decode._add_rmsnorm,
                      dict(x_ptr="*bf16", res_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", res_out_ptr="*bf16",
                           dest_ptr="*i64", wts_ptr="*fp32", eps="fp32"),
-                     dict(D=D, BLOCK_D=2048, HAS_RES=True, COMBINE_K=combine_k))
+                     dict(D=D, BLOCK_D=2048, HAS_RES=True, COMBINE_K=combine_k, PDL=combine_k > 0))
     compiled = compile_sm90(fused_decode._qk_norm_rope_store,
                  dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", qw_ptr="*bf16", kw_ptr="*bf16", cos_ptr="*bf16",
                       sin_ptr="*bf16", slots_ptr="*i64", qo_ptr="*bf16", kc_ptr="*bf16", vc_ptr="*bf16", eps="fp32",
-                      s_q="i64", s_k="i64", s_v="i64", s_kc="i64", s_vc="i64"), dict(H=H, G=G, HALF=DH // 2, QK_NORM=True),
+                      s_q="i64", s_k="i64", s_v="i64", s_kc="i64", s_vc="i64"),
+                 dict(H=H, G=G, HALF=DH // 2, QK_NORM=True, PDL=True),
                  num_warps=1, enable_fp_fusion=False)
     assert "fma.rn" not in compiled.asm["ptx"]  # as launched: 12 FMAs with fusion on, each skipping a bf16 rounding
     compile_sm90(fused_decode._softmax_topk, dict(logits_ptr="*bf16", ids_ptr="*i64", wts_ptr="*fp32", scale="fp32"),
-                 dict(E=E, E_PAD=E, K=K, NORM=True), num_warps=1)
+                 dict(E=E, E_PAD=E, K=K, NORM=True, PDL=True), num_warps=1)
     compile_sm90(fused_decode._router_topk, dict(x_ptr="*bf16", w_ptr="*bf16", ids_ptr="*i64", wts_ptr="*fp32",
                                                  scale="fp32", T="i32"),
-                 dict(D=D, E=E, E_PAD=E, K=K, NORM=True, BLOCK_T=16, BLOCK_D=128, PRECISION="tf32"))
+                 dict(D=D, E=E, E_PAD=E, K=K, NORM=True, BLOCK_T=16, BLOCK_D=128, PRECISION="tf32", PDL=True))
 
 
 def _compile_paged_decode():
@@ -115,10 +117,10 @@ def _compile_paged_decode():
                      dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", o_ptr="*bf16" if splits == 1 else "*fp32",
                           m_ptr="*fp32", l_ptr="*fp32", tables_ptr="*i32", lens_ptr="*i32", scale="fp32", **strides),
                      dict(QH=H // G, QH_PAD=16, DK=DH, DK_PAD=DH, DV=DH, DV_PAD=DH, BLOCK_SIZE=16, BLOCK_N=64,
-                          PRECISION="tf32", NUM_SPLITS=splits, CHUNK=256, DYNAMIC_LOOP=splits == 1))
+                          PRECISION="tf32", NUM_SPLITS=splits, CHUNK=256, DYNAMIC_LOOP=splits == 1, PDL=splits > 1))
     compile_sm90(decode_kernel._merge_splits, dict(part_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", o_ptr="*bf16",
                                                    s_ob="i64", s_oh="i64"),
-                 dict(H=H, DV=DH, DV_PAD=DH, NUM_SPLITS=4, SPLITS_PAD=4))
+                 dict(H=H, DV=DH, DV_PAD=DH, NUM_SPLITS=4, SPLITS_PAD=4, PDL=True))
 
 
 def _compile_gumbel_kernels():
@@ -156,10 +158,15 @@ def _compile_logprob_chunk_kernels():
 
 def _compile_row_linear():
     from moeloop.rollout import fused_decode
-    for n0, n1, block_n in ((H * DH, G * DH, 16), (D, 0, 16), (E, 0, 8)):  # q|k|v, o_proj, router
-        compile_sm90(fused_decode._row_linear, dict(x_ptr="*bf16", w0_ptr="*bf16", w1_ptr="*bf16", w2_ptr="*bf16",
-                                                    out_ptr="*bf16"),
-                     dict(N0=n0, N1=n1, D=D if n0 != D else H * DH, BLOCK_N=block_n, BLOCK_D=512))
+    for n0, n1, block_n in ((H * DH, G * DH, 4), (D, 0, 4), (E, 0, 4)):  # q|k|v, o_proj, router
+        for pdl in (False, True):
+            compiled = compile_sm90(fused_decode._row_linear, dict(x_ptr="*bf16", w0_ptr="*bf16", w1_ptr="*bf16", w2_ptr="*bf16",
+                                                        out_ptr="*bf16"),
+                         dict(N0=n0, N1=n1, D=D if n0 != D else H * DH, BLOCK_N=block_n, BLOCK_D=2048, PDL=pdl),
+                         num_warps=8)
+            # the PDL build waits on the previous grid and releases the next one; the plain build does neither
+            assert ("griddepcontrol.wait" in compiled.asm["ptx"]) == pdl
+            assert ("griddepcontrol.launch_dependents" in compiled.asm["ptx"]) == pdl
 
 
 def _compile_rope_half_split():

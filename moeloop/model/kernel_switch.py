@@ -2,7 +2,13 @@
 the tensors on CUDA, and the switch on. `MOELOOP_KERNELS=off` runs torch ops everywhere instead (training
 norms, expert row moves, logprob chunks; the rollout's fused decode, paged attention, MoE and sampling kernels),
 with the same math: for bisecting a numerical difference, or a GPU / Triton build that a kernel does not support.
-Every kernel module takes `triton` from here, and the bf16 rounding helpers that also hold under the interpreter."""
+Every kernel module takes `triton` from here, and the bf16 rounding helpers that also hold under the interpreter.
+
+Programmatic dependent launch (PDL, `pdl_applies`): on Hopper and later, the rollout's decode kernels are launched
+so that each may start while the kernel before it finishes. A kernel loads what no recent kernel writes (its
+weights) first, then `pdl_wait`s for the kernel before it to complete, and only then reads that kernel's output or
+stores anything. Because every kernel lets its successor launch only after its own wait, a kernel's early phase may
+also read what the kernels two or more launches back wrote. `MOELOOP_PDL=off` launches them one after another."""
 from __future__ import annotations
 
 import os
@@ -13,6 +19,10 @@ try:
     import triton
 except ImportError:
     triton = None
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a triton without grid dependency control (before 3.3): launch without PDL
+    gdc_launch_dependents = gdc_wait = None
 
 
 def kernels_enabled() -> bool:
@@ -29,6 +39,25 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+_PDL_DEVICES: dict[torch.device, bool] = {}
+
+
+def pdl_applies(x: torch.Tensor) -> bool:
+    """Launch the decode kernels on x's device with programmatic dependent launch: compiled (not interpreted) on
+    a CUDA device of compute capability 9 or more, with a triton that has grid dependency control, `MOELOOP_PDL`
+    not off."""
+    if not x.is_cuda or gdc_wait is None or triton_interpreting() or os.environ.get("MOELOOP_PDL", "on").lower() == "off":
+        return False
+    if x.device not in _PDL_DEVICES:
+        _PDL_DEVICES[x.device] = torch.cuda.get_device_capability(x.device)[0] >= 9
+    return _PDL_DEVICES[x.device]
+
+
+def pdl_launch(pdl: bool) -> dict:
+    """The launch keyword for a kernel that takes PDL=pdl (none without: older triton and the interpreter)."""
+    return {"launch_pdl": True} if pdl else {}
+
+
 def rounds_by_bits(dtype: torch.dtype) -> bool:
     """Kernels round to bf16 with `bf16_rne` instead of a cast: under the interpreter, whose cast truncates."""
     return triton_interpreting() and dtype == torch.bfloat16
@@ -36,6 +65,14 @@ def rounds_by_bits(dtype: torch.dtype) -> bool:
 
 if triton is not None:
     import triton.language as tl
+
+    @triton.jit
+    def pdl_wait(PDL: tl.constexpr):
+        """With PDL: wait until the kernel launched before this one has completed (its stores visible), then let
+        the next kernel launch. Reads of that kernel's output and every store come after this."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
 
     @triton.jit
     def bf16_rne(x):

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from moeloop.model.kernel_switch import triton, triton_interpreting  # noqa: F401 (re-exported)
+from moeloop.model.kernel_switch import pdl_applies, pdl_launch, triton, triton_interpreting  # noqa: F401 (re-exported)
 
 if triton is not None:
     import triton.language as tl
+
+    from moeloop.model.kernel_switch import pdl_wait
 
 
 def triton_available() -> bool:
@@ -52,11 +54,12 @@ if triton is not None:
                       QH: tl.constexpr, QH_PAD: tl.constexpr, DK: tl.constexpr, DK_PAD: tl.constexpr,
                       DV: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                       PRECISION: tl.constexpr, NUM_SPLITS: tl.constexpr, CHUNK: tl.constexpr,
-                      DYNAMIC_LOOP: tl.constexpr):
+                      DYNAMIC_LOOP: tl.constexpr, PDL: tl.constexpr):
         b = tl.program_id(0)
         g = tl.program_id(1)
         sp = tl.program_id(2)
-        ctx_len = tl.load(lens_ptr + b)
+        ctx_len = tl.load(lens_ptr + b)  # (lengths and block tables: written before the step's first kernel)
+        pdl_wait(PDL)
         h = tl.arange(0, QH_PAD)
         dk = tl.arange(0, DK_PAD)
         dv = tl.arange(0, DV_PAD)
@@ -88,7 +91,8 @@ if triton is not None:
 
     @triton.jit
     def _merge_splits(part_ptr, m_ptr, l_ptr, o_ptr, s_ob, s_oh, H: tl.constexpr, DV: tl.constexpr,
-                      DV_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+                      DV_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)
         b = tl.program_id(0)
         h = tl.program_id(1)
         sp = tl.arange(0, SPLITS_PAD)
@@ -132,6 +136,7 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SGD: torch.Tensor, v_cac
     splits = -(-max_len // chunk)
     dv_pad = max(16, triton.next_power_of_2(Dv))
     dest, m, l = out, out, out
+    pdl = pdl_applies(q_BHD)
     if splits > 1:
         dest = torch.empty(B, splits, H, Dv, dtype=torch.float32, device=q_BHD.device)
         m = torch.empty(B, splits, H, dtype=torch.float32, device=q_BHD.device)
@@ -142,9 +147,10 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SGD: torch.Tensor, v_cac
         v_cache_SGDv.stride(0), v_cache_SGDv.stride(1), out.stride(0), out.stride(1), block_tables_BN.stride(0),
         QH=qh, QH_PAD=max(16, triton.next_power_of_2(qh)), DK=Dk, DK_PAD=max(16, triton.next_power_of_2(Dk)),
         DV=Dv, DV_PAD=dv_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        PRECISION=precision, NUM_SPLITS=splits, CHUNK=chunk, num_warps=4,
+        PRECISION=precision, NUM_SPLITS=splits, CHUNK=chunk, num_warps=4, PDL=pdl, **pdl_launch(pdl),
         DYNAMIC_LOOP=splits == 1 and not triton_interpreting())  # the interpreter: static trip counts only
     if splits > 1:
         _merge_splits[(B, H)](dest, m, l, out, out.stride(0), out.stride(1), H=H, DV=Dv, DV_PAD=dv_pad,
-                              NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), num_warps=4)
+                              NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), PDL=pdl, num_warps=4,
+                              **pdl_launch(pdl))
     return out

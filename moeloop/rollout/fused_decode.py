@@ -7,7 +7,9 @@ kernel), paged attention, o_proj, add + RMSNorm, the router projection, softmax 
 kernel with the projection inside from 16 tokens on), and the experts (`moe_kernel`: two kernels for a few
 tokens; for more, a sort and two grouped GEMMs whose rows' weighted sum is fused into the next add + RMSNorm).
 Every bf16 rounding of the module path is kept (norm output, weight product, each RoPE product and sum, residual
-sums), so outputs match it up to fp32 summation order inside a norm. Used for decode-only batches of GQA models with half-split RoPE over
+sums), so outputs match it up to fp32 summation order inside a norm. On Hopper the kernels are launched with
+programmatic dependent launch (`kernel_switch.pdl_applies`): the one-token projections and expert kernels read
+their weight tiles while the kernel before them is still running. Used for decode-only batches of GQA models with half-split RoPE over
 the whole head and a softmax router (Qwen3-MoE, Qwen3, Llama, Mixtral); `fused_supported` says when.
 Shapes: T tokens, D model dim, H/G query/kv heads, Dh head dim, E experts, K experts per token.
 """
@@ -17,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeloop.model.kernel_switch import kernels_apply
+from moeloop.model.kernel_switch import kernels_apply, pdl_applies, pdl_launch
 from moeloop.model.moe import MoE
 from moeloop.model.norm import RMSNorm
 from moeloop.rollout.decode_kernel import triton
@@ -27,14 +29,18 @@ from moeloop.rollout.paged_attention import PagedAttention
 if triton is not None:
     import triton.language as tl
 
+    from moeloop.model.kernel_switch import pdl_wait
+
     @triton.jit
     def _add_rmsnorm(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, dest_ptr, wts_ptr, eps, D: tl.constexpr,
-                     BLOCK_D: tl.constexpr, HAS_RES: tl.constexpr, COMBINE_K: tl.constexpr):
+                     BLOCK_D: tl.constexpr, HAS_RES: tl.constexpr, COMBINE_K: tl.constexpr, PDL: tl.constexpr):
         """COMBINE_K > 0: x is first the weighted sum of COMBINE_K expert rows x[dest[row, k]] (fp32, rounded)."""
         row = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, BLOCK_D)
         ok = d < D
         dt = y_ptr.dtype.element_ty
+        w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
+        pdl_wait(PDL)
         if COMBINE_K > 0:
             acc = tl.zeros([BLOCK_D], tl.float32)
             for k in tl.static_range(COMBINE_K):
@@ -48,7 +54,6 @@ if triton is not None:
             tl.store(res_out_ptr + row * D + d, x, mask=ok)
         x = x.to(tl.float32)
         normed = (x * tl.rsqrt(tl.sum(x * x, 0) / D + eps)).to(dt).to(tl.float32)
-        w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
         tl.store(y_ptr + row * D + d, (w * normed).to(dt), mask=ok)
 
     @triton.jit
@@ -74,8 +79,9 @@ if triton is not None:
     @triton.jit
     def _qk_norm_rope_store(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, slots_ptr, qo_ptr,
                             kc_ptr, vc_ptr, eps, s_q, s_k, s_v, s_kc, s_vc, H: tl.constexpr, G: tl.constexpr,
-                            HALF: tl.constexpr, QK_NORM: tl.constexpr):
+                            HALF: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr):
         """Row strides s_q/s_k/s_v: q, k, v may be column slices of one packed q|k|v projection."""
+        pdl_wait(PDL)
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         DH = 2 * HALF
@@ -98,9 +104,10 @@ if triton is not None:
 
     @triton.jit
     def _row_linear(x_ptr, w0_ptr, w1_ptr, w2_ptr, out_ptr, N0: tl.constexpr, N1: tl.constexpr, D: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
         """One token: out[n] = x . W[n] over the rows of [W0; W1; W2] (N0, N1, then the rest), fp32 accumulation,
-        rounded once. A program owns BLOCK_N output rows of one weight (the host checks BLOCK_N divides N0, N1)."""
+        rounded once. A program owns BLOCK_N output rows of one weight (the host checks BLOCK_N divides N0, N1).
+        Its first [BLOCK_N, BLOCK_D] weight tile (all of D when BLOCK_D >= D) is read before the PDL wait."""
         start = tl.program_id(0) * BLOCK_N
         r = tl.arange(0, BLOCK_N)
         if start < N0:
@@ -109,12 +116,16 @@ if triton is not None:
             w_rows = w1_ptr + (start - N0 + r).to(tl.int64)[:, None] * D
         else:
             w_rows = w2_ptr + (start - N0 - N1 + r).to(tl.int64)[:, None] * D
-        acc = tl.zeros([BLOCK_N], tl.float32)
-        for d0 in range(0, D, BLOCK_D):
-            d = d0 + tl.arange(0, BLOCK_D)
-            x = tl.load(x_ptr + d, mask=d < D, other=0.0).to(tl.float32)
-            w = tl.load(w_rows + d[None, :], mask=d[None, :] < D, other=0.0).to(tl.float32)
-            acc += tl.sum(w * x[None, :], 1)
+        d = tl.arange(0, BLOCK_D)
+        w = tl.load(w_rows + d[None, :], mask=d[None, :] < D, other=0.0)
+        pdl_wait(PDL)
+        x = tl.load(x_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+        acc = tl.sum(w.to(tl.float32) * x[None, :], 1)
+        for d0 in range(BLOCK_D, D, BLOCK_D):
+            dd = d0 + tl.arange(0, BLOCK_D)
+            xx = tl.load(x_ptr + dd, mask=dd < D, other=0.0).to(tl.float32)
+            ww = tl.load(w_rows + dd[None, :], mask=dd[None, :] < D, other=0.0).to(tl.float32)
+            acc += tl.sum(ww * xx[None, :], 1)
         tl.store(out_ptr + start + r, acc.to(out_ptr.dtype.element_ty))
 
     @triton.jit
@@ -137,8 +148,9 @@ if triton is not None:
 
     @triton.jit
     def _softmax_topk(logits_ptr, ids_ptr, wts_ptr, scale, E: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr,
-                      NORM: tl.constexpr):
+                      NORM: tl.constexpr, PDL: tl.constexpr):
         """Program t: one token's routing from its logits row."""
+        pdl_wait(PDL)
         t = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
         e = tl.arange(0, E_PAD)
         z = tl.load(logits_ptr + t[:, None] * E + e[None, :], mask=e[None, :] < E, other=float("-inf")).to(tl.float32)
@@ -147,9 +159,10 @@ if triton is not None:
     @triton.jit
     def _router_topk(x_ptr, w_ptr, ids_ptr, wts_ptr, scale, T, D: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
                      K: tl.constexpr, NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-                     PRECISION: tl.constexpr):
+                     PRECISION: tl.constexpr, PDL: tl.constexpr):
         """Tokens [p * BLOCK_T, (p + 1) * BLOCK_T): router logits x @ W.T (fp32 accumulation, rounded to x's dtype
         as the module's F.linear output), then `_softmax_topk`'s routing (one launch, not two)."""
+        pdl_wait(PDL)
         t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
         t_ok = t < T
         e = tl.arange(0, E_PAD)
@@ -184,9 +197,11 @@ def add_rmsnorm(x_TD: torch.Tensor, res_TD: torch.Tensor | None, norm: RMSNorm,
     y_TD = x_TD.new_empty(T, D)
     res_out = x_TD if res_TD is None else torch.empty_like(y_TD)
     dest, wts = combine if combine is not None else (x_TD, x_TD)
+    pdl = pdl_applies(x_TD)
     _add_rmsnorm[(T,)](x_TD, x_TD if res_TD is None else res_TD, norm.weight, y_TD, res_out, dest, wts, norm.eps, D=D,
                        BLOCK_D=triton.next_power_of_2(D), HAS_RES=res_TD is not None,
-                       COMBINE_K=0 if combine is None else combine[0].shape[1], num_warps=4)
+                       COMBINE_K=0 if combine is None else combine[0].shape[1], PDL=pdl, num_warps=4,
+                       **pdl_launch(pdl))
     return y_TD, res_out
 
 
@@ -201,16 +216,20 @@ def qk_norm_rope_store(attn: nn.Module, q_TX: torch.Tensor, k_TX: torch.Tensor, 
     qw, kw = (attn.q_norm.weight, attn.k_norm.weight) if qk_norm else (q_TX, q_TX)
     eps = attn.q_norm.eps if qk_norm else 0.0
     q_TX, k_TX, v_TX = (x if x.stride(1) == 1 else x.contiguous() for x in (q_TX, k_TX, v_TX))
-    _qk_norm_rope_store[(T, H + G)](q_TX, k_TX, v_TX, qw, kw, cos_TR.contiguous(), sin_TR.contiguous(), slots_T, q_out,
+    cos_TR, sin_TR, pdl = cos_TR.contiguous(), sin_TR.contiguous(), pdl_applies(q_TX)
+    _qk_norm_rope_store[(T, H + G)](q_TX, k_TX, v_TX, qw, kw, cos_TR, sin_TR, slots_T, q_out,
                                     k_cache, v_cache, eps, q_TX.stride(0), k_TX.stride(0), v_TX.stride(0),
                                     k_cache.stride(0), v_cache.stride(0), H=H, G=G, HALF=Dh // 2, QK_NORM=qk_norm,
-                                    num_warps=1, enable_fp_fusion=False)
+                                    PDL=pdl, num_warps=1, enable_fp_fusion=False, **pdl_launch(pdl))
     # (no FMA: LLVM lowers each bf16 round trip to a bf16 mul and add, and fusing them would skip the rounding of
     # the RoPE products that the module path and the trainer's rope kernel keep)
     return q_out
 
 
 ROW_LINEAR = True  # a one-token decode (B=1) runs its projections as `_row_linear` launches instead of cuBLAS GEMVs
+# rows per program and warps: small tiles, many programs (H200, reference shapes: `benchmarks/b1_gemv.py`)
+ROW_LINEAR_TILE = (4, 8)
+ROW_LINEAR_MAX_D = 2048  # weight columns a program holds at once (the whole row up to this width)
 
 
 def row_linear_applies(x_TD: torch.Tensor, linears: list[nn.Module], block_n: int) -> bool:
@@ -226,9 +245,11 @@ def row_linear(x_TD: torch.Tensor, linears: list[nn.Module], block_n: int) -> to
     sizes = [w.shape[0] for w in ws]
     out = x_TD.new_empty(1, sum(sizes))
     ws += [ws[-1]] * (3 - len(ws))
+    pdl = pdl_applies(x_TD)
     _row_linear[(out.shape[1] // block_n,)](x_TD, ws[0], ws[1], ws[2], out, N0=sizes[0],
                                              N1=sizes[1] if len(sizes) > 1 else 0, D=x_TD.shape[1], BLOCK_N=block_n,
-                                             BLOCK_D=min(512, triton.next_power_of_2(x_TD.shape[1])), num_warps=4)
+                                             BLOCK_D=min(ROW_LINEAR_MAX_D, triton.next_power_of_2(x_TD.shape[1])),
+                                             PDL=pdl, num_warps=ROW_LINEAR_TILE[1], **pdl_launch(pdl))
     return out
 
 
@@ -292,12 +313,12 @@ def project_qkv(x_TD: torch.Tensor, attn: nn.Module) -> list[torch.Tensor]:
     slices of its output) for more, else three GEMMs."""
     linears = [attn.q_proj, attn.k_proj, attn.v_proj]
     pack = attn.__dict__.get("_decode_qkv")
-    if pack is None or row_linear_applies(x_TD, linears, 16):
+    if pack is None or row_linear_applies(x_TD, linears, ROW_LINEAR_TILE[0]):
         return project(x_TD, linears)
     return list(F.linear(x_TD, pack.weight, pack.bias).split(pack.sizes, dim=1))
 
 
-def project(x_TD: torch.Tensor, linears: list[nn.Module], block_n: int = 16) -> list[torch.Tensor]:
+def project(x_TD: torch.Tensor, linears: list[nn.Module], block_n: int = ROW_LINEAR_TILE[0]) -> list[torch.Tensor]:
     """x @ W.T (+ bias) for each module's `weight` (nn.Linear, or the router): one `_row_linear` launch for a
     single token when it applies, else one F.linear each."""
     if row_linear_applies(x_TD, linears, block_n):
@@ -319,14 +340,14 @@ def route(moe: MoE, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         E, K = w.shape[0], router.top_k
         ids_TK = torch.empty(T, K, dtype=torch.int64, device=x_TD.device)
         wts_TK = torch.empty(T, K, dtype=torch.float32, device=x_TD.device)
-        block_t = 16
+        block_t, pdl = 16, pdl_applies(x_TD)
         _router_topk[(triton.cdiv(T, block_t),)](x_TD, w, ids_TK, wts_TK, float(router.routed_scaling_factor), T, D=D,
                                                  E=E, E_PAD=max(16, triton.next_power_of_2(E)), K=K,
                                                  NORM=bool(router.norm_topk_prob), BLOCK_T=block_t, BLOCK_D=128,
                                                  PRECISION="ieee" if x_TD.dtype == torch.float32 else "tf32",
-                                                 num_warps=4)
+                                                 PDL=pdl, num_warps=4, **pdl_launch(pdl))
         return ids_TK, wts_TK
-    (logits_TE,) = project(x_TD, [router], block_n=8)
+    (logits_TE,) = project(x_TD, [router])
     return route_softmax_topk(moe, logits_TE)
 
 
@@ -338,8 +359,10 @@ def route_softmax_topk(moe: MoE, logits_TE: torch.Tensor) -> tuple[torch.Tensor,
     router = moe.gate
     ids_TK = torch.empty(T, router.top_k, dtype=torch.int64, device=logits_TE.device)
     wts_TK = torch.empty(T, router.top_k, dtype=torch.float32, device=logits_TE.device)
-    _softmax_topk[(T,)](logits_TE.contiguous(), ids_TK, wts_TK, float(router.routed_scaling_factor), E=E,
-                        E_PAD=triton.next_power_of_2(E), K=router.top_k, NORM=bool(router.norm_topk_prob), num_warps=1)
+    logits_TE, pdl = logits_TE.contiguous(), pdl_applies(logits_TE)
+    _softmax_topk[(T,)](logits_TE, ids_TK, wts_TK, float(router.routed_scaling_factor), E=E,
+                        E_PAD=triton.next_power_of_2(E), K=router.top_k, NORM=bool(router.norm_topk_prob), PDL=pdl,
+                        num_warps=1, **pdl_launch(pdl))
     return ids_TK, wts_TK
 
 

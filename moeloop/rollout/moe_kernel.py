@@ -21,11 +21,17 @@ import torch
 from torch import nn
 
 from moeloop.model.expert_rows import combine
+from moeloop.model.kernel_switch import pdl_applies, pdl_launch
 from moeloop.model.experts import Experts, expert_counts, register_experts_impl
 from moeloop.model.moe import MoE
 from moeloop.rollout.decode_kernel import triton, triton_interpreting
 
 FUSED_MAX_ASSIGNMENTS = 32
+# few-token kernels' tiles (H200, reference shapes, `benchmarks/b1_gemv.py`): gate_up (BLOCK_F, warps) and down
+# (BLOCK_D, warps); each program holds up to FEW_MAX_WIDTH weight columns at once
+GATE_UP_FEW_TILE = (4, 8)
+DOWN_FEW_TILE = (4, 4)
+FEW_MAX_WIDTH = 2048
 GROUPED_GEMM = "triton"  # or "grouped_mm" (torch's cutlass kernel; bf16 only)
 # `_expert_gemm` tiles: (BLOCK_N, BLOCK_K, num_warps, num_stages) for the gate_up and down launches
 GATE_UP_TILE = (64, 128, 4, 3)
@@ -42,11 +48,15 @@ if triton is not None:
 
     # SiLU as torch's CUDA kernel computes it (libdevice expf, IEEE division): the trainer's swiglu kernel does the
     # same, so rollout and training activations round alike
+    from moeloop.model.kernel_switch import pdl_wait
     from moeloop.model.swiglu_kernel import _silu
 
     @triton.jit
     def _gate_up_silu(x_ptr, w_ptr, ids_ptr, h_ptr, s_we, s_wf, D: tl.constexpr, F: tl.constexpr, K: tl.constexpr,
-                      BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr, LIBDEVICE: tl.constexpr):
+                      BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
+        """Program (s, f): gate/up rows f of assignment s's expert against its token, SiLU(gate) * up. Waits first:
+        the expert ids come from the kernel just before."""
+        pdl_wait(PDL)
         s = tl.program_id(0)
         f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
         f_ok = f < F
@@ -71,13 +81,14 @@ if triton is not None:
     def _expert_gemm(a_ptr, rows_ptr, w_ptr, offsets_ptr, out_ptr, s_we, s_wn, N_OUT: tl.constexpr,
                      K_IN: tl.constexpr, GATED: tl.constexpr, GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, STATIC_M: tl.constexpr, M_SPLITS: tl.constexpr,
-                     LIBDEVICE: tl.constexpr):
+                     LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
         """Program (e, n, j): sorted rows [offsets[e-1], offsets[e]) times tile n of expert e's weights [N, K_IN],
         row chunks j, j + M_SPLITS, ... of BLOCK_M (an expert that many tokens chose is spread over M_SPLITS
         programs instead of looping alone while the rest of the GPU idles; a split with no rows exits).
         Row r reads input row rows[r] of `a` (the token; row r itself without GATHER) and writes output row r. GATED: the weights hold
         [gate; up] (2 * N_OUT rows) and the output is SiLU(gate) * up, rounded like the module path.
         STATIC_M > 0: a fixed trip count of that many rows, masked (the interpreter cannot loop to a loaded bound)."""
+        pdl_wait(PDL)
         e = tl.program_id(0)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < N_OUT
@@ -112,8 +123,10 @@ if triton is not None:
             tl.store(out_ptr + m.to(tl.int64)[:, None] * N_OUT + n[None, :], acc.to(dt), mask=m_ok[:, None] & n_ok[None, :])
 
     @triton.jit
-    def _align_by_expert(ids_ptr, token_ptr, dest_ptr, offsets_ptr, S, K: tl.constexpr, S_PAD: tl.constexpr):
+    def _align_by_expert(ids_ptr, token_ptr, dest_ptr, offsets_ptr, S, K: tl.constexpr, S_PAD: tl.constexpr,
+                         PDL: tl.constexpr):
         """Program e: the rows of expert e's assignments in expert-sorted order (stable), and the end offset of e."""
+        pdl_wait(PDL)
         e = tl.program_id(0)
         s = tl.arange(0, S_PAD)
         ids = tl.load(ids_ptr + s, mask=s < S, other=-1)
@@ -127,24 +140,33 @@ if triton is not None:
 
     @triton.jit
     def _down_combine(h_ptr, w_ptr, ids_ptr, wts_ptr, y_ptr, s_we, s_wd, D: tl.constexpr, F: tl.constexpr, K: tl.constexpr,
-                      BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
+                      K_PAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr, PDL: tl.constexpr):
+        """Program (t, j): outputs d of block j of token t, sum_k wts[t, k] * (h[t*K + k] . W_down[ids[t, k]][d]),
+        each expert's product rounded first. The K experts' rows are one [K_PAD * BLOCK_D, BLOCK_F] tile, whose first
+        F-block is read before the PDL wait: the ids are two kernels old (the router's), h is the last kernel's."""
         t = tl.program_id(0)
-        d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        d_ok = d < D
+        r = tl.arange(0, K_PAD * BLOCK_D)
+        k = r // BLOCK_D
+        d = tl.program_id(1) * BLOCK_D + r % BLOCK_D
+        ok = (k < K) & (d < D)
+        s = (t * K + k).to(tl.int64)
+        e = tl.load(ids_ptr + s, mask=ok, other=0).to(tl.int64)
+        w_rows = w_ptr + e[:, None] * s_we + d[:, None] * s_wd
+        f = tl.arange(0, BLOCK_F)
+        w = tl.load(w_rows + f[None, :], mask=ok[:, None] & (f[None, :] < F), other=0.0)
+        pdl_wait(PDL)
+        h_rows = h_ptr + s[:, None] * F
+        acc = tl.sum(w.to(tl.float32) * tl.load(h_rows + f[None, :], mask=ok[:, None] & (f[None, :] < F), other=0.0).to(tl.float32), 1)
+        for f0 in range(BLOCK_F, F, BLOCK_F):
+            ff = f0 + tl.arange(0, BLOCK_F)
+            fm = ok[:, None] & (ff[None, :] < F)
+            ww = tl.load(w_rows + ff[None, :], mask=fm, other=0.0).to(tl.float32)
+            acc += tl.sum(ww * tl.load(h_rows + ff[None, :], mask=fm, other=0.0).to(tl.float32), 1)
         dt = y_ptr.dtype.element_ty
-        out = tl.zeros([BLOCK_D], tl.float32)
-        for k in tl.static_range(K):
-            s = t * K + k
-            e = tl.load(ids_ptr + s).to(tl.int64)
-            acc = tl.zeros([BLOCK_D], tl.float32)
-            for f0 in range(0, F, BLOCK_F):
-                f = f0 + tl.arange(0, BLOCK_F)
-                h = tl.load(h_ptr + s.to(tl.int64) * F + f, mask=f < F, other=0.0).to(tl.float32)
-                w = tl.load(w_ptr + e * s_we + d[:, None] * s_wd + f[None, :], mask=d_ok[:, None] & (f[None, :] < F),
-                            other=0.0).to(tl.float32)
-                acc += tl.sum(w * h[None, :], 1)
-            out += acc.to(dt).to(tl.float32) * tl.load(wts_ptr + s)
-        tl.store(y_ptr + t.to(tl.int64) * D + d, out.to(dt), mask=d_ok)
+        part = acc.to(dt).to(tl.float32) * tl.load(wts_ptr + s, mask=ok, other=0.0)
+        out = tl.sum(tl.reshape(part, [K_PAD, BLOCK_D]), 0)
+        d_out = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        tl.store(y_ptr + t.to(tl.int64) * D + d_out, out.to(dt), mask=d_out < D)
 
 
 def fused_experts(experts: Experts, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
@@ -158,15 +180,21 @@ def fused_experts(experts: Experts, x_TD: torch.Tensor, ids_TK: torch.Tensor, we
     D, F = experts.dim, experts.ffn_dim
     x_TD, ids_S = x_TD.contiguous(), ids_TK.reshape(-1).contiguous()
     h_SF = x_TD.new_empty(T * K, F)
-    # wide tiles and many programs: at B=1 this is a weight stream of K experts, bound by the bytes in flight
-    block_d, block_f = min(512, triton.next_power_of_2(D)), min(512, triton.next_power_of_2(F))
-    _gate_up_silu[(T * K, triton.cdiv(F, 8))](x_TD, w_gu, ids_S, h_SF, w_gu.stride(0), w_gu.stride(1),
-                                               D=D, F=F, K=K, BLOCK_F=8, BLOCK_D=block_d,
-                                               LIBDEVICE=not triton_interpreting(), num_warps=4)
     y_TD = torch.empty_like(x_TD)
-    _down_combine[(T, triton.cdiv(D, 4))](h_SF, w_d, ids_S, weights_TK.float().contiguous(), y_TD,
-                                           w_d.stride(0), w_d.stride(1), D=D, F=F, K=K, BLOCK_D=4, BLOCK_F=block_f,
-                                           num_warps=4)
+    wts_S = weights_TK.float().contiguous()  # (any cast before the first launch: down follows gate_up directly)
+    # narrow tiles, many programs, a whole weight row per program: at B=1 this is a weight stream of K experts,
+    # bound by the bytes in flight
+    pdl = pdl_applies(x_TD)
+    (block_f, warps_f), (block_d, warps_d) = GATE_UP_FEW_TILE, DOWN_FEW_TILE
+    _gate_up_silu[(T * K, triton.cdiv(F, block_f))](x_TD, w_gu, ids_S, h_SF, w_gu.stride(0), w_gu.stride(1),
+                                                     D=D, F=F, K=K, BLOCK_F=block_f,
+                                                     BLOCK_D=min(FEW_MAX_WIDTH, triton.next_power_of_2(D)),
+                                                     LIBDEVICE=not triton_interpreting(), PDL=pdl, num_warps=warps_f,
+                                                     **pdl_launch(pdl))
+    _down_combine[(T, triton.cdiv(D, block_d))](h_SF, w_d, ids_S, wts_S, y_TD, w_d.stride(0), w_d.stride(1), D=D, F=F,
+                                                 K=K, K_PAD=triton.next_power_of_2(K), BLOCK_D=block_d,
+                                                 BLOCK_F=min(FEW_MAX_WIDTH // 4, triton.next_power_of_2(F)), PDL=pdl,
+                                                 num_warps=warps_d, **pdl_launch(pdl))
     return y_TD
 
 
@@ -190,7 +218,9 @@ def grouped_expert_rows(experts: Experts, x_TD: torch.Tensor, ids_TK: torch.Tens
     dest_S = torch.empty(S, dtype=torch.int64, device=x_TD.device)
     token_S = torch.empty(S, dtype=torch.int64, device=x_TD.device)
     offsets_E = torch.empty(E, dtype=torch.int32, device=x_TD.device)
-    _align_by_expert[(E,)](ids_S, token_S, dest_S, offsets_E, S, K=K, S_PAD=triton.next_power_of_2(S), num_warps=4)
+    pdl = pdl_applies(x_TD)
+    _align_by_expert[(E,)](ids_S, token_S, dest_S, offsets_E, S, K=K, S_PAD=triton.next_power_of_2(S), PDL=pdl,
+                           num_warps=4, **pdl_launch(pdl))
     if (gemm or GROUPED_GEMM) == "grouped_mm":
         return experts._grouped(x_TD.index_select(0, token_S), offsets_E), dest_S
     return _triton_grouped(experts, x_TD.contiguous(), token_S, offsets_E, S), dest_S
@@ -214,13 +244,14 @@ def _triton_grouped(experts: Experts, x_TD: torch.Tensor, token_S: torch.Tensor,
     static_m = S if triton_interpreting() else 0
     h_SF = x_TD.new_empty(S, F)
     y_SD = x_TD.new_empty(S, D)
+    pdl = pdl_applies(x_TD)
     for a, w, out, n_out, k_in, gated, (bn, bk, warps, stages) in (
             (x_TD, w_gu, h_SF, F, D, True, GATE_UP_TILE), (h_SF, w_d, y_SD, D, F, False, DOWN_TILE)):
         _expert_gemm[(E, triton.cdiv(n_out, bn), M_SPLITS)](a, token_S, w, offsets_E, out, w.stride(0), w.stride(1), N_OUT=n_out,
                                                   K_IN=k_in, GATED=gated, GATHER=gated, BLOCK_M=block_m, BLOCK_N=bn,
                                                   BLOCK_K=bk, PRECISION=precision, STATIC_M=static_m, M_SPLITS=M_SPLITS,
-                                                  LIBDEVICE=not triton_interpreting(), num_warps=warps,
-                                                  num_stages=stages)
+                                                  LIBDEVICE=not triton_interpreting(), PDL=pdl, num_warps=warps,
+                                                  num_stages=stages, **pdl_launch(pdl))
     return y_SD
 
 
