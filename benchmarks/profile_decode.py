@@ -1,5 +1,6 @@
 """Where one decode step's time goes on the GPU: kernels per step, GPU busy time per step vs wall time per step,
-and the top kernels, for the engine's steady decode at given batch sizes (reference Qwen3-MoE, bf16).
+the forward graph's GPU time alone, and the top kernels, for the engine's steady decode at given batch sizes
+(reference Qwen3-MoE, bf16).
 
     python benchmarks/profile_decode.py --batch 1,256
 """
@@ -75,14 +76,32 @@ def main() -> None:
                 engine.step()
             torch.cuda.synchronize()
         by_name = kernel_times(prof)
+        forward_ms = graph_replay_ms(engine, B)
         busy = sum(sum(v) for v in by_name.values()) / args.steps / 1e3
         print(f"B={B}: wall {wall * 1e3:.2f} ms/step, GPU kernel time {busy:.2f} ms/step, "
-              f"{sum(len(v) for v in by_name.values()) / args.steps:.0f} kernels/step")
+              f"{sum(len(v) for v in by_name.values()) / args.steps:.0f} kernels/step, "
+              f"forward graph alone {forward_ms:.3f} ms")
         for name, times in list(by_name.items())[:args.top]:
             print(f"   {sum(times) / args.steps / 1e3:7.3f} ms/step  {len(times) / args.steps:5.0f}/step  "
                   f"{sum(times) / len(times):7.1f} us  {name[:90]}")
         while engine.has_unfinished():
             engine.step()
+
+
+def graph_replay_ms(engine, batch: int, replays: int = 50) -> float:
+    """GPU time per replay of the decode step's captured forward graph, back to back (no host work between, so no
+    idle GPU): the device's share of a step. With PDL, kernels overlap, so the per-kernel times above add up to
+    more than this."""
+    graphs = engine.runner.graphs
+    graph, _ = graphs.graphs[next(s for s in graphs.sizes if s >= batch)]
+    graph.replay()  # (the step's own inputs again: the same K/V rewritten into the same slots)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays
 
 
 if __name__ == "__main__":

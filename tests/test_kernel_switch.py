@@ -24,20 +24,22 @@ def test_switch_turns_the_kernel_paths_off(monkeypatch):
 
 def test_pdl_only_compiled_on_hopper_and_not_when_switched_off(monkeypatch):
     """Programmatic dependent launch: never under the interpreter or on CPU tensors; on a CUDA device, from
-    compute capability 9 unless MOELOOP_PDL=off."""
+    compute capability 9, for at most PDL_MAX_ROWS rows, unless MOELOOP_PDL=off."""
     from moeloop.model import kernel_switch
     monkeypatch.delenv("MOELOOP_PDL", raising=False)
-    assert not kernel_switch.pdl_applies(torch.zeros(1))
+    assert not kernel_switch.pdl_applies(torch.zeros(1), 1)
     assert kernel_switch.pdl_launch(False) == {} and kernel_switch.pdl_launch(True) == {"launch_pdl": True}
     cuda_like = SimpleNamespace(is_cuda=True, device="fake:0")
     monkeypatch.setattr(kernel_switch, "_PDL_DEVICES", {"fake:0": True})
     monkeypatch.setattr(kernel_switch, "gdc_wait", lambda: None)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert not kernel_switch.pdl_applies(cuda_like)
+    assert not kernel_switch.pdl_applies(cuda_like, 1)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert kernel_switch.pdl_applies(cuda_like)
+    assert kernel_switch.pdl_applies(cuda_like, 1)
+    assert kernel_switch.pdl_applies(cuda_like, kernel_switch.PDL_MAX_ROWS)
+    assert not kernel_switch.pdl_applies(cuda_like, kernel_switch.PDL_MAX_ROWS + 1)  # a large batch
     monkeypatch.setenv("MOELOOP_PDL", "off")
-    assert not kernel_switch.pdl_applies(cuda_like)
+    assert not kernel_switch.pdl_applies(cuda_like, 1)
     monkeypatch.setattr(kernel_switch, "_PDL_DEVICES", {"fake:0": False})  # an Ampere card
     monkeypatch.delenv("MOELOOP_PDL")
-    assert not kernel_switch.pdl_applies(cuda_like)
+    assert not kernel_switch.pdl_applies(cuda_like, 1)

@@ -40,13 +40,16 @@ def triton_interpreting() -> bool:
 
 
 _PDL_DEVICES: dict[torch.device, bool] = {}
+# PDL pays off where a step is many short kernels, not for large batches (H200, reference model, the decode forward's
+# CUDA graph alone: B=1 0.629 -> 0.457 ms, B=128 2.11 -> 2.10 ms, B=256 2.45 -> 2.58 ms; `profile_decode.py`)
+PDL_MAX_ROWS = 8
 
 
-def pdl_applies(x: torch.Tensor) -> bool:
-    """Launch the decode kernels on x's device with programmatic dependent launch: compiled (not interpreted) on
-    a CUDA device of compute capability 9 or more, with a triton that has grid dependency control, `MOELOOP_PDL`
-    not off."""
-    if not x.is_cuda or gdc_wait is None or triton_interpreting() or os.environ.get("MOELOOP_PDL", "on").lower() == "off":
+def pdl_applies(x: torch.Tensor, rows: int) -> bool:
+    """Launch a decode kernel over `rows` tokens of x's device with programmatic dependent launch: at most
+    PDL_MAX_ROWS rows, compiled (not interpreted) on a CUDA device of compute capability 9 or more, with a triton
+    that has grid dependency control, `MOELOOP_PDL` not off."""
+    if rows > PDL_MAX_ROWS or not x.is_cuda or gdc_wait is None or triton_interpreting() or os.environ.get("MOELOOP_PDL", "on").lower() == "off":
         return False
     if x.device not in _PDL_DEVICES:
         _PDL_DEVICES[x.device] = torch.cuda.get_device_capability(x.device)[0] >= 9

@@ -136,7 +136,7 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SGD: torch.Tensor, v_cac
     splits = -(-max_len // chunk)
     dv_pad = max(16, triton.next_power_of_2(Dv))
     dest, m, l = out, out, out
-    pdl = pdl_applies(q_BHD)
+    pdl = pdl_applies(q_BHD, B)
     if splits > 1:
         dest = torch.empty(B, splits, H, Dv, dtype=torch.float32, device=q_BHD.device)
         m = torch.empty(B, splits, H, dtype=torch.float32, device=q_BHD.device)

@@ -186,8 +186,8 @@ class Engine:
             raise RuntimeError("generate on a paused engine would never finish: call resume() first")
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
-        wanted, results = set(ids), {}
-        while self.has_unfinished() and len(results) < sum(sp.n for sp in params_list):
+        wanted, results, total = set(ids), {}, sum(sp.n for sp in params_list)
+        while self.has_unfinished() and len(results) < total:
             for c in self.step():
                 if c.request_id in wanted:
                     results[(c.request_id, c.sample_index)] = c

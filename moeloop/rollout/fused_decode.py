@@ -197,7 +197,7 @@ def add_rmsnorm(x_TD: torch.Tensor, res_TD: torch.Tensor | None, norm: RMSNorm,
     y_TD = x_TD.new_empty(T, D)
     res_out = x_TD if res_TD is None else torch.empty_like(y_TD)
     dest, wts = combine if combine is not None else (x_TD, x_TD)
-    pdl = pdl_applies(x_TD)
+    pdl = pdl_applies(x_TD, T)
     _add_rmsnorm[(T,)](x_TD, x_TD if res_TD is None else res_TD, norm.weight, y_TD, res_out, dest, wts, norm.eps, D=D,
                        BLOCK_D=triton.next_power_of_2(D), HAS_RES=res_TD is not None,
                        COMBINE_K=0 if combine is None else combine[0].shape[1], PDL=pdl, num_warps=4,
@@ -216,7 +216,7 @@ def qk_norm_rope_store(attn: nn.Module, q_TX: torch.Tensor, k_TX: torch.Tensor, 
     qw, kw = (attn.q_norm.weight, attn.k_norm.weight) if qk_norm else (q_TX, q_TX)
     eps = attn.q_norm.eps if qk_norm else 0.0
     q_TX, k_TX, v_TX = (x if x.stride(1) == 1 else x.contiguous() for x in (q_TX, k_TX, v_TX))
-    cos_TR, sin_TR, pdl = cos_TR.contiguous(), sin_TR.contiguous(), pdl_applies(q_TX)
+    cos_TR, sin_TR, pdl = cos_TR.contiguous(), sin_TR.contiguous(), pdl_applies(q_TX, T)
     _qk_norm_rope_store[(T, H + G)](q_TX, k_TX, v_TX, qw, kw, cos_TR, sin_TR, slots_T, q_out,
                                     k_cache, v_cache, eps, q_TX.stride(0), k_TX.stride(0), v_TX.stride(0),
                                     k_cache.stride(0), v_cache.stride(0), H=H, G=G, HALF=Dh // 2, QK_NORM=qk_norm,
@@ -245,7 +245,7 @@ def row_linear(x_TD: torch.Tensor, linears: list[nn.Module], block_n: int) -> to
     sizes = [w.shape[0] for w in ws]
     out = x_TD.new_empty(1, sum(sizes))
     ws += [ws[-1]] * (3 - len(ws))
-    pdl = pdl_applies(x_TD)
+    pdl = pdl_applies(x_TD, 1)
     _row_linear[(out.shape[1] // block_n,)](x_TD, ws[0], ws[1], ws[2], out, N0=sizes[0],
                                              N1=sizes[1] if len(sizes) > 1 else 0, D=x_TD.shape[1], BLOCK_N=block_n,
                                              BLOCK_D=min(ROW_LINEAR_MAX_D, triton.next_power_of_2(x_TD.shape[1])),
@@ -340,7 +340,7 @@ def route(moe: MoE, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         E, K = w.shape[0], router.top_k
         ids_TK = torch.empty(T, K, dtype=torch.int64, device=x_TD.device)
         wts_TK = torch.empty(T, K, dtype=torch.float32, device=x_TD.device)
-        block_t, pdl = 16, pdl_applies(x_TD)
+        block_t, pdl = 16, pdl_applies(x_TD, T)
         _router_topk[(triton.cdiv(T, block_t),)](x_TD, w, ids_TK, wts_TK, float(router.routed_scaling_factor), T, D=D,
                                                  E=E, E_PAD=max(16, triton.next_power_of_2(E)), K=K,
                                                  NORM=bool(router.norm_topk_prob), BLOCK_T=block_t, BLOCK_D=128,
@@ -359,7 +359,7 @@ def route_softmax_topk(moe: MoE, logits_TE: torch.Tensor) -> tuple[torch.Tensor,
     router = moe.gate
     ids_TK = torch.empty(T, router.top_k, dtype=torch.int64, device=logits_TE.device)
     wts_TK = torch.empty(T, router.top_k, dtype=torch.float32, device=logits_TE.device)
-    logits_TE, pdl = logits_TE.contiguous(), pdl_applies(logits_TE)
+    logits_TE, pdl = logits_TE.contiguous(), pdl_applies(logits_TE, T)
     _softmax_topk[(T,)](logits_TE, ids_TK, wts_TK, float(router.routed_scaling_factor), E=E,
                         E_PAD=triton.next_power_of_2(E), K=router.top_k, NORM=bool(router.norm_topk_prob), PDL=pdl,
                         num_warps=1, **pdl_launch(pdl))

@@ -184,7 +184,7 @@ def fused_experts(experts: Experts, x_TD: torch.Tensor, ids_TK: torch.Tensor, we
     wts_S = weights_TK.float().contiguous()  # (any cast before the first launch: down follows gate_up directly)
     # narrow tiles, many programs, a whole weight row per program: at B=1 this is a weight stream of K experts,
     # bound by the bytes in flight
-    pdl = pdl_applies(x_TD)
+    pdl = pdl_applies(x_TD, T)
     (block_f, warps_f), (block_d, warps_d) = GATE_UP_FEW_TILE, DOWN_FEW_TILE
     _gate_up_silu[(T * K, triton.cdiv(F, block_f))](x_TD, w_gu, ids_S, h_SF, w_gu.stride(0), w_gu.stride(1),
                                                      D=D, F=F, K=K, BLOCK_F=block_f,
@@ -218,7 +218,7 @@ def grouped_expert_rows(experts: Experts, x_TD: torch.Tensor, ids_TK: torch.Tens
     dest_S = torch.empty(S, dtype=torch.int64, device=x_TD.device)
     token_S = torch.empty(S, dtype=torch.int64, device=x_TD.device)
     offsets_E = torch.empty(E, dtype=torch.int32, device=x_TD.device)
-    pdl = pdl_applies(x_TD)
+    pdl = pdl_applies(x_TD, T)
     _align_by_expert[(E,)](ids_S, token_S, dest_S, offsets_E, S, K=K, S_PAD=triton.next_power_of_2(S), PDL=pdl,
                            num_warps=4, **pdl_launch(pdl))
     if (gemm or GROUPED_GEMM) == "grouped_mm":
@@ -244,7 +244,7 @@ def _triton_grouped(experts: Experts, x_TD: torch.Tensor, token_S: torch.Tensor,
     static_m = S if triton_interpreting() else 0
     h_SF = x_TD.new_empty(S, F)
     y_SD = x_TD.new_empty(S, D)
-    pdl = pdl_applies(x_TD)
+    pdl = pdl_applies(x_TD, x_TD.shape[0])
     for a, w, out, n_out, k_in, gated, (bn, bk, warps, stages) in (
             (x_TD, w_gu, h_SF, F, D, True, GATE_UP_TILE), (h_SF, w_d, y_SD, D, F, False, DOWN_TILE)):
         _expert_gemm[(E, triton.cdiv(n_out, bn), M_SPLITS)](a, token_S, w, offsets_E, out, w.stride(0), w.stride(1), N_OUT=n_out,
