@@ -75,7 +75,8 @@ def timed(fn, device: str, repeats: int) -> float:
     return statistics.median(times)
 
 
-def bench_moeloop(model, prompts: list[list[int]], new_tokens: int, device: str, repeats: int) -> tuple[float, float]:
+def bench_moeloop(model, prompts: list[list[int]], new_tokens: int, device: str, repeats: int,
+                  step_times: bool = False) -> tuple[float, float]:
     B, P = len(prompts), len(prompts[0])
     engine = sized_engine(model, B, P, new_tokens)
 
@@ -85,6 +86,21 @@ def bench_moeloop(model, prompts: list[list[int]], new_tokens: int, device: str,
         engine.blocks.reset_prefix_cache()  # the next call prefills again, like the first
 
     run(4)  # warm-up: kernels, CUDA graph capture
+    if step_times:  # one more full run with each engine.step timed on the host (diagnostic)
+        times, step = [], engine.step
+
+        def timed_step():
+            t = time.perf_counter()
+            out = step()
+            times.append(time.perf_counter() - t)
+            return out
+        engine.step = timed_step
+        run(new_tokens)
+        engine.step = step
+        ms = sorted(1e3 * t for t in times)
+        print(f"# B={B} engine.step ms over {len(ms)} steps: median {statistics.median(ms):.3f}, p90 "
+              f"{ms[int(0.9 * len(ms))]:.3f}, max {ms[-1]:.2f}, sum {sum(ms):.1f}; steps over 2 ms: "
+              f"{sum(t > 2 for t in ms)} ({sum(t for t in ms if t > 2):.1f} ms)", flush=True)
     return timed(lambda: run(new_tokens), device, repeats), timed(lambda: run(1), device, repeats)
 
 
@@ -112,6 +128,7 @@ def main() -> None:
     ap.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--step-times", action="store_true", help="also print the spread of engine.step host times")
     ap.add_argument("--hf-new-tokens", default="", help="B:N,... fewer new tokens for transformers at batch B "
                     "(its decode is slow at large B); its tok/s is still decode steps only")
     args = ap.parse_args()
@@ -134,7 +151,7 @@ def main() -> None:
     hf_tokens = {int(b): int(n) for b, n in (x.split(":") for x in args.hf_new_tokens.split(",") if x)}
     for B in [int(b) for b in args.batch.split(",")]:
         prompts = torch.randint(3, model.cfg.vocab_size, (B, args.prompt_len), generator=g).tolist()
-        full, one = bench_moeloop(model, prompts, args.new_tokens, args.device, args.repeats)
+        full, one = bench_moeloop(model, prompts, args.new_tokens, args.device, args.repeats, args.step_times)
         decode = B * (args.new_tokens - 1) / (full - one)
         hf_decode = float("nan")
         if hf is not None:
