@@ -63,6 +63,30 @@ def test_resume_equals_straight_run(model_dir, tmp_path):
         assert torch.equal(wa[name], wb[name]), name
 
 
+def test_adaptive_kl_in_reward_moves_the_coefficient_and_resumes(model_dir, tmp_path):
+    """KL in the reward with the adaptive controller: each step's coefficient is the last one times
+    1 + clip(kl / target - 1, -0.2, 0.2) * samples / horizon (hand-computed from the logged KL), and a resumed
+    run continues from the saved coefficient (same metrics, same weights as a straight run)."""
+    extra = ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl=adaptive", "algorithm.kl_coef=0.05",
+             "algorithm.kl_target=0.002", "algorithm.kl_horizon=40", "algorithm.adv_estimator=reinforce_pp"]
+    run_rl(_cfg(model_dir, tmp_path / "a", *extra))
+    rows = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    coefs, kls = [r["kl_in_reward/coef"] for r in rows], [r["kl_in_reward"] for r in rows]
+    assert coefs[0] == 0.05
+    for i in range(1, STEPS):
+        error = min(max(kls[i - 1] / 0.002 - 1, -0.2), 0.2)
+        assert coefs[i] == pytest.approx(coefs[i - 1] * (1 + error * 16 / 40), rel=1e-12)
+    assert len(set(coefs)) == STEPS  # it moved every step
+    run_rl(_cfg(model_dir, tmp_path / "b", *extra, f"trainer.steps={STEPS // 2}"))
+    run_rl(_cfg(model_dir, tmp_path / "b", *extra), resume=True)
+    rows_b = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["kl_in_reward/coef"] for r in rows_b] == coefs
+    assert _metrics(tmp_path / "a") == _metrics(tmp_path / "b")
+    wa, wb = _weights(tmp_path / "a"), _weights(tmp_path / "b")
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+
+
 def _dp_rank(rank, world, model_dir, run_dir):
     run_rl(_cfg(model_dir, run_dir, "actor.optim.lr=1e-4"))
     return True

@@ -34,14 +34,23 @@ def sequence_score(sample: Sample) -> float:
     return float(token_rewards(sample).sum()) if sample.response_ids else float(sample.reward)
 
 
-def apply_kl_in_reward(samples: list[Sample], cfg: AlgorithmSection) -> float:
-    """Write reward - kl_coef * kl(old || ref) per token into each in-loss sample; return the mean KL.
+def apply_kl_in_reward(samples: list[Sample], cfg: AlgorithmSection, coef: float | None = None) -> float:
+    """Write reward - coef * kl(old || ref) per token into each in-loss sample (coef: `cfg.kl_coef` unless given,
+    e.g. by the adaptive `KLController`); return the mean KL per token.
 
     Needs `old_logprobs` and `ref_logprobs` on every in-loss sample. A no-op returning 0.0 when
     `cfg.use_kl_in_reward` is off. Masked samples are skipped and do not enter the mean.
     """
+    kl_sum, num_tokens = kl_in_reward_sums(samples, cfg, coef)
+    return kl_sum / max(num_tokens, 1)
+
+
+def kl_in_reward_sums(samples: list[Sample], cfg: AlgorithmSection, coef: float | None = None) -> tuple[float, int]:
+    """`apply_kl_in_reward`'s work; returns (sum of the per-token KL, number of tokens) of these samples, for a
+    mean over DP ranks."""
     if not cfg.use_kl_in_reward:
-        return 0.0
+        return 0.0, 0
+    coef = cfg.kl_coef if coef is None else coef
     kl_sum, num_tokens = 0.0, 0
     for i, sample in enumerate(samples):
         if not sample.in_loss:
@@ -54,6 +63,6 @@ def apply_kl_in_reward(samples: list[Sample], cfg: AlgorithmSection) -> float:
             raise ValueError(f"sample {i}: {len(old)} old_logprobs for {len(sample.response_ids)} response tokens")
         kl = kl_estimate(old, ref, cfg.kl_penalty)
         sample.metadata.pop(TOKEN_REWARDS_KEY, None)
-        sample.metadata[TOKEN_REWARDS_KEY] = (token_rewards(sample) - cfg.kl_coef * kl).tolist()
+        sample.metadata[TOKEN_REWARDS_KEY] = (token_rewards(sample) - coef * kl).tolist()
         kl_sum, num_tokens = kl_sum + float(kl.sum()), num_tokens + len(kl)
-    return kl_sum / max(num_tokens, 1)
+    return kl_sum, num_tokens

@@ -135,8 +135,11 @@ class AlgorithmSection:
     gamma: float = 1.0
     lam: float = 1.0
     use_kl_in_reward: bool = False
-    kl_coef: float = 0.001
+    kl_coef: float = 0.001  # the in-reward KL coefficient (the starting value when adaptive)
     kl_penalty: str = "k1"
+    kl_ctrl: str = "fixed"  # fixed | adaptive: move kl_coef to hold the in-reward KL near kl_target (algo/kl_control.py)
+    kl_target: float = 0.1  # adaptive: the mean per-token KL aimed at
+    kl_horizon: int = 10000  # adaptive: samples over which a full proportional correction applies
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill
     max_refill_rounds: int = 4
     overlong_penalty: bool = False
@@ -147,6 +150,9 @@ class AlgorithmSection:
         ests = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")
         _require(self.adv_estimator in ests, "algorithm.adv_estimator", f"must be one of {'|'.join(ests)}")
         _require(self.kl_penalty in ("k1", "k2", "k3", "low_var_kl"), "algorithm.kl_penalty", "must be k1|k2|k3|low_var_kl")
+        _require(self.kl_ctrl in ("fixed", "adaptive"), "algorithm.kl_ctrl", "must be fixed|adaptive")
+        _require(self.kl_target > 0, "algorithm.kl_target", "must be > 0")
+        _require(self.kl_horizon > 0, "algorithm.kl_horizon", "must be > 0")
 
 
 @dataclass

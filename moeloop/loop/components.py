@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
+from moeloop.algo.kl_control import KLController
 from moeloop.checkpoint import CheckpointManager
 from moeloop.config import RunConfig
 from moeloop.data import EpochCursor, PromptDataset, load_rows
@@ -53,9 +54,14 @@ class Components:
     syncer: WeightSyncer
     ckpt: CheckpointManager
     logger: MetricsLogger
+    kl_ctrl: KLController | None = None  # the in-reward KL coefficient (fixed or adaptive); default from cfg
     start_step: int = 0
     groups_issued: int = field(default=0)
     planned_peak_bytes: int = 0  # the planner's prediction for this run (CUDA only), logged beside the measured peak
+
+    def __post_init__(self) -> None:
+        if self.kl_ctrl is None:
+            self.kl_ctrl = KLController(self.cfg.algorithm)
 
     @property
     def prompts_per_rank(self) -> int:
@@ -116,7 +122,8 @@ class Components:
     def maybe_save(self, step: int) -> None:
         every, last = self.cfg.checkpoint.save_every, step == self.cfg.trainer.steps
         if (every and step % every == 0) or (last and self.cfg.checkpoint.save_final):
-            actor_state_save(self.ckpt, step, self.actor, self.cursor, version=step, world_size=self.env.world_size)
+            actor_state_save(self.ckpt, step, self.actor, self.cursor, version=step, world_size=self.env.world_size,
+                             kl_ctrl=self.kl_ctrl.state_dict())
             if self.critic is not None:
                 self.critic_ckpt.save(step, self.critic.model, self.critic.optimizer, {"step": step})
         hf_every = self.cfg.checkpoint.export_hf_every
@@ -205,6 +212,8 @@ def build_components(cfg: RunConfig, resume: bool) -> Components:
     if latest is not None:
         meta = actor_state_load(c.ckpt, latest, c.actor, c.cursor)
         c.start_step = meta["step"]
+        if "kl_ctrl" in meta:  # (checkpoints from before the controller: the configured coefficient)
+            c.kl_ctrl.load_state_dict(meta["kl_ctrl"])
         if c.critic is not None:
             c.critic_ckpt.load(c.critic_ckpt.latest(), c.critic.model, c.critic.optimizer)
         c.syncer.push(c.actor.named_weights(), c.engine, version=meta["step"])

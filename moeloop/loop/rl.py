@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from moeloop.algo.advantages import compute_advantages
 from moeloop.algo.dapo import filter_uniform_groups, overlong_penalty
-from moeloop.algo.token_rewards import apply_kl_in_reward
+from moeloop.algo.token_rewards import kl_in_reward_sums
 from moeloop.config import RunConfig
 from moeloop.loop.components import Components, build_components
 from moeloop.loop.env import run_command
 from moeloop.loop.metrics import PhaseTimer, peak_memory_bytes
 from moeloop.loop.step_metrics import batch_metrics, logprob_mismatch
+from moeloop.train.actor import all_reduce_scalar
 from moeloop.types import Sample
 
 
@@ -36,7 +37,7 @@ def run_rl(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
             if c.critic is not None:
                 c.critic.compute_values(samples)
         with timer("adv"):
-            kl_metrics = apply_kl_in_reward(samples, cfg.algorithm) if cfg.algorithm.use_kl_in_reward else None
+            kl_metrics = kl_in_reward(c, cfg, samples) if cfg.algorithm.use_kl_in_reward else {}
             compute_advantages(samples, cfg.algorithm)
         with timer("update_critic"):
             critic_metrics = c.critic.update(samples) if c.critic is not None else {}
@@ -51,13 +52,22 @@ def run_rl(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
                 **update_metrics, **critic_metrics, **val_metrics, **timer.pop(), "sync/gb_per_s": sync.gb_per_s, "sync/bytes": sync.num_bytes,
                 "policy/version": sync.version, "memory/peak_bytes": peak_memory_bytes(c.env.device),
                 "memory/planned_peak_bytes": c.planned_peak_bytes}
-        if kl_metrics is not None:
-            last["kl_in_reward"] = kl_metrics
+        last.update(kl_metrics)
         c.logger.log(step + 1, last)
         if val_metrics:
             c.logger.log(step + 1, val_metrics, "val.jsonl")
     c.finish()
     return last
+
+
+def kl_in_reward(c: Components, cfg: RunConfig, samples: list[Sample]) -> dict[str, float]:
+    """Shape the rewards with the KL penalty at the controller's coefficient, then let an adaptive controller move
+    it by the step's KL (a mean over every rank's tokens, so all ranks keep the same coefficient)."""
+    coef = c.kl_ctrl.coef
+    kl_sum, num_tokens = kl_in_reward_sums(samples, cfg.algorithm, coef)
+    kl = all_reduce_scalar(kl_sum) / max(all_reduce_scalar(float(num_tokens)), 1.0)
+    c.kl_ctrl.update(kl, int(all_reduce_scalar(float(len(samples)))))
+    return {"kl_in_reward": kl, "kl_in_reward/coef": coef}
 
 
 def fill_old_logprobs(c: Components, cfg: RunConfig, samples: list[Sample]) -> None:
