@@ -266,3 +266,37 @@ def test_router_topk_kernel_equals_projection_then_topk(num_tokens):
     assert len(launches) == (num_tokens >= fd.ROUTER_FUSED_MIN_TOKENS)
     assert torch.equal(ids, want.ids_TK)
     torch.testing.assert_close(wts, want.weights_TK, rtol=1e-6, atol=1e-6)
+
+
+def test_softmax_topk_keeps_expert_ids_in_range_on_a_nan_row():
+    """A NaN logits row matches no maximum; its ids must still name real experts (the expert kernels read those
+    experts' weights, before waiting, under PDL). Other rows: the top-k of the softmax, lowest id among ties."""
+    from types import SimpleNamespace
+    from moeloop.rollout.fused_decode import route_softmax_topk
+
+    torch.manual_seed(0)
+    E, K = 6, 2  # E padded to 8 inside the kernel
+    gate = SimpleNamespace(top_k=K, routed_scaling_factor=1.0, norm_topk_prob=True)
+    logits = torch.randn(3, E, device=DEVICE)
+    logits[1] = float("nan")
+    ids, wts = route_softmax_topk(SimpleNamespace(gate=gate), logits)
+    assert ((ids >= 0) & (ids < E)).all()
+    ref = logits[[0, 2]].softmax(-1).topk(K, dim=-1)
+    assert ids[[0, 2]].tolist() == ref.indices.tolist()
+    torch.testing.assert_close(wts[[0, 2]], ref.values / ref.values.sum(-1, keepdim=True))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="programmatic dependent launch is a CUDA (Hopper) launch mode")
+@pytest.mark.parametrize("batch", [1, 4, 8])
+def test_pdl_launches_give_bitwise_the_same_decode(monkeypatch, batch):
+    """The decode kernels launched with PDL (weights read before waiting on the previous kernel) and without: the
+    same graphs' tokens and logprobs, bit for bit (a race would show here first)."""
+    model = tiny_model("qwen3_moe").to(DEVICE, torch.bfloat16)
+    ps = prompts(batch, seed=21)
+    params = SamplingParams(n=1, temperature=1.0, max_tokens=24, seed=5)
+    outs = {}
+    for mode in ("on", "off"):
+        monkeypatch.setenv("MOELOOP_PDL", mode)
+        outs[mode] = make_engine(model).generate(ps, params)  # CUDA graphs captured under this mode
+    assert [o.response_ids for o in outs["on"]] == [o.response_ids for o in outs["off"]]
+    assert [o.logprobs for o in outs["on"]] == [o.logprobs for o in outs["off"]]

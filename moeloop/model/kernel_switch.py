@@ -49,7 +49,9 @@ def pdl_applies(x: torch.Tensor, rows: int) -> bool:
     """Launch a decode kernel over `rows` tokens of x's device with programmatic dependent launch: at most
     PDL_MAX_ROWS rows, compiled (not interpreted) on a CUDA device of compute capability 9 or more, with a triton
     that has grid dependency control, `MOELOOP_PDL` not off."""
-    if rows > PDL_MAX_ROWS or not x.is_cuda or gdc_wait is None or triton_interpreting() or os.environ.get("MOELOOP_PDL", "on").lower() == "off":
+    if rows > PDL_MAX_ROWS or not x.is_cuda or gdc_wait is None or triton_interpreting():
+        return False
+    if os.environ.get("MOELOOP_PDL", "on").lower() == "off":
         return False
     if x.device not in _PDL_DEVICES:
         _PDL_DEVICES[x.device] = torch.cuda.get_device_capability(x.device)[0] >= 9

@@ -138,6 +138,7 @@ if triton is not None:
         for k in tl.static_range(K):  # k-th largest (lowest id among ties), then masked out
             best = tl.max(p, 1)
             idx = tl.min(tl.where(p == best[:, None], e[None, :], e.shape[0]), 1)
+            idx = tl.where(idx < e.shape[0], idx, 0)  # a NaN row matches nothing: expert 0, not a read out of bounds
             tl.store(ids_ptr + t * K + k, idx.to(tl.int64), mask=t_ok)
             tl.store(wts_ptr + t * K + k, best, mask=t_ok)
             total += best

@@ -154,17 +154,23 @@ if triton is not None:
         w_rows = w_ptr + e[:, None] * s_we + d[:, None] * s_wd
         f = tl.arange(0, BLOCK_F)
         w = tl.load(w_rows + f[None, :], mask=ok[:, None] & (f[None, :] < F), other=0.0)
-        pdl_wait(PDL)
+        pdl_wait(PDL)  # (nothing may write the ids between the router's kernel and this one: they are read above)
         h_rows = h_ptr + s[:, None] * F
-        acc = tl.sum(w.to(tl.float32) * tl.load(h_rows + f[None, :], mask=ok[:, None] & (f[None, :] < F), other=0.0).to(tl.float32), 1)
+        h = tl.load(h_rows + f[None, :], mask=ok[:, None] & (f[None, :] < F), other=0.0).to(tl.float32)
+        acc = tl.sum(w.to(tl.float32) * h, 1)
         for f0 in range(BLOCK_F, F, BLOCK_F):
             ff = f0 + tl.arange(0, BLOCK_F)
             fm = ok[:, None] & (ff[None, :] < F)
             ww = tl.load(w_rows + ff[None, :], mask=fm, other=0.0).to(tl.float32)
             acc += tl.sum(ww * tl.load(h_rows + ff[None, :], mask=fm, other=0.0).to(tl.float32), 1)
         dt = y_ptr.dtype.element_ty
-        part = acc.to(dt).to(tl.float32) * tl.load(wts_ptr + s, mask=ok, other=0.0)
-        out = tl.sum(tl.reshape(part, [K_PAD, BLOCK_D]), 0)
+        part = tl.reshape(acc.to(dt).to(tl.float32) * tl.load(wts_ptr + s, mask=ok, other=0.0), [K_PAD, BLOCK_D])
+        # the K products added in expert order, as the module path and the trainer's combine add them (a tree sum
+        # could round differently): each term is a one-row sum, exact
+        k_rows = tl.arange(0, K_PAD)[:, None]
+        out = tl.zeros([BLOCK_D], tl.float32)
+        for kk in tl.static_range(K):
+            out += tl.sum(tl.where(k_rows == kk, part, 0.0), 0)
         d_out = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         tl.store(y_ptr + t.to(tl.int64) * D + d_out, out.to(dt), mask=d_out < D)
 
@@ -186,14 +192,16 @@ def fused_experts(experts: Experts, x_TD: torch.Tensor, ids_TK: torch.Tensor, we
     # bound by the bytes in flight
     pdl = pdl_applies(x_TD, T)
     (block_f, warps_f), (block_d, warps_d) = GATE_UP_FEW_TILE, DOWN_FEW_TILE
+    # down's tile: K_PAD * BLOCK_D rows x BLOCK_F columns, at most 4 * FEW_MAX_WIDTH values (512 columns at K=4)
+    k_pad = triton.next_power_of_2(K)
+    down_block_f = min(FEW_MAX_WIDTH * 4 // (k_pad * block_d), triton.next_power_of_2(F))
     _gate_up_silu[(T * K, triton.cdiv(F, block_f))](x_TD, w_gu, ids_S, h_SF, w_gu.stride(0), w_gu.stride(1),
                                                      D=D, F=F, K=K, BLOCK_F=block_f,
                                                      BLOCK_D=min(FEW_MAX_WIDTH, triton.next_power_of_2(D)),
                                                      LIBDEVICE=not triton_interpreting(), PDL=pdl, num_warps=warps_f,
                                                      **pdl_launch(pdl))
     _down_combine[(T, triton.cdiv(D, block_d))](h_SF, w_d, ids_S, wts_S, y_TD, w_d.stride(0), w_d.stride(1), D=D, F=F,
-                                                 K=K, K_PAD=triton.next_power_of_2(K), BLOCK_D=block_d,
-                                                 BLOCK_F=min(FEW_MAX_WIDTH // 4, triton.next_power_of_2(F)), PDL=pdl,
+                                                 K=K, K_PAD=k_pad, BLOCK_D=block_d, BLOCK_F=down_block_f, PDL=pdl,
                                                  num_warps=warps_d, **pdl_launch(pdl))
     return y_TD
 
