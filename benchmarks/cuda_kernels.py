@@ -1,5 +1,8 @@
-"""The CUDA kernels a torch profiler recorded, grouped by name: shared by the profiling benchmarks."""
+"""CUDA timing helpers shared by the profiling benchmarks: the kernels a torch profiler recorded, grouped by name,
+and the GPU time of a captured graph replayed back to back."""
 from __future__ import annotations
+
+import torch
 
 
 def kernel_times(prof) -> dict[str, list[float]]:
@@ -9,3 +12,14 @@ def kernel_times(prof) -> dict[str, list[float]]:
         if e.device_type.name == "CUDA":
             by_name.setdefault(e.name, []).append(e.device_time)
     return dict(sorted(by_name.items(), key=lambda kv: -sum(kv[1])))
+
+
+def replay_seconds(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    """Seconds per replay of a captured CUDA graph replayed back to back (its GPU time; no host work between)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / replays

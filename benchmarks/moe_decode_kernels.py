@@ -14,6 +14,7 @@ import itertools
 
 import torch
 
+from cuda_kernels import replay_seconds
 from moeloop.model.experts import Experts
 from moeloop.rollout import moe_kernel
 
@@ -46,13 +47,7 @@ def graph_time(fn, calls: int = 20, replays: int = 10) -> float:
             fn()
     g.replay()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / (calls * replays)
+    return replay_seconds(g, replays) / calls
 
 
 def main() -> None:

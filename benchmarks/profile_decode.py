@@ -14,7 +14,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from cuda_kernels import kernel_times
+from cuda_kernels import kernel_times, replay_seconds
 from moeloop.model.factory import build_model
 from moeloop.rollout import SamplingParams
 from sized_engine import sized_engine
@@ -95,13 +95,7 @@ def graph_replay_ms(engine, batch: int, replays: int = 50) -> float:
     graphs = engine.runner.graphs
     graph, _ = graphs.graphs[next(s for s in graphs.sizes if s >= batch)]
     graph.replay()  # (the step's own inputs again: the same K/V rewritten into the same slots)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / replays
+    return 1e3 * replay_seconds(graph, replays)
 
 
 if __name__ == "__main__":
