@@ -6,7 +6,7 @@ import math
 import pytest
 
 from moeloop.algo.advantages import compute_advantages
-from moeloop.algo.dapo import filter_uniform_groups, overlong_penalty
+from moeloop.algo.dapo import filter_uniform_groups, mask_truncated, overlong_penalty
 from moeloop.algo.token_rewards import TOKEN_REWARDS_KEY, apply_kl_in_reward
 from moeloop.config.schema import AlgorithmSection
 from moeloop.types import Sample
@@ -159,3 +159,17 @@ def test_overlong_penalty():
     assert samples[2].reward_info["overlong_penalty"] == -0.5
     with pytest.raises(ValueError, match="overlong_buffer_len"):
         overlong_penalty(samples, max_response_length=10, buffer_len=0, factor=1.0)
+
+
+def test_mask_truncated_leaves_the_loss_not_the_baseline():
+    """DAPO overlong filtering: a response cut at the length limit loses its loss tokens (and its place in the
+    seq-mean denominators) but its reward still sets its group's baseline."""
+    from moeloop.train.packing import global_loss_denominators
+    samples = [S(1.0, 0, 2, finish_reason="stop"), S(0.0, 0, 3, finish_reason="length"),
+               S(0.5, 0, 4, finish_reason="stop", loss_mask=[1, 1, 0, 1])]
+    assert mask_truncated(samples) == 1
+    assert [s.loss_mask for s in samples] == [None, [0, 0, 0], [1, 1, 0, 1]]
+    compute_advantages(samples, AlgorithmSection(adv_estimator="grpo", norm_adv_by_std=False))
+    approx(samples[0].advantages, [0.5, 0.5])  # 1 - mean(1, 0, 0.5): the truncated reward is in the mean
+    assert global_loss_denominators(samples, "token-mean") == 5  # 2 + 3 loss tokens; none of the truncated one
+    assert global_loss_denominators(samples, "seq-mean-token-mean") == 2

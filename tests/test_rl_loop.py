@@ -87,6 +87,19 @@ def test_adaptive_kl_in_reward_moves_the_coefficient_and_resumes(model_dir, tmp_
         assert torch.equal(wa[name], wb[name]), name
 
 
+def test_mask_truncated_with_every_response_cut_leaves_the_policy_unchanged(model_dir, tmp_path):
+    """With algorithm.mask_truncated, responses that hit the length limit leave the loss: when every response is
+    cut (EOS ignored, 4 tokens each), nothing is learned; without it, the same run trains."""
+    extra = ["rollout.ignore_eos=true", "trainer.steps=2"]
+    run_rl(_cfg(model_dir, tmp_path / "plain", *extra))
+    last = run_rl(_cfg(model_dir, tmp_path / "run", "algorithm.mask_truncated=true", *extra))
+    assert last["response/clip_ratio"] == 1.0 and last["grad_norm"] == 0.0
+    before, after = load_pretrained(model_dir).state_dict(), _weights(tmp_path / "run")
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    trained = _weights(tmp_path / "plain")
+    assert any(not torch.equal(before[n], trained[n]) for n in before)
+
+
 def _dp_rank(rank, world, model_dir, run_dir):
     run_rl(_cfg(model_dir, run_dir, "actor.optim.lr=1e-4"))
     return True

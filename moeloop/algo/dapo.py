@@ -1,8 +1,10 @@
-"""DAPO batch shaping: dynamic sampling (drop groups that carry no learning signal) and the soft
-overlong punishment of responses that run into the length limit.
+"""DAPO batch shaping: dynamic sampling (drop groups that carry no learning signal), the soft
+overlong punishment of responses that run into the length limit, and overlong filtering (truncated
+responses take no part in the loss; TRL's `mask_truncated_completions`).
 
-Usage in the loop: `overlong_penalty` after scoring, then `filter_uniform_groups` and refill with
-new prompts until the batch is full (at most `algorithm.max_refill_rounds` rounds), then advantages.
+Usage in the loop: `overlong_penalty` and `mask_truncated` after scoring, then `filter_uniform_groups`
+and refill with new prompts until the batch is full (at most `algorithm.max_refill_rounds` rounds),
+then advantages.
 """
 from __future__ import annotations
 
@@ -44,3 +46,16 @@ def overlong_penalty(samples: list[Sample], max_response_length: int, buffer_len
         sample.reward += penalty
         sample.reward_info[OVERLONG_INFO_KEY] = penalty
     return samples
+
+
+def mask_truncated(samples: list[Sample]) -> int:
+    """Zero the loss mask of every response cut off by the length limit (finish reason "length"), in place;
+    return how many. As in DAPO's overlong filtering, such a sample's reward still enters its group's baseline:
+    only its own tokens leave the loss (and the loss denominators, which count loss tokens and sequences that
+    have one)."""
+    count = 0
+    for sample in samples:
+        if sample.finish_reason == "length" and sample.response_ids:
+            sample.loss_mask = [0] * len(sample.response_ids)
+            count += 1
+    return count

@@ -145,6 +145,7 @@ class AlgorithmSection:
     overlong_penalty: bool = False
     overlong_buffer_len: int = 16
     overlong_penalty_factor: float = 1.0
+    mask_truncated: bool = False  # DAPO overlong filtering: responses cut at the length limit leave the loss
 
     def check(self) -> None:
         ests = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")

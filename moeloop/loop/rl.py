@@ -9,7 +9,7 @@ trainer makes N ranks equal to one (see moeloop.train.actor).
 from __future__ import annotations
 
 from moeloop.algo.advantages import compute_advantages
-from moeloop.algo.dapo import filter_uniform_groups, overlong_penalty
+from moeloop.algo.dapo import filter_uniform_groups, mask_truncated, overlong_penalty
 from moeloop.algo.token_rewards import kl_in_reward_sums
 from moeloop.config import RunConfig
 from moeloop.loop.components import Components, build_components
@@ -98,6 +98,8 @@ def collect_batch(c: Components, cfg: RunConfig, timer: PhaseTimer, step: int) -
             if cfg.algorithm.overlong_penalty:
                 overlong_penalty(fresh, cfg.data.max_response_length, cfg.algorithm.overlong_buffer_len,
                                  cfg.algorithm.overlong_penalty_factor)
+            if cfg.algorithm.mask_truncated:  # (how many: response/clip_ratio)
+                mask_truncated(fresh)
         reward_metrics = _merge_reward_metrics(reward_metrics, stats.metrics())
         if not cfg.algorithm.dynamic_sampling:
             return fresh, reward_metrics
