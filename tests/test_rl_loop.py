@@ -67,8 +67,7 @@ def test_adaptive_kl_in_reward_moves_the_coefficient_and_resumes(model_dir, tmp_
     """KL in the reward with the adaptive controller: each step's coefficient is the last one times
     1 + clip(kl / target - 1, -0.2, 0.2) * samples / horizon (hand-computed from the logged KL), and a resumed
     run continues from the saved coefficient (same metrics, same weights as a straight run)."""
-    extra = ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl=adaptive", "algorithm.kl_coef=0.05",
-             "algorithm.kl_target=0.002", "algorithm.kl_horizon=40", "algorithm.adv_estimator=reinforce_pp"]
+    extra = ADAPTIVE_KL
     run_rl(_cfg(model_dir, tmp_path / "a", *extra))
     rows = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     coefs, kls = [r["kl_in_reward/coef"] for r in rows], [r["kl_in_reward"] for r in rows]
@@ -85,6 +84,27 @@ def test_adaptive_kl_in_reward_moves_the_coefficient_and_resumes(model_dir, tmp_
     wa, wb = _weights(tmp_path / "a"), _weights(tmp_path / "b")
     for name in wa:
         assert torch.equal(wa[name], wb[name]), name
+
+
+ADAPTIVE_KL = ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl=adaptive", "algorithm.kl_coef=0.05",
+               "algorithm.kl_target=0.002", "algorithm.kl_horizon=40", "algorithm.adv_estimator=reinforce_pp"]
+
+
+def _kl_rank(rank, world, model_dir, run_dir):
+    """(this rank's last-step coefficient, the logged per-step coefficients: rank 0 writes the metrics)."""
+    last = run_rl(_cfg(model_dir, run_dir, "actor.optim.lr=1e-4", *ADAPTIVE_KL))
+    return last["kl_in_reward/coef"], [json.loads(line)["kl_in_reward/coef"]
+                                       for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_adaptive_kl_coefficient_is_the_same_on_2_ranks_as_on_1(model_dir, tmp_path):
+    """The adaptive KL coefficient moves by the KL over every rank's tokens: both ranks of a DP=2 run hold the
+    coefficient a single-rank run of the same global batch holds, at every step."""
+    last_one, one = _kl_rank(0, 1, model_dir, tmp_path / "one")
+    (last_a, two), (last_b, _) = run_ranks(_kl_rank, 2, model_dir, tmp_path / "two")
+    assert len(set(one)) == STEPS  # it moved
+    assert last_a == last_b == two[-1]
+    assert two == pytest.approx(one, rel=1e-6)
 
 
 def test_mask_truncated_with_every_response_cut_leaves_the_policy_unchanged(model_dir, tmp_path):
