@@ -109,6 +109,27 @@ def test_gspo_sequence_ratio_by_hand():
     assert torch.allclose(logp.grad, t([0, 0, s_b / 6, s_b / 6, s_b / 6, 0]), atol=1e-12)
 
 
+def test_truncated_importance_sampling_by_hand():
+    """tis_cap: each token's PPO loss times min(pi_old / pi_rollout, cap), with no gradient through the weight."""
+    old = t([-1.0, -2.0, -0.5, -1.0])
+    rollout = t([-1.0 + math.log(2.0), -2.0 - math.log(1.5), -0.5 - 3.0, -1.0])  # weights 0.5, 1.5, e^3 -> 2, 1
+    adv, mask = t([1.0, -1.0, 1.0, 2.0]), t([1, 1, 1, 0])
+    logp = (old + t([0.1, 0.0, -0.1, 0.0])).requires_grad_()  # ratios e^0.1, 1, e^-0.1, 1: inside the clip range
+    cfg = ActorSection(tis_cap=2.0)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    loss, m = actor_loss(PolicyInputs(logp, old, adv, mask, cu, rollout_logprobs_T=rollout), cfg, denominator=3.0)
+    ratio = [math.exp(0.1), 1.0, math.exp(-0.1)]
+    w = [0.5, 1.5, 2.0]
+    assert float(loss) == pytest.approx(sum(-a * r * wi for a, r, wi in zip([1.0, -1.0, 1.0], ratio, w)) / 3, rel=1e-12)
+    assert m["tis_weight"] == pytest.approx(4.0 / 3) and m["tis_capped_frac"] == pytest.approx(1 / 3)
+    loss.backward()  # d/dlogp of -A r w = -A r w (w held fixed)
+    torch.testing.assert_close(logp.grad, t([-ratio[0] * 0.5 / 3, 1.5 / 3, -ratio[2] * 2.0 / 3, 0.0]))
+    plain, _ = actor_loss(PolicyInputs(logp.detach(), old, adv, mask, cu), ActorSection(), denominator=3.0)
+    assert float(plain) == pytest.approx(sum(-a * r for a, r in zip([1.0, -1.0, 1.0], ratio)) / 3, rel=1e-12)
+    with pytest.raises(ValueError, match="rollout_logprobs_T"):
+        actor_loss(PolicyInputs(logp, old, adv, mask, cu), cfg, denominator=3.0)
+
+
 def test_kl_loss_and_entropy_bonus():
     n = 4
     logp, ref = t([-1.0, -2.0, -0.5, -1.0]), t([-1.5, -1.0, -0.5, -3.0])

@@ -126,3 +126,15 @@ def test_clip_and_step_equals_clip_grad_norm(grad_clip):
     assert results[0][0] == results[1][0]
     for name, p in results[1][1].items():
         assert torch.equal(results[0][1][name], p), name
+
+
+def test_tis_at_the_cap_scales_the_update_by_the_cap():
+    """Through the actor: rollout logprobs far below the old ones put every token's weight at tis_cap, so one SGD
+    step moves the weights exactly tis_cap times as far as without TIS (the dummy-free path, two micro-batches)."""
+    samples = rl_batch()
+    for s in samples:
+        s.response_logprobs = [lp - 5.0 for lp in s.old_logprobs]
+    base, capped = _train(40, samples, steps=1)[1], _train(40, samples, steps=1, tis_cap=1.5)[1]
+    start = _params(tiny_model())
+    for name in start:
+        torch.testing.assert_close(capped[name] - start[name], 1.5 * (base[name] - start[name]), rtol=1e-4, atol=1e-6)

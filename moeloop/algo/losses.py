@@ -1,5 +1,6 @@
 """Actor and critic losses on flat packed tokens: PPO clip (DAPO clip-higher, dual-clip), GSPO,
-KL-to-reference loss, entropy bonus, clipped value loss, all aggregated with a global denominator.
+truncated importance sampling of the rollout/trainer mismatch, KL-to-reference loss, entropy bonus, clipped
+value loss, all aggregated with a global denominator.
 
 Usage per micro-batch (see moeloop.algo.aggregation and moeloop.train.packing):
     denom = global_loss_denominators(mini_batch_samples, cfg.loss_agg_mode, max_response_length)
@@ -36,10 +37,11 @@ class PolicyInputs:
     cu_seqlens: torch.Tensor  # int32 [S+1]
     ref_logprobs_T: Optional[torch.Tensor] = None  # needed when use_kl_loss
     entropy_T: Optional[torch.Tensor] = None  # needed when entropy_coeff != 0
+    rollout_logprobs_T: Optional[torch.Tensor] = None  # the engine's logprobs; needed when tis_cap > 0
 
     def check(self) -> None:
         shape = self.logprobs_T.shape
-        for name in ("old_logprobs_T", "advantages_T", "loss_mask_T", "ref_logprobs_T", "entropy_T"):
+        for name in ("old_logprobs_T", "advantages_T", "loss_mask_T", "ref_logprobs_T", "entropy_T", "rollout_logprobs_T"):
             value = getattr(self, name)
             if value is not None and value.shape != shape:
                 raise ValueError(f"{name} has shape {tuple(value.shape)}, logprobs_T has {tuple(shape)}")
@@ -104,6 +106,15 @@ def _policy_loss_T(inputs: PolicyInputs, cfg: ActorSection) -> tuple[torch.Tenso
     raise ValueError(f"actor.policy_loss={cfg.policy_loss!r}; expected ppo|gspo")
 
 
+def tis_weights_T(old_logprobs_T: torch.Tensor, rollout_logprobs_T: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance weights min(pi_old / pi_rollout, cap) per token, no gradient (Yao et al. 2025, "Your
+    efficient RL framework secretly brings you off-policy RL training"): the rollout engine sampled the tokens, the
+    loss's ratios are taken against the trainer's old logprobs, and the two differ by numerics (bf16 GEMM shapes,
+    kernels); this reweights each token's loss toward the trainer's distribution, capped to bound the variance."""
+    log_w = (old_logprobs_T - rollout_logprobs_T).detach().clamp(max=LOG_RATIO_CLAMP)
+    return log_w.exp().clamp(max=cap)
+
+
 def _ratio_metrics(inputs: PolicyInputs, ratio_T: torch.Tensor, cfg: ActorSection) -> dict[str, torch.Tensor | float]:
     adv, mask, r = inputs.advantages_T, inputs.loss_mask_T, ratio_T.detach()
     dual = cfg.policy_loss == "ppo"
@@ -126,8 +137,17 @@ def actor_loss(inputs: PolicyInputs, cfg: ActorSection, denominator: float,
         return aggregate_loss(values_T, inputs.loss_mask_T, inputs.cu_seqlens, cfg.loss_agg_mode, denominator)
 
     pg_T, ratio_T = _policy_loss_T(inputs, cfg)
+    tis: dict[str, torch.Tensor] = {}
+    if cfg.tis_cap > 0:
+        if inputs.rollout_logprobs_T is None:
+            raise ValueError("actor.tis_cap > 0 needs the rollout's logprobs (rollout_logprobs_T: "
+                             "SamplingParams.logprobs on)")
+        w_T = tis_weights_T(inputs.old_logprobs_T, inputs.rollout_logprobs_T, cfg.tis_cap)
+        pg_T = pg_T * w_T
+        tis = {"tis_weight": _masked_mean(w_T, inputs.loss_mask_T),
+               "tis_capped_frac": _masked_mean((w_T >= cfg.tis_cap).float(), inputs.loss_mask_T)}
     pg_loss = agg(pg_T)
-    loss, metrics = pg_loss, {"pg_loss": pg_loss.detach(), **_ratio_metrics(inputs, ratio_T, cfg)}
+    loss, metrics = pg_loss, {"pg_loss": pg_loss.detach(), **_ratio_metrics(inputs, ratio_T, cfg), **tis}
     if cfg.use_kl_loss:
         if inputs.ref_logprobs_T is None:
             raise ValueError("actor.use_kl_loss needs ref_logprobs_T")

@@ -191,6 +191,10 @@ class ActorSection:
     grad_clip: float = 1.0
     recompute_old_logprobs: bool = True  # False = bypass: take old logprobs from the rollout
     force_old_logprob_pass: bool = False  # recompute even when the update is exactly on-policy
+    # > 0: truncated importance sampling for the rollout/trainer mismatch: each token's policy loss times
+    # min(pi_old / pi_rollout, tis_cap), pi_old the trainer's old logprob, pi_rollout the engine's (verl's
+    # tis_imp_ratio_cap, TRL's vllm_importance_sampling_cap); 0 = off
+    tis_cap: float = 0.0
     offload: OffloadSection = field(default_factory=OffloadSection)
 
     def check(self, prefix: str = "actor") -> None:
@@ -201,6 +205,7 @@ class ActorSection:
         _require(self.ppo_epochs >= 1, f"{prefix}.ppo_epochs", "must be >= 1")
         _require(self.max_tokens_per_micro_batch > 0, f"{prefix}.max_tokens_per_micro_batch", "must be > 0")
         _require(self.clip_ratio_c > 1.0, f"{prefix}.clip_ratio_c", "must be > 1 (dual-clip bound)")
+        _require(self.tis_cap >= 0, f"{prefix}.tis_cap", "must be >= 0 (0 = off)")
         _require(self.optim.lr >= 0, f"{prefix}.optim.lr", "must be >= 0")
 
 

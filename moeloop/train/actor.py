@@ -119,7 +119,7 @@ def global_metrics(local: dict[str, float]) -> dict[str, float]:
 def dummy_sample() -> Sample:
     """One 2-token sequence with no loss token: keeps a rank with no work in FSDP's lockstep."""
     return Sample(prompt_ids=[0], response_ids=[0], loss_mask=[0], old_logprobs=[0.0], advantages=[0.0],
-                  ref_logprobs=[0.0], values=[0.0], returns=[0.0])
+                  ref_logprobs=[0.0], values=[0.0], returns=[0.0], response_logprobs=[0.0])
 
 
 def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float) -> float:
@@ -167,7 +167,7 @@ class Actor(PolicyForward):
             logprobs_T, entropy_T = self.forward_batch(batch, with_entropy=True)  # entropy: bonus and metric
             old = batch.old_logprobs_T if batch.old_logprobs_T is not None else logprobs_T.detach()
             inputs = PolicyInputs(logprobs_T, old, batch.advantages_T, batch.loss_mask_T, batch.cu_seqlens,
-                                  batch.ref_logprobs_T, entropy_T)
+                                  batch.ref_logprobs_T, entropy_T, batch.rollout_logprobs_T)
             loss, m = actor_loss(inputs, self.cfg, denominator, host_metrics=False)
             (loss * dp_size()).backward()  # FSDP averages gradients over DP; the loss is already global
             if part:
