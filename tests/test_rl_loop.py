@@ -135,9 +135,31 @@ def test_dp2_matches_dp1(model_dir, tmp_path):
         torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=5e-5)
 
 
+GAE_CRITIC = ["critic.enable=true", "critic.optim.lr=1e-3", "algorithm.lam=0.95", "critic.ppo_mini_batch_size=2",
+              "critic.max_tokens_per_micro_batch=72"]
+WHITENED = {"reinforce_pp": [], "reinforce_pp_baseline": [], "gae": GAE_CRITIC}
+
+
+def _dp_rank_estimator(rank, world, model_dir, run_dir, estimator):
+    run_rl(_cfg(model_dir, run_dir, "actor.optim.lr=1e-4", f"algorithm.adv_estimator={estimator}", *WHITENED[estimator]))
+    return True
+
+
+@pytest.mark.parametrize("estimator", list(WHITENED))
+def test_batch_whitened_estimators_dp2_match_dp1(model_dir, tmp_path, estimator):
+    """REINFORCE++ and GAE whiten advantages over the whole batch: under DP the mean and variance are taken over
+    every rank's tokens, so 2 ranks give 1 rank's update."""
+    _dp_rank_estimator(0, 1, model_dir, tmp_path / "one", estimator)
+    run_ranks(_dp_rank_estimator, 2, model_dir, tmp_path / "two", estimator)
+    m1, m2 = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
+    assert [m["pg_loss"] for m in m1] == pytest.approx([m["pg_loss"] for m in m2], rel=1e-4, abs=1e-6)
+    w1, w2 = _weights(tmp_path / "one"), _weights(tmp_path / "two")
+    for name in w1:  # tolerance: as test_dp2_matches_dp1
+        torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=5e-5)
+
+
 def test_ppo_with_gae_critic_runs_and_resumes(model_dir, tmp_path):
-    extra = ["algorithm.adv_estimator=gae", "critic.enable=true", "critic.optim.lr=1e-3", "algorithm.lam=0.95",
-             "critic.ppo_mini_batch_size=2", "critic.max_tokens_per_micro_batch=72"]
+    extra = ["algorithm.adv_estimator=gae", *GAE_CRITIC]
     last = run_rl(_cfg(model_dir, tmp_path / "a", *extra))
     assert "critic/vf_loss" in last and last["time/values"] > 0 and last["time/update_critic"] > 0
     run_rl(_cfg(model_dir, tmp_path / "b", *extra, f"trainer.steps={STEPS // 2}"))

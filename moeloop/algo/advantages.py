@@ -4,7 +4,9 @@ reinforce_pp_baseline and gae; each writes per-response-token `sample.advantages
 Semantics follow verl's core_algos. Masked samples (`not sample.in_loss`) are left out of every
 group baseline and batch statistic and get zero advantages. A group (same `group_id`) with a
 single in-loss sample has no baseline: its advantage is its score (verl's convention).
-Call `compute_advantages(samples, cfg.algorithm)`; estimators work in float64.
+Call `compute_advantages(samples, cfg.algorithm)`; estimators work in float64. Under data parallelism each
+rank passes its own samples (whole groups); the batch statistics of the whitening estimators (reinforce_pp,
+reinforce_pp_baseline, gae) are all-reduced, so every rank whitens with the global batch's mean and variance.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from collections import defaultdict
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from moeloop.algo.token_rewards import sequence_score, token_rewards
 from moeloop.config.schema import AlgorithmSection
@@ -54,14 +57,24 @@ def _write_outcome(samples: list[Sample], scores: dict[int, float]) -> None:
 
 def whiten(values: list[torch.Tensor], masks: list[torch.Tensor]) -> list[torch.Tensor]:
     """Whiten per-token values across the whole batch over masked tokens (unbiased variance),
-    zero outside the mask. Fewer than 2 tokens: centre only."""
-    flat_v, flat_m = torch.cat(values), torch.cat(masks)
-    count = flat_m.sum()
+    zero outside the mask. Fewer than 2 tokens: centre only. Under DP the batch is every rank's tokens."""
+    flat_v = torch.cat(values) if values else torch.zeros(0, dtype=torch.float64)
+    flat_m = torch.cat(masks) if masks else torch.zeros(0, dtype=torch.float64)
+    total, count = _global_sums(torch.stack([(flat_v * flat_m).sum(), flat_m.sum()]))
     if count == 0:
         return [torch.zeros_like(v) for v in values]
-    mean = (flat_v * flat_m).sum() / count
-    var = ((flat_v - mean).square() * flat_m).sum() / (count - 1) if count > 1 else flat_v.new_zeros(())
+    mean = total / count
+    (sq,) = _global_sums(((flat_v - mean).square() * flat_m).sum()[None])
+    var = sq / (count - 1) if count > 1 else flat_v.new_zeros(())
     return [(v - mean) * torch.rsqrt(var + WHITEN_EPS) * m for v, m in zip(values, masks)]
+
+
+def _global_sums(sums: torch.Tensor) -> torch.Tensor:
+    """float64 sums added over the DP ranks (as they are in one process)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        sums = sums.clone()
+        dist.all_reduce(sums)
+    return sums
 
 
 def grpo(samples: list[Sample], cfg: AlgorithmSection) -> None:
