@@ -140,22 +140,39 @@ GAE_CRITIC = ["critic.enable=true", "critic.optim.lr=1e-3", "algorithm.lam=0.95"
 WHITENED = {"reinforce_pp": [], "reinforce_pp_baseline": [], "gae": GAE_CRITIC}
 
 
-def _dp_rank_estimator(rank, world, model_dir, run_dir, estimator):
-    run_rl(_cfg(model_dir, run_dir, "actor.optim.lr=1e-4", f"algorithm.adv_estimator={estimator}", *WHITENED[estimator]))
+def _dp_rank_with(rank, world, model_dir, run_dir, *extra):
+    run_rl(_cfg(model_dir, run_dir, "actor.optim.lr=1e-4", *extra))
     return True
+
+
+def _assert_dp2_matches_dp1(tmp_path):
+    m1, m2 = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
+    assert [m["pg_loss"] for m in m1] == pytest.approx([m["pg_loss"] for m in m2], rel=1e-4, abs=1e-6)
+    w1, w2 = _weights(tmp_path / "one"), _weights(tmp_path / "two")
+    for name in w1:  # tolerance: as test_dp2_matches_dp1
+        torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=5e-5)
 
 
 @pytest.mark.parametrize("estimator", list(WHITENED))
 def test_batch_whitened_estimators_dp2_match_dp1(model_dir, tmp_path, estimator):
     """REINFORCE++ and GAE whiten advantages over the whole batch: under DP the mean and variance are taken over
     every rank's tokens, so 2 ranks give 1 rank's update."""
-    _dp_rank_estimator(0, 1, model_dir, tmp_path / "one", estimator)
-    run_ranks(_dp_rank_estimator, 2, model_dir, tmp_path / "two", estimator)
-    m1, m2 = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
-    assert [m["pg_loss"] for m in m1] == pytest.approx([m["pg_loss"] for m in m2], rel=1e-4, abs=1e-6)
-    w1, w2 = _weights(tmp_path / "one"), _weights(tmp_path / "two")
-    for name in w1:  # tolerance: as test_dp2_matches_dp1
-        torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=5e-5)
+    extra = [f"algorithm.adv_estimator={estimator}", *WHITENED[estimator]]
+    _dp_rank_with(0, 1, model_dir, tmp_path / "one", *extra)
+    run_ranks(_dp_rank_with, 2, model_dir, tmp_path / "two", *extra)
+    _assert_dp2_matches_dp1(tmp_path)
+
+
+def test_dynamic_sampling_dp2_matches_dp1(model_dir, tmp_path):
+    """DAPO dynamic sampling decides over the global batch (which groups to keep, how many prompts to refill, in
+    what order), and deals the kept groups to the ranks as a fresh batch is dealt: 2 ranks train on what 1 does.
+    digit_reward makes some groups uniform (dropped and refilled) and the 4-prompt batch leaves odd refills."""
+    extra = ["algorithm.dynamic_sampling=true", "algorithm.max_refill_rounds=3"]
+    _dp_rank_with(0, 1, model_dir, tmp_path / "one", *extra)
+    run_ranks(_dp_rank_with, 2, model_dir, tmp_path / "two", *extra)
+    _assert_dp2_matches_dp1(tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["dapo/kept_groups"] == 4 for r in rows)
 
 
 def test_ppo_with_gae_critic_runs_and_resumes(model_dir, tmp_path):

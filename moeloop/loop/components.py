@@ -78,13 +78,6 @@ class Components:
         positions = [p for p in range(count * world) if (p // per_mini) % world == self.env.rank]
         return [self.train[indices[p]] for p in positions], positions
 
-    def max_over_ranks(self, value: int) -> int:
-        if not dist.is_initialized():
-            return value
-        t = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return int(t.item())
-
     def next_group_base(self, count: int) -> int:
         base = self.env.rank * 1_000_000_000 + self.groups_issued
         self.groups_issued += count

@@ -8,6 +8,8 @@ trainer makes N ranks equal to one (see moeloop.train.actor).
 """
 from __future__ import annotations
 
+import torch.distributed as dist
+
 from moeloop.algo.advantages import compute_advantages
 from moeloop.algo.dapo import filter_uniform_groups, mask_truncated, overlong_penalty
 from moeloop.algo.token_rewards import kl_in_reward_sums
@@ -86,31 +88,62 @@ def fill_old_logprobs(c: Components, cfg: RunConfig, samples: list[Sample]) -> N
 
 def collect_batch(c: Components, cfg: RunConfig, timer: PhaseTimer, step: int) -> tuple[list[Sample], dict[str, float]]:
     """Generate and score this rank's prompts; with DAPO dynamic sampling, refill dropped groups."""
-    samples: list[Sample] = []
+    if not cfg.algorithm.dynamic_sampling:
+        fresh, reward_metrics = _generate_and_score(c, cfg, timer, step, 0, *c.next_prompts(c.prompts_per_rank))
+        return fresh, reward_metrics
+    return _dynamic_batch(c, cfg, timer, step)
+
+
+def _generate_and_score(c: Components, cfg: RunConfig, timer: PhaseTimer, step: int, round_idx: int,
+                        examples: list, positions: list[int]) -> tuple[list[Sample], dict[str, float]]:
+    with timer("gen"):
+        fresh = c.rollout.generate(examples, c.train_params(step, round_idx, positions), c.next_group_base(len(examples)))
+    with timer("reward"):
+        stats = c.rewards.score(fresh)
+        if cfg.algorithm.overlong_penalty:
+            overlong_penalty(fresh, cfg.data.max_response_length, cfg.algorithm.overlong_buffer_len,
+                             cfg.algorithm.overlong_penalty_factor)
+        if cfg.algorithm.mask_truncated:  # (how many: response/clip_ratio)
+            mask_truncated(fresh)
+    return fresh, stats.metrics()
+
+
+def _dynamic_batch(c: Components, cfg: RunConfig, timer: PhaseTimer, step: int) -> tuple[list[Sample], dict[str, float]]:
+    """DAPO dynamic sampling, decided over the global batch: each round draws the missing number of prompts, the
+    ranks generate them round-robin, and every group whose rewards are not all equal is kept in (round, prompt
+    position) order until there are `train_batch_size`. The kept groups are then dealt to the ranks as
+    `next_prompts` deals a fresh batch, so N ranks train on exactly what one rank would."""
+    world, rank = c.env.world_size, c.env.rank
+    kept: list[tuple[int, int, list[Sample]]] = []  # (round, global position, the group's samples)
     reward_metrics: dict[str, float] = {}
-    want = c.prompts_per_rank
-    for round_idx in range(1 + (cfg.algorithm.max_refill_rounds if cfg.algorithm.dynamic_sampling else 0)):
-        with timer("gen"):
-            examples, positions = c.next_prompts(want)
-            fresh = c.rollout.generate(examples, c.train_params(step, round_idx, positions), c.next_group_base(want))
-        with timer("reward"):
-            stats = c.rewards.score(fresh)
-            if cfg.algorithm.overlong_penalty:
-                overlong_penalty(fresh, cfg.data.max_response_length, cfg.algorithm.overlong_buffer_len,
-                                 cfg.algorithm.overlong_penalty_factor)
-            if cfg.algorithm.mask_truncated:  # (how many: response/clip_ratio)
-                mask_truncated(fresh)
-        reward_metrics = _merge_reward_metrics(reward_metrics, stats.metrics())
-        if not cfg.algorithm.dynamic_sampling:
-            return fresh, reward_metrics
-        samples += filter_uniform_groups(fresh)
-        want = c.max_over_ranks(c.prompts_per_rank - len({s.group_id for s in samples}))  # cursors stay in step
-        if want <= 0:
+    batch = cfg.data.train_batch_size
+    for round_idx in range(1 + cfg.algorithm.max_refill_rounds):
+        want = batch - len(kept)
+        indices = c.cursor.take(want)  # every rank takes the same prompts; rank r generates positions r, r + N, ...
+        positions = list(range(rank, want, world))
+        fresh, metrics = _generate_and_score(c, cfg, timer, step, round_idx, [c.train[indices[p]] for p in positions],
+                                             positions)
+        reward_metrics = _merge_reward_metrics(reward_metrics, metrics)
+        groups = {gid: [s for s in fresh if s.group_id == gid] for gid in dict.fromkeys(s.group_id for s in fresh)}
+        keep_ids = {s.group_id for s in filter_uniform_groups(fresh)}
+        mine = [(round_idx, p, g) for p, (gid, g) in zip(positions, groups.items()) if gid in keep_ids]
+        kept = sorted(kept + _gather(mine, world), key=lambda entry: entry[:2])
+        if len(kept) >= batch:
             break
-    keep_groups = set(list(dict.fromkeys(s.group_id for s in samples))[: c.prompts_per_rank])
-    samples = [s for s in samples if s.group_id in keep_groups]
-    reward_metrics["dapo/kept_groups"] = float(len(keep_groups))
+    kept = kept[:batch]
+    per_mini = max(1, min(cfg.actor.ppo_mini_batch_size, len(kept)) // world)
+    samples = [s for p, (_, _, g) in enumerate(kept) if (p // per_mini) % world == rank for s in g]
+    reward_metrics["dapo/kept_groups"] = float(len(kept))
     return samples, reward_metrics
+
+
+def _gather(items: list, world: int) -> list:
+    """Every rank's `items`, concatenated in rank order (the list itself on one rank)."""
+    if world == 1:
+        return items
+    gathered: list[list] = [[] for _ in range(world)]
+    dist.all_gather_object(gathered, items)
+    return [x for part in gathered for x in part]
 
 
 def _merge_reward_metrics(old: dict[str, float], new: dict[str, float]) -> dict[str, float]:
