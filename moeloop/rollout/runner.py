@@ -140,7 +140,7 @@ class ModelRunner:
         sample_rows = [last_rows[i] for i in rows]
         if patch is not None:
             dst, src, tokens_B = patch
-            ids[torch.tensor(dst, device=self.device)] = tokens_B[torch.tensor(src, device=self.device)]
+            ids[upload(torch.tensor(dst), self.device)] = tokens_B[upload(torch.tensor(src), self.device)]
         ctx = PagedAttention(self.cache, meta, self.use_kernel)
         hidden_TD = None
         if self.use_kernel and self.fused_ok and meta.decode_rows_B is None and not meta.prefills:
@@ -165,8 +165,8 @@ class ModelRunner:
                 src += range(batch.seqs[i].block_table[num_full] * bs, batch.seqs[i].block_table[num_full] * bs + tail)
                 dst += range(seq.block_table[num_full] * bs, seq.block_table[num_full] * bs + tail)
         if src:
-            src_S = torch.tensor(src, dtype=torch.int64, device=self.device)
-            dst_S = torch.tensor(dst, dtype=torch.int64, device=self.device)
+            src_S = upload(torch.tensor(src, dtype=torch.int64), self.device)
+            dst_S = upload(torch.tensor(dst, dtype=torch.int64), self.device)
             for kv_LSGD in (self.cache.k, self.cache.v):
                 kv_LSGD.index_copy_(1, dst_S, kv_LSGD.index_select(1, src_S))
 
@@ -192,19 +192,19 @@ class ModelRunner:
             last_rows.append(start + n - 1)
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping_T=torch.tensor(slots, dtype=torch.int64, device=dev),
-            decode_rows_B=None if not prefills else torch.tensor(decode_rows, dtype=torch.int64, device=dev),
+            slot_mapping_T=upload(torch.tensor(slots, dtype=torch.int64), dev),
+            decode_rows_B=None if not prefills else upload(torch.tensor(decode_rows, dtype=torch.int64), dev),
             block_tables_BN=_pad_tables(decode_tables, dev),
-            context_lens_B=torch.tensor(decode_lens, dtype=torch.int32, device=dev),
+            context_lens_B=upload(torch.tensor(decode_lens, dtype=torch.int32), dev),
             max_decode_len=max(decode_lens, default=0), prefills=[])
         for start, n, ctx_len, table in prefills:
             slots_L = None
             if ctx_len > n:
-                table_N = torch.tensor(table, dtype=torch.int64, device=dev)
+                table_N = upload(torch.tensor(table, dtype=torch.int64), dev)
                 slots_L = slots_of(table_N, torch.arange(ctx_len, device=dev), bs)
             meta.prefills.append(PrefillChunk(start, n, ctx_len, slots_L))
-        ids_T = torch.tensor(ids, dtype=torch.int64, device=dev)
-        pos_T = torch.tensor(pos, dtype=torch.int64, device=dev)
+        ids_T = upload(torch.tensor(ids, dtype=torch.int64), dev)
+        pos_T = upload(torch.tensor(pos, dtype=torch.int64), dev)
         return ids_T, pos_T, meta.slot_mapping_T, meta, last_rows
 
     def _sampling_tensors(self, seqs) -> SamplingTensors:
@@ -220,9 +220,19 @@ class ModelRunner:
         top_ks_B = np.array(top_ks, dtype=np.int64)
         if uniform:  # one column each, broadcast: no per-row Python lists
             floats, top_ks_B = floats.expand(2, B).contiguous(), np.broadcast_to(top_ks_B, (B,))
-        floats = floats.to(dev, non_blocking=True)
-        ints = torch.from_numpy(np.stack([top_ks_B, keys])).to(dev, non_blocking=True)
+        floats, ints = upload(floats, dev), upload(torch.from_numpy(np.stack([top_ks_B, keys])), dev)
         return SamplingTensors(floats[0], ints[0], floats[1], ints[1], **flags)
+
+
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the GPU. A copy from pageable memory makes the host wait
+    until every kernel queued on the stream has finished (the driver stages it): after a decode step's graph
+    replay that is the whole forward, and async scheduling's overlap of host and device work is gone. From pinned
+    memory (PyTorch's caching host allocator keeps the block until its copy is done) the copy is queued like a
+    kernel."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _row_params(params: list[SamplingParams], vocab_size: int) -> tuple[list[float], list[int], list[float]]:
@@ -265,4 +275,4 @@ def _pending_inputs(batch: ScheduledBatch, prev: LaunchedStep | None) -> InputPa
 def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
     width = max((len(t) for t in tables), default=0)
     padded = [t + [0] * (width - len(t)) for t in tables]
-    return torch.tensor(padded, dtype=torch.int32, device=device).view(len(tables), width)
+    return upload(torch.tensor(padded, dtype=torch.int32), device).view(len(tables), width)
