@@ -145,7 +145,14 @@ def _dp_rank_with(rank, world, model_dir, run_dir, *extra):
     return True
 
 
+def _rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def _assert_dp2_matches_dp1(tmp_path):
+    for r1, r2 in zip(_rows(tmp_path / "one"), _rows(tmp_path / "two")):  # reward-pool counts: every rank's
+        for key in ("reward/samples", "reward/scored", "reward/scored_rate", "reward/fallen_back_rate"):
+            assert r1[key] == r2[key], key
     m1, m2 = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
     assert [m["pg_loss"] for m in m1] == pytest.approx([m["pg_loss"] for m in m2], rel=1e-4, abs=1e-6)
     w1, w2 = _weights(tmp_path / "one"), _weights(tmp_path / "two")

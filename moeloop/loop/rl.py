@@ -8,6 +8,7 @@ trainer makes N ranks equal to one (see moeloop.train.actor).
 """
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 from moeloop.algo.advantages import compute_advantages
@@ -30,6 +31,7 @@ def run_rl(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
     for step in range(c.start_step, cfg.trainer.steps):
         timer = PhaseTimer()
         samples, reward_metrics = collect_batch(c, cfg, timer, step)
+        reward_metrics = global_reward_metrics(reward_metrics)
         with timer("old_log_prob"):
             fill_old_logprobs(c, cfg, samples)
         with timer("ref"):
@@ -144,6 +146,29 @@ def _gather(items: list, world: int) -> list:
     gathered: list[list] = [[] for _ in range(world)]
     dist.all_gather_object(gathered, items)
     return [x for part in gathered for x in part]
+
+
+def global_reward_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """The reward pool's counts summed over refill rounds (already) and DP ranks, each rate recomputed over all
+    the step's scored samples, the wall time the slowest rank's. Collective under DP."""
+    counts = sorted(k for k in metrics if k.startswith("reward/") and not k.endswith(("_rate", "elapsed_s")))
+    totals = dict(zip(counts, _global_values([metrics[k] for k in counts], dist.ReduceOp.SUM)))
+    out = {**metrics, **totals}
+    if "reward/elapsed_s" in metrics:
+        (out["reward/elapsed_s"],) = _global_values([metrics["reward/elapsed_s"]], dist.ReduceOp.MAX)
+    num = totals.get("reward/samples", 0.0)
+    for k in counts:
+        if k != "reward/samples":
+            out[f"{k}_rate"] = totals[k] / num if num else 0.0
+    return out
+
+
+def _global_values(values: list[float], op: dist.ReduceOp) -> list[float]:
+    if not dist.is_initialized():
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=op)
+    return t.tolist()
 
 
 def _merge_reward_metrics(old: dict[str, float], new: dict[str, float]) -> dict[str, float]:

@@ -27,5 +27,6 @@ class RewardStats:
                   "masked": self.masked}
         out = {f"{prefix}{k}": float(v) for k, v in counts.items()}
         out.update({f"{prefix}{k}_rate": self.rate(v) for k, v in counts.items()})
+        out[f"{prefix}samples"] = float(self.num_samples)
         out[f"{prefix}elapsed_s"] = self.elapsed_s
         return out
