@@ -23,6 +23,7 @@ from moeloop.rollout.sampler import Sampler, SamplingTensors, row_keys
 from moeloop.rollout.sampling_params import SamplingParams
 from moeloop.rollout.scheduler import ScheduledBatch
 from moeloop.rollout.sequence import Sequence
+from moeloop.transfer import upload
 
 
 @dataclass
@@ -222,17 +223,6 @@ class ModelRunner:
             floats, top_ks_B = floats.expand(2, B).contiguous(), np.broadcast_to(top_ks_B, (B,))
         floats, ints = upload(floats, dev), upload(torch.from_numpy(np.stack([top_ks_B, keys])), dev)
         return SamplingTensors(floats[0], ints[0], floats[1], ints[1], **flags)
-
-
-def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device` without waiting for the GPU. A copy from pageable memory makes the host wait
-    until every kernel queued on the stream has finished (the driver stages it): after a decode step's graph
-    replay that is the whole forward, and async scheduling's overlap of host and device work is gone. From pinned
-    memory (PyTorch's caching host allocator keeps the block until its copy is done) the copy is queued like a
-    kernel."""
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _row_params(params: list[SamplingParams], vocab_size: int) -> tuple[list[float], list[int], list[float]]:

@@ -28,6 +28,7 @@ import torch
 
 from moeloop.algo.advantages import response_mask, response_mask_values
 from moeloop.algo.aggregation import loss_denominator
+from moeloop.transfer import upload
 from moeloop.types import Sample
 
 PER_TOKEN_FIELDS = {  # PackedBatch field -> Sample field (one value per response token)
@@ -74,7 +75,10 @@ class PackedBatch:
         return slice(start, start + self.response_lens[seq])
 
     def to(self, device: torch.device | str) -> "PackedBatch":
-        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+        """On `device`; to a GPU through pinned memory (`transfer.upload`: the copy does not wait for the queued
+        backward of the micro-batch before)."""
+        moved = {f.name: upload(getattr(self, f.name), device) for f in fields(self)
+                 if isinstance(getattr(self, f.name), torch.Tensor)}
         if self.stream is not None:
             moved["stream"] = self.stream.to(device)
         return replace(self, **moved)
@@ -91,7 +95,7 @@ class TokenStream:
     owner_U: torch.Tensor  # int64 [U]
 
     def to(self, device: torch.device | str) -> "TokenStream":
-        return TokenStream(*(getattr(self, f.name).to(device) for f in fields(self)))
+        return TokenStream(*(upload(getattr(self, f.name), device) for f in fields(self)))
 
 
 def compact_stream(samples: list[Sample], input_ids_T: torch.Tensor, position_ids_T: torch.Tensor,

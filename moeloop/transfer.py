@@ -1,0 +1,19 @@
+"""Host-to-device copies that do not wait for the GPU.
+
+A copy from pageable host memory (`tensor.to("cuda")`, `torch.tensor(..., device="cuda")`) makes the host wait
+until every kernel already queued on the stream has finished: the driver stages it through its own pinned
+buffer. In a loop that queues work ahead (the engine's async scheduling, the trainer's next micro-batch) that
+wait removes the overlap of host and device work. Staged in pinned memory and copied with non_blocking, the copy
+is queued like a kernel; PyTorch's caching host allocator keeps the pinned block until its copy has finished.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def upload(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`host.to(device)`, through pinned memory when it goes from the CPU to a CUDA device."""
+    device = torch.device(device)
+    if device.type != "cuda" or host.device.type != "cpu":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
