@@ -191,6 +191,22 @@ def test_ppo_with_gae_critic_runs_and_resumes(model_dir, tmp_path):
     assert _metrics(tmp_path / "a") == _metrics(tmp_path / "b")
 
 
+def test_critic_warmup_trains_only_the_critic_first(model_dir, tmp_path):
+    """trainer.critic_warmup=2: steps 1-2 update the critic alone (the policy and its samples stay the initial
+    model's), then the actor trains too."""
+    extra = ["algorithm.adv_estimator=gae", *GAE_CRITIC, "trainer.critic_warmup=2", "trainer.steps=2"]
+    run_rl(_cfg(model_dir, tmp_path / "warm", *extra))
+    rows = _rows(tmp_path / "warm")
+    assert all("critic/vf_loss" in r and "pg_loss" not in r for r in rows)
+    before, after = load_pretrained(model_dir).state_dict(), _weights(tmp_path / "warm")
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    run_rl(_cfg(model_dir, tmp_path / "warm", *extra[:-1], "trainer.steps=3"), resume=True)
+    assert "pg_loss" in _rows(tmp_path / "warm")[-1]
+    assert any(not torch.equal(before[n], w) for n, w in _weights(tmp_path / "warm").items())
+    with pytest.raises(ValueError, match="trainer.critic_warmup"):
+        _cfg(model_dir, tmp_path / "x", "trainer.critic_warmup=1")  # no critic
+
+
 def test_critic_learns_returns():
     from tests.trainer_fixtures import rl_batch, tiny_model
     from moeloop.config.schema import CriticSection

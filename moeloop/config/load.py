@@ -51,6 +51,8 @@ def validate(cfg: RunConfig) -> None:
                              f"data.max_prompt_length + data.max_response_length = {longest} (one whole sequence)")
     if cfg.algorithm.adv_estimator == "gae" and not cfg.critic.enable:
         raise ValueError("algorithm.adv_estimator=gae needs critic.enable=true")
+    if cfg.trainer.critic_warmup < 0 or (cfg.trainer.critic_warmup and not cfg.critic.enable):
+        raise ValueError(f"trainer.critic_warmup={cfg.trainer.critic_warmup} must be >= 0, and needs critic.enable=true")
     if cfg.actor.ppo_mini_batch_size > cfg.data.train_batch_size:
         raise ValueError(
             f"actor.ppo_mini_batch_size={cfg.actor.ppo_mini_batch_size} must be <= data.train_batch_size={cfg.data.train_batch_size}")

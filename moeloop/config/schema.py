@@ -260,6 +260,7 @@ class TrainerSection:
     run_dir: str = "runs/default"
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
+    critic_warmup: int = 0  # PPO: the first this-many steps train only the critic (verl's trainer.critic_warmup)
 
 
 @dataclass

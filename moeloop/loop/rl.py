@@ -45,8 +45,9 @@ def run_rl(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
             compute_advantages(samples, cfg.algorithm)
         with timer("update_critic"):
             critic_metrics = c.critic.update(samples) if c.critic is not None else {}
-        with timer("update_actor"):
-            update_metrics = c.actor.update(samples)
+        warming_up = c.critic is not None and step < cfg.trainer.critic_warmup  # the critic learns the policy's
+        with timer("update_actor"):  # values first; the policy (and so the engine's weights) stays as it is
+            update_metrics = {} if warming_up else c.actor.update(samples)
         with timer("update_weights"):
             sync = c.syncer.push(c.actor.named_weights(), c.engine, version=step + 1)
         val_metrics = c.evaluate() if cfg.trainer.val_every and (step + 1) % cfg.trainer.val_every == 0 else {}
