@@ -191,6 +191,28 @@ def test_ppo_with_gae_critic_runs_and_resumes(model_dir, tmp_path):
     assert _metrics(tmp_path / "a") == _metrics(tmp_path / "b")
 
 
+def source_reward(sample) -> float:
+    return 1.0 if sample.data_source == "easy" else 0.0
+
+
+def test_validation_accuracy_per_data_source(model_dir, tmp_path):
+    """Two held-out sources: each gets its own accuracy (acc/val/<source>) beside the overall one, on 1 rank
+    and on 2 (each rank scores its share; counts are summed)."""
+    val = tmp_path / "val.jsonl"
+    rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i), "data_source": "easy" if i < 3 else "hard"} for i in range(8)]
+    val.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    extra = [f"data.val_files=[{val}]", "trainer.val_every=1", "trainer.steps=1", "trainer.val_samples=2",
+             "reward.fn=tests.test_rl_loop.source_reward"]
+    for world, run_dir in ((1, tmp_path / "one"), (2, tmp_path / "two")):
+        if world == 1:
+            run_rl(_cfg(model_dir, run_dir, *extra))
+        else:
+            run_ranks(_dp_rank_with, 2, model_dir, run_dir, *extra)
+        last = [json.loads(line) for line in (run_dir / "val.jsonl").read_text().splitlines()][-1]
+        for key in ("acc/val", "acc/val_sampled"):
+            assert (last[f"{key}/easy"], last[f"{key}/hard"], last[key]) == (1.0, 0.0, 3 / 8), (world, key)
+
+
 def test_critic_warmup_trains_only_the_critic_first(model_dir, tmp_path):
     """trainer.critic_warmup=2: steps 1-2 update the critic alone (the policy and its samples stay the initial
     model's), then the actor trains too."""

@@ -92,25 +92,36 @@ class Components:
 
     def evaluate(self) -> dict[str, float]:
         """Held-out accuracy (a sample is correct when its reward is >= 1): greedy, and the mean over
-        `trainer.val_samples` samples per prompt at the rollout temperature (the policy RL optimises)."""
+        `trainer.val_samples` samples per prompt at the rollout temperature (the policy RL optimises); with
+        several data sources also each source's (`acc/val/<source>`, as verl logs per data source)."""
         if self.val is None:
             return {}
         n = min(self.cfg.data.val_batch_size, len(self.val))
         share = [self.val[i] for i in range(self.env.rank, n, self.env.world_size)]
+        sources = sorted({self.val[i].data_source for i in range(n)})  # the same list on every rank
         r, k = self.cfg.rollout, self.cfg.trainer.val_samples
-        out = {"acc/val": self._accuracy(share, self.rollout.params(1, 0.0))}
+        out = self._accuracy("acc/val", share, self.rollout.params(1, 0.0), sources)
         if k > 0:
-            out["acc/val_sampled"] = self._accuracy(share, self.rollout.params(k, r.temperature, r.top_p, r.top_k,
-                                                                               seed=self.cfg.trainer.seed))
+            out.update(self._accuracy("acc/val_sampled", share, self.rollout.params(
+                k, r.temperature, r.top_p, r.top_k, seed=self.cfg.trainer.seed), sources))
         return out
 
-    def _accuracy(self, examples: list[Example], params: SamplingParams) -> float:
+    def _accuracy(self, key: str, examples: list[Example], params: SamplingParams,
+                  sources: list[str]) -> dict[str, float]:
         samples = self.rollout.generate(examples, params, 0) if examples else []
         self.rewards.score(samples)
-        totals = torch.tensor([sum(s.reward >= 1.0 for s in samples), len(samples)], dtype=torch.float64)
+        row = {source: i for i, source in enumerate(sources)}
+        totals = torch.zeros(len(sources) + 1, 2, dtype=torch.float64)  # (correct, samples) per source, then all
+        for s in samples:
+            for i in (row[s.data_source], len(sources)):
+                totals[i] += torch.tensor([float(s.reward >= 1.0), 1.0], dtype=torch.float64)
         if dist.is_initialized():
             dist.all_reduce(totals)
-        return float(totals[0] / max(totals[1], 1))
+        acc = (totals[:, 0] / totals[:, 1].clamp(min=1)).tolist()
+        out = {key: acc[-1]}
+        if len(sources) > 1:
+            out.update({f"{key}/{source}": acc[i] for i, source in enumerate(sources)})
+        return out
 
     def maybe_save(self, step: int) -> None:
         every, last = self.cfg.checkpoint.save_every, step == self.cfg.trainer.steps
