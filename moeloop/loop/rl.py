@@ -8,7 +8,6 @@ trainer makes N ranks equal to one (see moeloop.train.actor).
 """
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 from moeloop.algo.advantages import compute_advantages
@@ -18,7 +17,7 @@ from moeloop.config import RunConfig
 from moeloop.loop.components import Components, build_components
 from moeloop.loop.env import run_command
 from moeloop.loop.metrics import PhaseTimer, peak_memory_bytes
-from moeloop.loop.step_metrics import batch_metrics, logprob_mismatch
+from moeloop.loop.step_metrics import batch_metrics, global_values, logprob_mismatch
 from moeloop.train.actor import all_reduce_scalar
 from moeloop.types import Sample
 
@@ -153,23 +152,15 @@ def global_reward_metrics(metrics: dict[str, float]) -> dict[str, float]:
     """The reward pool's counts summed over refill rounds (already) and DP ranks, each rate recomputed over all
     the step's scored samples, the wall time the slowest rank's. Collective under DP."""
     counts = sorted(k for k in metrics if k.startswith("reward/") and not k.endswith(("_rate", "elapsed_s")))
-    totals = dict(zip(counts, _global_values([metrics[k] for k in counts], dist.ReduceOp.SUM)))
+    totals = dict(zip(counts, global_values([metrics[k] for k in counts], dist.ReduceOp.SUM)))
     out = {**metrics, **totals}
     if "reward/elapsed_s" in metrics:
-        (out["reward/elapsed_s"],) = _global_values([metrics["reward/elapsed_s"]], dist.ReduceOp.MAX)
+        (out["reward/elapsed_s"],) = global_values([metrics["reward/elapsed_s"]], dist.ReduceOp.MAX)
     num = totals.get("reward/samples", 0.0)
     for k in counts:
         if k != "reward/samples":
             out[f"{k}_rate"] = totals[k] / num if num else 0.0
     return out
-
-
-def _global_values(values: list[float], op: dist.ReduceOp) -> list[float]:
-    if not dist.is_initialized():
-        return values
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=op)
-    return t.tolist()
 
 
 def _merge_reward_metrics(old: dict[str, float], new: dict[str, float]) -> dict[str, float]:

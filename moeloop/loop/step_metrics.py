@@ -8,7 +8,8 @@ import torch.distributed as dist
 from moeloop.types import Sample
 
 
-def _global_sums(values: list[float], op: dist.ReduceOp = dist.ReduceOp.SUM) -> list[float]:
+def global_values(values: list[float], op: dist.ReduceOp = dist.ReduceOp.SUM) -> list[float]:
+    """`values` reduced over the DP ranks with `op` (as they are in one process). Collective under DP."""
     t = torch.tensor(values, dtype=torch.float64)
     if dist.is_initialized():
         dist.all_reduce(t, op=op)
@@ -19,11 +20,11 @@ def batch_metrics(samples: list[Sample], phase_seconds: dict[str, float]) -> dic
     """Collective under DP (every rank calls it)."""
     in_loss = [s for s in samples if s.in_loss]
     lengths = [len(s.response_ids) for s in samples]
-    n, n_loss, reward_sum, correct, len_sum, num_tokens, truncated = _global_sums([
+    n, n_loss, reward_sum, correct, len_sum, num_tokens, truncated = global_values([
         len(samples), len(in_loss), sum(s.reward for s in in_loss), sum(s.reward >= 1.0 for s in in_loss),
         sum(lengths), sum(s.num_tokens for s in samples), sum(s.finish_reason == "length" for s in samples)])
     versions = [s.policy_version for s in samples] or [0]
-    len_max, staleness = _global_sums([max(lengths, default=0), max(versions) - min(versions)], dist.ReduceOp.MAX)
+    len_max, staleness = global_values([max(lengths, default=0), max(versions) - min(versions)], dist.ReduceOp.MAX)
     step_s = max(sum(phase_seconds.values()), 1e-9)
     gen_s = max(phase_seconds.get("gen", 0.0), 1e-9)
     return {
@@ -40,8 +41,8 @@ def logprob_mismatch(samples: list[Sample]) -> dict[str, float]:
     silently corrupts importance ratios when weight sync or numerics go wrong."""
     diffs = [abs(a - b) for s in samples if s.response_logprobs and s.old_logprobs
              for a, b in zip(s.response_logprobs, s.old_logprobs)]
-    total, count = _global_sums([sum(diffs), len(diffs)])
-    (worst,) = _global_sums([max(diffs, default=0.0)], dist.ReduceOp.MAX)
+    total, count = global_values([sum(diffs), len(diffs)])
+    (worst,) = global_values([max(diffs, default=0.0)], dist.ReduceOp.MAX)
     if not count:  # old logprobs not computed (on-policy update): nothing measured, nothing logged
         return {}
     return {"rollout/logprob_diff_mean": total / count, "rollout/logprob_diff_max": worst}
