@@ -34,7 +34,9 @@ class RunEnv:
     def create(cls, cfg: RunConfig) -> "RunEnv":
         device = _pick_device(cfg.trainer.device)
         if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            backend = "nccl" if device.type == "cuda" else "gloo"
+            # on GPUs, NCCL for CUDA tensors (FSDP, weight broadcast) and gloo for the loop's host-side sums and
+            # object gathers (metrics, loss denominators, DAPO groups): NCCL alone rejects CPU tensors
+            backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
             dist.init_process_group(backend, timeout=timedelta(minutes=10))
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
