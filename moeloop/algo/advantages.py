@@ -14,10 +14,10 @@ from collections import defaultdict
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from moeloop.algo.token_rewards import sequence_score, token_rewards
 from moeloop.config.schema import AlgorithmSection
+from moeloop.parallel.collectives import global_values
 from moeloop.types import Sample
 
 GRPO_EPS = 1e-6  # added to the group std
@@ -60,21 +60,13 @@ def whiten(values: list[torch.Tensor], masks: list[torch.Tensor]) -> list[torch.
     zero outside the mask. Fewer than 2 tokens: centre only. Under DP the batch is every rank's tokens."""
     flat_v = torch.cat(values) if values else torch.zeros(0, dtype=torch.float64)
     flat_m = torch.cat(masks) if masks else torch.zeros(0, dtype=torch.float64)
-    total, count = _global_sums(torch.stack([(flat_v * flat_m).sum(), flat_m.sum()]))
+    total, count = global_values([float((flat_v * flat_m).sum()), float(flat_m.sum())])
     if count == 0:
         return [torch.zeros_like(v) for v in values]
     mean = total / count
-    (sq,) = _global_sums(((flat_v - mean).square() * flat_m).sum()[None])
-    var = sq / (count - 1) if count > 1 else flat_v.new_zeros(())
+    (sq,) = global_values([float(((flat_v - mean).square() * flat_m).sum())])
+    var = torch.tensor(sq / (count - 1) if count > 1 else 0.0, dtype=torch.float64)
     return [(v - mean) * torch.rsqrt(var + WHITEN_EPS) * m for v, m in zip(values, masks)]
-
-
-def _global_sums(sums: torch.Tensor) -> torch.Tensor:
-    """float64 sums added over the DP ranks (as they are in one process)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        sums = sums.clone()
-        dist.all_reduce(sums)
-    return sums
 
 
 def grpo(samples: list[Sample], cfg: AlgorithmSection) -> None:

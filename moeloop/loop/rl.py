@@ -17,8 +17,8 @@ from moeloop.config import RunConfig
 from moeloop.loop.components import Components, build_components
 from moeloop.loop.env import run_command
 from moeloop.loop.metrics import PhaseTimer, peak_memory_bytes
-from moeloop.loop.step_metrics import batch_metrics, global_values, logprob_mismatch
-from moeloop.train.actor import all_reduce_scalar
+from moeloop.loop.step_metrics import batch_metrics, logprob_mismatch
+from moeloop.parallel.collectives import global_values
 from moeloop.types import Sample
 
 
@@ -68,9 +68,9 @@ def kl_in_reward(c: Components, cfg: RunConfig, samples: list[Sample]) -> dict[s
     """Shape the rewards with the KL penalty at the controller's coefficient, then let an adaptive controller move
     it by the step's KL (a mean over every rank's tokens, so all ranks keep the same coefficient)."""
     coef = c.kl_ctrl.coef
-    kl_sum, num_tokens = kl_in_reward_sums(samples, cfg.algorithm, coef)
-    kl = all_reduce_scalar(kl_sum) / max(all_reduce_scalar(float(num_tokens)), 1.0)
-    c.kl_ctrl.update(kl, int(all_reduce_scalar(float(len(samples)))))
+    kl_sum, num_tokens, num_samples = global_values([*kl_in_reward_sums(samples, cfg.algorithm, coef), len(samples)])
+    kl = kl_sum / max(num_tokens, 1.0)
+    c.kl_ctrl.update(kl, int(num_samples))
     return {"kl_in_reward": kl, "kl_in_reward/coef": coef}
 
 

@@ -2,18 +2,10 @@
 summed over DP ranks so the logged numbers describe the global batch."""
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
+from moeloop.parallel.collectives import global_values
 from moeloop.types import Sample
-
-
-def global_values(values: list[float], op: dist.ReduceOp = dist.ReduceOp.SUM) -> list[float]:
-    """`values` reduced over the DP ranks with `op` (as they are in one process). Collective under DP."""
-    t = torch.tensor(values, dtype=torch.float64)
-    if dist.is_initialized():
-        dist.all_reduce(t, op=op)
-    return t.tolist()
 
 
 def batch_metrics(samples: list[Sample], phase_seconds: dict[str, float]) -> dict[str, float]:

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from moeloop.algo.losses import SHARE_KEYS, PolicyInputs, actor_loss, metrics_to_floats, reduce_metrics
 from moeloop.config.schema import ActorSection
 from moeloop.model.attention import GatheredAttention, PackedAttention, RowMap, gather_rows
+from moeloop.parallel.collectives import global_values
 from moeloop.parallel.fsdp import apply_fsdp, build_dp_mesh
 from moeloop.train.head import LogprobHead
 from moeloop.train.packing import PackedBatch, global_loss_denominators, pack_samples, split_micro_batches
@@ -34,11 +35,7 @@ def dp_size() -> int:
 
 
 def all_reduce_scalar(value: float, op: dist.ReduceOp = dist.ReduceOp.SUM) -> float:
-    if dp_size() == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=op)
-    return float(t.item())
+    return global_values([value], op)[0]
 
 
 class PolicyForward:
