@@ -63,6 +63,12 @@ def pdl_launch(pdl: bool) -> dict:
     return {"launch_pdl": True} if pdl else {}
 
 
+def pdl_args(x: torch.Tensor, rows: int) -> dict:
+    """The keywords of a decode kernel's launch over `rows` tokens: its PDL constexpr and, when on, launch_pdl."""
+    pdl = pdl_applies(x, rows)
+    return {"PDL": pdl, **pdl_launch(pdl)}
+
+
 def rounds_by_bits(dtype: torch.dtype) -> bool:
     """Kernels round to bf16 with `bf16_rne` instead of a cast: under the interpreter, whose cast truncates."""
     return triton_interpreting() and dtype == torch.bfloat16

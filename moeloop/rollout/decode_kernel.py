@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from moeloop.model.kernel_switch import pdl_applies, pdl_launch, triton, triton_interpreting  # noqa: F401 (re-exported)
+from moeloop.model.kernel_switch import pdl_args, triton, triton_interpreting  # noqa: F401 (re-exported)
 
 if triton is not None:
     import triton.language as tl
@@ -136,7 +136,7 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SGD: torch.Tensor, v_cac
     splits = -(-max_len // chunk)
     dv_pad = max(16, triton.next_power_of_2(Dv))
     dest, m, l = out, out, out
-    pdl = pdl_applies(q_BHD, B)
+    pdl = pdl_args(q_BHD, B)
     if splits > 1:
         dest = torch.empty(B, splits, H, Dv, dtype=torch.float32, device=q_BHD.device)
         m = torch.empty(B, splits, H, dtype=torch.float32, device=q_BHD.device)
@@ -147,10 +147,9 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SGD: torch.Tensor, v_cac
         v_cache_SGDv.stride(0), v_cache_SGDv.stride(1), out.stride(0), out.stride(1), block_tables_BN.stride(0),
         QH=qh, QH_PAD=max(16, triton.next_power_of_2(qh)), DK=Dk, DK_PAD=max(16, triton.next_power_of_2(Dk)),
         DV=Dv, DV_PAD=dv_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        PRECISION=precision, NUM_SPLITS=splits, CHUNK=chunk, num_warps=4, PDL=pdl, **pdl_launch(pdl),
+        PRECISION=precision, NUM_SPLITS=splits, CHUNK=chunk, num_warps=4, **pdl,
         DYNAMIC_LOOP=splits == 1 and not triton_interpreting())  # the interpreter: static trip counts only
     if splits > 1:
         _merge_splits[(B, H)](dest, m, l, out, out.stride(0), out.stride(1), H=H, DV=Dv, DV_PAD=dv_pad,
-                              NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), PDL=pdl, num_warps=4,
-                              **pdl_launch(pdl))
+                              NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), num_warps=4, **pdl)
     return out

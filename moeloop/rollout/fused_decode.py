@@ -8,9 +8,9 @@ kernel with the projection inside from 16 tokens on), and the experts (`moe_kern
 tokens; for more, a sort and two grouped GEMMs whose rows' weighted sum is fused into the next add + RMSNorm).
 Every bf16 rounding of the module path is kept (norm output, weight product, each RoPE product and sum, residual
 sums), so outputs match it up to fp32 summation order inside a norm. On Hopper the kernels are launched with
-programmatic dependent launch (`kernel_switch.pdl_applies`): the one-token projections and expert kernels read
-their weight tiles while the kernel before them is still running. Used for decode-only batches of GQA models with half-split RoPE over
-the whole head and a softmax router (Qwen3-MoE, Qwen3, Llama, Mixtral); `fused_supported` says when.
+programmatic dependent launch (`kernel_switch.pdl_args`): the one-token projections and expert kernels read
+their weight tiles while the kernel before them is still running. Used for decode-only batches of GQA models with
+half-split RoPE over the whole head and a softmax router (Qwen3-MoE, Qwen3, Llama, Mixtral); `fused_supported` says when.
 Shapes: T tokens, D model dim, H/G query/kv heads, Dh head dim, E experts, K experts per token.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeloop.model.kernel_switch import kernels_apply, pdl_applies, pdl_launch
+from moeloop.model.kernel_switch import kernels_apply, pdl_args
 from moeloop.model.moe import MoE
 from moeloop.model.norm import RMSNorm
 from moeloop.rollout.decode_kernel import triton
@@ -198,11 +198,9 @@ def add_rmsnorm(x_TD: torch.Tensor, res_TD: torch.Tensor | None, norm: RMSNorm,
     y_TD = x_TD.new_empty(T, D)
     res_out = x_TD if res_TD is None else torch.empty_like(y_TD)
     dest, wts = combine if combine is not None else (x_TD, x_TD)
-    pdl = pdl_applies(x_TD, T)
     _add_rmsnorm[(T,)](x_TD, x_TD if res_TD is None else res_TD, norm.weight, y_TD, res_out, dest, wts, norm.eps, D=D,
                        BLOCK_D=triton.next_power_of_2(D), HAS_RES=res_TD is not None,
-                       COMBINE_K=0 if combine is None else combine[0].shape[1], PDL=pdl, num_warps=4,
-                       **pdl_launch(pdl))
+                       COMBINE_K=0 if combine is None else combine[0].shape[1], num_warps=4, **pdl_args(x_TD, T))
     return y_TD, res_out
 
 
@@ -217,11 +215,11 @@ def qk_norm_rope_store(attn: nn.Module, q_TX: torch.Tensor, k_TX: torch.Tensor, 
     qw, kw = (attn.q_norm.weight, attn.k_norm.weight) if qk_norm else (q_TX, q_TX)
     eps = attn.q_norm.eps if qk_norm else 0.0
     q_TX, k_TX, v_TX = (x if x.stride(1) == 1 else x.contiguous() for x in (q_TX, k_TX, v_TX))
-    cos_TR, sin_TR, pdl = cos_TR.contiguous(), sin_TR.contiguous(), pdl_applies(q_TX, T)
+    cos_TR, sin_TR = cos_TR.contiguous(), sin_TR.contiguous()
     _qk_norm_rope_store[(T, H + G)](q_TX, k_TX, v_TX, qw, kw, cos_TR, sin_TR, slots_T, q_out,
                                     k_cache, v_cache, eps, q_TX.stride(0), k_TX.stride(0), v_TX.stride(0),
                                     k_cache.stride(0), v_cache.stride(0), H=H, G=G, HALF=Dh // 2, QK_NORM=qk_norm,
-                                    PDL=pdl, num_warps=1, enable_fp_fusion=False, **pdl_launch(pdl))
+                                    num_warps=1, enable_fp_fusion=False, **pdl_args(q_TX, T))
     # (no FMA: LLVM lowers each bf16 round trip to a bf16 mul and add, and fusing them would skip the rounding of
     # the RoPE products that the module path and the trainer's rope kernel keep)
     return q_out
@@ -246,11 +244,10 @@ def row_linear(x_TD: torch.Tensor, linears: list[nn.Module], block_n: int) -> to
     sizes = [w.shape[0] for w in ws]
     out = x_TD.new_empty(1, sum(sizes))
     ws += [ws[-1]] * (3 - len(ws))
-    pdl = pdl_applies(x_TD, 1)
     _row_linear[(out.shape[1] // block_n,)](x_TD, ws[0], ws[1], ws[2], out, N0=sizes[0],
                                              N1=sizes[1] if len(sizes) > 1 else 0, D=x_TD.shape[1], BLOCK_N=block_n,
                                              BLOCK_D=min(ROW_LINEAR_MAX_D, triton.next_power_of_2(x_TD.shape[1])),
-                                             PDL=pdl, num_warps=ROW_LINEAR_TILE[1], **pdl_launch(pdl))
+                                             num_warps=ROW_LINEAR_TILE[1], **pdl_args(x_TD, 1))
     return out
 
 
@@ -341,12 +338,12 @@ def route(moe: MoE, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         E, K = w.shape[0], router.top_k
         ids_TK = torch.empty(T, K, dtype=torch.int64, device=x_TD.device)
         wts_TK = torch.empty(T, K, dtype=torch.float32, device=x_TD.device)
-        block_t, pdl = 16, pdl_applies(x_TD, T)
+        block_t = 16
         _router_topk[(triton.cdiv(T, block_t),)](x_TD, w, ids_TK, wts_TK, float(router.routed_scaling_factor), T, D=D,
                                                  E=E, E_PAD=max(16, triton.next_power_of_2(E)), K=K,
                                                  NORM=bool(router.norm_topk_prob), BLOCK_T=block_t, BLOCK_D=128,
                                                  PRECISION="ieee" if x_TD.dtype == torch.float32 else "tf32",
-                                                 PDL=pdl, num_warps=4, **pdl_launch(pdl))
+                                                 num_warps=4, **pdl_args(x_TD, T))
         return ids_TK, wts_TK
     (logits_TE,) = project(x_TD, [router])
     return route_softmax_topk(moe, logits_TE)
@@ -360,10 +357,10 @@ def route_softmax_topk(moe: MoE, logits_TE: torch.Tensor) -> tuple[torch.Tensor,
     router = moe.gate
     ids_TK = torch.empty(T, router.top_k, dtype=torch.int64, device=logits_TE.device)
     wts_TK = torch.empty(T, router.top_k, dtype=torch.float32, device=logits_TE.device)
-    logits_TE, pdl = logits_TE.contiguous(), pdl_applies(logits_TE, T)
+    logits_TE = logits_TE.contiguous()
     _softmax_topk[(T,)](logits_TE, ids_TK, wts_TK, float(router.routed_scaling_factor), E=E,
-                        E_PAD=triton.next_power_of_2(E), K=router.top_k, NORM=bool(router.norm_topk_prob), PDL=pdl,
-                        num_warps=1, **pdl_launch(pdl))
+                        E_PAD=triton.next_power_of_2(E), K=router.top_k, NORM=bool(router.norm_topk_prob),
+                        num_warps=1, **pdl_args(logits_TE, T))
     return ids_TK, wts_TK
 
 

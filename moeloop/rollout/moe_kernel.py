@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from moeloop.model.expert_rows import combine
-from moeloop.model.kernel_switch import pdl_applies, pdl_launch
+from moeloop.model.kernel_switch import pdl_args
 from moeloop.model.experts import Experts, expert_counts, register_experts_impl
 from moeloop.model.moe import MoE
 from moeloop.rollout.decode_kernel import triton, triton_interpreting
@@ -46,9 +46,9 @@ IMPL_NAME = "rollout_decode"
 if triton is not None:
     import triton.language as tl
 
+    from moeloop.model.kernel_switch import pdl_wait
     # SiLU as torch's CUDA kernel computes it (libdevice expf, IEEE division): the trainer's swiglu kernel does the
     # same, so rollout and training activations round alike
-    from moeloop.model.kernel_switch import pdl_wait
     from moeloop.model.swiglu_kernel import _silu
 
     @triton.jit
@@ -190,7 +190,7 @@ def fused_experts(experts: Experts, x_TD: torch.Tensor, ids_TK: torch.Tensor, we
     wts_S = weights_TK.float().contiguous()  # (any cast before the first launch: down follows gate_up directly)
     # narrow tiles, many programs, a whole weight row per program: at B=1 this is a weight stream of K experts,
     # bound by the bytes in flight
-    pdl = pdl_applies(x_TD, T)
+    pdl = pdl_args(x_TD, T)
     (block_f, warps_f), (block_d, warps_d) = GATE_UP_FEW_TILE, DOWN_FEW_TILE
     # down's tile: K_PAD * BLOCK_D rows x BLOCK_F columns, at most 4 * FEW_MAX_WIDTH values (512 columns at K=4)
     k_pad = triton.next_power_of_2(K)
@@ -198,11 +198,10 @@ def fused_experts(experts: Experts, x_TD: torch.Tensor, ids_TK: torch.Tensor, we
     _gate_up_silu[(T * K, triton.cdiv(F, block_f))](x_TD, w_gu, ids_S, h_SF, w_gu.stride(0), w_gu.stride(1),
                                                      D=D, F=F, K=K, BLOCK_F=block_f,
                                                      BLOCK_D=min(FEW_MAX_WIDTH, triton.next_power_of_2(D)),
-                                                     LIBDEVICE=not triton_interpreting(), PDL=pdl, num_warps=warps_f,
-                                                     **pdl_launch(pdl))
+                                                     LIBDEVICE=not triton_interpreting(), num_warps=warps_f, **pdl)
     _down_combine[(T, triton.cdiv(D, block_d))](h_SF, w_d, ids_S, wts_S, y_TD, w_d.stride(0), w_d.stride(1), D=D, F=F,
-                                                 K=K, K_PAD=k_pad, BLOCK_D=block_d, BLOCK_F=down_block_f, PDL=pdl,
-                                                 num_warps=warps_d, **pdl_launch(pdl))
+                                                 K=K, K_PAD=k_pad, BLOCK_D=block_d, BLOCK_F=down_block_f,
+                                                 num_warps=warps_d, **pdl)
     return y_TD
 
 
@@ -226,9 +225,8 @@ def grouped_expert_rows(experts: Experts, x_TD: torch.Tensor, ids_TK: torch.Tens
     dest_S = torch.empty(S, dtype=torch.int64, device=x_TD.device)
     token_S = torch.empty(S, dtype=torch.int64, device=x_TD.device)
     offsets_E = torch.empty(E, dtype=torch.int32, device=x_TD.device)
-    pdl = pdl_applies(x_TD, T)
-    _align_by_expert[(E,)](ids_S, token_S, dest_S, offsets_E, S, K=K, S_PAD=triton.next_power_of_2(S), PDL=pdl,
-                           num_warps=4, **pdl_launch(pdl))
+    _align_by_expert[(E,)](ids_S, token_S, dest_S, offsets_E, S, K=K, S_PAD=triton.next_power_of_2(S), num_warps=4,
+                           **pdl_args(x_TD, T))
     if (gemm or GROUPED_GEMM) == "grouped_mm":
         return experts._grouped(x_TD.index_select(0, token_S), offsets_E), dest_S
     return _triton_grouped(experts, x_TD.contiguous(), token_S, offsets_E, S), dest_S
@@ -252,14 +250,14 @@ def _triton_grouped(experts: Experts, x_TD: torch.Tensor, token_S: torch.Tensor,
     static_m = S if triton_interpreting() else 0
     h_SF = x_TD.new_empty(S, F)
     y_SD = x_TD.new_empty(S, D)
-    pdl = pdl_applies(x_TD, x_TD.shape[0])
+    pdl = pdl_args(x_TD, x_TD.shape[0])
     for a, w, out, n_out, k_in, gated, (bn, bk, warps, stages) in (
             (x_TD, w_gu, h_SF, F, D, True, GATE_UP_TILE), (h_SF, w_d, y_SD, D, F, False, DOWN_TILE)):
         _expert_gemm[(E, triton.cdiv(n_out, bn), M_SPLITS)](a, token_S, w, offsets_E, out, w.stride(0), w.stride(1), N_OUT=n_out,
                                                   K_IN=k_in, GATED=gated, GATHER=gated, BLOCK_M=block_m, BLOCK_N=bn,
                                                   BLOCK_K=bk, PRECISION=precision, STATIC_M=static_m, M_SPLITS=M_SPLITS,
-                                                  LIBDEVICE=not triton_interpreting(), PDL=pdl, num_warps=warps,
-                                                  num_stages=stages, **pdl_launch(pdl))
+                                                  LIBDEVICE=not triton_interpreting(), num_warps=warps,
+                                                  num_stages=stages, **pdl)
     return y_SD
 
 
