@@ -17,3 +17,8 @@ def upload(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     if device.type != "cuda" or host.device.type != "cpu":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def to_device(values: list, device: torch.device | str, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A host list (index rows, slots, lengths) as a tensor on `device`, through `upload`."""
+    return upload(torch.tensor(values, dtype=dtype), device)

@@ -12,7 +12,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from moeloop.algo.kl_control import KLController
@@ -26,6 +25,7 @@ from moeloop.loop.generation import RolloutWorker
 from moeloop.loop.metrics import MetricsLogger
 from moeloop.loop.sft import actor_state_load, actor_state_save
 from moeloop.model.hf_io import load_pretrained
+from moeloop.parallel.collectives import global_values
 from moeloop.plan import predict_peak_bytes
 from moeloop.reward import RewardPool
 from moeloop.rollout import Engine
@@ -54,14 +54,10 @@ class Components:
     syncer: WeightSyncer
     ckpt: CheckpointManager
     logger: MetricsLogger
-    kl_ctrl: KLController | None = None  # the in-reward KL coefficient (fixed or adaptive); default from cfg
+    kl_ctrl: KLController  # the in-reward KL coefficient (fixed or adaptive); run state, checkpointed
     start_step: int = 0
     groups_issued: int = field(default=0)
     planned_peak_bytes: int = 0  # the planner's prediction for this run (CUDA only), logged beside the measured peak
-
-    def __post_init__(self) -> None:
-        if self.kl_ctrl is None:
-            self.kl_ctrl = KLController(self.cfg.algorithm)
 
     @property
     def prompts_per_rank(self) -> int:
@@ -111,13 +107,13 @@ class Components:
         samples = self.rollout.generate(examples, params, 0) if examples else []
         self.rewards.score(samples)
         row = {source: i for i, source in enumerate(sources)}
-        totals = torch.zeros(len(sources) + 1, 2, dtype=torch.float64)  # (correct, samples) per source, then all
+        correct, seen = [0.0] * (len(sources) + 1), [0.0] * (len(sources) + 1)  # per source, then all
         for s in samples:
             for i in (row[s.data_source], len(sources)):
-                totals[i] += torch.tensor([float(s.reward >= 1.0), 1.0], dtype=torch.float64)
-        if dist.is_initialized():
-            dist.all_reduce(totals)
-        acc = (totals[:, 0] / totals[:, 1].clamp(min=1)).tolist()
+                correct[i] += s.reward >= 1.0
+                seen[i] += 1
+        totals = global_values(correct + seen)
+        acc = [c / max(n, 1.0) for c, n in zip(totals[:len(seen)], totals[len(seen):])]
         out = {key: acc[-1]}
         if len(sources) > 1:
             out.update({f"{key}/{source}": acc[i] for i, source in enumerate(sources)})
@@ -210,6 +206,7 @@ def build_components(cfg: RunConfig, resume: bool) -> Components:
         syncer=WeightSyncer(_colocated_transport(cfg, env), cfg.sync.bucket_bytes, cfg.sync.verify),
         ckpt=ckpt,
         logger=MetricsLogger(env.run_dir, cfg.trainer.log, env.is_main, cfg.trainer.steps, append=latest is not None),
+        kl_ctrl=KLController(cfg.algorithm),
     )
     if env.device.type == "cuda":
         c.planned_peak_bytes = predict_peak_bytes(cfg, actor.model.cfg)

@@ -126,7 +126,9 @@ def _dynamic_batch(c: Components, cfg: RunConfig, timer: PhaseTimer, step: int) 
         fresh, metrics = _generate_and_score(c, cfg, timer, step, round_idx, [c.train[indices[p]] for p in positions],
                                              positions)
         reward_metrics = _merge_reward_metrics(reward_metrics, metrics)
-        groups = {gid: [s for s in fresh if s.group_id == gid] for gid in dict.fromkeys(s.group_id for s in fresh)}
+        groups: dict[int, list[Sample]] = {}  # prompt order (the engine returns completions prompt-major)
+        for s in fresh:
+            groups.setdefault(s.group_id, []).append(s)
         keep_ids = {s.group_id for s in filter_uniform_groups(fresh)}
         mine = [(round_idx, p, g) for p, (gid, g) in zip(positions, groups.items()) if gid in keep_ids]
         kept = sorted(kept + _gather(mine, world), key=lambda entry: entry[:2])

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from moeloop.model.attention import PackedAttention, cu_seqlens_from_lengths
 from moeloop.rollout.decode_kernel import paged_decode_attention
 from moeloop.rollout.kv_cache import KVCache
-from moeloop.transfer import upload
+from moeloop.transfer import to_device
 
 
 @dataclass
@@ -134,4 +134,4 @@ def _fresh_prefills(meta: AttentionMetadata) -> tuple[torch.Tensor | None, Packe
     packed = PackedAttention(cu_seqlens_from_lengths([c.q_len for c in chunks], device))
     if meta.num_decode == 0 and len(chunks) == len(meta.prefills):
         return None, packed
-    return upload(torch.tensor([r for c in chunks for r in range(c.start, c.start + c.q_len)]), device), packed
+    return to_device([r for c in chunks for r in range(c.start, c.start + c.q_len)], device), packed

@@ -23,7 +23,7 @@ from moeloop.rollout.sampler import Sampler, SamplingTensors, row_keys
 from moeloop.rollout.sampling_params import SamplingParams
 from moeloop.rollout.scheduler import ScheduledBatch
 from moeloop.rollout.sequence import Sequence
-from moeloop.transfer import upload
+from moeloop.transfer import to_device, upload
 
 
 @dataclass
@@ -141,7 +141,7 @@ class ModelRunner:
         sample_rows = [last_rows[i] for i in rows]
         if patch is not None:
             dst, src, tokens_B = patch
-            ids[upload(torch.tensor(dst), self.device)] = tokens_B[upload(torch.tensor(src), self.device)]
+            ids[to_device(dst, self.device)] = tokens_B[to_device(src, self.device)]
         ctx = PagedAttention(self.cache, meta, self.use_kernel)
         hidden_TD = None
         if self.use_kernel and self.fused_ok and meta.decode_rows_B is None and not meta.prefills:
@@ -166,8 +166,7 @@ class ModelRunner:
                 src += range(batch.seqs[i].block_table[num_full] * bs, batch.seqs[i].block_table[num_full] * bs + tail)
                 dst += range(seq.block_table[num_full] * bs, seq.block_table[num_full] * bs + tail)
         if src:
-            src_S = upload(torch.tensor(src, dtype=torch.int64), self.device)
-            dst_S = upload(torch.tensor(dst, dtype=torch.int64), self.device)
+            src_S, dst_S = to_device(src, self.device), to_device(dst, self.device)
             for kv_LSGD in (self.cache.k, self.cache.v):
                 kv_LSGD.index_copy_(1, dst_S, kv_LSGD.index_select(1, src_S))
 
@@ -193,19 +192,18 @@ class ModelRunner:
             last_rows.append(start + n - 1)
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping_T=upload(torch.tensor(slots, dtype=torch.int64), dev),
-            decode_rows_B=None if not prefills else upload(torch.tensor(decode_rows, dtype=torch.int64), dev),
+            slot_mapping_T=to_device(slots, dev),
+            decode_rows_B=None if not prefills else to_device(decode_rows, dev),
             block_tables_BN=_pad_tables(decode_tables, dev),
-            context_lens_B=upload(torch.tensor(decode_lens, dtype=torch.int32), dev),
+            context_lens_B=to_device(decode_lens, dev, torch.int32),
             max_decode_len=max(decode_lens, default=0), prefills=[])
         for start, n, ctx_len, table in prefills:
             slots_L = None
             if ctx_len > n:
-                table_N = upload(torch.tensor(table, dtype=torch.int64), dev)
+                table_N = to_device(table, dev)
                 slots_L = slots_of(table_N, torch.arange(ctx_len, device=dev), bs)
             meta.prefills.append(PrefillChunk(start, n, ctx_len, slots_L))
-        ids_T = upload(torch.tensor(ids, dtype=torch.int64), dev)
-        pos_T = upload(torch.tensor(pos, dtype=torch.int64), dev)
+        ids_T, pos_T = to_device(ids, dev), to_device(pos, dev)
         return ids_T, pos_T, meta.slot_mapping_T, meta, last_rows
 
     def _sampling_tensors(self, seqs) -> SamplingTensors:
@@ -265,4 +263,4 @@ def _pending_inputs(batch: ScheduledBatch, prev: LaunchedStep | None) -> InputPa
 def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
     width = max((len(t) for t in tables), default=0)
     padded = [t + [0] * (width - len(t)) for t in tables]
-    return upload(torch.tensor(padded, dtype=torch.int32), device).view(len(tables), width)
+    return to_device(padded, device, torch.int32).view(len(tables), width)
