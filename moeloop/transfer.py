@@ -22,3 +22,11 @@ def upload(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
 def to_device(values: list, device: torch.device | str, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """A host list (index rows, slots, lengths) as a tensor on `device`, through `upload`."""
     return upload(torch.tensor(values, dtype=dtype), device)
+
+
+def upload_into(dest: torch.Tensor, host: torch.Tensor) -> None:
+    """`dest.copy_(host)` from the CPU, through pinned memory when `dest` is on a CUDA device (a graph's static input)."""
+    if dest.device.type == "cuda" and host.device.type == "cpu":
+        dest.copy_(host.pin_memory(), non_blocking=True)
+    else:
+        dest.copy_(host)

@@ -49,6 +49,30 @@ def test_cuda_async_scheduling_equals_sync_with_stops():
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(s.logprobs), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("eager", [True, False])
+def test_cuda_multistep_decode_equals_one_step_per_launch(eager, monkeypatch):
+    """K decode steps per launch (one CUDA graph with sampling and on-device input updates, or op by op) give the
+    same tokens, logprobs and finish reasons as one step per launch, with stops inside a burst and top-k."""
+    from moeloop.rollout.runner import ModelRunner
+    bursts, launch_steps = [], ModelRunner._launch_steps
+    monkeypatch.setattr(ModelRunner, "_launch_steps", lambda self, b, *a: bursts.append(b.num_steps) or
+                        launch_steps(self, b, *a))
+    model = tiny_model().cuda()
+    ps = prompts(12, seed=6)
+    free = make_engine(model, enforce_eager=eager).generate(ps, SamplingParams(n=2, max_tokens=13, seed=2))
+    for params in (GREEDY, SamplingParams(n=2, max_tokens=13, seed=2, stop_token_ids=(free[0].response_ids[2],)),
+                   SamplingParams(n=2, max_tokens=13, seed=4, top_k=7)):
+        ref = make_engine(model, enforce_eager=eager, decode_steps=1).generate(ps, params)
+        engine = make_engine(model, enforce_eager=eager, decode_steps=8)
+        out = engine.generate(ps, params)
+        assert engine.runner.decode_steps == 8  # no capture fell back
+        assert [o.response_ids for o in out] == [o.response_ids for o in ref]
+        assert [o.finish_reason for o in out] == [o.finish_reason for o in ref]
+        for a, b in zip(out, ref):
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+    assert 8 in bursts and (eager or engine.runner.graphs.step_graphs)  # K steps a launch (in a graph)
+
+
 def test_cuda_shared_weights_changed_in_place_reach_the_packed_qkv_on_push():
     """The engine aliases a trainer's parameters (`share_parameters`) and decodes through its packed q|k|v copies.
     Weights changed in place by the trainer reach those copies at the push (`update_weights`), so the engine then

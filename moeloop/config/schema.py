@@ -66,6 +66,7 @@ class RolloutSection:
     max_model_len: int = 4096  # prompt + response tokens of one sequence (sizes block tables and CUDA graphs)
     ignore_eos: bool = False  # generate exactly data.max_response_length tokens (benchmarks)
     async_scheduling: str = "auto"  # on | off | auto (on for CUDA): host work of step t+1 overlaps step t
+    decode_steps: int = 0  # decode steps per host round trip (multi-step decode); 0 = auto: 8 on CUDA, else 1
 
     def check(self) -> None:
         _require(self.n >= 1, "rollout.n", "must be >= 1")
@@ -79,6 +80,7 @@ class RolloutSection:
         _require(self.max_num_batched_tokens > 0, "rollout.max_num_batched_tokens", "must be > 0")
         _require(self.max_model_len > 0, "rollout.max_model_len", "must be > 0")
         _require(self.async_scheduling in ("on", "off", "auto"), "rollout.async_scheduling", "must be on|off|auto")
+        _require(self.decode_steps >= 0, "rollout.decode_steps", "must be >= 0 (0 = auto)")
 
 
 @dataclass

@@ -6,6 +6,9 @@ reused only after its previous copy has finished); ids still pending on the host
 previous step's sampled tokens on the device; a batch of B rows replays the smallest captured size >= B with
 the extra rows pointed at the KV cache's scratch block (context length 1), so padding never touches a real
 sequence. Attention inside the graph is the Triton paged decode kernel (static shapes).
+Multi-step decode (`run_steps`): one graph runs K decode steps with sampling and the on-device input updates of
+`multistep.decode_steps`, so the host launches (and waits) once per K tokens; its sampling parameters and row keys
+sit in static buffers of that graph, filled before each replay.
 Graphs hold KV and parameter addresses: weights must be updated in place and graphs dropped before sleep.
 """
 from __future__ import annotations
@@ -20,8 +23,11 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moeloop.rollout.fused_decode import fused_decode_forward
+from moeloop.rollout.multistep import decode_steps, step_sampling
+from moeloop.rollout.sampler import SamplingTensors
 from moeloop.rollout.kv_cache import KVCache
 from moeloop.rollout.paged_attention import AttentionMetadata, PagedAttention
+from moeloop.transfer import upload_into
 
 
 def batch_ladder(max_batch: int) -> list[int]:
@@ -36,6 +42,7 @@ class DecodeGraphs:
         self.sizes = batch_ladder(max_batch)
         self.max_blocks_per_seq = max_blocks_per_seq
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.step_graphs: dict[tuple, tuple] = {}  # (size, steps, sampling flags) -> multi-step decode graph
         self.failed = False
         rotary = getattr(model, "rotary", None)  # keep RoPE tables on the device: no host copy inside a graph
         if rotary is not None and hasattr(rotary, "inv_freq_R2"):
@@ -46,6 +53,7 @@ class DecodeGraphs:
 
     def clear(self) -> None:
         self.graphs.clear()
+        self.step_graphs.clear()
         self.pool = None
 
     def _views(self, size: int) -> tuple[torch.Tensor, ...]:
@@ -86,19 +94,22 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):  # largest first so smaller graphs reuse its pool memory
             self._fill(size, [], [], [], [], [])
-            run = self._forward(size)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                run()  # warm-up: triton compile, allocator
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            try:
-                with torch.cuda.graph(graph, pool=self.pool):
-                    out = run()
-            except Exception as err:
-                raise RuntimeError(f"{err!r}; host-touching ops in the decode forward: {host_ops(run)}") from err
-            self.graphs[size] = (graph, out)
+            self.graphs[size] = self._capture(self._forward(size))
+
+    def _capture(self, run) -> tuple[torch.cuda.CUDAGraph, object]:
+        """(graph, its outputs) of `run`, after one warm-up run on a side stream (triton compile, allocator)."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            run()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = run()
+        except Exception as err:
+            raise RuntimeError(f"{err!r}; host-touching ops in the decode forward: {host_ops(run)}") from err
+        return graph, out
 
     def _forward(self, size: int):
         ids, pos, slots, lens, tables = self._views(size)
@@ -112,19 +123,71 @@ class DecodeGraphs:
             patch: tuple[list[int], list[int], torch.Tensor] | None = None) -> torch.Tensor:
         """Logits [B, V] of a decode-only batch (replays a graph; captures the ladder on first use). `patch` =
         (rows, source rows, tokens on the device): ids[rows] = tokens[source rows] before the replay."""
-        if not self.graphs:
-            try:
-                self.capture()
-            except Exception as err:  # e.g. a model op that syncs with the host; fall back to eager for good
-                warnings.warn(f"CUDA graph capture failed ({'fused' if self.fused else 'module'} forward): {err}")
-                self.failed, self.graphs = True, {}
-                raise CaptureFailed from err
+        self._ensure_captured()
         B = len(ids)
         size = next(s for s in self.sizes if s >= B)
         self._fill(size, ids, pos, slots, lens, tables, patch)
         graph, out = self.graphs[size]
         graph.replay()
         return out[:B]
+
+    def _ensure_captured(self) -> None:
+        if self.graphs:
+            return
+        try:
+            self.capture()
+        except Exception as err:  # e.g. a model op that syncs with the host; fall back to eager for good
+            warnings.warn(f"CUDA graph capture failed ({'fused' if self.fused else 'module'} forward): {err}")
+            self.failed, self.graphs = True, {}
+            raise CaptureFailed from err
+
+    def run_steps(self, inputs: tuple[list, ...], patch: tuple[list[int], list[int], torch.Tensor] | None,
+                  floats: torch.Tensor, ints: torch.Tensor, flags: dict, want_logprobs: bool, steps: int,
+                  sampler) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out [X * steps, size], last step's tokens [size]) of `steps` decode steps with sampling in one replay
+        (`multistep.decode_steps`); `inputs` as `run` takes them, `floats`/`ints` from `ModelRunner._sampling_host`.
+        A graph per (size, steps, sampling flags), captured on first use."""
+        self._ensure_captured()
+        B = len(inputs[0])
+        size = next(s for s in self.sizes if s >= B)
+        key = (size, steps, want_logprobs, tuple(sorted(flags.items())))
+        if key not in self.step_graphs:
+            self._fill(size, [], [], [], [], [])  # the warm-up run writes the scratch block only
+            try:
+                self.step_graphs[key] = self._capture_steps(size, steps, want_logprobs, flags, sampler)
+            except Exception as err:
+                warnings.warn(f"CUDA graph capture of {steps} decode steps failed: {err}")
+                raise CaptureFailed from err
+        graph, (out, last), floats_2S, ints_1KS = self.step_graphs[key]
+        self._fill(size, *inputs, patch)
+        if size > B:  # padding rows: temperature 1, top-p 1, top-k V, key 0
+            floats = torch.cat([floats, torch.ones(2, size - B, dtype=floats.dtype)], 1)
+            pad = torch.zeros(ints.shape[0], size - B, dtype=ints.dtype)
+            pad[0] = self.model.cfg.vocab_size
+            ints = torch.cat([ints, pad], 1)
+        upload_into(floats_2S, floats)
+        upload_into(ints_1KS, ints)
+        graph.replay()
+        return out, last
+
+    def _capture_steps(self, size: int, steps: int, want_logprobs: bool, flags: dict, sampler) -> tuple:
+        ids, pos, slots, lens, tables = self._views(size)
+        dev = self.cache.device
+        floats_2S = torch.ones(2, size, dtype=torch.float32, device=dev)  # temperatures, top-ps (padding: 1, 1)
+        ints_1KS = torch.zeros(1 + steps, size, dtype=torch.int64, device=dev)  # top-ks, each step's keys
+        ints_1KS[0] = self.model.cfg.vocab_size
+        st = SamplingTensors(floats_2S[0], ints_1KS[0], floats_2S[1], ints_1KS[1], **flags)
+        out = torch.zeros((2 if want_logprobs else 1) * steps, size, dtype=torch.float64, device=dev)
+        logits = self._forward(size)
+
+        def run():
+            last = decode_steps(lambda k: logits(), lambda z, k: sampler(z, step_sampling(st, ints_1KS[1:], k),
+                                                                          want_logprobs),
+                                ids, pos, slots, lens, tables, self.cache.block_size, steps, out)
+            return out, last
+
+        graph, outs = self._capture(run)
+        return graph, outs, floats_2S, ints_1KS
 
 
 def flat_inputs(size: int, max_blocks: int, scratch: int, block_size: int, ids: list[int], pos: list[int],

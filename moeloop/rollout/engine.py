@@ -18,6 +18,10 @@ building, stop checks) overlaps the forward. Step t's inputs that are still pend
 tokens on the device. A completion is returned one `step()` later than in sync mode, and a sequence that
 stops on a token of step t - 1 has already been scheduled in step t: that one extra token is dropped.
 Outputs are identical to sync mode (tests/test_rollout_async.py).
+
+Multi-step decode (`rollout.decode_steps`, 8 by default on CUDA): a decode-only batch runs up to K steps per
+launch, sampling included, with no host round trip (see `scheduler` and `multistep`); tokens past a stop are
+dropped. Outputs are identical to one step per launch (tests/test_rollout_multistep.py).
 """
 from __future__ import annotations
 
@@ -54,8 +58,10 @@ class Engine:
         num_blocks = budget // kv_bytes_per_block(mcfg, cfg.block_size, param.dtype) - 1  # one scratch block
         self.cache = KVCache(mcfg, num_blocks, cfg.block_size, param.dtype, param.device)
         self.blocks = BlockManager(num_blocks, cfg.block_size)
-        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        self.runner = ModelRunner(model, self.cache, cfg.max_num_seqs, cfg.max_model_len, cfg.enforce_eager, qkv_packs)
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len)
+        steps = cfg.decode_steps or (8 if param.device.type == "cuda" else 1)
+        self.runner = ModelRunner(model, self.cache, cfg.max_num_seqs, cfg.max_model_len, cfg.enforce_eager, qkv_packs,
+                                  steps)
         self.async_scheduling = cfg.async_scheduling == "on" or (cfg.async_scheduling == "auto"
                                                                  and param.device.type == "cuda")
         self._in_flight: LaunchedStep | None = None
@@ -108,7 +114,7 @@ class Engine:
             raise RuntimeError("the engine is asleep: call wake() first")
         if self._in_flight is None and not self.scheduler.running:  # idle: weights may have changed in place since
             self.runner.refresh_weights()  # (while sequences run they may not: update_weights needs a drain)
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(self.runner.decode_steps)
         launched = self._launch(batch) if batch.seqs else None
         done, self._ready = self._ready + self._flush(), []
         self._in_flight = launched
@@ -118,35 +124,38 @@ class Engine:
 
     def _launch(self, batch: ScheduledBatch) -> LaunchedStep:
         launched = self.runner.launch(batch, self._in_flight)
+        K = batch.num_steps
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             if n > 1 or seq.num_computed_tokens < seq.num_prompt_tokens:  # prompt chunks and recomputes
                 self.num_prefill_tokens += n
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n * K  # K > 1: decode rows only (n = 1)
         for seq in launched.sampled:
-            seq.num_pending += 1
-        self.num_steps += 1
+            seq.num_pending += K
+        self.num_steps += K
         return launched
 
     def _flush(self) -> list[Completion]:
-        """Append the tokens of the step in flight (waiting for them) and finish the sequences they end."""
+        """Append the tokens of the launch in flight (waiting for them) and finish the sequences they end."""
         launched, self._in_flight = self._in_flight, None
         if launched is None:
             return []
-        tokens, logprobs = launched.result()
+        tokens_KB, logprobs_KB = launched.result()
         commit, finish_reason, version = self.blocks.commit, self._finish_reason, self.policy_version  # hot loop
         for seq in launched.seqs:
             commit(seq)
         done = []
         finished = SequenceStatus.FINISHED
-        for j, seq in enumerate(launched.sampled):
-            if seq.status is finished:  # it stopped on the step before; this token was computed past its end
-                continue
-            self.num_generated_tokens += 1
-            seq.append(tokens[j], logprobs[j] if seq.params.logprobs else None, version)
-            reason = finish_reason(seq)
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-                done.append(self._completion(seq))
+        for k, tokens in enumerate(tokens_KB):  # multi-step decode: step by step, so a stop drops what follows it
+            logprobs = logprobs_KB[k] if logprobs_KB is not None else None
+            for j, seq in enumerate(launched.sampled):
+                if seq.status is finished:  # it stopped earlier; this token was computed past its end
+                    continue
+                self.num_generated_tokens += 1
+                seq.append(tokens[j], logprobs[j] if seq.params.logprobs else None, version)
+                reason = finish_reason(seq)
+                if reason is not None:
+                    self.scheduler.finish(seq, reason)
+                    done.append(self._completion(seq))
         return done
 
     def _finish_reason(self, seq: Sequence) -> str | None:

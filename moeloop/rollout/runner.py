@@ -6,7 +6,7 @@ batches), and samples the sequences that reached their last token.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -18,6 +18,7 @@ from moeloop.rollout.cuda_graphs import CaptureFailed, DecodeGraphs
 from moeloop.rollout.fused_decode import QKVPack, fused_decode_forward, fused_supported
 from moeloop.rollout.kv_cache import KVCache
 from moeloop.rollout.moe_kernel import decode_moe
+from moeloop.rollout.multistep import decode_steps, step_sampling
 from moeloop.rollout.paged_attention import AttentionMetadata, PagedAttention, PrefillChunk, slots_of
 from moeloop.rollout.sampler import Sampler, SamplingTensors, row_keys
 from moeloop.rollout.sampling_params import SamplingParams
@@ -33,23 +34,26 @@ class LaunchedStep:
 
     seqs: list[Sequence]
     sampled: list[Sequence]
-    tokens_B: torch.Tensor | None = None
-    host_XB: torch.Tensor | None = None  # [1 or 2, B] float64: tokens (and logprobs)
+    num_steps: int = 1  # K: decode steps run on the device (multi-step decode)
+    tokens_B: torch.Tensor | None = None  # the last step's tokens
+    host_XKB: torch.Tensor | None = None  # [K or 2K, >= B] float64: each step's tokens (then each step's logprobs)
     ready: torch.cuda.Event | None = None
     row_of: dict[int, int] = field(default_factory=dict)  # seq_id -> row in tokens_B
 
-    def result(self) -> tuple[list[int], list[float] | None]:
-        if self.host_XB is None:
+    def result(self) -> tuple[list[list[int]], list[list[float]] | None]:
+        """Tokens [K][B] of the sampled sequences (and their logprobs [K][B], or None); waits for the copy only."""
+        if self.host_XKB is None:
             return [], None
         if self.ready is not None:
             self.ready.synchronize()
-        rows = self.host_XB.tolist()
-        return [int(t) for t in rows[0]], rows[1] if len(rows) > 1 else None
+        K, B = self.num_steps, len(self.sampled)
+        rows = self.host_XKB[:, :B].tolist()
+        return [[int(t) for t in row] for row in rows[:K]], rows[K:] or None
 
 
 class ModelRunner:
     def __init__(self, model: nn.Module, cache: KVCache, max_num_seqs: int, max_model_len: int,
-                 enforce_eager: bool = False, qkv_packs: list[QKVPack] | None = None):
+                 enforce_eager: bool = False, qkv_packs: list[QKVPack] | None = None, decode_steps: int = 1):
         self.model, self.cache = model, cache
         self.qkv_packs = qkv_packs or []  # the fused forward's packed q|k|v weights (`pack_qkv`), kept fresh here
         self.device = next(model.parameters()).device
@@ -62,9 +66,11 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if self.use_kernel and not enforce_eager:
             self.graphs = DecodeGraphs(model, cache, max_num_seqs, self.max_blocks_per_seq, fused=self.fused_ok)
+        self.decode_steps = decode_steps  # the most steps a launch runs (multi-step decode); 1 after a failed capture
         # two alternating host buffers for the sampled tokens: step t's is read before step t + 2 reuses it
         pin = self.device.type == "cuda"
-        self._out_host = [torch.empty(2 * max_num_seqs, dtype=torch.float64, pin_memory=pin) for _ in range(2)]
+        size = 2 * decode_steps * max_num_seqs
+        self._out_host = [torch.empty(size, dtype=torch.float64, pin_memory=pin) for _ in range(2)]
         self._out_turn = 0
 
     def refresh_weights(self, force: bool = False) -> None:
@@ -91,8 +97,10 @@ class ModelRunner:
         own = batch.sample_rows()
         rows = own + [i for _, i in batch.forks]  # a fork samples from its leader's logits row
         sampled = [batch.seqs[i] for i in own] + [f for f, _ in batch.forks]
-        step = LaunchedStep(batch.seqs, sampled)
+        step = LaunchedStep(batch.seqs, sampled, batch.num_steps)
         patch = _pending_inputs(batch, prev)
+        if batch.num_steps > 1:
+            return self._launch_steps(batch, patch, step)
         with decode_moe(self.model, self._moe_blocks, kernels=self.use_kernel):
             logits_TV = self._graph_logits(batch, patch, rows)  # never with forks: their leader's chunk is >= 2
             if logits_TV is None:
@@ -101,24 +109,66 @@ class ModelRunner:
             self._copy_fork_tails(batch)
         if logits_TV is None:
             return step
-        st = self._sampling_tensors(sampled)
+        st, _ = self._sampling_tensors(sampled)
         want_logprobs = any(s.params.logprobs for s in sampled)
         tokens_B, logprobs_B = self.sampler(logits_TV, st, want_logprobs)
         out_XB = torch.empty(1 if logprobs_B is None else 2, len(tokens_B), dtype=torch.float64, device=self.device)
         out_XB[0].copy_(tokens_B)  # casting copies: one launch a row (a stack of casts was three)
         if logprobs_B is not None:
             out_XB[1].copy_(logprobs_B)
-        step.tokens_B, step.row_of = tokens_B, {s.seq_id: j for j, s in enumerate(sampled)}
+        return self._send_home(step, tokens_B, out_XB)
+
+    def _send_home(self, step: LaunchedStep, tokens_B: torch.Tensor, out_XKB: torch.Tensor) -> LaunchedStep:
+        """Queue the copy of the step's tokens (and logprobs) to the host; tokens_B stay as the next step's inputs."""
+        step.tokens_B, step.row_of = tokens_B, {s.seq_id: j for j, s in enumerate(step.sampled)}
         if self.device.type == "cuda":
             # a contiguous prefix of the flat pinned buffer: a strided destination would make the copy synchronous
-            host = self._out_host[self._out_turn][:out_XB.numel()].view(out_XB.shape)
+            host = self._out_host[self._out_turn][:out_XKB.numel()].view(out_XKB.shape)
             self._out_turn ^= 1
-            host.copy_(out_XB, non_blocking=True)
-            step.host_XB, step.ready = host, torch.cuda.Event()
+            host.copy_(out_XKB, non_blocking=True)
+            step.host_XKB, step.ready = host, torch.cuda.Event()
             step.ready.record()
         else:
-            step.host_XB = out_XB
+            step.host_XKB = out_XKB
         return step
+
+    def _launch_steps(self, batch: ScheduledBatch, patch: "InputPatch | None", step: LaunchedStep) -> LaunchedStep:
+        """Queue `batch.num_steps` decode steps of a decode-only batch (multi-step decode; see `multistep`)."""
+        K, B = batch.num_steps, len(batch)
+        floats, ints, flags = self._sampling_host(batch.seqs, K)
+        want_logprobs = any(s.params.logprobs for s in batch.seqs)
+        result = None
+        with decode_moe(self.model, self._moe_blocks, kernels=self.use_kernel):
+            if self.graphs is not None and self.graphs.fits(B):
+                try:
+                    result = self.graphs.run_steps(decode_inputs(batch, self.cache.block_size), patch, floats, ints,
+                                                   flags, want_logprobs, K, self.sampler)
+                except CaptureFailed:  # decode one step a launch from now on (this one runs eagerly)
+                    warnings.warn("CUDA graph capture of the multi-step decode failed; one decode step per launch")
+                    self.decode_steps = 1
+            if result is None:
+                result = self._eager_steps(batch, patch, floats, ints, flags, want_logprobs)
+        out_XKS, tokens_S = result
+        return self._send_home(step, tokens_S[:B], out_XKS)
+
+    def _eager_steps(self, batch: ScheduledBatch, patch: "InputPatch | None", floats: torch.Tensor,
+                     ints: torch.Tensor, flags: dict, want_logprobs: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out [X * K, B], last tokens [B]) of the batch's K decode steps, op by op."""
+        K = batch.num_steps
+        ids, pos, slots, meta, _ = self._prepare(batch)
+        self._patch(ids, patch)
+        floats, ints = upload(floats, self.device), upload(ints, self.device)
+        st = SamplingTensors(floats[0], ints[0], floats[1], ints[1], **flags)
+        out = torch.empty((2 if want_logprobs else 1) * K, len(batch), dtype=torch.float64, device=self.device)
+
+        def forward(k: int) -> torch.Tensor:
+            ctx = PagedAttention(self.cache, replace(meta, max_decode_len=meta.max_decode_len + k), self.use_kernel)
+            return self.model.compute_logits(self._hidden(ids, pos, ctx))
+
+        tokens = decode_steps(forward, lambda logits, k: self.sampler(logits, step_sampling(st, ints[1:], k),
+                                                                       want_logprobs),
+                              ids, pos, slots, meta.context_lens_B, meta.block_tables_BN, self.cache.block_size, K, out)
+        return out, tokens
 
     def _graph_logits(self, batch: ScheduledBatch, patch: "InputPatch | None", rows: list[int]) -> torch.Tensor | None:
         """Logits of a decode-only batch (every row samples) through the CUDA graphs; None when not applicable."""
@@ -139,19 +189,24 @@ class ModelRunner:
     def _eager_logits(self, batch: ScheduledBatch, patch: "InputPatch | None", rows: list[int]) -> torch.Tensor | None:
         ids, pos, slots, meta, last_rows = self._prepare(batch)
         sample_rows = [last_rows[i] for i in rows]
+        self._patch(ids, patch)
+        hidden_TD = self._hidden(ids, pos, PagedAttention(self.cache, meta, self.use_kernel))
+        return None if not sample_rows else self.model.compute_logits(hidden_TD[sample_rows])
+
+    def _patch(self, ids_T: torch.Tensor, patch: "InputPatch | None") -> None:
         if patch is not None:
             dst, src, tokens_B = patch
-            ids[to_device(dst, self.device)] = tokens_B[to_device(src, self.device)]
-        ctx = PagedAttention(self.cache, meta, self.use_kernel)
-        hidden_TD = None
+            ids_T[to_device(dst, self.device)] = tokens_B[to_device(src, self.device)]
+
+    def _hidden(self, ids_T: torch.Tensor, pos_T: torch.Tensor, ctx: PagedAttention) -> torch.Tensor:
+        """Hidden states [T, D] of the stream: the fused decode forward where it applies, else the module forward."""
+        meta = ctx.meta
         if self.use_kernel and self.fused_ok and meta.decode_rows_B is None and not meta.prefills:
             try:
-                hidden_TD = fused_decode_forward(self.model, ids, pos, ctx)
+                return fused_decode_forward(self.model, ids_T, pos_T, ctx)
             except Exception as err:  # the module forward rewrites the same K/V slots, so nothing is half-done
                 self._disable_fused(f"the fused decode forward failed ({err!r})")
-        if hidden_TD is None:
-            hidden_TD = self.model(ids, pos, ctx)
-        return None if not sample_rows else self.model.compute_logits(hidden_TD[sample_rows])
+        return self.model(ids_T, pos_T, ctx)
 
     def _disable_fused(self, why: str) -> None:
         warnings.warn(f"{why}; decoding with the module forward from now on")
@@ -206,21 +261,30 @@ class ModelRunner:
         ids_T, pos_T = to_device(ids, dev), to_device(pos, dev)
         return ids_T, pos_T, meta.slot_mapping_T, meta, last_rows
 
-    def _sampling_tensors(self, seqs) -> SamplingTensors:
-        dev, V, B = self.device, self.vocab_size, len(seqs)
+    def _sampling_tensors(self, seqs: list[Sequence]) -> tuple[SamplingTensors, torch.Tensor]:
+        """The rows' sampling tensors on the device (one step) and the row keys [1, B]."""
+        floats, ints, flags = self._sampling_host(seqs)
+        floats, ints = upload(floats, self.device), upload(ints, self.device)
+        return SamplingTensors(floats[0], ints[0], floats[1], ints[1], **flags), ints[1:]
+
+    def _sampling_host(self, seqs: list[Sequence], steps: int = 1) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """Host tensors of the rows' sampling: floats [2, B] (temperatures, top-ps), ints [1 + steps, B] (top-ks,
+        then the row keys of each step: a row's k-th step samples its response token num_response_tokens + k) and
+        the `SamplingTensors` flags."""
+        V, B = self.vocab_size, len(seqs)
         params = [s.params for s in seqs]
         uniform = params.count(params[0]) == B  # one SamplingParams for the batch (the usual RL step)
         temps, top_ks, top_ps = _row_params(params[:1] if uniform else params, V)
         flags = dict(any_filter=any(k < V for k in top_ks) or any(p < 1 for p in top_ps),
                      all_greedy=all(t == 0 for t in temps), max_top_k=max(top_ks), any_greedy=any(t == 0 for t in temps),
                      any_top_p=any(p < 1 for p in top_ps), same_top_k=min(top_ks) == max(top_ks))
-        keys = row_keys([s.seed for s in seqs], [s.num_response_tokens for s in seqs])
+        counters = np.array([s.num_response_tokens for s in seqs], dtype=np.int64)
+        keys = row_keys([s.seed for s in seqs], counters if steps == 1 else counters + np.arange(steps)[:, None])
         floats = torch.tensor([temps, top_ps], dtype=torch.float32)
         top_ks_B = np.array(top_ks, dtype=np.int64)
         if uniform:  # one column each, broadcast: no per-row Python lists
             floats, top_ks_B = floats.expand(2, B).contiguous(), np.broadcast_to(top_ks_B, (B,))
-        floats, ints = upload(floats, dev), upload(torch.from_numpy(np.stack([top_ks_B, keys])), dev)
-        return SamplingTensors(floats[0], ints[0], floats[1], ints[1], **flags)
+        return floats, torch.from_numpy(np.concatenate([top_ks_B[None], keys.reshape(steps, B)])), flags
 
 
 def _row_params(params: list[SamplingParams], vocab_size: int) -> tuple[list[float], list[int], list[float]]:

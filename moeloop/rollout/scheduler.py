@@ -14,6 +14,11 @@ partial last one (the runner copies those K/V slots after the forward), and samp
 leader's last-token logits with their own seeds. A follower that cannot fork waits for the leader and reuses its
 cached prompt blocks as before.
 
+Multi-step decode (`schedule(max_steps=K)`): a decode-only batch with nothing waiting, whose every sequence may still
+sample K tokens (max_tokens, max_model_len) and which gets the KV blocks for K positions ahead, runs K decode steps on
+the device with no host round trip (`ScheduledBatch.num_steps`). The host checks stops afterwards: tokens sampled
+past a sequence's stop token are dropped, as with async scheduling. Otherwise the batch runs one step.
+
 With async scheduling a sequence may carry pending tokens (sampled by a step still on the device). It is
 scheduled as usual (its next input comes from the device), except when its pending token is its last one
 (max_tokens reached): then it waits, unscheduled, until the engine appends that token and finishes it.
@@ -33,6 +38,7 @@ class ScheduledBatch:
     num_new_tokens: list[int] = field(default_factory=list)  # chunk length per sequence
     forks: list[tuple[Sequence, int]] = field(default_factory=list)  # (follower, its leader's index in seqs)
     prompt_ends: dict[int, int] = field(default_factory=dict)  # seq_id -> index, chunks that complete a prompt
+    num_steps: int = 1  # decode steps run on the device before the host sees the tokens (multi-step decode)
 
     def add(self, seq: Sequence, chunk: int) -> None:
         if chunk >= 2 and len(seq.token_ids) == seq.num_prompt_tokens == seq.num_computed_tokens + chunk:
@@ -65,8 +71,9 @@ def _reaches_end(seq: Sequence, num_new_tokens: int) -> bool:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int = 0):
         self.blocks = blocks
+        self.max_model_len = max_model_len  # 0: no limit (the engine checks prompt + max_tokens against it anyway)
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -80,12 +87,32 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running) or (bool(self.waiting) and not self.paused)
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, max_steps: int = 1) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget, all_running_fit = self._schedule_running(batch, self.max_num_batched_tokens)
         if not self.paused and all_running_fit and not self._preempted_this_step:
             self._admit_waiting(batch, budget)
+        if max_steps > 1 and batch.seqs and not self.waiting and not batch.forks and all_running_fit:
+            self._look_ahead(batch, max_steps)
         return batch
+
+    def _look_ahead(self, batch: ScheduledBatch, steps: int) -> None:
+        """Make a decode-only batch run `steps` decode steps, if every sequence may sample that many more tokens and
+        the blocks for their K/V are free (taken now); else leave it at one step."""
+        if any(n != 1 for n in batch.num_new_tokens):
+            return
+        limit = self.max_model_len or float("inf")
+        for seq in batch.seqs:  # tokens sampled so far (pending included) + steps must stay within both limits
+            if seq.num_response_tokens + steps > seq.params.max_tokens or len(seq) + steps > limit:
+                return
+        blocks = self.blocks
+        extra = [blocks.new_blocks_needed(seq, steps) for seq in batch.seqs]  # beyond the one step grown already
+        if sum(extra) > blocks.num_free_blocks:
+            return
+        for seq, need in zip(batch.seqs, extra):
+            if need:
+                blocks.grow(seq, steps)
+        batch.num_steps = steps
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> tuple[int, bool]:
         self._preempted_this_step = False

@@ -1,0 +1,103 @@
+"""Multi-step decode (`rollout.decode_steps` = K): a decode-only batch runs K steps per launch with sampling and
+input updates on the device. Completions (tokens, logprobs, finish reasons) equal one step per launch, in sync and
+async mode, with stops inside a burst, max_tokens and max_model_len limits, preemption and prefix sharing; the runs
+really launch K steps at once. The eager CPU path here; tests/test_rollout_cuda.py runs the CUDA graph path."""
+import pytest
+import torch
+
+from moeloop.rollout import SamplingParams
+from moeloop.rollout.kv_cache import kv_bytes_per_block
+from moeloop.rollout.runner import ModelRunner
+from tests.test_rollout_async import same
+from tests.test_rollout_engine import GREEDY, make_engine, prompts, teacher_forced_logprobs, tiny_model
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """num_steps of every launch."""
+    seen = []
+    launch = ModelRunner.launch
+
+    def spy(self, batch, prev=None):
+        seen.append(batch.num_steps)
+        return launch(self, batch, prev)
+
+    monkeypatch.setattr(ModelRunner, "launch", spy)
+    return seen
+
+
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_multistep_equals_single_step(launches, async_scheduling):
+    model = tiny_model()
+    ps = prompts(10, seed=4)
+    sampled = SamplingParams(n=2, temperature=1.0, max_tokens=13, seed=7)  # 13: not a multiple of K
+    for params in (GREEDY, sampled):
+        ref = make_engine(model, decode_steps=1, async_scheduling=async_scheduling).generate(ps, params)
+        launches.clear()
+        eng = make_engine(model, decode_steps=4, async_scheduling=async_scheduling)
+        out = eng.generate(ps, params)
+        same(ref, out)
+        assert launches.count(4) >= 2 and set(launches) <= {1, 4}
+        assert eng.num_generated_tokens == sum(len(o.response_ids) for o in out)
+        assert eng.is_drained and eng.blocks.num_free_blocks == eng.blocks.num_blocks
+    for o in out[:4]:  # the logprobs of a burst are the model's, token by token
+        ref_lp = teacher_forced_logprobs(model, o.prompt_ids, o.response_ids)
+        torch.testing.assert_close(torch.tensor(o.logprobs), ref_lp, atol=1e-5, rtol=0)
+
+
+def test_multistep_stops_inside_a_burst_drop_what_follows(launches):
+    model = tiny_model()
+    ps = prompts(12, seed=6)
+    free = make_engine(model).generate(ps, SamplingParams(n=2, temperature=1.0, max_tokens=12, seed=2))
+    stop = free[0].response_ids[2]
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=12, seed=2, stop_token_ids=(stop,))
+    ref = make_engine(model, decode_steps=1).generate(ps, params)
+    eng = make_engine(model, decode_steps=5, async_scheduling="on")
+    out = eng.generate(ps, params)
+    same(ref, out)
+    stopped = [o for o in out if o.finish_reason == "stop"]
+    assert stopped and all(o.response_ids[-1] == stop and stop not in o.response_ids[:-1] for o in stopped)
+    assert 5 in launches
+    assert eng.num_generated_tokens == sum(len(o.response_ids) for o in out)
+
+
+def test_multistep_respects_each_max_tokens_and_max_model_len(launches):
+    model = tiny_model()
+    ps = [list(range(3, 3 + n)) for n in (5, 9, 14)]
+    params = [SamplingParams(temperature=0, max_tokens=30 - len(p)) for p in ps]  # three budgets, one length cap
+    ref = make_engine(model, max_model_len=30, decode_steps=1).generate(ps, params)
+    out = make_engine(model, max_model_len=30, decode_steps=6, async_scheduling="on").generate(ps, params)
+    same(ref, out)
+    assert [len(o.prompt_ids) + len(o.response_ids) for o in out] == [30] * 3
+    assert all(o.finish_reason == "length" for o in out) and 6 in launches
+
+
+def test_multistep_under_a_small_kv_budget_keeps_outputs(launches):
+    """Blocks for K positions ahead may not be free: the batch runs one step (or preempts) and outputs stay equal."""
+    model = tiny_model()
+    ps = prompts(12, seed=2)
+    params = SamplingParams(temperature=0, max_tokens=16)
+    budget = 15 * kv_bytes_per_block(model.cfg, 4, torch.float32)
+    ref = make_engine(model, kv_cache_bytes=budget, decode_steps=1).generate(ps, params)
+    eng = make_engine(model, kv_cache_bytes=budget, decode_steps=4, async_scheduling="on")
+    out = eng.generate(ps, params)
+    same(ref, out)
+    assert eng.scheduler.num_preemptions > 0 and 4 in launches and 1 in launches
+
+
+def test_multistep_group_shares_prompt_blocks(launches):
+    model = tiny_model()
+    prompt = list(range(3, 3 + 17))  # 4 full blocks of 4 + one partial
+    eng = make_engine(model, decode_steps=3)
+    out = eng.generate([prompt], SamplingParams(n=8, temperature=1.0, max_tokens=9, seed=1))
+    ref = make_engine(model, decode_steps=1).generate([prompt], SamplingParams(n=8, temperature=1.0, max_tokens=9,
+                                                                                seed=1))
+    same(ref, out)
+    assert eng.blocks.num_prefix_hit_blocks == 7 * 4 and 3 in launches
+    assert len({tuple(o.response_ids) for o in out}) > 1
+
+
+def test_decode_steps_config_is_checked():
+    from moeloop.config.schema import RolloutSection
+    with pytest.raises(ValueError, match="rollout.decode_steps"):
+        RolloutSection(decode_steps=-1).check()
