@@ -19,3 +19,5 @@ timeout 150 python3 benchmarks/rollout.py --device cuda --size reference --batch
     --step-times | tail -7
 MOELOOP_PDL=off timeout 60 python3 benchmarks/rollout.py --device cuda --size reference --batch 1 --repeats 2 \
     --skip-hf | tail -1  # A/B: PDL at B=1
+timeout 90 python3 benchmarks/rollout.py --device cuda --size reference --batch 1,256 --repeats 2 --skip-hf \
+    --decode-steps 1 | tail -2  # A/B: one decode step per launch

@@ -76,16 +76,16 @@ def timed(fn, device: str, repeats: int) -> float:
 
 
 def bench_moeloop(model, prompts: list[list[int]], new_tokens: int, device: str, repeats: int,
-                  step_times: bool = False) -> tuple[float, float]:
+                  step_times: bool = False, decode_steps: int = 0) -> tuple[float, float]:
     B, P = len(prompts), len(prompts[0])
-    engine = sized_engine(model, B, P, new_tokens)
+    engine = sized_engine(model, B, P, new_tokens, decode_steps=decode_steps)
 
     def run(n: int):
         outs = engine.generate(prompts, SamplingParams(temperature=1.0, top_k=50, max_tokens=n, seed=0))
         assert all(len(o.response_ids) == n for o in outs)
         engine.blocks.reset_prefix_cache()  # the next call prefills again, like the first
 
-    run(4)  # warm-up: kernels, CUDA graph capture
+    run(min(new_tokens, 4 + 2 * engine.runner.decode_steps))  # warm-up: kernels, graph capture (multi-step too)
     if step_times:  # one more full run with each engine.step timed on the host (diagnostic)
         times, step = [], engine.step
 
@@ -98,7 +98,8 @@ def bench_moeloop(model, prompts: list[list[int]], new_tokens: int, device: str,
         run(new_tokens)
         engine.step = step
         ms = sorted(1e3 * t for t in times)
-        print(f"# B={B} engine.step ms over {len(ms)} steps: median {statistics.median(ms):.3f}, p90 "
+        print(f"# B={B} engine.step ms over {len(ms)} calls (up to {engine.runner.decode_steps} decode steps each): "
+              f"median {statistics.median(ms):.3f}, p90 "
               f"{ms[int(0.9 * len(ms))]:.3f}, max {ms[-1]:.2f}, sum {sum(ms):.1f}; steps over 2 ms: "
               f"{sum(t > 2 for t in ms)} ({sum(t for t in ms if t > 2):.1f} ms)", flush=True)
     return timed(lambda: run(new_tokens), device, repeats), timed(lambda: run(1), device, repeats)
@@ -129,6 +130,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--step-times", action="store_true", help="also print the spread of engine.step host times")
+    ap.add_argument("--decode-steps", type=int, default=0, help="rollout.decode_steps (0: auto, 8 on CUDA; 1: one "
+                    "decode step per launch)")
     ap.add_argument("--hf-new-tokens", default="", help="B:N,... fewer new tokens for transformers at batch B "
                     "(its decode is slow at large B); its tok/s is still decode steps only")
     args = ap.parse_args()
@@ -151,7 +154,8 @@ def main() -> None:
     hf_tokens = {int(b): int(n) for b, n in (x.split(":") for x in args.hf_new_tokens.split(",") if x)}
     for B in [int(b) for b in args.batch.split(",")]:
         prompts = torch.randint(3, model.cfg.vocab_size, (B, args.prompt_len), generator=g).tolist()
-        full, one = bench_moeloop(model, prompts, args.new_tokens, args.device, args.repeats, args.step_times)
+        full, one = bench_moeloop(model, prompts, args.new_tokens, args.device, args.repeats, args.step_times,
+                                  args.decode_steps)
         decode = B * (args.new_tokens - 1) / (full - one)
         hf_decode = float("nan")
         if hf is not None:
