@@ -62,6 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch-tokens", type=int, default=0,
                    help="moeloop actor.max_tokens_per_micro_batch; 0 = the whole batch (as TRL's one forward), "
                         "on CPU at most 16384 tokens")
+    p.add_argument("--decode-steps", type=int, default=0, help="moeloop's rollout.decode_steps (0: its auto)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads in each run; 0 = torch's default")
     p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "moeloop_e2e_vs_trl")
     p.add_argument("--frameworks", default="moeloop,trl",
@@ -144,6 +145,7 @@ def run_moeloop(args: argparse.Namespace, run_dir: Path) -> list[dict]:
         f"actor.max_tokens_per_micro_batch={args.micro_batch_tokens or whole_batch}",
         "checkpoint.save_every=0", "algorithm.adv_estimator=grpo", "actor.use_kl_loss=false",
         "checkpoint.save_final=false", "checkpoint.export_hf_final=false", f"rollout.ignore_eos={job.exact_length}",
+        f"rollout.decode_steps={args.decode_steps}",
     ])
     marks: list[float] = []
     prompts_seen: list[list[str]] = []
@@ -297,7 +299,7 @@ def run_child(args: argparse.Namespace, framework: str, repeat: int) -> list[dic
            "--run-dir", str(run_dir),           "--size", args.size, "--steps", str(args.steps), "--device", args.device,
            "--prompts", str(args.job.prompts), "--new-tokens", str(args.job.new_tokens), "--dtype", args.job.dtype,
            "--micro-batch-tokens", str(args.micro_batch_tokens), "--threads", str(args.threads), "--workdir", str(args.workdir),
-           "--job", "reference" if args.job.exact_length else "cpu"] + (["--gen-profile"] if args.gen_profile else [])
+           "--decode-steps", str(args.decode_steps), "--job", "reference" if args.job.exact_length else "cpu"] + (["--gen-profile"] if args.gen_profile else [])
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         sys.exit(f"{framework} repeat {repeat} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")

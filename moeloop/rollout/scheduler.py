@@ -14,9 +14,9 @@ partial last one (the runner copies those K/V slots after the forward), and samp
 leader's last-token logits with their own seeds. A follower that cannot fork waits for the leader and reuses its
 cached prompt blocks as before.
 
-Multi-step decode (`schedule(max_steps=K)`): a decode-only batch with nothing waiting, whose every sequence may still
-sample K tokens (max_tokens, max_model_len) and which gets the KV blocks for K positions ahead, runs K decode steps on
-the device with no host round trip (`ScheduledBatch.num_steps`). The host checks stops afterwards: tokens sampled
+Multi-step decode (`schedule(max_steps=K)`): a decode-only batch with nothing waiting runs up to K decode steps on the
+device with no host round trip (`ScheduledBatch.num_steps`): as many as every sequence may still sample (max_tokens,
+max_model_len; exactly K for a CUDA graph), with the KV blocks for those positions taken ahead. The host checks stops afterwards: tokens sampled
 past a sequence's stop token are dropped, as with async scheduling. Otherwise the batch runs one step.
 
 With async scheduling a sequence may carry pending tokens (sampled by a step still on the device). It is
@@ -87,24 +87,30 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running) or (bool(self.waiting) and not self.paused)
 
-    def schedule(self, max_steps: int = 1) -> ScheduledBatch:
+    def schedule(self, max_steps: int = 1, exact_steps: bool = False) -> ScheduledBatch:
+        """The next batch; a decode-only one may run up to `max_steps` steps (exactly that many, if `exact_steps`:
+        a CUDA graph is captured per step count)."""
         batch = ScheduledBatch()
         budget, all_running_fit = self._schedule_running(batch, self.max_num_batched_tokens)
         if not self.paused and all_running_fit and not self._preempted_this_step:
             self._admit_waiting(batch, budget)
         if max_steps > 1 and batch.seqs and not self.waiting and not batch.forks and all_running_fit:
-            self._look_ahead(batch, max_steps)
+            self._look_ahead(batch, max_steps, exact_steps)
         return batch
 
-    def _look_ahead(self, batch: ScheduledBatch, steps: int) -> None:
-        """Make a decode-only batch run `steps` decode steps, if every sequence may sample that many more tokens and
-        the blocks for their K/V are free (taken now); else leave it at one step."""
+    def _look_ahead(self, batch: ScheduledBatch, steps: int, exact: bool) -> None:
+        """Make a decode-only batch run several decode steps: as many as every sequence may still sample (max_tokens,
+        max_model_len), at most `steps` (exactly `steps` if `exact`), if the blocks for their K/V are free (taken
+        now); else leave it at one step."""
         if any(n != 1 for n in batch.num_new_tokens):
             return
-        limit = self.max_model_len or float("inf")
-        for seq in batch.seqs:  # tokens sampled so far (pending included) + steps must stay within both limits
-            if seq.num_response_tokens + steps > seq.params.max_tokens or len(seq) + steps > limit:
-                return
+        limit = self.max_model_len or 1 << 62
+        room = min(min(seq.params.max_tokens - seq.num_response_tokens, limit - len(seq)) for seq in batch.seqs)
+        if room < steps and exact:
+            return
+        steps = min(steps, room)
+        if steps < 2:
+            return
         blocks = self.blocks
         extra = [blocks.new_blocks_needed(seq, steps) for seq in batch.seqs]  # beyond the one step grown already
         if sum(extra) > blocks.num_free_blocks:
