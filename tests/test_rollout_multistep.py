@@ -102,3 +102,43 @@ def test_decode_steps_config_is_checked():
     from moeloop.config.schema import RolloutSection
     with pytest.raises(ValueError, match="rollout.decode_steps"):
         RolloutSection(decode_steps=-1).check()
+
+
+def test_multistep_drain_gate_abort_and_requeue(launches):
+    """A K-step launch in flight blocks update_weights; drain(abort=True) re-queues its sequences, which after the
+    update generate what a fresh engine on the new weights does; abort() of one request mid-burst loses no other."""
+    model, new = tiny_model(seed=0), tiny_model(seed=1)
+    engine = make_engine(model, decode_steps=4, async_scheduling="on")
+    ps = prompts(5, seed=3)
+    for p in ps:
+        engine.add_request(p, SamplingParams(temperature=0, max_tokens=12))
+    for _ in range(3):  # prefill, then K-step launches
+        engine.step()
+    assert 4 in launches and engine._in_flight is not None and engine._in_flight.num_steps == 4
+    with pytest.raises(RuntimeError, match="in flight"):
+        engine.update_weights(new.state_dict().items(), version=1)
+    engine.pause()
+    assert engine.drain(abort=True) == [] and engine.is_drained
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks  # look-ahead blocks returned too
+    engine.update_weights(new.state_dict().items(), version=2)
+    engine.resume()
+    out = []
+    while engine.has_unfinished():
+        out += engine.step()
+    fresh = make_engine(new, decode_steps=1).generate(ps, SamplingParams(temperature=0, max_tokens=12))
+    assert sorted(o.response_ids for o in out) == sorted(o.response_ids for o in fresh)
+    assert all(o.policy_version == 2 for o in out)
+
+    rid = engine.add_request(ps[0], SamplingParams(n=2, temperature=0, max_tokens=12))
+    other = engine.add_request(ps[1], SamplingParams(temperature=0, max_tokens=12))
+    rest = []
+    for _ in range(3):
+        rest += engine.step()
+    assert engine._in_flight is not None and engine._in_flight.num_steps == 4
+    assert [c.finish_reason for c in engine.abort(rid)] == ["abort"] * 2
+    while engine.has_unfinished():
+        rest += engine.step()
+    assert [c.request_id for c in rest] == [other]
+    assert rest[0].response_ids == make_engine(new).generate([ps[1]], SamplingParams(temperature=0,
+                                                                                      max_tokens=12))[0].response_ids
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
