@@ -8,6 +8,7 @@ import torch
 from moeloop.rollout import SamplingParams
 from moeloop.rollout.kv_cache import kv_bytes_per_block
 from moeloop.rollout.runner import ModelRunner
+from tests.kernels import needs_kernels
 from tests.test_rollout_async import same
 from tests.test_rollout_engine import GREEDY, make_engine, prompts, teacher_forced_logprobs, tiny_model
 
@@ -142,3 +143,22 @@ def test_multistep_drain_gate_abort_and_requeue(launches):
     assert rest[0].response_ids == make_engine(new).generate([ps[1]], SamplingParams(temperature=0,
                                                                                       max_tokens=12))[0].response_ids
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+@needs_kernels
+def test_record_advance_kernel_gives_the_torch_ops_results(monkeypatch, launches):
+    """The one-launch record + input update (`_record_advance`, the CUDA path; here under the Triton interpreter)
+    gives the same completions as the torch ops, and really runs."""
+    from moeloop.rollout import multistep
+    model = tiny_model()
+    ps = prompts(6, seed=8)
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=11, seed=3)
+    ref = make_engine(model, decode_steps=1).generate(ps, params)
+    calls = []
+    launch = multistep._record_advance.__getitem__
+    monkeypatch.setattr(multistep, "kernels_apply", lambda x: True)
+    monkeypatch.setattr(multistep, "_record_advance", type("Spy", (), {
+        "__getitem__": lambda self, grid: calls.append(grid) or launch(grid)})())
+    out = make_engine(model, decode_steps=4).generate(ps, params)
+    same(ref, out)
+    assert calls and 4 in launches

@@ -197,3 +197,13 @@ def _compile_swiglu():
         assert re.search(r"fma\.rn\.f32\s+%r\d+, %r\d+, %r\d+, " + one, ptx)
         assert not re.search(r"add(\.rn)?\.f32\s+%r\d+, %r\d+, " + one, ptx)
         assert "div.rn.f32" in ptx and "div.full" not in ptx
+
+
+def _compile_record_advance():
+    from moeloop.rollout import multistep
+    for advance in (False, True):  # the last step of a launch records only
+        compile_sm90(multistep._record_advance,
+                     dict(tokens_ptr="*i64", logprobs_ptr="*fp32", out_ptr="*fp64", ids_ptr="*i64", pos_ptr="*i64",
+                          lens_ptr="*i64", slots_ptr="*i64", tables_ptr="*i64", B="i32", s_out="i64", s_tb="i64",
+                          k="i32", steps="i32"),
+                     dict(BLOCK_SIZE=16, HAS_LOGPROBS=True, ADVANCE=advance, BLOCK_B=16))
