@@ -9,6 +9,7 @@ Shapes: B rows, K steps, N blocks per row, X = 1 (tokens) or 2 (tokens and logpr
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -18,6 +19,8 @@ from moeloop.rollout.sampler import SamplingTensors
 
 if triton is not None:
     import triton.language as tl
+
+_kernel_failed = False  # set when `_record_advance` failed to compile or launch here
 
 
 def decode_steps(forward: Callable[[int], torch.Tensor], sample: Callable[[torch.Tensor, int], tuple],
@@ -40,15 +43,22 @@ def record_and_advance(tokens_B: torch.Tensor, logprobs_B: torch.Tensor | None, 
     """out[k] = tokens, out[steps + k] = logprobs (float64); then, unless `inputs` is None (the last step), the next
     step's inputs in place: ids = tokens, positions and lengths + 1, slots from the block tables. One Triton launch
     on CUDA (eleven small torch ops otherwise: ~2 us each inside a graph at B=1)."""
-    if kernels_apply(tokens_B):
+    global _kernel_failed
+    if kernels_apply(tokens_B) and not _kernel_failed:
         B = tokens_B.shape[0]
         ids_B, pos_B, slots_B, lens_B, tables_BN, block_size = inputs or (tokens_B,) * 5 + (1,)
         block_b = min(1024, max(16, triton.next_power_of_2(B)))
-        _record_advance[(triton.cdiv(B, block_b),)](
-            tokens_B, tokens_B if logprobs_B is None else logprobs_B, out_XKB, ids_B, pos_B, lens_B, slots_B,
-            tables_BN, B, out_XKB.stride(0), tables_BN.stride(0), k, steps, BLOCK_SIZE=block_size,
-            HAS_LOGPROBS=logprobs_B is not None, ADVANCE=inputs is not None, BLOCK_B=block_b, num_warps=4)
-        return
+        try:  # (it compiles in the warm-up run before a graph capture, so a failure falls back before capturing)
+            _record_advance[(triton.cdiv(B, block_b),)](
+                tokens_B, tokens_B if logprobs_B is None else logprobs_B, out_XKB, ids_B, pos_B, lens_B, slots_B,
+                tables_BN, B, out_XKB.stride(0), tables_BN.stride(0), k, steps, BLOCK_SIZE=block_size,
+                HAS_LOGPROBS=logprobs_B is not None, ADVANCE=inputs is not None, BLOCK_B=block_b, num_warps=4)
+            return
+        except Exception as err:  # nothing was written: the torch ops below do the whole update
+            if torch.cuda.is_current_stream_capturing():
+                raise
+            warnings.warn(f"the multi-step record/advance kernel failed ({err!r}); torch ops from now on")
+            _kernel_failed = True
     out_XKB[k].copy_(tokens_B)
     if logprobs_B is not None:
         out_XKB[steps + k].copy_(logprobs_B)
