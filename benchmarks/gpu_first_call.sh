@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One device call (< 8 min on an H200) that checks the CUDA paths and re-measures the numbers BENCHMARKS.md tracks:
 # the CUDA tests of every Triton kernel, the actor-update profile, the decode-step profile, and the rollout
-# benchmark (moeloop only) with the spread of its step times and a PDL A/B at B=1. The e2e run against TRL is the
+# benchmark (moeloop only) with its graph capture times and the spread of its step times, a PDL A/B at B=1 and a
+# multi-step decode A/B (session 7's `_record_advance` kernel has not run on a GPU yet: test_rollout_cuda.py's
+# multistep test checks it). The e2e run against TRL is the
 # second call:
 #   python3 benchmarks/e2e_vs_trl.py --size reference --device cuda --steps 6 --repeats 1 --gen-profile
 # Run from the repository root with the project importable.
@@ -16,7 +18,7 @@ timeout 150 python3 benchmarks/profile_update.py --micro-batch-tokens 40960 --sk
 timeout 80 python3 benchmarks/profile_decode.py --batch 1,128,256 --top 6
 # the decode step's host/device overlap (session 6's pinned uploads): engine.step times against the forward alone
 timeout 150 python3 benchmarks/rollout.py --device cuda --size reference --batch 1,32,256 --repeats 2 --skip-hf \
-    --step-times | tail -7
+    --step-times | grep -v -i warn | tail -11
 MOELOOP_PDL=off timeout 60 python3 benchmarks/rollout.py --device cuda --size reference --batch 1 --repeats 2 \
     --skip-hf | tail -1  # A/B: PDL at B=1
 timeout 90 python3 benchmarks/rollout.py --device cuda --size reference --batch 1,256 --repeats 2 --skip-hf \

@@ -86,6 +86,10 @@ def bench_moeloop(model, prompts: list[list[int]], new_tokens: int, device: str,
         engine.blocks.reset_prefix_cache()  # the next call prefills again, like the first
 
     run(min(new_tokens, 4 + 2 * engine.runner.decode_steps))  # warm-up: kernels, graph capture (multi-step too)
+    graphs = engine.runner.graphs
+    if graphs is not None and graphs.capture_s:
+        print(f"# B={B} CUDA graph capture s: " + ", ".join(f"{k} {v:.2f}" for k, v in graphs.capture_s.items()),
+              flush=True)
     if step_times:  # one more full run with each engine.step timed on the host (diagnostic)
         times, step = [], engine.step
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import array
 import functools
+import time
 import traceback
 import warnings
 
@@ -43,6 +44,7 @@ class DecodeGraphs:
         self.max_blocks_per_seq = max_blocks_per_seq
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.step_graphs: dict[tuple, tuple] = {}  # (size, steps, sampling flags) -> multi-step decode graph
+        self.capture_s: dict[str, float] = {}  # seconds each capture took ("ladder", "steps=K size=S"), for benchmarks
         self.failed = False
         rotary = getattr(model, "rotary", None)  # keep RoPE tables on the device: no host copy inside a graph
         if rotary is not None and hasattr(rotary, "inv_freq_R2"):
@@ -135,7 +137,10 @@ class DecodeGraphs:
         if self.graphs:
             return
         try:
+            start = time.perf_counter()
             self.capture()
+            torch.cuda.synchronize()
+            self.capture_s["ladder"] = time.perf_counter() - start
         except Exception as err:  # e.g. a model op that syncs with the host; fall back to eager for good
             warnings.warn(f"CUDA graph capture failed ({'fused' if self.fused else 'module'} forward): {err}")
             self.failed, self.graphs = True, {}
@@ -154,7 +159,10 @@ class DecodeGraphs:
         if key not in self.step_graphs:
             self._fill(size, [], [], [], [], [])  # the warm-up run writes the scratch block only
             try:
+                start = time.perf_counter()
                 self.step_graphs[key] = self._capture_steps(size, steps, want_logprobs, flags, sampler)
+                torch.cuda.synchronize()
+                self.capture_s[f"steps={steps} size={size}"] = time.perf_counter() - start
             except Exception as err:
                 warnings.warn(f"CUDA graph capture of {steps} decode steps failed: {err}")
                 raise CaptureFailed from err
