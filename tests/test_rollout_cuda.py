@@ -73,6 +73,33 @@ def test_cuda_multistep_decode_equals_one_step_per_launch(eager, monkeypatch):
     assert 8 in bursts and (eager or engine.runner.graphs.step_graphs)  # K steps a launch (in a graph)
 
 
+def test_cuda_fused_capture_failure_falls_back_to_module_graphs(monkeypatch):
+    """A fused decode forward that cannot be captured (here: it raises while a capture runs) makes the engine capture
+    the module forward instead, multi-step graphs included, and decode the same tokens."""
+    import warnings
+    from moeloop.rollout import cuda_graphs
+    model = tiny_model().cuda()
+    ps = prompts(6, seed=6)
+    ref = make_engine(model, enforce_eager=True, decode_steps=1).generate(ps, GREEDY)
+    real = cuda_graphs.fused_decode_forward
+
+    def uncapturable(*args):
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("a host sync inside the capture")
+        return real(*args)
+
+    monkeypatch.setattr(cuda_graphs, "fused_decode_forward", uncapturable)
+    engine = make_engine(model, enforce_eager=False, decode_steps=8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = engine.generate(ps, GREEDY)
+    assert any("fused decode forward failed" in str(w.message) for w in caught)
+    assert [o.response_ids for o in out] == [o.response_ids for o in ref]
+    graphs = engine.runner.graphs
+    assert graphs is not None and not graphs.fused and graphs.graphs and graphs.step_graphs
+    assert engine.runner.decode_steps == 8
+
+
 def test_cuda_shared_weights_changed_in_place_reach_the_packed_qkv_on_push():
     """The engine aliases a trainer's parameters (`share_parameters`) and decodes through its packed q|k|v copies.
     Weights changed in place by the trainer reach those copies at the push (`update_weights`), so the engine then

@@ -162,3 +162,18 @@ def test_record_advance_kernel_gives_the_torch_ops_results(monkeypatch, launches
     out = make_engine(model, decode_steps=4).generate(ps, params)
     same(ref, out)
     assert calls and 4 in launches
+
+
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_multistep_leaves_one_token_prompt_chunks_alone(launches, async_scheduling):
+    """A token budget that leaves a prompt a 1-token chunk (mid-prompt, so it does not sample) keeps that batch at
+    one step: its next inputs are prompt tokens, not sampled ones (a K-step launch here corrupted the prompt's K/V
+    and overran its length)."""
+    model = tiny_model()
+    params = SamplingParams(temperature=0, max_tokens=8)
+    for ps in ([[5, 6], [7, 8], list(range(3, 43))], [[5, 6], [7, 8], [9, 10, 11]]):
+        ref = make_engine(model, decode_steps=1, max_num_batched_tokens=3).generate(ps, params)
+        out = make_engine(model, decode_steps=4, max_num_batched_tokens=3,
+                          async_scheduling=async_scheduling).generate(ps, params)
+        same(ref, out)
+    assert 4 in launches

@@ -139,13 +139,16 @@ class ModelRunner:
         want_logprobs = any(s.params.logprobs for s in batch.seqs)
         result = None
         with decode_moe(self.model, self._moe_blocks, kernels=self.use_kernel):
-            if self.graphs is not None and self.graphs.fits(B):
+            while result is None and self.graphs is not None and self.graphs.fits(B):
                 try:
                     result = self.graphs.run_steps(decode_inputs(batch, self.cache.block_size), patch, floats, ints,
                                                    flags, want_logprobs, K, self.sampler)
-                except CaptureFailed:  # decode one step a launch from now on (this one runs eagerly)
-                    warnings.warn("CUDA graph capture of the multi-step decode failed; one decode step per launch")
-                    self.decode_steps = 1
+                except CaptureFailed:
+                    if not self.graphs.failed:  # the one-step graphs hold: one decode step a launch from now on
+                        warnings.warn("CUDA graph capture of the multi-step decode failed; one decode step per launch")
+                        self.decode_steps = 1
+                        break
+                    self._after_failed_capture()  # the one-step ladder failed: retry as _graph_logits does
             if result is None:
                 result = self._eager_steps(batch, patch, floats, ints, flags, want_logprobs)
         out_XKS, tokens_S = result
@@ -177,14 +180,19 @@ class ModelRunner:
         try:
             logits_BV = self.graphs.run(*decode_inputs(batch, self.cache.block_size), patch)
         except CaptureFailed:
-            if self.graphs.fused:  # e.g. a fused kernel that does not compile here: capture the module forward
-                self._disable_fused("CUDA graph capture of the fused decode forward failed")
-                self.graphs = DecodeGraphs(self.model, self.cache, self.graphs.sizes[-1], self.max_blocks_per_seq)
-                return self._graph_logits(batch, patch, rows)
-            self.graphs = None
-            return None
+            self._after_failed_capture()
+            return self._graph_logits(batch, patch, rows)
         # a 1-token prompt chunk does not sample
         return logits_BV if len(rows) == len(batch) else logits_BV[rows] if rows else None
+
+    def _after_failed_capture(self) -> None:
+        """The ladder's capture failed: with the fused forward (e.g. a fused kernel that does not compile here), capture
+        the module forward next; with the module forward, run eagerly for good."""
+        if self.graphs.fused:
+            self._disable_fused("CUDA graph capture of the fused decode forward failed")
+            self.graphs = DecodeGraphs(self.model, self.cache, self.graphs.sizes[-1], self.max_blocks_per_seq)
+        else:
+            self.graphs = None
 
     def _eager_logits(self, batch: ScheduledBatch, patch: "InputPatch | None", rows: list[int]) -> torch.Tensor | None:
         ids, pos, slots, meta, last_rows = self._prepare(batch)

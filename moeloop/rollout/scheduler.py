@@ -102,8 +102,8 @@ class Scheduler:
         """Make a decode-only batch run several decode steps: as many as every sequence may still sample (max_tokens,
         max_model_len), at most `steps` (exactly `steps` if `exact`), if the blocks for their K/V are free (taken
         now); else leave it at one step."""
-        if any(n != 1 for n in batch.num_new_tokens):
-            return
+        if any(n != 1 or not _reaches_end(seq, n) for seq, n in zip(batch.seqs, batch.num_new_tokens)):
+            return  # (a 1-token chunk of a prompt that continues does not sample: its next inputs are prompt tokens)
         limit = self.max_model_len or 1 << 62
         room = min(min(seq.params.max_tokens - seq.num_response_tokens, limit - len(seq)) for seq in batch.seqs)
         if room < steps and exact:
