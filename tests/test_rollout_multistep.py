@@ -177,3 +177,25 @@ def test_multistep_leaves_one_token_prompt_chunks_alone(launches, async_scheduli
                           async_scheduling=async_scheduling).generate(ps, params)
         same(ref, out)
     assert 4 in launches
+
+
+def test_multistep_equals_single_step_on_random_configurations():
+    """Seeded random mixes of group size, greedy/sampled, stops, max_tokens, KV budget (preemption), max_num_seqs,
+    token budget (chunked prompts), async on/off and K: completions equal one step per launch and every block is
+    returned."""
+    import random
+    model = tiny_model()
+    rng = random.Random(0)
+    for trial in range(12):
+        ps = prompts(rng.randint(3, 10), seed=trial, max_len=18)
+        stop = make_engine(model).generate(ps[:1], SamplingParams(max_tokens=6, seed=trial))[0].response_ids[
+            rng.randint(0, 5)]
+        params = SamplingParams(n=rng.choice([1, 2, 3]), temperature=rng.choice([0, 1.0]),
+                                max_tokens=rng.randint(5, 20), seed=trial, stop_token_ids=(stop,))
+        kw = dict(kv_cache_bytes=rng.randint(14, 30) * kv_bytes_per_block(model.cfg, 4, torch.float32),
+                  max_num_seqs=rng.choice([4, 8, 16]), max_num_batched_tokens=rng.choice([3, 8, 64]),
+                  async_scheduling=rng.choice(["on", "off"]))
+        ref = make_engine(model, decode_steps=1, **kw).generate(ps, params)
+        eng = make_engine(model, decode_steps=rng.choice([2, 3, 5, 8]), **kw)
+        same(ref, eng.generate(ps, params))
+        assert eng.blocks.num_free_blocks == eng.blocks.num_blocks, (trial, kw)
