@@ -49,8 +49,8 @@ def record_and_advance(tokens_B: torch.Tensor, logprobs_B: torch.Tensor | None, 
         ids_B, pos_B, slots_B, lens_B, tables_BN, block_size = inputs or (tokens_B,) * 5 + (1,)
         block_b = min(1024, max(16, triton.next_power_of_2(B)))
         try:  # (it compiles in the warm-up run before a graph capture, so a failure falls back before capturing)
-            _record_advance[(triton.cdiv(B, block_b),)](
-                tokens_B, tokens_B if logprobs_B is None else logprobs_B, out_XKB, ids_B, pos_B, lens_B, slots_B,
+            _record_advance[(triton.cdiv(B, block_b),)](  # (the kernel reads rows at stride 1)
+                tokens_B.contiguous(), (tokens_B if logprobs_B is None else logprobs_B).contiguous(), out_XKB, ids_B, pos_B, lens_B, slots_B,
                 tables_BN, B, out_XKB.stride(0), tables_BN.stride(0), k, steps, BLOCK_SIZE=block_size,
                 HAS_LOGPROBS=logprobs_B is not None, ADVANCE=inputs is not None, BLOCK_B=block_b, num_warps=4)
             return
