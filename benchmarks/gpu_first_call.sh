@@ -23,3 +23,7 @@ MOELOOP_PDL=off timeout 60 python3 benchmarks/rollout.py --device cuda --size re
     --skip-hf | tail -1  # A/B: PDL at B=1
 timeout 90 python3 benchmarks/rollout.py --device cuda --size reference --batch 1,256 --repeats 2 --skip-hf \
     --decode-steps 1 | tail -2  # A/B: one decode step per launch
+# experiments not yet measured (session 7): the add + RMSNorm folded into the next B=1 projection
+timeout 60 python3 benchmarks/profile_decode.py --batch 1 --top 3 --norm-fold | grep "^B=1"
+MOELOOP_NORM_FOLD=on timeout 60 python3 benchmarks/rollout.py --device cuda --size reference --batch 1 --repeats 2 \
+    --skip-hf | tail -1

@@ -158,8 +158,15 @@ def test_row_linear_equals_f_linear(monkeypatch, max_d):
     assert not row_linear_applies(x, [nn.Linear(40, 16).to(DEVICE)], 16)  # a bias: the module path
 
 
-def test_fused_decode_single_sequence_matches_module_path():
-    """B=1 decode takes the one-launch projections; same tokens and logprobs as the module forward."""
+@pytest.mark.parametrize("norm_fold", [False, True])
+def test_fused_decode_single_sequence_matches_module_path(monkeypatch, norm_fold):
+    """B=1 decode takes the one-launch projections (with `norm_fold`, the add + RMSNorm folded into the q|k|v and
+    router projections); same tokens and logprobs as the module forward."""
+    from moeloop.rollout import fused_decode
+    monkeypatch.setattr(fused_decode, "NORM_FOLD", norm_fold)
+    folds = []
+    fold = fused_decode.normed_row_linear
+    monkeypatch.setattr(fused_decode, "normed_row_linear", lambda *a, **k: folds.append(len(a[3])) or fold(*a, **k))
     model = tiny_model("qwen3_moe").to(DEVICE)
     ps = prompts(1, seed=5)
     params = SamplingParams(n=1, temperature=1.0, max_tokens=5, seed=2)
@@ -169,6 +176,40 @@ def test_fused_decode_single_sequence_matches_module_path():
     outs = engine.generate(ps, params)
     assert [o.response_ids for o in outs] == [o.response_ids for o in ref]
     torch.testing.assert_close(torch.tensor(outs[0].logprobs), torch.tensor(ref[0].logprobs), atol=1e-5, rtol=0)
+    # per decode step and layer: q|k|v (3 projections) and the router (1)
+    assert (sorted(set(folds)) == [1, 3] and len(folds) == 2 * 4 * len(model.model.layers)) if norm_fold else not folds
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("has_res", [False, True])
+def test_normed_row_linear_equals_add_rmsnorm_then_projection(monkeypatch, dtype, has_res):
+    """One launch of add + RMSNorm + up to three projections == `add_rmsnorm` then `project` (the normed row and
+    the residual sum too), at D=40 (masked columns) and block rows of 4."""
+    from torch import nn
+    from moeloop.model.norm import RMSNorm
+    from moeloop.rollout import fused_decode
+    from moeloop.rollout.fused_decode import add_rmsnorm, normed_row_linear, project
+    monkeypatch.setattr(fused_decode, "NORM_FOLD", True)
+    torch.manual_seed(1)
+    x = torch.randn(1, 40, device=DEVICE, dtype=dtype)
+    res = torch.randn(1, 40, device=DEVICE, dtype=dtype) if has_res else None
+    norm = RMSNorm(40, eps=1e-6).to(DEVICE, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(40) + 0.5)
+    mods = [nn.Linear(40, n, bias=False).to(DEVICE, dtype) for n in (48, 16, 32)]
+    assert fused_decode.norm_fold_applies(x, mods)
+    with torch.no_grad():
+        outs, y, res_out = normed_row_linear(x, res, norm, mods, want_y=True)
+        ref_y, ref_res = add_rmsnorm(x, res, norm)
+        ref_outs = project(ref_y, mods)
+    tol = dict(rtol=0, atol=0) if DEVICE == "cpu" else dict(rtol=1.6e-2, atol=1e-5)  # GPU: the norm's sum order
+    torch.testing.assert_close(y, ref_y, **tol)
+    torch.testing.assert_close(res_out, ref_res, rtol=0, atol=0)
+    for got, want in zip(outs, ref_outs):
+        torch.testing.assert_close(got, want, **tol)
+    (one,), none, _ = normed_row_linear(x, res, norm, mods[:1])
+    assert none is None
+    torch.testing.assert_close(one, ref_outs[0], **tol)
 
 
 def test_packed_qkv_projection_equals_three_and_follows_weight_changes():

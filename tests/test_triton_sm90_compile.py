@@ -169,6 +169,16 @@ def _compile_row_linear():
             assert ("griddepcontrol.launch_dependents" in compiled.asm["ptx"]) == pdl
 
 
+def _compile_norm_row_linear():
+    from moeloop.rollout import fused_decode
+    for n0, n1, has_res, write_y in ((H * DH, G * DH, True, False), (H * DH, G * DH, False, False), (E, 0, True, True)):
+        compile_sm90(fused_decode._norm_row_linear,
+                     dict(x_ptr="*bf16", res_ptr="*bf16", nw_ptr="*bf16", y_ptr="*bf16", res_out_ptr="*bf16",
+                          w0_ptr="*bf16", w1_ptr="*bf16", w2_ptr="*bf16", out_ptr="*bf16", eps="fp32"),
+                     dict(N0=n0, N1=n1, D=D, BLOCK_N=4, BLOCK_D=2048, HAS_RES=has_res, WRITE_Y=write_y, PDL=True),
+                     num_warps=8)
+
+
 def _compile_rope_half_split():
     from moeloop.model import rope_kernel
     for heads in (H, G):  # q and k

@@ -11,9 +11,13 @@ sums), so outputs match it up to fp32 summation order inside a norm. On Hopper t
 programmatic dependent launch (`kernel_switch.pdl_args`): the one-token projections and expert kernels read
 their weight tiles while the kernel before them is still running. Used for decode-only batches of GQA models with
 half-split RoPE over the whole head and a softmax router (Qwen3-MoE, Qwen3, Llama, Mixtral); `fused_supported` says when.
+An experiment for one token (`NORM_FOLD`, MOELOOP_NORM_FOLD=on; not yet measured on a GPU): the add + RMSNorm
+before the q|k|v and router projections runs inside them (`_norm_row_linear`), two launches fewer per layer.
 Shapes: T tokens, D model dim, H/G query/kv heads, Dh head dim, E experts, K experts per token.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -126,6 +130,42 @@ if triton is not None:
             xx = tl.load(x_ptr + dd, mask=dd < D, other=0.0).to(tl.float32)
             ww = tl.load(w_rows + dd[None, :], mask=dd[None, :] < D, other=0.0).to(tl.float32)
             acc += tl.sum(ww * xx[None, :], 1)
+        tl.store(out_ptr + start + r, acc.to(out_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _norm_row_linear(x_ptr, res_ptr, nw_ptr, y_ptr, res_out_ptr, w0_ptr, w1_ptr, w2_ptr, out_ptr, eps,
+                         N0: tl.constexpr, N1: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_D: tl.constexpr, HAS_RES: tl.constexpr, WRITE_Y: tl.constexpr, PDL: tl.constexpr):
+        """`_row_linear` of y = RMSNorm(res + x) (no res: RMSNorm(x)), which every program computes from the whole
+        row (BLOCK_D >= D) with `_add_rmsnorm`'s rounding points; program 0 also stores res + x (and y, WRITE_Y)
+        for the kernels after. Its weight tile and the norm weight are read before the PDL wait."""
+        pid = tl.program_id(0)
+        start = pid * BLOCK_N
+        r = tl.arange(0, BLOCK_N)
+        if start < N0:
+            w_rows = w0_ptr + (start + r).to(tl.int64)[:, None] * D
+        elif start < N0 + N1:
+            w_rows = w1_ptr + (start - N0 + r).to(tl.int64)[:, None] * D
+        else:
+            w_rows = w2_ptr + (start - N0 - N1 + r).to(tl.int64)[:, None] * D
+        d = tl.arange(0, BLOCK_D)
+        ok = d < D
+        w = tl.load(w_rows + d[None, :], mask=ok[None, :], other=0.0)
+        nw = tl.load(nw_ptr + d, mask=ok, other=0.0).to(tl.float32)
+        pdl_wait(PDL)
+        dt = x_ptr.dtype.element_ty
+        x = tl.load(x_ptr + d, mask=ok, other=0.0)
+        if HAS_RES:
+            x = (x.to(tl.float32) + tl.load(res_ptr + d, mask=ok, other=0.0).to(tl.float32)).to(dt)
+            if pid == 0:
+                tl.store(res_out_ptr + d, x, mask=ok)
+        x = x.to(tl.float32)
+        normed = (x * tl.rsqrt(tl.sum(x * x, 0) / D + eps)).to(dt).to(tl.float32)
+        y = (nw * normed).to(dt)
+        if WRITE_Y:
+            if pid == 0:
+                tl.store(y_ptr + d, y, mask=ok)
+        acc = tl.sum(w.to(tl.float32) * y.to(tl.float32)[None, :], 1)
         tl.store(out_ptr + start + r, acc.to(out_ptr.dtype.element_ty))
 
     @triton.jit
@@ -251,6 +291,36 @@ def row_linear(x_TD: torch.Tensor, linears: list[nn.Module], block_n: int) -> to
     return out
 
 
+# experiment for B=1 (not yet measured on a GPU): the add + RMSNorm before a one-token projection folded into it
+# (`_norm_row_linear`), two fewer single-program launches per layer; MOELOOP_NORM_FOLD=on turns it on
+NORM_FOLD = os.environ.get("MOELOOP_NORM_FOLD", "off").lower() == "on"
+
+
+def norm_fold_applies(x_TD: torch.Tensor, linears: list[nn.Module]) -> bool:
+    return (NORM_FOLD and row_linear_applies(x_TD, linears, ROW_LINEAR_TILE[0])
+            and triton.next_power_of_2(x_TD.shape[1]) <= ROW_LINEAR_MAX_D)
+
+
+def normed_row_linear(x_TD: torch.Tensor, res_TD: torch.Tensor | None, norm: RMSNorm, linears: list[nn.Module],
+                      want_y: bool = False) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor]:
+    """(the projections of y = RMSNorm(res + x) through `linears`, y if want_y, res + x) in one launch: what
+    `add_rmsnorm` then `project` give (up to the norm's fp32 summation order)."""
+    block_n = ROW_LINEAR_TILE[0]
+    ws = [m.weight for m in linears]
+    sizes = [w.shape[0] for w in ws]
+    D = x_TD.shape[1]
+    out = x_TD.new_empty(1, sum(sizes))
+    y_TD = x_TD.new_empty(1, D) if want_y else out
+    res_out = x_TD if res_TD is None else torch.empty_like(x_TD)
+    ws += [ws[-1]] * (3 - len(ws))
+    _norm_row_linear[(out.shape[1] // block_n,)](x_TD, x_TD if res_TD is None else res_TD, norm.weight, y_TD, res_out,
+                                                  ws[0], ws[1], ws[2], out, norm.eps, N0=sizes[0],
+                                                  N1=sizes[1] if len(sizes) > 1 else 0, D=D, BLOCK_N=block_n,
+                                                  BLOCK_D=triton.next_power_of_2(D), HAS_RES=res_TD is not None,
+                                                  WRITE_Y=want_y, num_warps=ROW_LINEAR_TILE[1], **pdl_args(x_TD, 1))
+    return list(out.split(sizes, dim=1)), y_TD if want_y else None, res_out
+
+
 class QKVPack:
     """One attention layer's q|k|v weights (and biases) copied into one [Nq + Nk + Nv, D] buffer, so a decode
     batch of several tokens runs one GEMM instead of three. Being a copy, it is refreshed in place (the CUDA
@@ -365,31 +435,50 @@ def route_softmax_topk(moe: MoE, logits_TE: torch.Tensor) -> tuple[torch.Tensor,
 
 
 def fused_decode_forward(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Tensor, ctx: PagedAttention) -> torch.Tensor:
-    """Hidden states [T, D] after the final norm for a decode-only batch (one new token per sequence)."""
+    """Hidden states [T, D] after the final norm for a decode-only batch (one new token per sequence).
+    `pending` = (x, res, norm): the add + RMSNorm that the next projection applies (`_settle` runs it alone)."""
     stack = model.model
     x_TD = stack.embed_tokens(ids_T)
     rope = model.rotary.tables(pos_T, x_TD.dtype)
     layers = stack.layers
-    y_TD, res_TD = add_rmsnorm(x_TD, None, layers[0].input_layernorm)
+    pending = (x_TD, None, layers[0].input_layernorm)
     slots_T = ctx.meta.slot_mapping_T
     for i, layer in enumerate(layers):
         attn = layer.self_attn
-        T = y_TD.shape[0]
-        q_TX, k_TX, v_TX = project_qkv(y_TD, attn)
+        T = x_TD.shape[0]
+        linears = [attn.q_proj, attn.k_proj, attn.v_proj]
+        if pending[2] is not None and norm_fold_applies(pending[0], linears):
+            (q_TX, k_TX, v_TX), _, res_TD = normed_row_linear(*pending, linears)
+        else:
+            y_TD, res_TD = _settle(pending)
+            q_TX, k_TX, v_TX = project_qkv(y_TD, attn)
         q_THD = qk_norm_rope_store(attn, q_TX, k_TX, v_TX, rope.cos_TR, rope.sin_TR, ctx.cache.k[i], ctx.cache.v[i],
                                    slots_T)
         o_THD = ctx.attend_cached(i, q_THD, attn.scale)
         (o_TD,) = project(o_THD.reshape(T, -1), [attn.o_proj])
-        y_TD, res_TD = add_rmsnorm(o_TD, res_TD, layer.post_attention_layernorm)
+        pending = (o_TD, res_TD, layer.post_attention_layernorm)
         mlp = layer.mlp
         norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else stack.norm
         if not isinstance(mlp, MoE):
-            y_TD, res_TD = add_rmsnorm(mlp(y_TD), res_TD, norm)
+            y_TD, res_TD = add_rmsnorm(*pending)
+            pending = (mlp(y_TD), res_TD, norm)
             continue
-        ids_TK, wts_TK = route(mlp, y_TD)
+        if norm_fold_applies(o_TD, [mlp.gate]):  # the router's projection applies the norm, and stores y
+            (logits_TE,), y_TD, res_TD = normed_row_linear(*pending, [mlp.gate], want_y=True)
+            ids_TK, wts_TK = route_softmax_topk(mlp, logits_TE)
+        else:
+            y_TD, res_TD = add_rmsnorm(*pending)
+            ids_TK, wts_TK = route(mlp, y_TD)
         if uses_grouped_rows(y_TD, ids_TK):  # the weighted sum of the expert rows happens in the add + norm
             rows_SD, dest_S = grouped_expert_rows(mlp.experts, y_TD, ids_TK)
             y_TD, res_TD = add_rmsnorm(rows_SD, res_TD, norm, (dest_S.view(ids_TK.shape), wts_TK))
+            pending = (y_TD, res_TD, None)
         else:
-            y_TD, res_TD = add_rmsnorm(fused_experts(mlp.experts, y_TD, ids_TK, wts_TK), res_TD, norm)
-    return y_TD
+            pending = (fused_experts(mlp.experts, y_TD, ids_TK, wts_TK), res_TD, norm)
+    return _settle(pending)[0]
+
+
+def _settle(pending: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, res) of a pending (x, res, norm): the add + RMSNorm run alone (norm None: x is y already)."""
+    x_TD, res_TD, norm = pending
+    return (x_TD, res_TD) if norm is None else add_rmsnorm(x_TD, res_TD, norm)
