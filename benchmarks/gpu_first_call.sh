@@ -3,8 +3,8 @@
 # the CUDA tests of every Triton kernel, the actor-update profile, the decode-step profile, and the rollout
 # benchmark (moeloop only) with its graph capture times and the spread of its step times, a PDL A/B at B=1 and a
 # multi-step decode A/B (session 7's `_record_advance` kernel has not run on a GPU yet: test_rollout_cuda.py's
-# multistep test checks it). The e2e run against TRL is the
-# second call:
+# multistep test checks it). `benchmarks/gpu_experiments.sh` is the second call (the B=1 folds, off by default),
+# the e2e run against TRL the third:
 #   python3 benchmarks/e2e_vs_trl.py --size reference --device cuda --steps 6 --repeats 1 --gen-profile
 # Run from the repository root with the project importable.
 set -u
@@ -23,7 +23,3 @@ MOELOOP_PDL=off timeout 60 python3 benchmarks/rollout.py --device cuda --size re
     --skip-hf | tail -1  # A/B: PDL at B=1
 timeout 90 python3 benchmarks/rollout.py --device cuda --size reference --batch 1,256 --repeats 2 --skip-hf \
     --decode-steps 1 | tail -2  # A/B: one decode step per launch
-# experiments not yet measured (session 7): the add + RMSNorm folded into the next B=1 projection
-timeout 60 python3 benchmarks/profile_decode.py --batch 1 --top 3 --norm-fold | grep "^B=1"
-MOELOOP_NORM_FOLD=on timeout 60 python3 benchmarks/rollout.py --device cuda --size reference --batch 1 --repeats 2 \
-    --skip-hf | tail -1
