@@ -110,6 +110,17 @@ if triton is not None:
             tl.store(vc + HALF + i, tl.load(v_ptr + t * s_v + g * DH + HALF + i).to(vc_ptr.dtype.element_ty))
 
     @triton.jit
+    def _weight_rows(w0_ptr, w1_ptr, w2_ptr, start, r, N0: tl.constexpr, N1: tl.constexpr, D: tl.constexpr):
+        """Pointers [BLOCK_N, 1] to output rows start + r of [W0; W1; W2] (a block lies in one weight)."""
+        if start < N0:
+            w_rows = w0_ptr + (start + r).to(tl.int64)[:, None] * D
+        elif start < N0 + N1:
+            w_rows = w1_ptr + (start - N0 + r).to(tl.int64)[:, None] * D
+        else:
+            w_rows = w2_ptr + (start - N0 - N1 + r).to(tl.int64)[:, None] * D
+        return w_rows
+
+    @triton.jit
     def _row_linear(x_ptr, w0_ptr, w1_ptr, w2_ptr, out_ptr, N0: tl.constexpr, N1: tl.constexpr, D: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
         """One token: out[n] = x . W[n] over the rows of [W0; W1; W2] (N0, N1, then the rest), fp32 accumulation,
@@ -117,12 +128,7 @@ if triton is not None:
         Its first [BLOCK_N, BLOCK_D] weight tile (all of D when BLOCK_D >= D) is read before the PDL wait."""
         start = tl.program_id(0) * BLOCK_N
         r = tl.arange(0, BLOCK_N)
-        if start < N0:
-            w_rows = w0_ptr + (start + r).to(tl.int64)[:, None] * D
-        elif start < N0 + N1:
-            w_rows = w1_ptr + (start - N0 + r).to(tl.int64)[:, None] * D
-        else:
-            w_rows = w2_ptr + (start - N0 - N1 + r).to(tl.int64)[:, None] * D
+        w_rows = _weight_rows(w0_ptr, w1_ptr, w2_ptr, start, r, N0, N1, D)
         d = tl.arange(0, BLOCK_D)
         w = tl.load(w_rows + d[None, :], mask=d[None, :] < D, other=0.0)
         pdl_wait(PDL)
@@ -145,12 +151,7 @@ if triton is not None:
         pid = tl.program_id(0)
         start = pid * BLOCK_N
         r = tl.arange(0, BLOCK_N)
-        if start < N0:
-            w_rows = w0_ptr + (start + r).to(tl.int64)[:, None] * D
-        elif start < N0 + N1:
-            w_rows = w1_ptr + (start - N0 + r).to(tl.int64)[:, None] * D
-        else:
-            w_rows = w2_ptr + (start - N0 - N1 + r).to(tl.int64)[:, None] * D
+        w_rows = _weight_rows(w0_ptr, w1_ptr, w2_ptr, start, r, N0, N1, D)
         d = tl.arange(0, BLOCK_D)
         ok = d < D
         w = tl.load(w_rows + d[None, :], mask=ok[None, :], other=0.0)
