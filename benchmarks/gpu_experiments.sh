@@ -5,7 +5,7 @@
 # Each shortens the B=1 forward graph or not: compare "forward graph alone" with gpu_first_call.sh's B=1 line.
 # Run from the repository root with the project importable.
 set -u
-python3 -m pytest -q -p no:cacheprovider tests/test_rollout_topk_fold.py tests/test_rollout_fused_decode.py --tb=short \
+python3 -m pytest -q -p no:cacheprovider tests/test_rollout_topk_fold.py --tb=short \
     2>&1 | tail -3
 timeout 60 python3 benchmarks/profile_decode.py --batch 1 --top 3 | grep "^B=1"  # the baseline, same machine
 for flags in "--norm-fold" "--topk-fold" "--norm-fold --topk-fold"; do
