@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moeloop.rollout.fused_decode import fused_decode_forward
-from moeloop.rollout.multistep import decode_steps, step_sampling
+from moeloop.rollout.multistep import decode_steps, step_sampler
 from moeloop.rollout.sampler import SamplingTensors
 from moeloop.rollout.kv_cache import KVCache
 from moeloop.rollout.paged_attention import AttentionMetadata, PagedAttention
@@ -184,14 +184,13 @@ class DecodeGraphs:
         floats_2S = torch.ones(2, size, dtype=torch.float32, device=dev)  # temperatures, top-ps (padding: 1, 1)
         ints_1KS = torch.zeros(1 + steps, size, dtype=torch.int64, device=dev)  # top-ks, each step's keys
         ints_1KS[0] = self.model.cfg.vocab_size
-        st = SamplingTensors(floats_2S[0], ints_1KS[0], floats_2S[1], ints_1KS[1], **flags)
+        sample = step_sampler(sampler, SamplingTensors.packed(floats_2S, ints_1KS, flags), ints_1KS[1:], want_logprobs)
         out = torch.zeros((2 if want_logprobs else 1) * steps, size, dtype=torch.float64, device=dev)
         logits = self._forward(size)
 
         def run():
-            last = decode_steps(lambda k: logits(), lambda z, k: sampler(z, step_sampling(st, ints_1KS[1:], k),
-                                                                          want_logprobs),
-                                ids, pos, slots, lens, tables, self.cache.block_size, steps, out)
+            last = decode_steps(lambda k: logits(), sample, ids, pos, slots, lens, tables, self.cache.block_size,
+                                steps, out)
             return out, last
 
         graph, outs = self._capture(run)

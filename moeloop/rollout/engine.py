@@ -58,7 +58,7 @@ class Engine:
         num_blocks = budget // kv_bytes_per_block(mcfg, cfg.block_size, param.dtype) - 1  # one scratch block
         self.cache = KVCache(mcfg, num_blocks, cfg.block_size, param.dtype, param.device)
         self.blocks = BlockManager(num_blocks, cfg.block_size)
-        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len)
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         steps = cfg.decode_steps or (8 if param.device.type == "cuda" else 1)
         self.runner = ModelRunner(model, self.cache, cfg.max_num_seqs, cfg.max_model_len, cfg.enforce_eager, qkv_packs,
                                   steps)
@@ -114,7 +114,7 @@ class Engine:
             raise RuntimeError("the engine is asleep: call wake() first")
         if self._in_flight is None and not self.scheduler.running:  # idle: weights may have changed in place since
             self.runner.refresh_weights()  # (while sequences run they may not: update_weights needs a drain)
-        batch = self.scheduler.schedule(self.runner.decode_steps, exact_steps=self.runner.graphs is not None)
+        batch = self.scheduler.schedule(self.runner.decode_steps, self.runner.exact_steps)
         launched = self._launch(batch) if batch.seqs else None
         done, self._ready = self._ready + self._flush(), []
         self._in_flight = launched

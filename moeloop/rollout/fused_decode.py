@@ -284,15 +284,19 @@ def row_linear_applies(x_TD: torch.Tensor, linears: list[nn.Module], block_n: in
 
 def row_linear(x_TD: torch.Tensor, linears: list[nn.Module], block_n: int) -> torch.Tensor:
     """[1, N0 + N1 + N2]: x through up to three bias-free projections in one launch (`_row_linear`)."""
-    ws = [m.weight for m in linears]
-    sizes = [w.shape[0] for w in ws]
-    out = x_TD.new_empty(1, sum(sizes))
-    ws += [ws[-1]] * (3 - len(ws))
-    _row_linear[(out.shape[1] // block_n,)](x_TD, ws[0], ws[1], ws[2], out, N0=sizes[0],
-                                             N1=sizes[1] if len(sizes) > 1 else 0, D=x_TD.shape[1], BLOCK_N=block_n,
+    out, ws, sizes = _stacked_rows(x_TD, linears)
+    _row_linear[(out.shape[1] // block_n,)](x_TD, *ws, out, N0=sizes[0], N1=sizes[1], D=x_TD.shape[1], BLOCK_N=block_n,
                                              BLOCK_D=min(ROW_LINEAR_MAX_D, triton.next_power_of_2(x_TD.shape[1])),
                                              num_warps=ROW_LINEAR_TILE[1], **pdl_args(x_TD, 1))
     return out
+
+
+def _stacked_rows(x_TD: torch.Tensor, linears: list[nn.Module]) -> tuple[torch.Tensor, list, list[int]]:
+    """A one-token launch's output [1, N0 + N1 + N2], its three weights (the last repeated when fewer) and the
+    row counts (N0, N1: 0 when absent, then N2)."""
+    ws = [m.weight for m in linears]
+    sizes = [w.shape[0] for w in ws] + [0] * (3 - len(ws))
+    return x_TD.new_empty(1, sum(sizes)), ws + [ws[-1]] * (3 - len(ws)), sizes
 
 
 # experiment for B=1 (not yet measured on a GPU): the add + RMSNorm before a one-token projection folded into it
@@ -312,20 +316,15 @@ def normed_row_linear(x_TD: torch.Tensor, res_TD: torch.Tensor | None, norm: RMS
                       want_y: bool = False) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor]:
     """(the projections of y = RMSNorm(res + x) through `linears`, y if want_y, res + x) in one launch: what
     `add_rmsnorm` then `project` give (up to the norm's fp32 summation order)."""
-    block_n = ROW_LINEAR_TILE[0]
-    ws = [m.weight for m in linears]
-    sizes = [w.shape[0] for w in ws]
-    D = x_TD.shape[1]
-    out = x_TD.new_empty(1, sum(sizes))
+    block_n, D = ROW_LINEAR_TILE[0], x_TD.shape[1]
+    out, ws, sizes = _stacked_rows(x_TD, linears)
     y_TD = x_TD.new_empty(1, D) if want_y else out
     res_out = x_TD if res_TD is None else torch.empty_like(x_TD)
-    ws += [ws[-1]] * (3 - len(ws))
     _norm_row_linear[(out.shape[1] // block_n,)](x_TD, x_TD if res_TD is None else res_TD, norm.weight, y_TD, res_out,
-                                                  ws[0], ws[1], ws[2], out, norm.eps, N0=sizes[0],
-                                                  N1=sizes[1] if len(sizes) > 1 else 0, D=D, BLOCK_N=block_n,
+                                                  *ws, out, norm.eps, N0=sizes[0], N1=sizes[1], D=D, BLOCK_N=block_n,
                                                   BLOCK_D=triton.next_power_of_2(D), HAS_RES=res_TD is not None,
                                                   WRITE_Y=want_y, num_warps=ROW_LINEAR_TILE[1], **pdl_args(x_TD, 1))
-    return list(out.split(sizes, dim=1)), y_TD if want_y else None, res_out
+    return list(out.split(sizes[:len(linears)], dim=1)), y_TD if want_y else None, res_out
 
 
 class QKVPack:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -94,7 +95,7 @@ if triton is not None:
                      mask=ok)
 
 
-def step_sampling(st: SamplingTensors, keys_KB: torch.Tensor, k: int) -> SamplingTensors:
-    """Step k's sampling tensors: the batch's parameters with that step's row keys."""
-    return SamplingTensors(st.temperatures_B, st.top_ks_B, st.top_ps_B, keys_KB[k], st.any_filter, st.all_greedy,
-                           st.max_top_k, st.any_greedy, st.any_top_p, st.same_top_k)
+def step_sampler(sampler: Callable, st: SamplingTensors, keys_KB: torch.Tensor,
+                 want_logprobs: bool) -> Callable[[torch.Tensor, int], tuple]:
+    """`decode_steps`'s sample(logits, k): `sampler` with the batch's parameters and step k's row keys."""
+    return lambda logits_BV, k: sampler(logits_BV, replace(st, keys_B=keys_KB[k]), want_logprobs)

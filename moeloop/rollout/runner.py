@@ -18,7 +18,7 @@ from moeloop.rollout.cuda_graphs import CaptureFailed, DecodeGraphs
 from moeloop.rollout.fused_decode import QKVPack, fused_decode_forward, fused_supported
 from moeloop.rollout.kv_cache import KVCache
 from moeloop.rollout.moe_kernel import decode_moe
-from moeloop.rollout.multistep import decode_steps, step_sampling
+from moeloop.rollout.multistep import decode_steps, step_sampler
 from moeloop.rollout.paged_attention import AttentionMetadata, PagedAttention, PrefillChunk, slots_of
 from moeloop.rollout.sampler import Sampler, SamplingTensors, row_keys
 from moeloop.rollout.sampling_params import SamplingParams
@@ -73,6 +73,11 @@ class ModelRunner:
         self._out_host = [torch.empty(size, dtype=torch.float64, pin_memory=pin) for _ in range(2)]
         self._out_turn = 0
 
+    @property
+    def exact_steps(self) -> bool:
+        """A multi-step launch must run exactly `decode_steps` steps (a CUDA graph per step count), not fewer."""
+        return self.graphs is not None
+
     def refresh_weights(self, force: bool = False) -> None:
         """Re-copy packed weights whose sources changed (force: all of them; after `Engine.update_weights`)."""
         for pack in self.qkv_packs:
@@ -109,7 +114,7 @@ class ModelRunner:
             self._copy_fork_tails(batch)
         if logits_TV is None:
             return step
-        st, _ = self._sampling_tensors(sampled)
+        st = self._sampling_tensors(sampled)
         want_logprobs = any(s.params.logprobs for s in sampled)
         tokens_B, logprobs_B = self.sampler(logits_TV, st, want_logprobs)
         out_XB = torch.empty(1 if logprobs_B is None else 2, len(tokens_B), dtype=torch.float64, device=self.device)
@@ -161,16 +166,15 @@ class ModelRunner:
         ids, pos, slots, meta, _ = self._prepare(batch)
         self._patch(ids, patch)
         floats, ints = upload(floats, self.device), upload(ints, self.device)
-        st = SamplingTensors(floats[0], ints[0], floats[1], ints[1], **flags)
+        sample = step_sampler(self.sampler, SamplingTensors.packed(floats, ints, flags), ints[1:], want_logprobs)
         out = torch.empty((2 if want_logprobs else 1) * K, len(batch), dtype=torch.float64, device=self.device)
 
         def forward(k: int) -> torch.Tensor:
             ctx = PagedAttention(self.cache, replace(meta, max_decode_len=meta.max_decode_len + k), self.use_kernel)
             return self.model.compute_logits(self._hidden(ids, pos, ctx))
 
-        tokens = decode_steps(forward, lambda logits, k: self.sampler(logits, step_sampling(st, ints[1:], k),
-                                                                       want_logprobs),
-                              ids, pos, slots, meta.context_lens_B, meta.block_tables_BN, self.cache.block_size, K, out)
+        tokens = decode_steps(forward, sample, ids, pos, slots, meta.context_lens_B, meta.block_tables_BN,
+                              self.cache.block_size, K, out)
         return out, tokens
 
     def _graph_logits(self, batch: ScheduledBatch, patch: "InputPatch | None", rows: list[int]) -> torch.Tensor | None:
@@ -269,11 +273,10 @@ class ModelRunner:
         ids_T, pos_T = to_device(ids, dev), to_device(pos, dev)
         return ids_T, pos_T, meta.slot_mapping_T, meta, last_rows
 
-    def _sampling_tensors(self, seqs: list[Sequence]) -> tuple[SamplingTensors, torch.Tensor]:
-        """The rows' sampling tensors on the device (one step) and the row keys [1, B]."""
+    def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
+        """The rows' sampling tensors on the device (one step)."""
         floats, ints, flags = self._sampling_host(seqs)
-        floats, ints = upload(floats, self.device), upload(ints, self.device)
-        return SamplingTensors(floats[0], ints[0], floats[1], ints[1], **flags), ints[1:]
+        return SamplingTensors.packed(upload(floats, self.device), upload(ints, self.device), flags)
 
     def _sampling_host(self, seqs: list[Sequence], steps: int = 1) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """Host tensors of the rows' sampling: floats [2, B] (temperatures, top-ps), ints [1 + steps, B] (top-ks,

@@ -87,6 +87,12 @@ class SamplingTensors:
     any_top_p: bool = True  # some row has top_p < 1 (False: no nucleus mask needed)
     same_top_k: bool = False  # every row has top_k == max_top_k
 
+    @classmethod
+    def packed(cls, floats_2B: torch.Tensor, ints_XB: torch.Tensor, flags: dict) -> "SamplingTensors":
+        """From the runner's packed layout (`ModelRunner._sampling_host`): floats [2, B] (temperatures, top-ps),
+        ints [1 + K, B] (top-ks, then each step's row keys; keys_B is step 0's)."""
+        return cls(floats_2B[0], ints_XB[0], floats_2B[1], ints_XB[1], **flags)
+
 
 def filter_logits(logits_BV: torch.Tensor, top_ks_B: torch.Tensor, top_ps_B: torch.Tensor) -> torch.Tensor:
     """Set logits outside each row's top-k and top-p nucleus to -inf (always keeps the argmax)."""

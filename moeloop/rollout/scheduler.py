@@ -14,10 +14,11 @@ partial last one (the runner copies those K/V slots after the forward), and samp
 leader's last-token logits with their own seeds. A follower that cannot fork waits for the leader and reuses its
 cached prompt blocks as before.
 
-Multi-step decode (`schedule(max_steps=K)`): a decode-only batch with nothing waiting runs up to K decode steps on the
-device with no host round trip (`ScheduledBatch.num_steps`): as many as every sequence may still sample (max_tokens,
-max_model_len; exactly K for a CUDA graph), with the KV blocks for those positions taken ahead. The host checks stops afterwards: tokens sampled
-past a sequence's stop token are dropped, as with async scheduling. Otherwise the batch runs one step.
+Multi-step decode (`schedule(max_steps=K)`): a decode-only batch with nothing waiting runs up to K decode steps on
+the device with no host round trip (`ScheduledBatch.num_steps`): as many as every sequence may still sample under
+its max_tokens (exactly K for a CUDA graph; the engine keeps prompt + max_tokens within max_model_len), with the KV
+blocks for those positions taken ahead. The host checks stops afterwards: tokens sampled past a sequence's stop
+token are dropped, as with async scheduling. Otherwise the batch runs one step.
 
 With async scheduling a sequence may carry pending tokens (sampled by a step still on the device). It is
 scheduled as usual (its next input comes from the device), except when its pending token is its last one
@@ -71,9 +72,8 @@ def _reaches_end(seq: Sequence, num_new_tokens: int) -> bool:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int = 0):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
         self.blocks = blocks
-        self.max_model_len = max_model_len  # 0: no limit (the engine checks prompt + max_tokens against it anyway)
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -99,13 +99,12 @@ class Scheduler:
         return batch
 
     def _look_ahead(self, batch: ScheduledBatch, steps: int, exact: bool) -> None:
-        """Make a decode-only batch run several decode steps: as many as every sequence may still sample (max_tokens,
-        max_model_len), at most `steps` (exactly `steps` if `exact`), if the blocks for their K/V are free (taken
-        now); else leave it at one step."""
+        """Make a decode-only batch run several decode steps: as many as every sequence may still sample (max_tokens),
+        at most `steps` (exactly `steps` if `exact`), if the blocks for their K/V are free (taken now); else leave it
+        at one step."""
         if any(n != 1 or not _reaches_end(seq, n) for seq, n in zip(batch.seqs, batch.num_new_tokens)):
             return  # (a 1-token chunk of a prompt that continues does not sample: its next inputs are prompt tokens)
-        limit = self.max_model_len or 1 << 62
-        room = min(min(seq.params.max_tokens - seq.num_response_tokens, limit - len(seq)) for seq in batch.seqs)
+        room = min(seq.params.max_tokens - seq.num_response_tokens for seq in batch.seqs)
         if room < steps and exact:
             return
         steps = min(steps, room)
