@@ -173,7 +173,10 @@ def test_fused_decode_single_sequence_matches_module_path(monkeypatch, norm_fold
     model = tiny_model("qwen3_moe").to(DEVICE)
     ps = prompts(1, seed=5)
     params = SamplingParams(n=1, temperature=1.0, max_tokens=5, seed=2)
-    ref = make_engine(model, enforce_eager=True).generate(ps, params)
+    ref_engine = make_engine(model, enforce_eager=True)
+    ref_engine.runner.use_kernel = False  # the module path on every device (on CUDA the kernels are the default)
+    ref = ref_engine.generate(ps, params)
+    assert not folds and not routed
     engine = make_engine(model, enforce_eager=True)
     engine.runner.use_kernel = True
     outs = engine.generate(ps, params)
