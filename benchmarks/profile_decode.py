@@ -32,8 +32,8 @@ def main() -> None:
     ap.add_argument("--no-qkv-pack", action="store_true", help="q, k, v as three GEMMs at B > 1 (A/B of `QKVPack`)")
     ap.add_argument("--no-router-fused", action="store_true",
                     help="router projection through cuBLAS + `_softmax_topk` instead of `_router_topk` (A/B)")
-    ap.add_argument("--norm-fold", action="store_true",
-                    help="B=1: add + RMSNorm folded into the next projection (`_norm_row_linear`; A/B)")
+    ap.add_argument("--no-norm-fold", action="store_true",
+                    help="B=1: add + RMSNorm as its own launch, not folded into the next projection (A/B)")
     ap.add_argument("--topk-fold", action="store_true",
                     help="few tokens: the expert kernels route from the router logits (no top-k launch; A/B)")
     ap.add_argument("--top-k", type=int, default=50, help="-1: full-vocab sampling at temperature 1 (the e2e job)")
@@ -48,9 +48,9 @@ def main() -> None:
     if args.no_row_linear:
         import moeloop.rollout.fused_decode as fused_decode
         fused_decode.ROW_LINEAR = False
-    if args.norm_fold:
+    if args.no_norm_fold:
         import moeloop.rollout.fused_decode as fused_decode
-        fused_decode.NORM_FOLD = True
+        fused_decode.NORM_FOLD = False
     if args.topk_fold:
         import moeloop.rollout.fused_decode as fused_decode
         fused_decode.TOPK_FOLD = True
