@@ -34,8 +34,6 @@ def main() -> None:
                     help="router projection through cuBLAS + `_softmax_topk` instead of `_router_topk` (A/B)")
     ap.add_argument("--no-norm-fold", action="store_true",
                     help="B=1: add + RMSNorm as its own launch, not folded into the next projection (A/B)")
-    ap.add_argument("--topk-fold", action="store_true",
-                    help="few tokens: the expert kernels route from the router logits (no top-k launch; A/B)")
     ap.add_argument("--top-k", type=int, default=50, help="-1: full-vocab sampling at temperature 1 (the e2e job)")
     ap.add_argument("--no-logprobs", dest="logprobs", action="store_false", help="skip the sampled tokens' logprobs")
     args = ap.parse_args()
@@ -51,9 +49,6 @@ def main() -> None:
     if args.no_norm_fold:
         import moeloop.rollout.fused_decode as fused_decode
         fused_decode.NORM_FOLD = False
-    if args.topk_fold:
-        import moeloop.rollout.fused_decode as fused_decode
-        fused_decode.TOPK_FOLD = True
     model = build_model("qwen3_moe", args.size, seed=0).to("cuda", torch.bfloat16).eval()
     for B in [int(b) for b in args.batch.split(",")]:
         P, N = 128, 256

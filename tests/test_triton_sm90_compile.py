@@ -179,22 +179,6 @@ def _compile_norm_row_linear():
                      num_warps=8)
 
 
-def _compile_topk_fold():
-    from moeloop.rollout import moe_kernel
-    route = dict(E=E, E_PAD=E, K=K, K_PAD=K, NORM=True, LANE_SUM=True, PDL=True)
-    gate_up = compile_sm90(moe_kernel._gate_up_silu_from_logits,
-                           dict(x_ptr="*bf16", w_ptr="*bf16", logits_ptr="*bf16", h_ptr="*bf16", s_we="i64",
-                                s_wf="i64", scale="fp32"),
-                           dict(D=D, F=F, BLOCK_F=4, BLOCK_D=2048, LIBDEVICE=True, **route), num_warps=8).asm["ptx"]
-    down = compile_sm90(moe_kernel._down_combine_from_logits,
-                        dict(h_ptr="*bf16", w_ptr="*bf16", logits_ptr="*bf16", y_ptr="*bf16", s_we="i64", s_wd="i64",
-                             scale="fp32"),
-                        dict(D=D, F=F, BLOCK_D=4, BLOCK_F=512, **route), num_warps=4).asm["ptx"]
-    # gate_up reads the logits (the last kernel's output) only after its PDL wait; down routes before it
-    assert gate_up.index("griddepcontrol.wait") < gate_up.index("ld.global")
-    assert down.index("ex2.approx.f32") < down.index("griddepcontrol.wait")
-
-
 def _compile_rope_half_split():
     from moeloop.model import rope_kernel
     for heads in (H, G):  # q and k

@@ -13,9 +13,7 @@ their weight tiles while the kernel before them is still running. Used for decod
 half-split RoPE over the whole head and a softmax router (Qwen3-MoE, Qwen3, Llama, Mixtral); `fused_supported` says when.
 For one token, `NORM_FOLD` (on; MOELOOP_NORM_FOLD=off turns it off) runs the add + RMSNorm before the q|k|v and
 router projections inside them (`_norm_row_linear`), two launches fewer per layer (H200, B=1: forward graph
-0.477 -> 0.451 ms). `TOPK_FOLD` (MOELOOP_TOPK_FOLD=on, an experiment, off) lets the few-token expert kernels route
-from the router logits themselves, one launch fewer per layer: 0.477 -> 0.469 ms alone, and on the H200 its
-routing weights differ from `_softmax_topk`'s in the last bit at E=64 (its lane-order sum is not the compiled one).
+0.477 -> 0.451 ms).
 Shapes: T tokens, D model dim, H/G query/kv heads, Dh head dim, E experts, K experts per token.
 """
 from __future__ import annotations
@@ -30,8 +28,7 @@ from moeloop.model.kernel_switch import kernels_apply, pdl_args
 from moeloop.model.moe import MoE
 from moeloop.model.norm import RMSNorm
 from moeloop.rollout.decode_kernel import triton
-from moeloop.rollout.moe_kernel import (fused_experts, fused_experts_from_logits, grouped_expert_rows, topk_fold_applies,
-                                       uses_grouped_rows)
+from moeloop.rollout.moe_kernel import fused_experts, grouped_expert_rows, uses_grouped_rows
 from moeloop.rollout.paged_attention import PagedAttention
 
 if triton is not None:
@@ -303,9 +300,6 @@ def _stacked_rows(x_TD: torch.Tensor, linears: list[nn.Module]) -> tuple[torch.T
 # B=1: the add + RMSNorm before a one-token projection folded into it (`_norm_row_linear`), two fewer
 # single-program launches per layer; MOELOOP_NORM_FOLD=off turns it off
 NORM_FOLD = os.environ.get("MOELOOP_NORM_FOLD", "on").lower() != "off"
-# experiment (off): the router's softmax top-k folded into the few-token expert kernels, which route from the
-# logits themselves (`moe_kernel.fused_experts_from_logits`); MOELOOP_TOPK_FOLD=on
-TOPK_FOLD = os.environ.get("MOELOOP_TOPK_FOLD", "off").lower() == "on"
 
 
 def norm_fold_applies(x_TD: torch.Tensor, linears: list[nn.Module]) -> bool:
@@ -472,13 +466,10 @@ def fused_decode_forward(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Ten
             continue
         if norm_fold_applies(o_TD, [mlp.gate]):  # the router's projection applies the norm, and stores y
             (logits_TE,), y_TD, res_TD = normed_row_linear(*pending, [mlp.gate], want_y=True)
+            ids_TK, wts_TK = route_softmax_topk(mlp, logits_TE)
         else:
             y_TD, res_TD = add_rmsnorm(*pending)
-            logits_TE = project(y_TD, [mlp.gate])[0] if TOPK_FOLD and y_TD.shape[0] < ROUTER_FUSED_MIN_TOKENS else None
-        if logits_TE is not None and TOPK_FOLD and topk_fold_applies(y_TD, logits_TE, mlp.gate):
-            pending = (fused_experts_from_logits(mlp.experts, y_TD, logits_TE, mlp.gate), res_TD, norm)
-            continue  # the expert kernels route each token themselves: no top-k launch
-        ids_TK, wts_TK = route(mlp, y_TD) if logits_TE is None else route_softmax_topk(mlp, logits_TE)
+            ids_TK, wts_TK = route(mlp, y_TD)
         if uses_grouped_rows(y_TD, ids_TK):  # the weighted sum of the expert rows happens in the add + norm
             rows_SD, dest_S = grouped_expert_rows(mlp.experts, y_TD, ids_TK)
             y_TD, res_TD = add_rmsnorm(rows_SD, res_TD, norm, (dest_S.view(ids_TK.shape), wts_TK))

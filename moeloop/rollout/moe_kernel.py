@@ -8,9 +8,7 @@ and one kernel for the weighted sum over each token's K rows. The grouped GEMMs 
 (`_expert_gemm`: one program per (expert, output tile), streaming that tile of the expert's weights once
 past all of its rows; the first reads its rows straight from the tokens and fuses SiLU*up), or
 `grouped_mm` when `GROUPED_GEMM = "grouped_mm"`. All free of host syncs, so they can be captured in a CUDA
-graph. Rounding points follow `Experts`. `fused_experts_from_logits` (an experiment for B=1): the two few-token
-kernels take the router logits and route each token themselves, in registers, as the softmax top-k kernel would,
-which then is not launched.
+graph. Rounding points follow `Experts`.
 """
 # T tokens, D model dim, F expert ffn dim, K experts per token, S = T*K assignments
 from __future__ import annotations
@@ -23,7 +21,7 @@ import torch
 from torch import nn
 
 from moeloop.model.expert_rows import combine
-from moeloop.model.kernel_switch import kernels_enabled, pdl_args
+from moeloop.model.kernel_switch import pdl_args
 from moeloop.model.experts import Experts, expert_counts, register_experts_impl
 from moeloop.model.moe import MoE
 from moeloop.rollout.decode_kernel import triton, triton_interpreting
@@ -54,72 +52,15 @@ if triton is not None:
     from moeloop.model.swiglu_kernel import _silu
 
     @triton.jit
-    def _lane_order_sum(x, N: tl.constexpr):
-        """Sum of x [N] (N a power of two; values >= 0 or NaN) in the order in which a one-warp `tl.sum` over a row
-        held one element per lane adds it (`fused_decode._softmax_topk`'s build: its sm_90 PTX shows lane l adding
-        x[l], x[l + 32], ... in sequence, then butterfly shuffles 16, 8, ..., 1 over min(N, 32) lanes). Every step
-        here adds two values (or one value and zeros), so the result has the same bits in a kernel of any layout."""
-        if N > 32:
-            cols = tl.reshape(x, [N // 32, 32])
-            c = tl.arange(0, N // 32)[:, None]
-            acc = tl.sum(tl.where(c == 0, cols, 0.0), 0)
-            for i in tl.static_range(1, N // 32):
-                acc += tl.sum(tl.where(c == i, cols, 0.0), 0)
-        else:
-            acc = x
-        for _ in tl.static_range(5):  # halve the (at most 32) lanes: lane l + lane l + n/2
-            if acc.shape[0] > 1:
-                acc = tl.sum(tl.reshape(acc, [2, acc.shape[0] // 2]), 0)
-        return tl.sum(acc, 0)
-
-    @triton.jit
-    def _softmax_topk_row(logits_ptr, t, scale, E: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr,
-                          K_PAD: tl.constexpr, NORM: tl.constexpr, LANE_SUM: tl.constexpr):
-        """Token t's routing from its row of router logits [T, E] (contiguous), in registers: (ids [K_PAD] int64,
-        weights [K_PAD] fp32; entries from K on: id 0), with `fused_decode._softmax_topk_store`'s arithmetic, step
-        for step: softmax in fp32, the top K (lowest expert id among ties, a NaN row -> expert 0), renormalised
-        when NORM, times `scale`. LANE_SUM: the softmax's denominator added in `_softmax_topk`'s compiled order
-        (`_lane_order_sum`) instead of by this kernel's layout, so every kernel that routes gets `_softmax_topk`'s
-        bits, and the two expert kernels the same experts (off under the interpreter, whose tl.sum is numpy's)."""
-        e = tl.arange(0, E_PAD)
-        z = tl.load(logits_ptr + t.to(tl.int64) * E + e, mask=e < E, other=float("-inf")).to(tl.float32)
-        p = tl.exp(z - tl.max(z, 0))
-        if LANE_SUM:
-            p = p / _lane_order_sum(p, E_PAD)
-        else:
-            p = p / tl.sum(p, 0)
-        kk = tl.arange(0, K_PAD)
-        ids = tl.zeros([K_PAD], tl.int64)
-        wts = tl.zeros([K_PAD], tl.float32)
-        total = tl.zeros_like(tl.max(p, 0))
-        for k in tl.static_range(K):  # k-th largest (lowest id among ties), then masked out
-            best = tl.max(p, 0)
-            idx = tl.min(tl.where(p == best, e, E_PAD), 0)
-            idx = tl.where(idx < E_PAD, idx, 0)  # a NaN row matches nothing: expert 0, not a read out of bounds
-            ids = tl.where(kk == k, idx.to(tl.int64), ids)
-            wts = tl.where(kk == k, best, wts)
-            total += best
-            p = tl.where(e == idx, -1.0, p)
-        if NORM:
-            wts = wts / total
-        return ids, wts * scale
-
-    @triton.jit
-    def _gate_up_silu_body(x_ptr, w_ptr, ids_ptr, logits_ptr, h_ptr, s_we, s_wf, scale, D: tl.constexpr,
-                           F: tl.constexpr, K: tl.constexpr, FROM_LOGITS: tl.constexpr, E: tl.constexpr,
-                           E_PAD: tl.constexpr, K_PAD: tl.constexpr, NORM: tl.constexpr, LANE_SUM: tl.constexpr,
-                           BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
+    def _gate_up_silu(x_ptr, w_ptr, ids_ptr, h_ptr, s_we, s_wf, D: tl.constexpr, F: tl.constexpr, K: tl.constexpr,
+                      BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
         """Program (s, f): gate/up rows f of assignment s's expert against its token, SiLU(gate) * up. Waits first:
-        the expert ids (FROM_LOGITS: the router logits they are routed from) come from the kernel just before."""
+        the expert ids come from the kernel just before."""
         pdl_wait(PDL)
         s = tl.program_id(0)
         f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
         f_ok = f < F
-        if FROM_LOGITS:
-            ids, _ = _softmax_topk_row(logits_ptr, s // K, scale, E, E_PAD, K, K_PAD, NORM, LANE_SUM)
-            e = tl.sum(tl.where(tl.arange(0, K_PAD) == s % K, ids, 0), 0)
-        else:
-            e = tl.load(ids_ptr + s).to(tl.int64)
+        e = tl.load(ids_ptr + s).to(tl.int64)
         x_row = x_ptr + (s // K).to(tl.int64) * D
         acc_g = tl.zeros([BLOCK_F], tl.float32)
         acc_u = tl.zeros([BLOCK_F], tl.float32)
@@ -135,23 +76,6 @@ if triton is not None:
         g = acc_g.to(dt).to(tl.float32)
         u = acc_u.to(dt).to(tl.float32)
         tl.store(h_ptr + s.to(tl.int64) * F + f, (_silu(g, dt, False, LIBDEVICE) * u).to(dt), mask=f_ok)
-
-    @triton.jit
-    def _gate_up_silu(x_ptr, w_ptr, ids_ptr, h_ptr, s_we, s_wf, D: tl.constexpr, F: tl.constexpr, K: tl.constexpr,
-                      BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
-        """`_gate_up_silu_body` on expert ids [T*K]."""
-        _gate_up_silu_body(x_ptr, w_ptr, ids_ptr, ids_ptr, h_ptr, s_we, s_wf, 1.0, D, F, K, False, 1, 1, 1, False,
-                           False, BLOCK_F, BLOCK_D, LIBDEVICE, PDL)
-
-    @triton.jit
-    def _gate_up_silu_from_logits(x_ptr, w_ptr, logits_ptr, h_ptr, s_we, s_wf, scale, D: tl.constexpr,
-                                  F: tl.constexpr, K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
-                                  K_PAD: tl.constexpr, NORM: tl.constexpr, LANE_SUM: tl.constexpr,
-                                  BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr, LIBDEVICE: tl.constexpr,
-                                  PDL: tl.constexpr):
-        """`_gate_up_silu_body` routing each token itself from its router logits [T, E] (`_softmax_topk_row`)."""
-        _gate_up_silu_body(x_ptr, w_ptr, logits_ptr, logits_ptr, h_ptr, s_we, s_wf, scale, D, F, K, True, E, E_PAD,
-                           K_PAD, NORM, LANE_SUM, BLOCK_F, BLOCK_D, LIBDEVICE, PDL)
 
     @triton.jit
     def _expert_gemm(a_ptr, rows_ptr, w_ptr, offsets_ptr, out_ptr, s_we, s_wn, N_OUT: tl.constexpr,
@@ -215,32 +139,22 @@ if triton is not None:
         tl.store(offsets_ptr + e, start + tl.sum(mine, 0))
 
     @triton.jit
-    def _down_combine_body(h_ptr, w_ptr, ids_ptr, wts_ptr, logits_ptr, y_ptr, s_we, s_wd, scale, D: tl.constexpr,
-                           F: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, FROM_LOGITS: tl.constexpr,
-                           E: tl.constexpr, E_PAD: tl.constexpr, NORM: tl.constexpr, LANE_SUM: tl.constexpr,
-                           BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr, PDL: tl.constexpr):
+    def _down_combine(h_ptr, w_ptr, ids_ptr, wts_ptr, y_ptr, s_we, s_wd, D: tl.constexpr, F: tl.constexpr, K: tl.constexpr,
+                      K_PAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr, PDL: tl.constexpr):
         """Program (t, j): outputs d of block j of token t, sum_k wts[t, k] * (h[t*K + k] . W_down[ids[t, k]][d]),
         each expert's product rounded first. The K experts' rows are one [K_PAD * BLOCK_D, BLOCK_F] tile, whose first
-        F-block is read before the PDL wait: the ids are two kernels old (the router's), h is the last kernel's.
-        FROM_LOGITS: the ids and weights are routed here from token t's router logits, also before the wait (the
-        router projection's output is two kernels old too)."""
+        F-block is read before the PDL wait: the ids are two kernels old (the router's), h is the last kernel's."""
         t = tl.program_id(0)
         r = tl.arange(0, K_PAD * BLOCK_D)
         k = r // BLOCK_D
         d = tl.program_id(1) * BLOCK_D + r % BLOCK_D
         ok = (k < K) & (d < D)
         s = (t * K + k).to(tl.int64)
-        if FROM_LOGITS:
-            ids, wts = _softmax_topk_row(logits_ptr, t, scale, E, E_PAD, K, K_PAD, NORM, LANE_SUM)
-            pick = k[:, None] == tl.arange(0, K_PAD)[None, :]  # row r's entry k of the K (one-hot sums: exact)
-            e = tl.where(ok, tl.sum(tl.where(pick, ids[None, :], 0), 1), 0)
-            wt = tl.where(ok, tl.sum(tl.where(pick, wts[None, :], 0.0), 1), 0.0)
-        else:
-            e = tl.load(ids_ptr + s, mask=ok, other=0).to(tl.int64)
+        e = tl.load(ids_ptr + s, mask=ok, other=0).to(tl.int64)
         w_rows = w_ptr + e[:, None] * s_we + d[:, None] * s_wd
         f = tl.arange(0, BLOCK_F)
         w = tl.load(w_rows + f[None, :], mask=ok[:, None] & (f[None, :] < F), other=0.0)
-        pdl_wait(PDL)  # (nothing may write the ids or logits between the router's kernel and this one: read above)
+        pdl_wait(PDL)  # (nothing may write the ids between the router's kernel and this one: they are read above)
         h_rows = h_ptr + s[:, None] * F
         h = tl.load(h_rows + f[None, :], mask=ok[:, None] & (f[None, :] < F), other=0.0).to(tl.float32)
         acc = tl.sum(w.to(tl.float32) * h, 1)
@@ -250,9 +164,7 @@ if triton is not None:
             ww = tl.load(w_rows + ff[None, :], mask=fm, other=0.0).to(tl.float32)
             acc += tl.sum(ww * tl.load(h_rows + ff[None, :], mask=fm, other=0.0).to(tl.float32), 1)
         dt = y_ptr.dtype.element_ty
-        if not FROM_LOGITS:
-            wt = tl.load(wts_ptr + s, mask=ok, other=0.0)
-        part = tl.reshape(acc.to(dt).to(tl.float32) * wt, [K_PAD, BLOCK_D])
+        part = tl.reshape(acc.to(dt).to(tl.float32) * tl.load(wts_ptr + s, mask=ok, other=0.0), [K_PAD, BLOCK_D])
         # the K products added in expert order, as the module path and the trainer's combine add them (a tree sum
         # could round differently): each term is a one-row sum, exact
         k_rows = tl.arange(0, K_PAD)[:, None]
@@ -261,22 +173,6 @@ if triton is not None:
             out += tl.sum(tl.where(k_rows == kk, part, 0.0), 0)
         d_out = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         tl.store(y_ptr + t.to(tl.int64) * D + d_out, out.to(dt), mask=d_out < D)
-
-    @triton.jit
-    def _down_combine(h_ptr, w_ptr, ids_ptr, wts_ptr, y_ptr, s_we, s_wd, D: tl.constexpr, F: tl.constexpr, K: tl.constexpr,
-                      K_PAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr, PDL: tl.constexpr):
-        """`_down_combine_body` on expert ids and weights [T*K]."""
-        _down_combine_body(h_ptr, w_ptr, ids_ptr, wts_ptr, ids_ptr, y_ptr, s_we, s_wd, 1.0, D, F, K, K_PAD, False, 1,
-                           1, False, False, BLOCK_D, BLOCK_F, PDL)
-
-    @triton.jit
-    def _down_combine_from_logits(h_ptr, w_ptr, logits_ptr, y_ptr, s_we, s_wd, scale, D: tl.constexpr,
-                                  F: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, E: tl.constexpr,
-                                  E_PAD: tl.constexpr, NORM: tl.constexpr, LANE_SUM: tl.constexpr,
-                                  BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr, PDL: tl.constexpr):
-        """`_down_combine_body` routing token t itself from its router logits [T, E] (`_softmax_topk_row`)."""
-        _down_combine_body(h_ptr, w_ptr, logits_ptr, logits_ptr, logits_ptr, y_ptr, s_we, s_wd, scale, D, F, K, K_PAD,
-                           True, E, E_PAD, NORM, LANE_SUM, BLOCK_D, BLOCK_F, PDL)
 
 
 def fused_experts(experts: Experts, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
@@ -287,64 +183,25 @@ def fused_experts(experts: Experts, x_TD: torch.Tensor, ids_TK: torch.Tensor, we
     if uses_grouped_rows(x_TD, ids_TK):
         return grouped_experts(experts, x_TD, ids_TK, weights_TK)
     w_gu, w_d = experts.gate_up_proj, experts.down_proj
+    D, F = experts.dim, experts.ffn_dim
     x_TD, ids_S = x_TD.contiguous(), ids_TK.reshape(-1).contiguous()
-    h_SF = x_TD.new_empty(T * K, experts.ffn_dim)
+    h_SF = x_TD.new_empty(T * K, F)
     y_TD = torch.empty_like(x_TD)
     wts_S = weights_TK.float().contiguous()  # (any cast before the first launch: down follows gate_up directly)
-    gate_up, down, pdl = _few_token_launch(experts, x_TD, K)
-    _gate_up_silu[gate_up["grid"]](x_TD, w_gu, ids_S, h_SF, w_gu.stride(0), w_gu.stride(1), **gate_up["kw"], **pdl)
-    _down_combine[down["grid"]](h_SF, w_d, ids_S, wts_S, y_TD, w_d.stride(0), w_d.stride(1), **down["kw"], **pdl)
-    return y_TD
-
-
-def _few_token_launch(experts: Experts, x_TD: torch.Tensor, K: int) -> tuple[dict, dict, dict]:
-    """The few-token kernels' grids and tile keywords (gate_up, down) and their PDL keywords."""
-    T, D, F = x_TD.shape[0], experts.dim, experts.ffn_dim
     # narrow tiles, many programs, a whole weight row per program: at B=1 this is a weight stream of K experts,
     # bound by the bytes in flight
+    pdl = pdl_args(x_TD, T)
     (block_f, warps_f), (block_d, warps_d) = GATE_UP_FEW_TILE, DOWN_FEW_TILE
     # down's tile: K_PAD * BLOCK_D rows x BLOCK_F columns, at most 4 * FEW_MAX_WIDTH values (512 columns at K=4)
     k_pad = triton.next_power_of_2(K)
     down_block_f = min(FEW_MAX_WIDTH * 4 // (k_pad * block_d), triton.next_power_of_2(F))
-    gate_up = dict(grid=(T * K, triton.cdiv(F, block_f)),
-                   kw=dict(D=D, F=F, K=K, BLOCK_F=block_f, BLOCK_D=min(FEW_MAX_WIDTH, triton.next_power_of_2(D)),
-                           LIBDEVICE=not triton_interpreting(), num_warps=warps_f))
-    down = dict(grid=(T, triton.cdiv(D, block_d)),
-                kw=dict(D=D, F=F, K=K, K_PAD=k_pad, BLOCK_D=block_d, BLOCK_F=down_block_f, num_warps=warps_d))
-    return gate_up, down, pdl_args(x_TD, T)
-
-
-def topk_fold_applies(x_TD: torch.Tensor, logits_TE: torch.Tensor, router: nn.Module) -> bool:
-    """`fused_experts_from_logits` may replace `route_softmax_topk` + `fused_experts` for these router logits: the
-    few-token path (T*K <= FUSED_MAX_ASSIGNMENTS), triton on, x on CUDA or under the interpreter, a softmax router
-    (no selection bias), logits [T, E] of x's tokens."""
-    T, K = x_TD.shape[0], router.top_k
-    return (triton is not None and kernels_enabled() and (x_TD.is_cuda or triton_interpreting())
-            and getattr(router, "scoring_func", "softmax") == "softmax" and logits_TE.dim() == 2
-            and logits_TE.shape[0] == T and 0 < K <= logits_TE.shape[1] and T * K <= FUSED_MAX_ASSIGNMENTS
-            and logits_TE.device == x_TD.device)
-
-
-def fused_experts_from_logits(experts: Experts, x_TD: torch.Tensor, logits_TE: torch.Tensor,
-                              router: nn.Module) -> torch.Tensor:
-    """`fused_experts(experts, x, *route_softmax_topk(moe, logits))` (router = moe.gate) without the top-k kernel:
-    the two few-token kernels route each token themselves from its logits row (`_softmax_topk_row`, the same ids
-    and weights, bit for bit), gate_up after its PDL wait (the logits are the last kernel's), down before (they are
-    two kernels old by then). Only where `topk_fold_applies`."""
-    T, E = logits_TE.shape
-    K = router.top_k
-    w_gu, w_d = experts.gate_up_proj, experts.down_proj
-    x_TD, logits_TE = x_TD.contiguous(), logits_TE.contiguous()
-    h_SF = x_TD.new_empty(T * K, experts.ffn_dim)
-    y_TD = torch.empty_like(x_TD)
-    gate_up, down, pdl = _few_token_launch(experts, x_TD, K)
-    route = dict(E=E, E_PAD=triton.next_power_of_2(E), NORM=bool(router.norm_topk_prob),
-                 LANE_SUM=not triton_interpreting())
-    scale = float(router.routed_scaling_factor)
-    _gate_up_silu_from_logits[gate_up["grid"]](x_TD, w_gu, logits_TE, h_SF, w_gu.stride(0), w_gu.stride(1), scale,
-                                               K_PAD=triton.next_power_of_2(K), **route, **gate_up["kw"], **pdl)
-    _down_combine_from_logits[down["grid"]](h_SF, w_d, logits_TE, y_TD, w_d.stride(0), w_d.stride(1), scale,
-                                            **route, **down["kw"], **pdl)
+    _gate_up_silu[(T * K, triton.cdiv(F, block_f))](x_TD, w_gu, ids_S, h_SF, w_gu.stride(0), w_gu.stride(1),
+                                                     D=D, F=F, K=K, BLOCK_F=block_f,
+                                                     BLOCK_D=min(FEW_MAX_WIDTH, triton.next_power_of_2(D)),
+                                                     LIBDEVICE=not triton_interpreting(), num_warps=warps_f, **pdl)
+    _down_combine[(T, triton.cdiv(D, block_d))](h_SF, w_d, ids_S, wts_S, y_TD, w_d.stride(0), w_d.stride(1), D=D, F=F,
+                                                 K=K, K_PAD=k_pad, BLOCK_D=block_d, BLOCK_F=down_block_f,
+                                                 num_warps=warps_d, **pdl)
     return y_TD
 
 
