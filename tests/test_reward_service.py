@@ -24,12 +24,16 @@ REPO = Path(__file__).resolve().parents[1]
 def counting_reward(sample: Sample) -> RewardResult:
     """Served by the test's reward service: records every *completed* call in $MOELOOP_TEST_CALLS.
 
-    The sample tagged `trigger` announces itself (first time only) and blocks, so the test can
-    kill the server while the other in-flight calls are still sleeping, i.e. not yet recorded.
+    The sample tagged `trigger` announces itself (first time only) half a second after it started, then blocks, so
+    the test kills the server while the other in-flight calls are still sleeping, i.e. not yet recorded. (The half
+    second lets a call that was recorded just as the trigger started deliver its result: killed between its record
+    and its reply, it would be retried and recorded twice, which at-least-once retries allow. It happened once on a
+    loaded 2-core machine.)
     """
     calls = Path(os.environ["MOELOOP_TEST_CALLS"])
     trigger = calls.with_suffix(".trigger")
     if sample.metadata.get("trigger") and not trigger.exists():
+        time.sleep(0.5)
         trigger.write_text(str(os.getpid()))
         time.sleep(60)
     time.sleep(1.0)

@@ -98,3 +98,19 @@ if triton is not None:
         if BY_BITS:
             return bf16_rne(x)
         return x.to(dt).to(tl.float32)
+
+    @triton.jit
+    def l2_prefetch(ptr, nbytes, part, parts, CHUNK: tl.constexpr):
+        """Hint (Hopper, `cp.async.bulk.prefetch.L2`): start pulling this program's share (part of parts) of the
+        bytes [ptr, ptr + nbytes) into L2, in CHUNK-byte requests; returns at once. ptr 16-byte aligned, nbytes a
+        multiple of 16. For a one-token decode, whose short kernels between two weight streams leave HBM idle."""
+        share = tl.cdiv(tl.cdiv(nbytes, parts), CHUNK) * CHUNK
+        start = part * share
+        end = tl.minimum(start + share, nbytes)
+        base = ptr.to(tl.pointer_type(tl.int8))
+        for off in range(start, end, CHUNK):
+            size = tl.minimum(end - off, CHUNK).to(tl.int32)
+            tl.inline_asm_elementwise(  # thread 0 of the program issues it (a scalar runs on every thread)
+                "{ .reg .pred first; .reg .u32 tid; mov.u32 tid, %tid.x; setp.eq.u32 first, tid, 0;\n\t"
+                "@first cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+                "=r,l,r", [base + off, size], dtype=tl.int32, is_pure=False, pack=1)

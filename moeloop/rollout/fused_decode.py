@@ -27,14 +27,14 @@ from torch import nn
 from moeloop.model.kernel_switch import kernels_apply, pdl_args
 from moeloop.model.moe import MoE
 from moeloop.model.norm import RMSNorm
-from moeloop.rollout.decode_kernel import triton
+from moeloop.rollout.decode_kernel import triton, triton_interpreting
 from moeloop.rollout.moe_kernel import fused_experts, grouped_expert_rows, uses_grouped_rows
 from moeloop.rollout.paged_attention import PagedAttention
 
 if triton is not None:
     import triton.language as tl
 
-    from moeloop.model.kernel_switch import pdl_wait
+    from moeloop.model.kernel_switch import l2_prefetch, pdl_wait
 
     @triton.jit
     def _add_rmsnorm(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, dest_ptr, wts_ptr, eps, D: tl.constexpr,
@@ -83,9 +83,18 @@ if triton is not None:
 
     @triton.jit
     def _qk_norm_rope_store(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, slots_ptr, qo_ptr,
-                            kc_ptr, vc_ptr, eps, s_q, s_k, s_v, s_kc, s_vc, H: tl.constexpr, G: tl.constexpr,
-                            HALF: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr):
-        """Row strides s_q/s_k/s_v: q, k, v may be column slices of one packed q|k|v projection."""
+                            kc_ptr, vc_ptr, eps, s_q, s_k, s_v, s_kc, s_vc, p0_ptr, p0_bytes, p1_ptr, p1_bytes,
+                            p2_ptr, p2_bytes, p3_ptr, p3_bytes, H: tl.constexpr, G: tl.constexpr,
+                            HALF: tl.constexpr, QK_NORM: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+        """Row strides s_q/s_k/s_v: q, k, v may be column slices of one packed q|k|v projection. PREFETCH: first
+        start pulling up to four weights (p0..p3, bytes 0 = none) into L2, each program its share in 16 KiB
+        requests (`l2_prefetch`): the attention that follows leaves HBM idle for microseconds."""
+        if PREFETCH:
+            part, parts = tl.program_id(0) * (H + G) + tl.program_id(1), tl.num_programs(0) * (H + G)
+            l2_prefetch(p0_ptr, p0_bytes, part, parts, 16384)
+            l2_prefetch(p1_ptr, p1_bytes, part, parts, 16384)
+            l2_prefetch(p2_ptr, p2_bytes, part, parts, 16384)
+            l2_prefetch(p3_ptr, p3_bytes, part, parts, 16384)
         pdl_wait(PDL)
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
@@ -248,8 +257,9 @@ def add_rmsnorm(x_TD: torch.Tensor, res_TD: torch.Tensor | None, norm: RMSNorm,
 
 def qk_norm_rope_store(attn: nn.Module, q_TX: torch.Tensor, k_TX: torch.Tensor, v_TX: torch.Tensor,
                        cos_TR: torch.Tensor, sin_TR: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slots_T: torch.Tensor) -> torch.Tensor:
-    """Normalised, rotated q [T, H, Dh]; k (normalised, rotated) and v written to their cache slots."""
+                       slots_T: torch.Tensor, prefetch: list[torch.Tensor] = ()) -> torch.Tensor:
+    """Normalised, rotated q [T, H, Dh]; k (normalised, rotated) and v written to their cache slots. `prefetch`: up
+    to four weights the kernel starts pulling into L2 (each must be `l2_prefetchable`)."""
     T = q_TX.shape[0]
     H, G, Dh = attn.num_heads, attn.num_kv_heads, attn.head_dim
     q_out = q_TX.new_empty(T, H, Dh)
@@ -258,13 +268,44 @@ def qk_norm_rope_store(attn: nn.Module, q_TX: torch.Tensor, k_TX: torch.Tensor, 
     eps = attn.q_norm.eps if qk_norm else 0.0
     q_TX, k_TX, v_TX = (x if x.stride(1) == 1 else x.contiguous() for x in (q_TX, k_TX, v_TX))
     cos_TR, sin_TR = cos_TR.contiguous(), sin_TR.contiguous()
+    if len(prefetch) > 4:
+        raise ValueError(f"qk_norm_rope_store prefetches up to four weights, got {len(prefetch)}")
+    ranges = [a for w in prefetch for a in (w, w.numel() * w.element_size())]
+    ranges += [q_out, 0] * (4 - len(prefetch))
     _qk_norm_rope_store[(T, H + G)](q_TX, k_TX, v_TX, qw, kw, cos_TR, sin_TR, slots_T, q_out,
                                     k_cache, v_cache, eps, q_TX.stride(0), k_TX.stride(0), v_TX.stride(0),
-                                    k_cache.stride(0), v_cache.stride(0), H=H, G=G, HALF=Dh // 2, QK_NORM=qk_norm,
-                                    num_warps=1, enable_fp_fusion=False, **pdl_args(q_TX, T))
+                                    k_cache.stride(0), v_cache.stride(0), *ranges, H=H, G=G, HALF=Dh // 2,
+                                    QK_NORM=qk_norm, PREFETCH=bool(prefetch), num_warps=1, enable_fp_fusion=False,
+                                    **pdl_args(q_TX, T))
     # (no FMA: LLVM lowers each bf16 round trip to a bf16 mul and add, and fusing them would skip the rounding of
     # the RoPE products that the module path and the trainer's rope kernel keep)
     return q_out
+
+
+# experiment for B=1 (off; not yet run on a GPU): the q/k norm + RoPE kernel of layer l starts pulling layer l's
+# o_proj and layer l+1's q, k, v weights into L2 (Hopper bulk prefetch), so that those one-token projections read
+# from L2 what the attention's idle HBM time fetched; MOELOOP_L2_PREFETCH=on
+L2_PREFETCH = os.environ.get("MOELOOP_L2_PREFETCH", "off").lower() == "on"
+
+
+def l2_prefetchable(w: torch.Tensor) -> bool:
+    """A weight the bulk L2 prefetch can take: contiguous on CUDA, 16-byte aligned, a multiple of 16 bytes."""
+    return w.is_cuda and w.is_contiguous() and w.data_ptr() % 16 == 0 and (w.numel() * w.element_size()) % 16 == 0
+
+
+def prefetch_list(x_TD: torch.Tensor, layers: nn.ModuleList, i: int) -> list[torch.Tensor]:
+    """What layer i's q/k norm + RoPE kernel prefetches (`L2_PREFETCH`): its o_proj and the next layer's q, k, v
+    weights, for one token on CUDA on Hopper (bulk prefetch is sm_90+), never under the interpreter."""
+    if not (L2_PREFETCH and x_TD.shape[0] == 1 and x_TD.is_cuda and not triton_interpreting()
+            and torch.cuda.get_device_capability(x_TD.device)[0] >= 9):
+        return []
+    attn = layers[i].self_attn
+    ws = [attn.o_proj.weight]
+    if i + 1 < len(layers):
+        nxt = layers[i + 1].self_attn
+        ws += [m.weight for m in (getattr(nxt, "q_proj", None), getattr(nxt, "k_proj", None),
+                                  getattr(nxt, "v_proj", None)) if m is not None]
+    return [w for w in ws if l2_prefetchable(w)]
 
 
 ROW_LINEAR = True  # a one-token decode (B=1) runs its projections as `_row_linear` launches instead of cuBLAS GEMVs
@@ -454,7 +495,7 @@ def fused_decode_forward(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Ten
             y_TD, res_TD = _settle(pending)
             q_TX, k_TX, v_TX = project_qkv(y_TD, attn)
         q_THD = qk_norm_rope_store(attn, q_TX, k_TX, v_TX, rope.cos_TR, rope.sin_TR, ctx.cache.k[i], ctx.cache.v[i],
-                                   slots_T)
+                                   slots_T, prefetch_list(x_TD, layers, i))
         o_THD = ctx.attend_cached(i, q_THD, attn.scale)
         (o_TD,) = project(o_THD.reshape(T, -1), [attn.o_proj])
         pending = (o_TD, res_TD, layer.post_attention_layernorm)
