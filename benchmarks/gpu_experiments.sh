@@ -2,8 +2,8 @@
 # The second device call (~3 min on an H200): the B=1 L2 prefetch experiment (MOELOOP_L2_PREFETCH=on, off by
 # default, not yet run on a GPU): its CUDA test (bitwise-equal decode), "forward graph alone" at B=1 without and
 # with it (turn it on only if the graph shrinks), and rollout.py's B=1 line with it.
-# Session 8's version of this script ran the DP=2 over NCCL test (tests/test_dp_cuda.py, needs 2 GPUs):
-#   python3 -m pytest -q -s tests/test_dp_cuda.py
+# Session 8's version of this script ran the DP=2 over NCCL test (its cuda case needs 2 GPUs):
+#   python3 -m pytest -q -s tests/test_dp_torchrun.py
 # Run from the repository root with the project importable.
 set -u
 python3 -m pytest -q -p no:cacheprovider tests/test_rollout_fused_decode.py -k "l2_prefetch or single_sequence" \
