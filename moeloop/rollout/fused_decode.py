@@ -57,9 +57,15 @@ if triton is not None:
         if HAS_RES:
             x = (x.to(tl.float32) + tl.load(res_ptr + row * D + d, mask=ok, other=0.0).to(tl.float32)).to(dt)
             tl.store(res_out_ptr + row * D + d, x, mask=ok)
+        tl.store(y_ptr + row * D + d, _rmsnorm_row(x, w, eps, D, dt), mask=ok)
+
+    @triton.jit
+    def _rmsnorm_row(x, w, eps, D: tl.constexpr, dt: tl.constexpr):
+        """RMSNorm of one row x (dt values, padding 0) with weight w (fp32) -> dt, rounded where the module path
+        rounds (the normed row, then the weight product)."""
         x = x.to(tl.float32)
         normed = (x * tl.rsqrt(tl.sum(x * x, 0) / D + eps)).to(dt).to(tl.float32)
-        tl.store(y_ptr + row * D + d, (w * normed).to(dt), mask=ok)
+        return (w * normed).to(dt)
 
     @triton.jit
     def _norm_rope_half(x_ptr, w_ptr, cos_ptr, sin_ptr, t, eps, HALF: tl.constexpr, QK_NORM: tl.constexpr,
@@ -170,9 +176,7 @@ if triton is not None:
             x = (x.to(tl.float32) + tl.load(res_ptr + d, mask=ok, other=0.0).to(tl.float32)).to(dt)
             if pid == 0:
                 tl.store(res_out_ptr + d, x, mask=ok)
-        x = x.to(tl.float32)
-        normed = (x * tl.rsqrt(tl.sum(x * x, 0) / D + eps)).to(dt).to(tl.float32)
-        y = (nw * normed).to(dt)
+        y = _rmsnorm_row(x, nw, eps, D, dt)
         if WRITE_Y:
             if pid == 0:
                 tl.store(y_ptr + d, y, mask=ok)
@@ -293,18 +297,18 @@ def l2_prefetchable(w: torch.Tensor) -> bool:
     return w.is_cuda and w.is_contiguous() and w.data_ptr() % 16 == 0 and (w.numel() * w.element_size()) % 16 == 0
 
 
-def prefetch_list(x_TD: torch.Tensor, layers: nn.ModuleList, i: int) -> list[torch.Tensor]:
-    """What layer i's q/k norm + RoPE kernel prefetches (`L2_PREFETCH`): its o_proj and the next layer's q, k, v
-    weights, for one token on CUDA on Hopper (bulk prefetch is sm_90+), never under the interpreter."""
-    if not (L2_PREFETCH and x_TD.shape[0] == 1 and x_TD.is_cuda and not triton_interpreting()
-            and torch.cuda.get_device_capability(x_TD.device)[0] >= 9):
-        return []
-    attn = layers[i].self_attn
-    ws = [attn.o_proj.weight]
+def prefetch_applies(x_TD: torch.Tensor) -> bool:
+    """`L2_PREFETCH` for this forward: one token on CUDA on Hopper (bulk prefetch is sm_90+), not the interpreter."""
+    return (L2_PREFETCH and x_TD.shape[0] == 1 and x_TD.is_cuda and not triton_interpreting()
+            and torch.cuda.get_device_capability(x_TD.device)[0] >= 9)
+
+
+def prefetch_list(layers: nn.ModuleList, i: int) -> list[torch.Tensor]:
+    """What layer i's q/k norm + RoPE kernel prefetches: its o_proj and the next layer's q, k, v weights."""
+    ws = [layers[i].self_attn.o_proj.weight]
     if i + 1 < len(layers):
         nxt = layers[i + 1].self_attn
-        ws += [m.weight for m in (getattr(nxt, "q_proj", None), getattr(nxt, "k_proj", None),
-                                  getattr(nxt, "v_proj", None)) if m is not None]
+        ws += [nxt.q_proj.weight, nxt.k_proj.weight, nxt.v_proj.weight]
     return [w for w in ws if l2_prefetchable(w)]
 
 
@@ -485,9 +489,9 @@ def fused_decode_forward(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Ten
     layers = stack.layers
     pending = (x_TD, None, layers[0].input_layernorm)
     slots_T = ctx.meta.slot_mapping_T
+    T, prefetch = x_TD.shape[0], prefetch_applies(x_TD)
     for i, layer in enumerate(layers):
         attn = layer.self_attn
-        T = x_TD.shape[0]
         linears = [attn.q_proj, attn.k_proj, attn.v_proj]
         if pending[2] is not None and norm_fold_applies(pending[0], linears):
             (q_TX, k_TX, v_TX), _, res_TD = normed_row_linear(*pending, linears)
@@ -495,7 +499,7 @@ def fused_decode_forward(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Ten
             y_TD, res_TD = _settle(pending)
             q_TX, k_TX, v_TX = project_qkv(y_TD, attn)
         q_THD = qk_norm_rope_store(attn, q_TX, k_TX, v_TX, rope.cos_TR, rope.sin_TR, ctx.cache.k[i], ctx.cache.v[i],
-                                   slots_T, prefetch_list(x_TD, layers, i))
+                                   slots_T, prefetch_list(layers, i) if prefetch else [])
         o_THD = ctx.attend_cached(i, q_THD, attn.scale)
         (o_TD,) = project(o_THD.reshape(T, -1), [attn.o_proj])
         pending = (o_TD, res_TD, layer.post_attention_layernorm)
