@@ -31,40 +31,55 @@ if triton is not None:
 
     @triton.jit
     def _gemv_pdl(x_ptr, w_ptr, out_ptr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                  PDL: tl.constexpr):
-        """Prototype: the weight tile is loaded before waiting on the previous kernel (PDL), then x."""
+                  PDL: tl.constexpr, EARLY: tl.constexpr):
+        """Prototype: the weight tile is loaded before waiting on the previous kernel (PDL), then x. EARLY: the next
+        kernel may launch as soon as every program here has started (not once each has waited)."""
+        if EARLY:
+            gdc_launch_dependents()
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         d = tl.arange(0, D_PAD)
         w = tl.load(w_ptr + n.to(tl.int64)[:, None] * D + d[None, :], mask=d[None, :] < D, other=0.0)
         if PDL:
             gdc_wait()
-            gdc_launch_dependents()
+            if not EARLY:
+                gdc_launch_dependents()
         x = tl.load(x_ptr + d, mask=d < D, other=0.0).to(tl.float32)
         tl.store(out_ptr + n, tl.sum(w.to(tl.float32) * x[None, :], 1).to(out_ptr.dtype.element_ty))
 
     @triton.jit
     def _gate_up_pdl(x_ptr, w_ptr, ids_ptr, h_ptr, s_we, D: tl.constexpr, D_PAD: tl.constexpr, F: tl.constexpr,
-                     BLOCK_F: tl.constexpr, PDL: tl.constexpr):
-        """Prototype: waits first (the expert ids come from the kernel before)."""
-        if PDL:
-            gdc_wait()
+                     BLOCK_F: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, PRELOAD: tl.constexpr):
+        """Prototype: waits first (the expert ids come from the kernel before), or PRELOAD: the ids (here constant;
+        in the engine a prediction from the router logits, checked after the wait) and weights before the wait.
+        Never EARLY in the engine (the down kernel after it reads the ids before its wait); here EARLY is allowed."""
+        if EARLY:
             gdc_launch_dependents()
+        if PDL and not PRELOAD:
+            gdc_wait()
+            if not EARLY:
+                gdc_launch_dependents()
         s = tl.program_id(0)
         f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
         d = tl.arange(0, D_PAD)
         e = tl.load(ids_ptr + s).to(tl.int64)
         rows = w_ptr + e * s_we + f[:, None] * D + d[None, :]
-        wg = tl.load(rows, mask=d[None, :] < D, other=0.0).to(tl.float32)
-        wu = tl.load(rows + F * D, mask=d[None, :] < D, other=0.0).to(tl.float32)
+        wg = tl.load(rows, mask=d[None, :] < D, other=0.0)
+        wu = tl.load(rows + F * D, mask=d[None, :] < D, other=0.0)
+        if PDL and PRELOAD:
+            gdc_wait()
+            if not EARLY:
+                gdc_launch_dependents()
         x = tl.load(x_ptr + d, mask=d < D, other=0.0).to(tl.float32)
-        g = tl.sum(wg * x[None, :], 1)
-        u = tl.sum(wu * x[None, :], 1)
+        g = tl.sum(wg.to(tl.float32) * x[None, :], 1)
+        u = tl.sum(wu.to(tl.float32) * x[None, :], 1)
         tl.store(h_ptr + s * F + f, (g / (1 + tl.exp(-g)) * u).to(h_ptr.dtype.element_ty))
 
     @triton.jit
     def _down_pdl(h_ptr, w_ptr, ids_ptr, wts_ptr, y_ptr, s_we, D: tl.constexpr, F: tl.constexpr, K: tl.constexpr,
-                  BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+                  BLOCK_D: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
         """Prototype: [K * BLOCK_D, F] weight rows of the K experts loaded before the wait (ids are two kernels old)."""
+        if EARLY:
+            gdc_launch_dependents()
         r = tl.arange(0, K * BLOCK_D)
         k = r // BLOCK_D
         d = tl.program_id(0) * BLOCK_D + r % BLOCK_D
@@ -73,15 +88,21 @@ if triton is not None:
         w = tl.load(w_ptr + e[:, None] * s_we + d[:, None] * F + f[None, :])
         if PDL:
             gdc_wait()
-            gdc_launch_dependents()
+            if not EARLY:
+                gdc_launch_dependents()
         h = tl.load(h_ptr + k[:, None] * F + f[None, :]).to(tl.float32)
         part = tl.sum(w.to(tl.float32) * h, 1).to(y_ptr.dtype.element_ty).to(tl.float32) * tl.load(wts_ptr + k)
         out = tl.sum(tl.reshape(part, [K, BLOCK_D]), 0)
         tl.store(y_ptr + tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D), out.to(y_ptr.dtype.element_ty))
 
 
+# chain modes: (PDL, EARLY trigger, gate_up PRELOAD)
+CHAIN_MODES = {"no PDL": (False, False, False), "PDL": (True, False, False), "PDL early": (True, True, False),
+               "PDL preload": (True, False, True), "PDL early+preload": (True, True, True)}
+
+
 def chain(bw: float, D: int, F: int, E: int, K: int, sweep: bool) -> None:
-    """16 layers of qkv -> o_proj -> gate_up -> down, each reading the last one's output, with and without PDL."""
+    """16 layers of qkv -> o_proj -> gate_up -> down, each reading the last one's output, in each of CHAIN_MODES."""
     bf = dict(device="cuda", dtype=torch.bfloat16)
     wq = [torch.randn(2560, D, **bf) * 0.02 for _ in range(LAYERS)]
     wo = [torch.randn(D, D, **bf) * 0.02 for _ in range(LAYERS)]
@@ -93,32 +114,33 @@ def chain(bw: float, D: int, F: int, E: int, K: int, sweep: bool) -> None:
     qkv, o, h = torch.empty(1, 2560, **bf), torch.empty(1, D, **bf), torch.empty(K, F, **bf)
     nbytes = (2560 * D + D * D + K * 3 * F * D) * 2
     d_pad = triton.next_power_of_2(D)
-    configs = [(4, 8, 2, 8, 4, 4)] if not sweep else [
-        (bn, wn, bf_, wf, bd, wd_) for bn in (2, 4, 8) for wn in (4, 8) for bf_ in (2, 4) for wf in (8,)
-        for bd in (2, 4) for wd_ in (4,)]
+    configs = [(4, 8, 4, 8, 4, 4)] if not sweep else [
+        (bn, wn, bf_, wf, bd, wd_) for bn in (2, 4) for wn in (4, 8) for bf_ in (2, 4) for wf in (4, 8)
+        for bd in (2, 4) for wd_ in (2, 4)]
     print(f"chain of {LAYERS} x (qkv, o_proj, gate_up, down): {nbytes / 1e6:.2f} MB per layer")
     results = []
     for bn, wn, bfu, wfu, bd, wdn in configs:
-        for pdl in (False, True):
+        for mode, (pdl, early, preload) in CHAIN_MODES.items():
+            if sweep and mode == "no PDL":
+                continue
+            kw = dict(PDL=pdl, EARLY=early, launch_pdl=pdl)
+
             def run() -> None:
                 for i in range(LAYERS):
-                    _gemv_pdl[(2560 // bn,)](x, wq[i], qkv, D=D, D_PAD=d_pad, BLOCK_N=bn, PDL=pdl, num_warps=wn,
-                                             launch_pdl=pdl)
-                    _gemv_pdl[(D // bn,)](qkv, wo[i], o, D=D, D_PAD=d_pad, BLOCK_N=bn, PDL=pdl, num_warps=wn,
-                                          launch_pdl=pdl)
+                    _gemv_pdl[(2560 // bn,)](x, wq[i], qkv, D=D, D_PAD=d_pad, BLOCK_N=bn, num_warps=wn, **kw)
+                    _gemv_pdl[(D // bn,)](qkv, wo[i], o, D=D, D_PAD=d_pad, BLOCK_N=bn, num_warps=wn, **kw)
                     _gate_up_pdl[(K, F // bfu)](o, wgu[i], ids, h, wgu[i].stride(0), D=D, D_PAD=d_pad, F=F,
-                                                BLOCK_F=bfu, PDL=pdl, num_warps=wfu, launch_pdl=pdl)
+                                                BLOCK_F=bfu, PRELOAD=preload, num_warps=wfu, **kw)
                     _down_pdl[(D // bd,)](h, wd[i], ids, wts, x, wd[i].stride(0), D=D, F=F, K=K, BLOCK_D=bd,
-                                          PDL=pdl, num_warps=wdn, launch_pdl=pdl)
+                                          num_warps=wdn, **kw)
             t = graph_time(run, calls=4) / LAYERS
-            results.append((t, pdl, (bn, wn, bfu, wfu, bd, wdn)))
+            results.append((t, mode, (bn, wn, bfu, wfu, bd, wdn)))
             if not sweep:
-                report(f"layer chain PDL={pdl}", t, nbytes, bw)
+                report(f"layer chain {mode}", t, nbytes, bw)
     if sweep:
-        for pdl in (False, True):
-            best = sorted(r for r in results if r[1] == pdl)[:3]
-            for t, _, cfg in best:
-                report(f"PDL={pdl} (bn, w, bf, w, bd, w)={cfg}", t, nbytes, bw)
+        for mode in CHAIN_MODES:
+            for t, _, cfg in sorted(r for r in results if r[1] == mode)[:2]:
+                report(f"{mode} (bn, w, bf, w, bd, w)={cfg}", t, nbytes, bw)
 
 
 def main() -> None:

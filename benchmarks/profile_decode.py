@@ -35,6 +35,9 @@ def main() -> None:
     ap.add_argument("--no-norm-fold", action="store_true",
                     help="B=1: add + RMSNorm as its own launch, not folded into the next projection (A/B)")
     ap.add_argument("--top-k", type=int, default=50, help="-1: full-vocab sampling at temperature 1 (the e2e job)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also the forward graph's kernels in replay order: the chain time each adds, by name, and "
+                         "one middle layer's kernels with start, duration and end")
     ap.add_argument("--no-logprobs", dest="logprobs", action="store_false", help="skip the sampled tokens' logprobs")
     args = ap.parse_args()
     if args.no_qkv_pack:
@@ -89,6 +92,8 @@ def main() -> None:
         for name, times in list(by_name.items())[:args.top]:
             print(f"   {sum(times) / args.steps / 1e3:7.3f} ms/step  {len(times) / args.steps:5.0f}/step  "
                   f"{sum(times) / len(times):7.1f} us  {name[:90]}")
+        if args.timeline:
+            timeline(engine, B, model.cfg.num_layers)
         while engine.has_unfinished():
             engine.step()
 
@@ -101,6 +106,40 @@ def graph_replay_ms(engine, batch: int, replays: int = 50) -> float:
     graph, _ = graphs.graphs[next(s for s in graphs.sizes if s >= batch)]
     graph.replay()  # (the step's own inputs again: the same K/V rewritten into the same slots)
     return 1e3 * replay_seconds(graph, replays)
+
+
+def timeline(engine, batch: int, layers: int) -> None:
+    """The captured forward graph's kernels, as the profiler saw one replay: per kernel name the chain time it adds
+    (its end minus the previous kernel's end; with PDL a kernel starts before the previous one ends, so the
+    durations overlap but these increments add up to the replay's span), then one middle layer's kernels."""
+    graphs = engine.runner.graphs
+    graph, _ = graphs.graphs[next(s for s in graphs.sizes if s >= batch)]
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+    kernels = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                      if e.device_type.name == "CUDA"), key=lambda k: k[0])
+    per_replay = len(kernels) // 3
+    last = kernels[-per_replay:]
+    t0 = last[0][0]
+    adds: dict[str, list[float]] = {}
+    prev_end = t0
+    for start, end, name in last:
+        adds.setdefault(name, []).append(max(end - prev_end, 0.0))
+        prev_end = max(prev_end, end)
+    print(f"B={batch} replay as profiled: {per_replay} kernels, span {prev_end - t0:.1f} us "
+          f"(sum of durations {sum(e - s for s, e, _ in last):.1f} us)")
+    for name, a in sorted(adds.items(), key=lambda kv: -sum(kv[1])):
+        print(f"   {sum(a):7.1f} us added  {len(a):4d} x  {sum(a) / len(a):6.2f} us  {name[:80]}")
+    per_layer = per_replay // layers
+    mid = per_layer * (layers // 2)
+    print(f"one layer (kernels {mid}..{mid + per_layer - 1} of the replay; us from the layer's first start):")
+    base = last[mid][0]
+    for start, end, name in last[mid:mid + per_layer + 1]:
+        print(f"   start {start - base:7.2f}  dur {end - start:6.2f}  end {end - base:7.2f}  {name[:70]}")
 
 
 if __name__ == "__main__":
