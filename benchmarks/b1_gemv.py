@@ -173,7 +173,7 @@ def main() -> None:
             def run() -> None:
                 for w in ws:
                     fused_decode._row_linear[(n_rows // block_n,)](x, w, w, w, out, N0=n_rows, N1=0, D=D,
-                                                                   BLOCK_N=block_n, BLOCK_D=block_d, PDL=False,
+                                                                   BLOCK_N=block_n, BLOCK_D=block_d, EARLY=False, PDL=False,
                                                                    num_warps=warps)
             run()
             err = float((out.float() - ref).abs().max())
@@ -206,7 +206,7 @@ def main() -> None:
         def run_down() -> None:
             for w in w_d:
                 moe_kernel._down_combine[(1, D // block_d)](h, w, ids_S, wts, y, w.stride(0), w.stride(1), D=D, F=F,
-                                                            K=K, K_PAD=K, BLOCK_D=block_d, BLOCK_F=block_f, PDL=False,
+                                                            K=K, K_PAD=K, BLOCK_D=block_d, BLOCK_F=block_f, EARLY=False, PDL=False,
                                                             num_warps=warps)
         report(f"_down_combine BLOCK_D={block_d} BLOCK_F={block_f} w={warps}", graph_time(run_down) / LAYERS, nbytes, bw)
 

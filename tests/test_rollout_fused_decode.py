@@ -346,25 +346,3 @@ def test_pdl_launches_give_bitwise_the_same_decode(monkeypatch, batch):
         outs[mode] = make_engine(model).generate(ps, params)  # CUDA graphs captured under this mode
     assert [o.response_ids for o in outs["on"]] == [o.response_ids for o in outs["off"]]
     assert [o.logprobs for o in outs["on"]] == [o.logprobs for o in outs["off"]]
-
-
-@pytest.mark.skipif(DEVICE != "cuda" or torch.cuda.get_device_capability()[0] < 9,
-                    reason="the bulk L2 prefetch is a Hopper instruction; the interpreter cannot run inline PTX")
-def test_l2_prefetch_leaves_one_token_decode_unchanged(monkeypatch):
-    """With `L2_PREFETCH` each layer's q/k norm + RoPE kernel prefetches that layer's o_proj and the next layer's
-    q, k, v weights (the last layer: o_proj only). A prefetch is a hint: the same tokens and logprobs, bit for bit,
-    through the CUDA graphs."""
-    from moeloop.rollout import fused_decode
-    model = tiny_model("qwen3_moe").to(DEVICE)
-    ps = prompts(1, seed=5)
-    params = SamplingParams(n=1, temperature=1.0, max_tokens=9, seed=2)
-    ref = make_engine(model).generate(ps, params)
-    monkeypatch.setattr(fused_decode, "L2_PREFETCH", True)
-    lists, choose = [], fused_decode.prefetch_list
-    monkeypatch.setattr(fused_decode, "prefetch_list", lambda *a: lists.append(choose(*a)) or lists[-1])
-    outs = make_engine(model).generate(ps, params)
-    assert outs[0].response_ids == ref[0].response_ids and outs[0].logprobs == ref[0].logprobs
-    layers = model.model.layers
-    chosen = [p for p in lists if p]  # (batches of more than one token prefetch nothing)
-    assert [len(p) for p in chosen[:len(layers)]] == [4] * (len(layers) - 1) + [1]
-    assert chosen[0][0] is layers[0].self_attn.o_proj.weight and chosen[0][1] is layers[1].self_attn.q_proj.weight

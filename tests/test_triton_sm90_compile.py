@@ -74,7 +74,7 @@ def _compile_align_and_small_batch_experts():
                  dict(D=D, F=F, K=K, BLOCK_F=4, BLOCK_D=2048, LIBDEVICE=True, PDL=True), num_warps=8)
     compile_sm90(moe_kernel._down_combine, dict(h_ptr="*bf16", w_ptr="*bf16", ids_ptr="*i64", wts_ptr="*fp32",
                                                y_ptr="*bf16", s_we="i64", s_wd="i64"),
-                 dict(D=D, F=F, K=K, K_PAD=K, BLOCK_D=4, BLOCK_F=512, PDL=True))
+                 dict(D=D, F=F, K=K, K_PAD=K, BLOCK_D=4, BLOCK_F=512, EARLY=True, PDL=True))
 
 
 def _compile_combine_rows_and_backward():
@@ -95,17 +95,12 @@ def _compile_fused_decode_kernels():
                      dict(x_ptr="*bf16", res_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", res_out_ptr="*bf16",
                           dest_ptr="*i64", wts_ptr="*fp32", eps="fp32"),
                      dict(D=D, BLOCK_D=2048, HAS_RES=True, COMBINE_K=combine_k, PDL=combine_k > 0))
-    for prefetch in (False, True):
-        compiled = compile_sm90(fused_decode._qk_norm_rope_store,
-                     dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", qw_ptr="*bf16", kw_ptr="*bf16", cos_ptr="*bf16",
-                          sin_ptr="*bf16", slots_ptr="*i64", qo_ptr="*bf16", kc_ptr="*bf16", vc_ptr="*bf16",
-                          eps="fp32", s_q="i64", s_k="i64", s_v="i64", s_kc="i64", s_vc="i64",
-                          **{f"p{j}_ptr": "*bf16" for j in range(4)}, **{f"p{j}_bytes": "i64" for j in range(4)}),
-                     dict(H=H, G=G, HALF=DH // 2, QK_NORM=True, PREFETCH=prefetch, PDL=True),
-                     num_warps=1, enable_fp_fusion=False)
-        assert "fma.rn" not in compiled.asm["ptx"]  # as launched: 12 FMAs with fusion on, each skipping a bf16 rounding
-        # the L2 prefetch experiment: four ranges, each a loop of bulk prefetches that thread 0 issues
-        assert compiled.asm["ptx"].count("cp.async.bulk.prefetch.L2.global") == (4 if prefetch else 0)
+    compiled = compile_sm90(fused_decode._qk_norm_rope_store,
+                 dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", qw_ptr="*bf16", kw_ptr="*bf16", cos_ptr="*bf16",
+                      sin_ptr="*bf16", slots_ptr="*i64", qo_ptr="*bf16", kc_ptr="*bf16", vc_ptr="*bf16",
+                      eps="fp32", s_q="i64", s_k="i64", s_v="i64", s_kc="i64", s_vc="i64"),
+                 dict(H=H, G=G, HALF=DH // 2, QK_NORM=True, PDL=True), num_warps=1, enable_fp_fusion=False)
+    assert "fma.rn" not in compiled.asm["ptx"]  # as launched: 12 FMAs with fusion on, each skipping a bf16 rounding
     compile_sm90(fused_decode._softmax_topk, dict(logits_ptr="*bf16", ids_ptr="*i64", wts_ptr="*fp32", scale="fp32"),
                  dict(E=E, E_PAD=E, K=K, NORM=True, PDL=True), num_warps=1)
     compile_sm90(fused_decode._router_topk, dict(x_ptr="*bf16", w_ptr="*bf16", ids_ptr="*i64", wts_ptr="*fp32",
@@ -121,10 +116,10 @@ def _compile_paged_decode():
                      dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", o_ptr="*bf16" if splits == 1 else "*fp32",
                           m_ptr="*fp32", l_ptr="*fp32", tables_ptr="*i32", lens_ptr="*i32", scale="fp32", **strides),
                      dict(QH=H // G, QH_PAD=16, DK=DH, DK_PAD=DH, DV=DH, DV_PAD=DH, BLOCK_SIZE=16, BLOCK_N=64,
-                          PRECISION="tf32", NUM_SPLITS=splits, CHUNK=256, DYNAMIC_LOOP=splits == 1, PDL=splits > 1))
+                          PRECISION="tf32", NUM_SPLITS=splits, CHUNK=256, DYNAMIC_LOOP=splits == 1, EARLY=True, PDL=splits > 1))
     compile_sm90(decode_kernel._merge_splits, dict(part_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", o_ptr="*bf16",
                                                    s_ob="i64", s_oh="i64"),
-                 dict(H=H, DV=DH, DV_PAD=DH, NUM_SPLITS=4, SPLITS_PAD=4, PDL=True))
+                 dict(H=H, DV=DH, DV_PAD=DH, NUM_SPLITS=4, SPLITS_PAD=4, EARLY=True, PDL=True))
 
 
 def _compile_gumbel_kernels():
@@ -163,14 +158,19 @@ def _compile_logprob_chunk_kernels():
 def _compile_row_linear():
     from moeloop.rollout import fused_decode
     for n0, n1, block_n in ((H * DH, G * DH, 4), (D, 0, 4), (E, 0, 4)):  # q|k|v, o_proj, router
-        for pdl in (False, True):
+        for pdl, early in ((False, False), (False, True), (True, False), (True, True)):
             compiled = compile_sm90(fused_decode._row_linear, dict(x_ptr="*bf16", w0_ptr="*bf16", w1_ptr="*bf16", w2_ptr="*bf16",
                                                         out_ptr="*bf16"),
-                         dict(N0=n0, N1=n1, D=D if n0 != D else H * DH, BLOCK_N=block_n, BLOCK_D=2048, PDL=pdl),
-                         num_warps=8)
-            # the PDL build waits on the previous grid and releases the next one; the plain build does neither
-            assert ("griddepcontrol.wait" in compiled.asm["ptx"]) == pdl
-            assert ("griddepcontrol.launch_dependents" in compiled.asm["ptx"]) == pdl
+                         dict(N0=n0, N1=n1, D=D if n0 != D else H * DH, BLOCK_N=block_n, BLOCK_D=2048, EARLY=early,
+                              PDL=pdl), num_warps=8)
+            # the PDL build waits on the previous grid and releases the next one (once: EARLY before the weight
+            # loads and the wait, else after the wait); the plain build does neither
+            ptx = compiled.asm["ptx"]
+            assert ptx.count("griddepcontrol.wait") == ptx.count("griddepcontrol.launch_dependents") == int(pdl)
+            if pdl:
+                first_load = ptx.index("ld.global")
+                trigger, wait = ptx.index("griddepcontrol.launch_dependents"), ptx.index("griddepcontrol.wait")
+                assert (trigger < first_load < wait) if early else (first_load < wait < trigger)
 
 
 def _compile_norm_row_linear():
@@ -179,7 +179,8 @@ def _compile_norm_row_linear():
         compile_sm90(fused_decode._norm_row_linear,
                      dict(x_ptr="*bf16", res_ptr="*bf16", nw_ptr="*bf16", y_ptr="*bf16", res_out_ptr="*bf16",
                           w0_ptr="*bf16", w1_ptr="*bf16", w2_ptr="*bf16", out_ptr="*bf16", eps="fp32"),
-                     dict(N0=n0, N1=n1, D=D, BLOCK_N=4, BLOCK_D=2048, HAS_RES=has_res, WRITE_Y=write_y, PDL=True),
+                     dict(N0=n0, N1=n1, D=D, BLOCK_N=4, BLOCK_D=2048, HAS_RES=has_res, WRITE_Y=write_y, EARLY=True,
+                          PDL=True),
                      num_warps=8)
 
 

@@ -7,8 +7,12 @@ Every kernel module takes `triton` from here, and the bf16 rounding helpers that
 Programmatic dependent launch (PDL, `pdl_applies`): on Hopper and later, the rollout's decode kernels are launched
 so that each may start while the kernel before it finishes. A kernel loads what no recent kernel writes (its
 weights) first, then `pdl_wait`s for the kernel before it to complete, and only then reads that kernel's output or
-stores anything. Because every kernel lets its successor launch only after its own wait, a kernel's early phase may
-also read what the kernels two or more launches back wrote. `MOELOOP_PDL=off` launches them one after another."""
+stores anything. A kernel lets its successor launch after its own wait by default; so a kernel's early phase may
+also read what the kernels two or more launches back wrote. A kernel may instead let its successor launch as soon
+as it starts (`pdl_launch_next` with EARLY, `PDL_EARLY`): then a whole run of kernels can be resident at once, each
+loading its weights, and a kernel's early phase may read a non-constant buffer only if some kernel launched after
+that buffer's writer and before the reader triggers late (after its wait). The decode forward keeps that rule:
+see `fused_decode.fused_decode_forward`. `MOELOOP_PDL=off` launches them one after another."""
 from __future__ import annotations
 
 import os
@@ -58,6 +62,11 @@ def pdl_applies(x: torch.Tensor, rows: int) -> bool:
     return _PDL_DEVICES[x.device]
 
 
+# early triggers (`pdl_launch_next`) in the one-token decode's weight-streaming kernels; MOELOOP_PDL_EARLY=off: each
+# lets the next launch only after its own wait
+PDL_EARLY = os.environ.get("MOELOOP_PDL_EARLY", "on").lower() != "off"
+
+
 def pdl_launch(pdl: bool) -> dict:
     """The launch keyword for a kernel that takes PDL=pdl (none without: older triton and the interpreter)."""
     return {"launch_pdl": True} if pdl else {}
@@ -78,11 +87,21 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def pdl_wait(PDL: tl.constexpr):
+    def pdl_wait(PDL: tl.constexpr, EARLY: tl.constexpr = False):
         """With PDL: wait until the kernel launched before this one has completed (its stores visible), then let
-        the next kernel launch. Reads of that kernel's output and every store come after this."""
+        the next kernel launch (unless EARLY: `pdl_launch_next` did). Reads of that kernel's output and every store
+        come after this."""
         if PDL:
             gdc_wait()
+            if not EARLY:
+                gdc_launch_dependents()
+
+    @triton.jit
+    def pdl_launch_next(PDL: tl.constexpr, EARLY: tl.constexpr):
+        """With PDL and EARLY, at a kernel's start: let the next kernel launch now, so that it loads its weights
+        while this one waits and runs. Only where no kernel after this one reads before its wait what this
+        kernel's predecessor writes (the module docstring's rule)."""
+        if PDL and EARLY:
             gdc_launch_dependents()
 
     @triton.jit
@@ -98,19 +117,3 @@ if triton is not None:
         if BY_BITS:
             return bf16_rne(x)
         return x.to(dt).to(tl.float32)
-
-    @triton.jit
-    def l2_prefetch(ptr, nbytes, part, parts, CHUNK: tl.constexpr):
-        """Hint (Hopper, `cp.async.bulk.prefetch.L2`): start pulling this program's share (part of parts) of the
-        bytes [ptr, ptr + nbytes) into L2, in CHUNK-byte requests; returns at once. ptr 16-byte aligned, nbytes a
-        multiple of 16. For a one-token decode, whose short kernels between two weight streams leave HBM idle."""
-        share = tl.cdiv(tl.cdiv(nbytes, parts), CHUNK) * CHUNK
-        start = part * share
-        end = tl.minimum(start + share, nbytes)
-        base = ptr.to(tl.pointer_type(tl.int8))
-        for off in range(start, end, CHUNK):
-            size = tl.minimum(end - off, CHUNK).to(tl.int32)
-            tl.inline_asm_elementwise(  # thread 0 of the program issues it (a scalar runs on every thread)
-                "{ .reg .pred first; .reg .u32 tid; mov.u32 tid, %tid.x; setp.eq.u32 first, tid, 0;\n\t"
-                "@first cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-                "=r,l,r", [base + off, size], dtype=tl.int32, is_pure=False, pack=1)

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import torch
 
+from moeloop.model import kernel_switch
 from moeloop.model.kernel_switch import pdl_args, triton, triton_interpreting  # noqa: F401 (re-exported)
 
 if triton is not None:
     import triton.language as tl
 
-    from moeloop.model.kernel_switch import pdl_wait
+    from moeloop.model.kernel_switch import pdl_launch_next, pdl_wait
 
 
 def triton_available() -> bool:
@@ -54,12 +55,13 @@ if triton is not None:
                       QH: tl.constexpr, QH_PAD: tl.constexpr, DK: tl.constexpr, DK_PAD: tl.constexpr,
                       DV: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                       PRECISION: tl.constexpr, NUM_SPLITS: tl.constexpr, CHUNK: tl.constexpr,
-                      DYNAMIC_LOOP: tl.constexpr, PDL: tl.constexpr):
+                      DYNAMIC_LOOP: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
+        pdl_launch_next(PDL, EARLY)
         b = tl.program_id(0)
         g = tl.program_id(1)
         sp = tl.program_id(2)
         ctx_len = tl.load(lens_ptr + b)  # (lengths and block tables: written before the step's first kernel)
-        pdl_wait(PDL)
+        pdl_wait(PDL, EARLY)
         h = tl.arange(0, QH_PAD)
         dk = tl.arange(0, DK_PAD)
         dv = tl.arange(0, DV_PAD)
@@ -91,8 +93,10 @@ if triton is not None:
 
     @triton.jit
     def _merge_splits(part_ptr, m_ptr, l_ptr, o_ptr, s_ob, s_oh, H: tl.constexpr, DV: tl.constexpr,
-                      DV_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr):
-        pdl_wait(PDL)
+                      DV_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, EARLY: tl.constexpr,
+                      PDL: tl.constexpr):
+        pdl_launch_next(PDL, EARLY)
+        pdl_wait(PDL, EARLY)
         b = tl.program_id(0)
         h = tl.program_id(1)
         sp = tl.arange(0, SPLITS_PAD)
@@ -147,9 +151,10 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SGD: torch.Tensor, v_cac
         v_cache_SGDv.stride(0), v_cache_SGDv.stride(1), out.stride(0), out.stride(1), block_tables_BN.stride(0),
         QH=qh, QH_PAD=max(16, triton.next_power_of_2(qh)), DK=Dk, DK_PAD=max(16, triton.next_power_of_2(Dk)),
         DV=Dv, DV_PAD=dv_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        PRECISION=precision, NUM_SPLITS=splits, CHUNK=chunk, num_warps=4, **pdl,
+        PRECISION=precision, NUM_SPLITS=splits, CHUNK=chunk, EARLY=kernel_switch.PDL_EARLY, num_warps=4, **pdl,
         DYNAMIC_LOOP=splits == 1 and not triton_interpreting())  # the interpreter: static trip counts only
     if splits > 1:
         _merge_splits[(B, H)](dest, m, l, out, out.stride(0), out.stride(1), H=H, DV=Dv, DV_PAD=dv_pad,
-                              NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), num_warps=4, **pdl)
+                              NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
+                              EARLY=kernel_switch.PDL_EARLY, num_warps=4, **pdl)
     return out

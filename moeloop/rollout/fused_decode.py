@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeloop.model import kernel_switch
 from moeloop.model.kernel_switch import kernels_apply, pdl_args
 from moeloop.model.moe import MoE
 from moeloop.model.norm import RMSNorm
@@ -34,7 +35,7 @@ from moeloop.rollout.paged_attention import PagedAttention
 if triton is not None:
     import triton.language as tl
 
-    from moeloop.model.kernel_switch import l2_prefetch, pdl_wait
+    from moeloop.model.kernel_switch import pdl_launch_next, pdl_wait
 
     @triton.jit
     def _add_rmsnorm(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, dest_ptr, wts_ptr, eps, D: tl.constexpr,
@@ -89,18 +90,9 @@ if triton is not None:
 
     @triton.jit
     def _qk_norm_rope_store(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, slots_ptr, qo_ptr,
-                            kc_ptr, vc_ptr, eps, s_q, s_k, s_v, s_kc, s_vc, p0_ptr, p0_bytes, p1_ptr, p1_bytes,
-                            p2_ptr, p2_bytes, p3_ptr, p3_bytes, H: tl.constexpr, G: tl.constexpr,
-                            HALF: tl.constexpr, QK_NORM: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
-        """Row strides s_q/s_k/s_v: q, k, v may be column slices of one packed q|k|v projection. PREFETCH: first
-        start pulling up to four weights (p0..p3, bytes 0 = none) into L2, each program its share in 16 KiB
-        requests (`l2_prefetch`): the attention that follows leaves HBM idle for microseconds."""
-        if PREFETCH:
-            part, parts = tl.program_id(0) * (H + G) + tl.program_id(1), tl.num_programs(0) * (H + G)
-            l2_prefetch(p0_ptr, p0_bytes, part, parts, 16384)
-            l2_prefetch(p1_ptr, p1_bytes, part, parts, 16384)
-            l2_prefetch(p2_ptr, p2_bytes, part, parts, 16384)
-            l2_prefetch(p3_ptr, p3_bytes, part, parts, 16384)
+                            kc_ptr, vc_ptr, eps, s_q, s_k, s_v, s_kc, s_vc, H: tl.constexpr, G: tl.constexpr,
+                            HALF: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr):
+        """Row strides s_q/s_k/s_v: q, k, v may be column slices of one packed q|k|v projection."""
         pdl_wait(PDL)
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
@@ -135,16 +127,17 @@ if triton is not None:
 
     @triton.jit
     def _row_linear(x_ptr, w0_ptr, w1_ptr, w2_ptr, out_ptr, N0: tl.constexpr, N1: tl.constexpr, D: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
         """One token: out[n] = x . W[n] over the rows of [W0; W1; W2] (N0, N1, then the rest), fp32 accumulation,
         rounded once. A program owns BLOCK_N output rows of one weight (the host checks BLOCK_N divides N0, N1).
         Its first [BLOCK_N, BLOCK_D] weight tile (all of D when BLOCK_D >= D) is read before the PDL wait."""
+        pdl_launch_next(PDL, EARLY)
         start = tl.program_id(0) * BLOCK_N
         r = tl.arange(0, BLOCK_N)
         w_rows = _weight_rows(w0_ptr, w1_ptr, w2_ptr, start, r, N0, N1, D)
         d = tl.arange(0, BLOCK_D)
         w = tl.load(w_rows + d[None, :], mask=d[None, :] < D, other=0.0)
-        pdl_wait(PDL)
+        pdl_wait(PDL, EARLY)
         x = tl.load(x_ptr + d, mask=d < D, other=0.0).to(tl.float32)
         acc = tl.sum(w.to(tl.float32) * x[None, :], 1)
         for d0 in range(BLOCK_D, D, BLOCK_D):
@@ -157,10 +150,12 @@ if triton is not None:
     @triton.jit
     def _norm_row_linear(x_ptr, res_ptr, nw_ptr, y_ptr, res_out_ptr, w0_ptr, w1_ptr, w2_ptr, out_ptr, eps,
                          N0: tl.constexpr, N1: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_D: tl.constexpr, HAS_RES: tl.constexpr, WRITE_Y: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK_D: tl.constexpr, HAS_RES: tl.constexpr, WRITE_Y: tl.constexpr, EARLY: tl.constexpr,
+                         PDL: tl.constexpr):
         """`_row_linear` of y = RMSNorm(res + x) (no res: RMSNorm(x)), which every program computes from the whole
         row (BLOCK_D >= D) with `_add_rmsnorm`'s rounding points; program 0 also stores res + x (and y, WRITE_Y)
         for the kernels after. Its weight tile and the norm weight are read before the PDL wait."""
+        pdl_launch_next(PDL, EARLY)
         pid = tl.program_id(0)
         start = pid * BLOCK_N
         r = tl.arange(0, BLOCK_N)
@@ -169,7 +164,7 @@ if triton is not None:
         ok = d < D
         w = tl.load(w_rows + d[None, :], mask=ok[None, :], other=0.0)
         nw = tl.load(nw_ptr + d, mask=ok, other=0.0).to(tl.float32)
-        pdl_wait(PDL)
+        pdl_wait(PDL, EARLY)
         dt = x_ptr.dtype.element_ty
         x = tl.load(x_ptr + d, mask=ok, other=0.0)
         if HAS_RES:
@@ -261,9 +256,8 @@ def add_rmsnorm(x_TD: torch.Tensor, res_TD: torch.Tensor | None, norm: RMSNorm,
 
 def qk_norm_rope_store(attn: nn.Module, q_TX: torch.Tensor, k_TX: torch.Tensor, v_TX: torch.Tensor,
                        cos_TR: torch.Tensor, sin_TR: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slots_T: torch.Tensor, prefetch: list[torch.Tensor] = ()) -> torch.Tensor:
-    """Normalised, rotated q [T, H, Dh]; k (normalised, rotated) and v written to their cache slots. `prefetch`: up
-    to four weights the kernel starts pulling into L2 (each must be `l2_prefetchable`)."""
+                       slots_T: torch.Tensor) -> torch.Tensor:
+    """Normalised, rotated q [T, H, Dh]; k (normalised, rotated) and v written to their cache slots."""
     T = q_TX.shape[0]
     H, G, Dh = attn.num_heads, attn.num_kv_heads, attn.head_dim
     q_out = q_TX.new_empty(T, H, Dh)
@@ -272,44 +266,14 @@ def qk_norm_rope_store(attn: nn.Module, q_TX: torch.Tensor, k_TX: torch.Tensor, 
     eps = attn.q_norm.eps if qk_norm else 0.0
     q_TX, k_TX, v_TX = (x if x.stride(1) == 1 else x.contiguous() for x in (q_TX, k_TX, v_TX))
     cos_TR, sin_TR = cos_TR.contiguous(), sin_TR.contiguous()
-    if len(prefetch) > 4:
-        raise ValueError(f"qk_norm_rope_store prefetches up to four weights, got {len(prefetch)}")
-    ranges = [a for w in prefetch for a in (w, w.numel() * w.element_size())]
-    ranges += [q_out, 0] * (4 - len(prefetch))
     _qk_norm_rope_store[(T, H + G)](q_TX, k_TX, v_TX, qw, kw, cos_TR, sin_TR, slots_T, q_out,
                                     k_cache, v_cache, eps, q_TX.stride(0), k_TX.stride(0), v_TX.stride(0),
-                                    k_cache.stride(0), v_cache.stride(0), *ranges, H=H, G=G, HALF=Dh // 2,
-                                    QK_NORM=qk_norm, PREFETCH=bool(prefetch), num_warps=1, enable_fp_fusion=False,
+                                    k_cache.stride(0), v_cache.stride(0), H=H, G=G, HALF=Dh // 2,
+                                    QK_NORM=qk_norm, num_warps=1, enable_fp_fusion=False,
                                     **pdl_args(q_TX, T))
     # (no FMA: LLVM lowers each bf16 round trip to a bf16 mul and add, and fusing them would skip the rounding of
     # the RoPE products that the module path and the trainer's rope kernel keep)
     return q_out
-
-
-# experiment for B=1 (off; not yet run on a GPU): the q/k norm + RoPE kernel of layer l starts pulling layer l's
-# o_proj and layer l+1's q, k, v weights into L2 (Hopper bulk prefetch), so that those one-token projections read
-# from L2 what the attention's idle HBM time fetched; MOELOOP_L2_PREFETCH=on
-L2_PREFETCH = os.environ.get("MOELOOP_L2_PREFETCH", "off").lower() == "on"
-
-
-def l2_prefetchable(w: torch.Tensor) -> bool:
-    """A weight the bulk L2 prefetch can take: contiguous on CUDA, 16-byte aligned, a multiple of 16 bytes."""
-    return w.is_cuda and w.is_contiguous() and w.data_ptr() % 16 == 0 and (w.numel() * w.element_size()) % 16 == 0
-
-
-def prefetch_applies(x_TD: torch.Tensor) -> bool:
-    """`L2_PREFETCH` for this forward: one token on CUDA on Hopper (bulk prefetch is sm_90+), not the interpreter."""
-    return (L2_PREFETCH and x_TD.shape[0] == 1 and x_TD.is_cuda and not triton_interpreting()
-            and torch.cuda.get_device_capability(x_TD.device)[0] >= 9)
-
-
-def prefetch_list(layers: nn.ModuleList, i: int) -> list[torch.Tensor]:
-    """What layer i's q/k norm + RoPE kernel prefetches: its o_proj and the next layer's q, k, v weights."""
-    ws = [layers[i].self_attn.o_proj.weight]
-    if i + 1 < len(layers):
-        nxt = layers[i + 1].self_attn
-        ws += [nxt.q_proj.weight, nxt.k_proj.weight, nxt.v_proj.weight]
-    return [w for w in ws if l2_prefetchable(w)]
 
 
 ROW_LINEAR = True  # a one-token decode (B=1) runs its projections as `_row_linear` launches instead of cuBLAS GEMVs
@@ -330,7 +294,8 @@ def row_linear(x_TD: torch.Tensor, linears: list[nn.Module], block_n: int) -> to
     out, ws, sizes = _stacked_rows(x_TD, linears)
     _row_linear[(out.shape[1] // block_n,)](x_TD, *ws, out, N0=sizes[0], N1=sizes[1], D=x_TD.shape[1], BLOCK_N=block_n,
                                              BLOCK_D=min(ROW_LINEAR_MAX_D, triton.next_power_of_2(x_TD.shape[1])),
-                                             num_warps=ROW_LINEAR_TILE[1], **pdl_args(x_TD, 1))
+                                             EARLY=kernel_switch.PDL_EARLY, num_warps=ROW_LINEAR_TILE[1],
+                                             **pdl_args(x_TD, 1))
     return out
 
 
@@ -363,7 +328,8 @@ def normed_row_linear(x_TD: torch.Tensor, res_TD: torch.Tensor | None, norm: RMS
     _norm_row_linear[(out.shape[1] // block_n,)](x_TD, x_TD if res_TD is None else res_TD, norm.weight, y_TD, res_out,
                                                   *ws, out, norm.eps, N0=sizes[0], N1=sizes[1], D=D, BLOCK_N=block_n,
                                                   BLOCK_D=triton.next_power_of_2(D), HAS_RES=res_TD is not None,
-                                                  WRITE_Y=want_y, num_warps=ROW_LINEAR_TILE[1], **pdl_args(x_TD, 1))
+                                                  WRITE_Y=want_y, EARLY=kernel_switch.PDL_EARLY,
+                                                  num_warps=ROW_LINEAR_TILE[1], **pdl_args(x_TD, 1))
     return list(out.split(sizes[:len(linears)], dim=1)), y_TD if want_y else None, res_out
 
 
@@ -489,7 +455,7 @@ def fused_decode_forward(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Ten
     layers = stack.layers
     pending = (x_TD, None, layers[0].input_layernorm)
     slots_T = ctx.meta.slot_mapping_T
-    T, prefetch = x_TD.shape[0], prefetch_applies(x_TD)
+    T = x_TD.shape[0]
     for i, layer in enumerate(layers):
         attn = layer.self_attn
         linears = [attn.q_proj, attn.k_proj, attn.v_proj]
@@ -499,7 +465,7 @@ def fused_decode_forward(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Ten
             y_TD, res_TD = _settle(pending)
             q_TX, k_TX, v_TX = project_qkv(y_TD, attn)
         q_THD = qk_norm_rope_store(attn, q_TX, k_TX, v_TX, rope.cos_TR, rope.sin_TR, ctx.cache.k[i], ctx.cache.v[i],
-                                   slots_T, prefetch_list(layers, i) if prefetch else [])
+                                   slots_T)
         o_THD = ctx.attend_cached(i, q_THD, attn.scale)
         (o_TD,) = project(o_THD.reshape(T, -1), [attn.o_proj])
         pending = (o_TD, res_TD, layer.post_attention_layernorm)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from moeloop.model.expert_rows import combine
+from moeloop.model import kernel_switch
 from moeloop.model.kernel_switch import pdl_args
 from moeloop.model.experts import Experts, expert_counts, register_experts_impl
 from moeloop.model.moe import MoE
@@ -46,7 +47,7 @@ IMPL_NAME = "rollout_decode"
 if triton is not None:
     import triton.language as tl
 
-    from moeloop.model.kernel_switch import pdl_wait
+    from moeloop.model.kernel_switch import pdl_launch_next, pdl_wait
     # SiLU as torch's CUDA kernel computes it (libdevice expf, IEEE division): the trainer's swiglu kernel does the
     # same, so rollout and training activations round alike
     from moeloop.model.swiglu_kernel import _silu
@@ -140,10 +141,13 @@ if triton is not None:
 
     @triton.jit
     def _down_combine(h_ptr, w_ptr, ids_ptr, wts_ptr, y_ptr, s_we, s_wd, D: tl.constexpr, F: tl.constexpr, K: tl.constexpr,
-                      K_PAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr, PDL: tl.constexpr):
+                      K_PAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr, EARLY: tl.constexpr,
+                      PDL: tl.constexpr):
         """Program (t, j): outputs d of block j of token t, sum_k wts[t, k] * (h[t*K + k] . W_down[ids[t, k]][d]),
         each expert's product rounded first. The K experts' rows are one [K_PAD * BLOCK_D, BLOCK_F] tile, whose first
-        F-block is read before the PDL wait: the ids are two kernels old (the router's), h is the last kernel's."""
+        F-block is read before the PDL wait: the ids are two kernels old (the router's; `_gate_up_silu` between
+        triggers late), h is the last kernel's."""
+        pdl_launch_next(PDL, EARLY)
         t = tl.program_id(0)
         r = tl.arange(0, K_PAD * BLOCK_D)
         k = r // BLOCK_D
@@ -154,7 +158,7 @@ if triton is not None:
         w_rows = w_ptr + e[:, None] * s_we + d[:, None] * s_wd
         f = tl.arange(0, BLOCK_F)
         w = tl.load(w_rows + f[None, :], mask=ok[:, None] & (f[None, :] < F), other=0.0)
-        pdl_wait(PDL)  # (nothing may write the ids between the router's kernel and this one: they are read above)
+        pdl_wait(PDL, EARLY)  # (nothing may write the ids between the router's kernel and this one: they are read above)
         h_rows = h_ptr + s[:, None] * F
         h = tl.load(h_rows + f[None, :], mask=ok[:, None] & (f[None, :] < F), other=0.0).to(tl.float32)
         acc = tl.sum(w.to(tl.float32) * h, 1)
@@ -201,7 +205,7 @@ def fused_experts(experts: Experts, x_TD: torch.Tensor, ids_TK: torch.Tensor, we
                                                      LIBDEVICE=not triton_interpreting(), num_warps=warps_f, **pdl)
     _down_combine[(T, triton.cdiv(D, block_d))](h_SF, w_d, ids_S, wts_S, y_TD, w_d.stride(0), w_d.stride(1), D=D, F=F,
                                                  K=K, K_PAD=k_pad, BLOCK_D=block_d, BLOCK_F=down_block_f,
-                                                 num_warps=warps_d, **pdl)
+                                                 EARLY=kernel_switch.PDL_EARLY, num_warps=warps_d, **pdl)
     return y_TD
 
 
