@@ -195,8 +195,7 @@ def main() -> None:
     for block_f, block_d, warps in tiles:
         def run_gu() -> None:
             for w in w_gu:
-                moe_kernel._gate_up_silu[(K, F // block_f)](x, w, ids_S, ids_S, h, w.stride(0), w.stride(1), D=D, F=F, K=K,
-                                                              E=E, E_PAD=triton.next_power_of_2(E), PRELOAD=False,
+                moe_kernel._gate_up_silu[(K, F // block_f)](x, w, ids_S, h, w.stride(0), w.stride(1), D=D, F=F, K=K,
                                                               BLOCK_F=block_f, BLOCK_D=block_d, LIBDEVICE=True,
                                                               PDL=False, num_warps=warps)
         report(f"_gate_up_silu BLOCK_F={block_f} BLOCK_D={block_d} w={warps}", graph_time(run_gu) / LAYERS, nbytes, bw)

@@ -34,6 +34,8 @@ def main() -> None:
                     help="router projection through cuBLAS + `_softmax_topk` instead of `_router_topk` (A/B)")
     ap.add_argument("--no-norm-fold", action="store_true",
                     help="B=1: add + RMSNorm as its own launch, not folded into the next projection (A/B)")
+    ap.add_argument("--warps", default=None,
+                    help="B=1 kernels' num_warps as ROW_LINEAR,GATE_UP,DOWN (A/B of the tiles; default: the modules')")
     ap.add_argument("--top-k", type=int, default=50, help="-1: full-vocab sampling at temperature 1 (the e2e job)")
     ap.add_argument("--timeline", action="store_true",
                     help="also the forward graph's kernels in replay order: the chain time each adds, by name, and "
@@ -52,6 +54,13 @@ def main() -> None:
     if args.no_norm_fold:
         import moeloop.rollout.fused_decode as fused_decode
         fused_decode.NORM_FOLD = False
+    if args.warps:
+        import moeloop.rollout.fused_decode as fused_decode
+        import moeloop.rollout.moe_kernel as moe_kernel
+        rl, gu, dn = (int(w) for w in args.warps.split(","))
+        fused_decode.ROW_LINEAR_TILE = (fused_decode.ROW_LINEAR_TILE[0], rl)
+        moe_kernel.GATE_UP_FEW_TILE = (moe_kernel.GATE_UP_FEW_TILE[0], gu)
+        moe_kernel.DOWN_FEW_TILE = (moe_kernel.DOWN_FEW_TILE[0], dn)
     model = build_model("qwen3_moe", args.size, seed=0).to("cuda", torch.bfloat16).eval()
     for B in [int(b) for b in args.batch.split(",")]:
         P, N = 128, 256

@@ -14,18 +14,6 @@ from tests.test_rollout_engine import make_engine, prompts, tiny_model
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not installed (CPU torch wheel)")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-if triton_available():
-    import triton
-    import triton.language as tl
-
-    from moeloop.rollout.moe_kernel import _predicted_expert
-
-    @triton.jit
-    def _predict(logits_ptr, out_ptr, E: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr):
-        """Each assignment's `_predicted_expert`, stored."""
-        s = tl.program_id(0)
-        tl.store(out_ptr + s, _predicted_expert(logits_ptr, s, E, E_PAD, K))
-
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "llama_tied"])
 def test_fused_decode_engine_matches_module_path(arch):
@@ -100,34 +88,8 @@ def test_decode_expert_kernels_match_sorted_forward(monkeypatch, num_tokens, max
         wts = torch.rand(num_tokens, 3, device=DEVICE)
         ref = experts.sorted_forward(x, ids, wts, expert_counts(ids, 8))
         torch.testing.assert_close(fused_experts(experts, x, ids, wts), ref, **tol)
-        # gate_up's weight preload: router logits whose top 3 are the ids in order (each prediction right), then
-        # logits that predict other experts (each wrong tile reloaded): the same output
-        logits = torch.randn(num_tokens, 8, device=DEVICE).to(dtype) - 10
-        logits.scatter_(1, ids, torch.tensor([3.0, 2.0, 1.0], device=DEVICE, dtype=dtype).expand(num_tokens, 3))
-        for lg in (logits, torch.randn_like(logits)):
-            torch.testing.assert_close(fused_experts(experts, x, ids, wts, lg), ref, **tol)
-        if num_tokens * 3 <= moe_kernel.FUSED_MAX_ASSIGNMENTS:
-            with pytest.raises(ValueError, match="logits_TE"):
-                fused_experts(experts, x, ids, wts, logits[:, :4])
         for gemm in ("triton", "grouped_mm"):
             torch.testing.assert_close(grouped_experts(experts, x, ids, wts, gemm), ref, **tol, msg=lambda m: f"{gemm}: {m}")
-
-
-def test_gate_up_prediction_is_the_routers_top_k():
-    """`_predicted_expert` (gate_up's preload) picks, for assignment s, the (s % K)-th largest logit of token s // K,
-    the lowest id among ties, as `_softmax_topk` routes: a wrong prediction would still give the right output
-    (the tile is reloaded), but the preload would be lost, so the choice itself is checked here."""
-    T, E, K = 5, 12, 4
-    torch.manual_seed(0)
-    logits = torch.randn(T, E, device=DEVICE).to(torch.bfloat16)
-    logits[1, [3, 7, 9]] = logits[1].max() + 1  # a three-way tie at the top: ids 3, 7, 9 in that order
-    logits[2, 5] = float("nan")
-    out = torch.empty(T * K, dtype=torch.int64, device=DEVICE)
-    _predict[(T * K,)](logits, out, E=E, E_PAD=16, K=K)
-    want = torch.stack([torch.tensor(sorted(range(E), key=lambda e: (-float(row[e]), e))[:K]) for row in logits])
-    assert out.view(T, K)[[0, 1, 3, 4]].tolist() == want[[0, 1, 3, 4]].tolist()
-    assert out.view(T, K)[1, :3].tolist() == [3, 7, 9]
-    assert ((out >= 0) & (out < E)).all()  # the NaN row: in range (its prediction is then checked against the id)
 
 
 @pytest.mark.parametrize("m_splits", [1, 4])

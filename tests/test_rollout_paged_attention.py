@@ -89,15 +89,9 @@ def test_triton_decode_kernel_matches_gather_path():
     out = paged_decode_attention(q.to(dev), kv.k[0].to(dev), kv.v[0].to(dev), tables.to(dev), lens.to(dev), BS, 0.25,
                                  block_n=16)
     torch.testing.assert_close(out.cpu(), ref, atol=1e-4, rtol=1e-4)
-    # one row (len 70): its context split over programs, each split's first K/V block read before the PDL wait,
-    # then the newest position's row again; and with that preload off
+    # one row (len 70): its context split over programs, then merged
     from moeloop.rollout import decode_kernel
-    for preload in (True, False):
-        decode_kernel.KV_PRELOAD = preload
-        try:
-            one = paged_decode_attention(q[3:4].to(dev), kv.k[0].to(dev), kv.v[0].to(dev), tables[3:4].to(dev),
-                                         lens[3:4].to(dev), BS, 0.25, block_n=16)
-        finally:
-            decode_kernel.KV_PRELOAD = True
-        torch.testing.assert_close(one.cpu(), ref[3:4], atol=1e-4, rtol=1e-4)
+    one = paged_decode_attention(q[3:4].to(dev), kv.k[0].to(dev), kv.v[0].to(dev), tables[3:4].to(dev),
+                                 lens[3:4].to(dev), BS, 0.25, block_n=16)
+    torch.testing.assert_close(one.cpu(), ref[3:4], atol=1e-4, rtol=1e-4)
     assert decode_kernel.num_splits(torch.device(dev), G, tables.shape[1] * BS, 16) > 1

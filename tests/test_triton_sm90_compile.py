@@ -69,11 +69,9 @@ def _compile_align_and_small_batch_experts():
     from moeloop.rollout import moe_kernel
     compile_sm90(moe_kernel._align_by_expert, dict(ids_ptr="*i64", token_ptr="*i64", dest_ptr="*i64",
                                                    offsets_ptr="*i32", S="i32"), dict(K=K, S_PAD=1024, PDL=True))
-    for preload in (False, True):
-        compile_sm90(moe_kernel._gate_up_silu, dict(x_ptr="*bf16", w_ptr="*bf16", ids_ptr="*i64", logits_ptr="*bf16",
-                                                    h_ptr="*bf16", s_we="i64", s_wf="i64"),
-                     dict(D=D, F=F, K=K, E=E, E_PAD=E, BLOCK_F=4, BLOCK_D=2048, LIBDEVICE=True, PRELOAD=preload,
-                          PDL=True), num_warps=8)
+    compile_sm90(moe_kernel._gate_up_silu, dict(x_ptr="*bf16", w_ptr="*bf16", ids_ptr="*i64", h_ptr="*bf16",
+                                                s_we="i64", s_wf="i64"),
+                 dict(D=D, F=F, K=K, BLOCK_F=4, BLOCK_D=2048, LIBDEVICE=True, PDL=True), num_warps=8)
     compile_sm90(moe_kernel._down_combine, dict(h_ptr="*bf16", w_ptr="*bf16", ids_ptr="*i64", wts_ptr="*fp32",
                                                y_ptr="*bf16", s_we="i64", s_wd="i64"),
                  dict(D=D, F=F, K=K, K_PAD=K, BLOCK_D=4, BLOCK_F=512, EARLY=True, PDL=True))
@@ -113,13 +111,12 @@ def _compile_fused_decode_kernels():
 def _compile_paged_decode():
     from moeloop.rollout import decode_kernel
     strides = {name: "i64" for name in ("s_qb", "s_qh", "s_ks", "s_kg", "s_vs", "s_vg", "s_ob", "s_oh", "s_tb")}
-    for splits, preload in ((1, True), (4, True), (4, False)):
+    for splits in (1, 4):
         compile_sm90(decode_kernel._paged_decode,
                      dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", o_ptr="*bf16" if splits == 1 else "*fp32",
                           m_ptr="*fp32", l_ptr="*fp32", tables_ptr="*i32", lens_ptr="*i32", scale="fp32", **strides),
                      dict(QH=H // G, QH_PAD=16, DK=DH, DK_PAD=DH, DV=DH, DV_PAD=DH, BLOCK_SIZE=16, BLOCK_N=64,
-                          PRECISION="tf32", NUM_SPLITS=splits, CHUNK=256, DYNAMIC_LOOP=splits == 1, PRELOAD=preload, EARLY=True,
-                          PDL=splits > 1))
+                          PRECISION="tf32", NUM_SPLITS=splits, CHUNK=256, DYNAMIC_LOOP=splits == 1, EARLY=True, PDL=splits > 1))
     compile_sm90(decode_kernel._merge_splits, dict(part_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", o_ptr="*bf16",
                                                    s_ob="i64", s_oh="i64"),
                  dict(H=H, DV=DH, DV_PAD=DH, NUM_SPLITS=4, SPLITS_PAD=4, EARLY=True, PDL=True))

@@ -8,8 +8,6 @@ Shapes: B sequences, H query heads, G kv heads, Dk/Dv head dims, N max blocks pe
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from moeloop.model import kernel_switch
@@ -27,46 +25,29 @@ def triton_available() -> bool:
 
 if triton is not None:
     @triton.jit
-    def _kv_rows(slot, ok, g, k_ptr, v_ptr, s_ks, s_kg, s_vs, s_vg, DK: tl.constexpr, DK_PAD: tl.constexpr,
-                 DV: tl.constexpr, DV_PAD: tl.constexpr):
-        """K [BLOCK_N, DK_PAD] and V [BLOCK_N, DV_PAD] of kv head g at cache slots `slot` (0 where not ok)."""
+    def _attend_block(q, m_i, l_i, acc, start, ctx_len, b, g, k_ptr, v_ptr, tables_ptr, scale,
+                      s_ks, s_kg, s_vs, s_vg, s_tb, DK: tl.constexpr, DK_PAD: tl.constexpr, DV: tl.constexpr,
+                      DV_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+        """One online-softmax step over positions [start, start + BLOCK_N) (masked past ctx_len)."""
         dk = tl.arange(0, DK_PAD)
         dv = tl.arange(0, DV_PAD)
-        k = tl.load(k_ptr + slot[:, None] * s_ks + g * s_kg + dk[None, :], mask=ok[:, None] & (dk[None, :] < DK),
-                    other=0.0)
-        v = tl.load(v_ptr + slot[:, None] * s_vs + g * s_vg + dv[None, :], mask=ok[:, None] & (dv[None, :] < DV),
-                    other=0.0)
-        return k, v
-
-    @triton.jit
-    def _block_slots(start, ctx_len, b, tables_ptr, s_tb, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Positions [start, start + BLOCK_N): their cache slots through row b's block table, and which are < ctx_len."""
         pos = start + tl.arange(0, BLOCK_N)
         p_ok = pos < ctx_len
         blk = tl.load(tables_ptr + b * s_tb + pos // BLOCK_SIZE, mask=p_ok, other=0)
-        return pos, p_ok, blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
-
-    @triton.jit
-    def _attend_kv(q, m_i, l_i, acc, p_ok, k, v, scale, PRECISION: tl.constexpr):
-        """One online-softmax step over a block's K/V rows (rows not p_ok masked out)."""
+        slot = blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+        k = tl.load(k_ptr + slot[:, None] * s_ks + g * s_kg + dk[None, :],
+                    mask=p_ok[:, None] & (dk[None, :] < DK), other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         s = tl.where(p_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked block before any real one
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
+        v = tl.load(v_ptr + slot[:, None] * s_vs + g * s_vg + dv[None, :],
+                    mask=p_ok[:, None] & (dv[None, :] < DV), other=0.0)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         return m_new, l_i, acc
-
-    @triton.jit
-    def _attend_block(q, m_i, l_i, acc, start, ctx_len, b, g, k_ptr, v_ptr, tables_ptr, scale,
-                      s_ks, s_kg, s_vs, s_vg, s_tb, DK: tl.constexpr, DK_PAD: tl.constexpr, DV: tl.constexpr,
-                      DV_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-        """One online-softmax step over positions [start, start + BLOCK_N) (masked past ctx_len)."""
-        pos, p_ok, slot = _block_slots(start, ctx_len, b, tables_ptr, s_tb, BLOCK_SIZE, BLOCK_N)
-        k, v = _kv_rows(slot, p_ok, g, k_ptr, v_ptr, s_ks, s_kg, s_vs, s_vg, DK, DK_PAD, DV, DV_PAD)
-        return _attend_kv(q, m_i, l_i, acc, p_ok, k, v, scale, PRECISION)
 
     @triton.jit
     def _paged_decode(q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, tables_ptr, lens_ptr, scale,
@@ -74,18 +55,12 @@ if triton is not None:
                       QH: tl.constexpr, QH_PAD: tl.constexpr, DK: tl.constexpr, DK_PAD: tl.constexpr,
                       DV: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                       PRECISION: tl.constexpr, NUM_SPLITS: tl.constexpr, CHUNK: tl.constexpr,
-                      DYNAMIC_LOOP: tl.constexpr, PRELOAD: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
-        """PRELOAD: the first block's K/V rows are read before the PDL wait (cached by earlier steps), and after it
-        the newest position's row (ctx_len - 1: written by the kernel just before, the k/v store) again."""
+                      DYNAMIC_LOOP: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
         pdl_launch_next(PDL, EARLY)
         b = tl.program_id(0)
         g = tl.program_id(1)
         sp = tl.program_id(2)
         ctx_len = tl.load(lens_ptr + b)  # (lengths and block tables: written before the step's first kernel)
-        first = 0 if DYNAMIC_LOOP else sp * CHUNK
-        if PRELOAD:
-            pos, p_ok, slot = _block_slots(first, ctx_len, b, tables_ptr, s_tb, BLOCK_SIZE, BLOCK_N)
-            k, v = _kv_rows(slot, p_ok, g, k_ptr, v_ptr, s_ks, s_kg, s_vs, s_vg, DK, DK_PAD, DV, DV_PAD)
         pdl_wait(PDL, EARLY)
         h = tl.arange(0, QH_PAD)
         dk = tl.arange(0, DK_PAD)
@@ -96,20 +71,13 @@ if triton is not None:
         m_i = tl.full([QH_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([QH_PAD], tl.float32)
         acc = tl.zeros([QH_PAD, DV_PAD], tl.float32)
-        if PRELOAD:
-            newest = p_ok & (pos == ctx_len - 1)
-            k_new, v_new = _kv_rows(slot, newest, g, k_ptr, v_ptr, s_ks, s_kg, s_vs, s_vg, DK, DK_PAD, DV, DV_PAD)
-            k = tl.where(newest[:, None], k_new, k)
-            v = tl.where(newest[:, None], v_new, v)
-            m_i, l_i, acc = _attend_kv(q, m_i, l_i, acc, p_ok, k, v, scale, PRECISION)
-        # (the preloaded block done; bounds inline: the interpreter turns an assigned int into a tensor)
         if DYNAMIC_LOOP:  # one split: loop to this row's length (compiled only; see paged_decode_attention)
-            for start in range(BLOCK_N if PRELOAD else 0, ctx_len, BLOCK_N):
+            for start in range(0, ctx_len, BLOCK_N):
                 m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, start, ctx_len, b, g, k_ptr, v_ptr, tables_ptr, scale,
                                               s_ks, s_kg, s_vs, s_vg, s_tb, DK, DK_PAD, DV, DV_PAD,
                                               BLOCK_SIZE, BLOCK_N, PRECISION)
         else:  # static trip count: the interpreter cannot loop from a program-id-derived start
-            for i in range(BLOCK_N if PRELOAD else 0, CHUNK, BLOCK_N):
+            for i in range(0, CHUNK, BLOCK_N):
                 m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, sp * CHUNK + i, ctx_len, b, g, k_ptr, v_ptr,
                                               tables_ptr, scale, s_ks, s_kg, s_vs, s_vg, s_tb, DK, DK_PAD, DV,
                                               DV_PAD, BLOCK_SIZE, BLOCK_N, PRECISION)
@@ -143,8 +111,6 @@ if triton is not None:
         tl.store(o_ptr + b * s_ob + h * s_oh + dv, out.to(o_ptr.dtype.element_ty), mask=dv < DV)
 
 
-# the first K/V block read before the PDL wait (`_paged_decode`); MOELOOP_KV_PRELOAD=off reads it after
-KV_PRELOAD = os.environ.get("MOELOOP_KV_PRELOAD", "on").lower() != "off"
 _NUM_SMS: dict[torch.device, int] = {}
 
 
@@ -185,8 +151,7 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SGD: torch.Tensor, v_cac
         v_cache_SGDv.stride(0), v_cache_SGDv.stride(1), out.stride(0), out.stride(1), block_tables_BN.stride(0),
         QH=qh, QH_PAD=max(16, triton.next_power_of_2(qh)), DK=Dk, DK_PAD=max(16, triton.next_power_of_2(Dk)),
         DV=Dv, DV_PAD=dv_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        PRECISION=precision, NUM_SPLITS=splits, CHUNK=chunk, PRELOAD=KV_PRELOAD, EARLY=kernel_switch.PDL_EARLY,
-        num_warps=4, **pdl,
+        PRECISION=precision, NUM_SPLITS=splits, CHUNK=chunk, EARLY=kernel_switch.PDL_EARLY, num_warps=4, **pdl,
         DYNAMIC_LOOP=splits == 1 and not triton_interpreting())  # the interpreter: static trip counts only
     if splits > 1:
         _merge_splits[(B, H)](dest, m, l, out, out.stride(0), out.stride(1), H=H, DV=Dv, DV_PAD=dv_pad,

@@ -475,7 +475,6 @@ def fused_decode_forward(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Ten
             y_TD, res_TD = add_rmsnorm(*pending)
             pending = (mlp(y_TD), res_TD, norm)
             continue
-        logits_TE = None  # (given to the expert kernels when the top-k kernel is the launch just before them)
         if norm_fold_applies(o_TD, [mlp.gate]):  # the router's projection applies the norm, and stores y
             (logits_TE,), y_TD, res_TD = normed_row_linear(*pending, [mlp.gate], want_y=True)
             ids_TK, wts_TK = route_softmax_topk(mlp, logits_TE)
@@ -487,7 +486,7 @@ def fused_decode_forward(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Ten
             y_TD, res_TD = add_rmsnorm(rows_SD, res_TD, norm, (dest_S.view(ids_TK.shape), wts_TK))
             pending = (y_TD, res_TD, None)
         else:
-            pending = (fused_experts(mlp.experts, y_TD, ids_TK, wts_TK, logits_TE), res_TD, norm)
+            pending = (fused_experts(mlp.experts, y_TD, ids_TK, wts_TK), res_TD, norm)
     return _settle(pending)[0]
 
 

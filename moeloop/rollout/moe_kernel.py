@@ -33,9 +33,6 @@ FUSED_MAX_ASSIGNMENTS = 32
 GATE_UP_FEW_TILE = (4, 8)
 DOWN_FEW_TILE = (4, 4)
 FEW_MAX_WIDTH = 2048
-# few-token gate_up: predict the experts from the router logits and read their weights before waiting on the top-k
-# kernel (`_gate_up_silu`); MOELOOP_GATE_UP_PRELOAD=off waits first
-GATE_UP_PRELOAD = os.environ.get("MOELOOP_GATE_UP_PRELOAD", "on").lower() != "off"
 GROUPED_GEMM = "triton"  # or "grouped_mm" (torch's cutlass kernel; bf16 only)
 # `_expert_gemm` tiles: (BLOCK_N, BLOCK_K, num_warps, num_stages) for the gate_up and down launches
 GATE_UP_TILE = (64, 128, 4, 3)
@@ -56,60 +53,26 @@ if triton is not None:
     from moeloop.model.swiglu_kernel import _silu
 
     @triton.jit
-    def _predicted_expert(logits_ptr, s, E: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr):
-        """The expert of assignment s (token s // K, rank s % K) that the router's logits row predicts: its
-        (s % K)-th largest logit, the lowest id among ties. Softmax keeps that order, so this is the router's choice
-        but for rounding ties among the probabilities; the caller checks it against the routed id."""
-        e = tl.arange(0, E_PAD)
-        z = tl.load(logits_ptr + (s // K).to(tl.int64) * E + e, mask=e < E, other=float("-inf")).to(tl.float32)
-        pred = 0
-        for k in tl.static_range(K):
-            idx = tl.min(tl.where(z == tl.max(z, 0), e, E_PAD), 0)
-            pred = tl.where(s % K == k, idx, pred)
-            z = tl.where(e == idx, float("-inf"), z)
-        return tl.where(pred < E, pred, 0).to(tl.int64)  # a NaN row matches nothing: expert 0 (then checked)
-
-    @triton.jit
-    def _gate_up_rows(w_ptr, e, f, d, ok, s_we, s_wf, F: tl.constexpr):
-        """Expert e's gate and up rows f, columns d: two [BLOCK_F, BLOCK_D] tiles (0 where not ok)."""
-        rows = w_ptr + e * s_we + f[:, None] * s_wf + d[None, :]
-        return tl.load(rows, mask=ok, other=0.0), tl.load(rows + F * s_wf, mask=ok, other=0.0)
-
-    @triton.jit
-    def _gate_up_silu(x_ptr, w_ptr, ids_ptr, logits_ptr, h_ptr, s_we, s_wf, D: tl.constexpr, F: tl.constexpr,
-                      K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_F: tl.constexpr,
-                      BLOCK_D: tl.constexpr, LIBDEVICE: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr):
-        """Program (s, f): gate/up rows f of assignment s's expert against its token, SiLU(gate) * up. The expert
-        ids come from the kernel just before (the top-k). Without PRELOAD it waits first. PRELOAD: the router's
-        logits [T, E], written two kernels back (the top-k between triggers late), predict the expert
-        (`_predicted_expert`), whose first weight tile is read before the PDL wait; after it, the routed id is
-        read, and a wrong prediction reloads the tile (same result either way)."""
+    def _gate_up_silu(x_ptr, w_ptr, ids_ptr, h_ptr, s_we, s_wf, D: tl.constexpr, F: tl.constexpr, K: tl.constexpr,
+                      BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
+        """Program (s, f): gate/up rows f of assignment s's expert against its token, SiLU(gate) * up. Waits first:
+        the expert ids come from the kernel just before."""
+        pdl_wait(PDL)
         s = tl.program_id(0)
         f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
         f_ok = f < F
-        d = tl.arange(0, BLOCK_D)
-        ok = f_ok[:, None] & (d[None, :] < D)
-        if PRELOAD:
-            e_pred = _predicted_expert(logits_ptr, s, E, E_PAD, K)
-            wg, wu = _gate_up_rows(w_ptr, e_pred, f, d, ok, s_we, s_wf, F)
-            pdl_wait(PDL)
-            e = tl.load(ids_ptr + s).to(tl.int64)
-            if e != e_pred:
-                wg, wu = _gate_up_rows(w_ptr, e, f, d, ok, s_we, s_wf, F)
-        else:
-            pdl_wait(PDL)
-            e = tl.load(ids_ptr + s).to(tl.int64)
-            wg, wu = _gate_up_rows(w_ptr, e, f, d, ok, s_we, s_wf, F)
+        e = tl.load(ids_ptr + s).to(tl.int64)
         x_row = x_ptr + (s // K).to(tl.int64) * D
-        x = tl.load(x_row + d, mask=d < D, other=0.0).to(tl.float32)
-        acc_g = tl.sum(wg.to(tl.float32) * x[None, :], 1)
-        acc_u = tl.sum(wu.to(tl.float32) * x[None, :], 1)
-        for d0 in range(BLOCK_D, D, BLOCK_D):
-            dd = d0 + tl.arange(0, BLOCK_D)
-            x = tl.load(x_row + dd, mask=dd < D, other=0.0).to(tl.float32)
-            wg, wu = _gate_up_rows(w_ptr, e, f, dd, f_ok[:, None] & (dd[None, :] < D), s_we, s_wf, F)
-            acc_g += tl.sum(wg.to(tl.float32) * x[None, :], 1)
-            acc_u += tl.sum(wu.to(tl.float32) * x[None, :], 1)
+        acc_g = tl.zeros([BLOCK_F], tl.float32)
+        acc_u = tl.zeros([BLOCK_F], tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            ok = f_ok[:, None] & (d[None, :] < D)
+            x = tl.load(x_row + d, mask=d < D, other=0.0).to(tl.float32)
+            wg = tl.load(w_ptr + e * s_we + f[:, None] * s_wf + d[None, :], mask=ok, other=0.0).to(tl.float32)
+            wu = tl.load(w_ptr + e * s_we + (f + F)[:, None] * s_wf + d[None, :], mask=ok, other=0.0).to(tl.float32)
+            acc_g += tl.sum(wg * x[None, :], 1)
+            acc_u += tl.sum(wu * x[None, :], 1)
         dt = h_ptr.dtype.element_ty
         g = acc_g.to(dt).to(tl.float32)
         u = acc_u.to(dt).to(tl.float32)
@@ -216,12 +179,8 @@ if triton is not None:
         tl.store(y_ptr + t.to(tl.int64) * D + d_out, out.to(dt), mask=d_out < D)
 
 
-def fused_experts(experts: Experts, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
-                  logits_TE: torch.Tensor | None = None) -> torch.Tensor:
-    """Routed-expert output [T, D] of a decode batch (see the module docstring for the path taken). `logits_TE`:
-    the router logits the ids were chosen from, launched just before the top-k kernel that wrote ids_TK; with
-    them (and `GATE_UP_PRELOAD`) the few-token gate_up kernel predicts its experts and reads their weights before
-    waiting on the top-k."""
+def fused_experts(experts: Experts, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+    """Routed-expert output [T, D] of a decode batch (see the module docstring for the path taken)."""
     T, K = ids_TK.shape
     if (not x_TD.is_cuda and not triton_interpreting()) or T * K > ALIGN_MAX_ASSIGNMENTS:
         return experts.sorted_forward(x_TD, ids_TK, weights_TK, expert_counts(ids_TK, experts.num_experts))
@@ -240,17 +199,10 @@ def fused_experts(experts: Experts, x_TD: torch.Tensor, ids_TK: torch.Tensor, we
     # down's tile: K_PAD * BLOCK_D rows x BLOCK_F columns, at most 4 * FEW_MAX_WIDTH values (512 columns at K=4)
     k_pad = triton.next_power_of_2(K)
     down_block_f = min(FEW_MAX_WIDTH * 4 // (k_pad * block_d), triton.next_power_of_2(F))
-    preload = GATE_UP_PRELOAD and logits_TE is not None
-    E = experts.num_experts
-    if preload and (logits_TE.shape != (T, E) or not logits_TE.is_contiguous()):
-        raise ValueError(f"fused_experts: logits_TE must be a contiguous [{T}, {E}] tensor, got "
-                         f"{tuple(logits_TE.shape)} with strides {logits_TE.stride()}")
-    _gate_up_silu[(T * K, triton.cdiv(F, block_f))](x_TD, w_gu, ids_S, logits_TE if preload else ids_S, h_SF,
-                                                     w_gu.stride(0), w_gu.stride(1), D=D, F=F, K=K, E=E,
-                                                     E_PAD=triton.next_power_of_2(E), BLOCK_F=block_f,
+    _gate_up_silu[(T * K, triton.cdiv(F, block_f))](x_TD, w_gu, ids_S, h_SF, w_gu.stride(0), w_gu.stride(1),
+                                                     D=D, F=F, K=K, BLOCK_F=block_f,
                                                      BLOCK_D=min(FEW_MAX_WIDTH, triton.next_power_of_2(D)),
-                                                     LIBDEVICE=not triton_interpreting(), PRELOAD=preload,
-                                                     num_warps=warps_f, **pdl)
+                                                     LIBDEVICE=not triton_interpreting(), num_warps=warps_f, **pdl)
     _down_combine[(T, triton.cdiv(D, block_d))](h_SF, w_d, ids_S, wts_S, y_TD, w_d.stride(0), w_d.stride(1), D=D, F=F,
                                                  K=K, K_PAD=k_pad, BLOCK_D=block_d, BLOCK_F=down_block_f,
                                                  EARLY=kernel_switch.PDL_EARLY, num_warps=warps_d, **pdl)
