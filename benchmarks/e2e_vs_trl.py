@@ -274,6 +274,11 @@ def profiled_generate(worker: Any, run: Callable, out: Path, device: str) -> Any
              f"Engine.step {host[0] * 1e3:.1f} ms, GPU busy {busy_ms:.1f} ms, "
              f"{sum(len(v) for v in by_name.values())} kernels"]
     lines += [f"   {sum(us) / 1e3:8.2f} ms  {name[:100]}" for name, us in list(by_name.items())[:12]]
+    if device == "cpu":  # where the host time goes: aten ops by self time
+        ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+        lines.append(f"   {sum(e.count for e in ops)} profiled ops, "
+                     f"{sum(e.self_cpu_time_total for e in ops) / 1e3:.1f} ms self CPU; top by self time:")
+        lines += [f"   {e.self_cpu_time_total / 1e3:8.2f} ms  {e.count:6d} x  {e.key[:90]}" for e in ops[:25]]
     out.write_text("\n".join(lines) + "\n")
     return result
 
