@@ -448,7 +448,12 @@ def route_softmax_topk(moe: MoE, logits_TE: torch.Tensor) -> tuple[torch.Tensor,
 
 def fused_decode_forward(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Tensor, ctx: PagedAttention) -> torch.Tensor:
     """Hidden states [T, D] after the final norm for a decode-only batch (one new token per sequence).
-    `pending` = (x, res, norm): the add + RMSNorm that the next projection applies (`_settle` runs it alone)."""
+    `pending` = (x, res, norm): the add + RMSNorm that the next projection applies (`_settle` runs it alone).
+    PDL triggers (`kernel_switch`): the projections, the paged decode, its merge and the expert down kernel let the
+    next kernel launch at their start (`PDL_EARLY`); three kernels trigger late, after their wait, because a later
+    kernel reads before its own wait what was written before them: the q/k norm + RoPE store (the paged decode
+    reads the lengths, block tables and cached K/V), the top-k (gate_up would see the router's logits) and gate_up
+    (the down kernel reads the expert ids)."""
     stack = model.model
     x_TD = stack.embed_tokens(ids_T)
     rope = model.rotary.tables(pos_T, x_TD.dtype)
