@@ -91,7 +91,12 @@ def test_triton_decode_kernel_matches_gather_path():
     torch.testing.assert_close(out.cpu(), ref, atol=1e-4, rtol=1e-4)
     # one row (len 70): its context split over programs, then merged
     from moeloop.rollout import decode_kernel
-    one = paged_decode_attention(q[3:4].to(dev), kv.k[0].to(dev), kv.v[0].to(dev), tables[3:4].to(dev),
-                                 lens[3:4].to(dev), BS, 0.25, block_n=16)
-    torch.testing.assert_close(one.cpu(), ref[3:4], atol=1e-4, rtol=1e-4)
+    for v_early in (True, False):  # V read with K, or after the scores
+        decode_kernel.V_EARLY = v_early
+        try:
+            one = paged_decode_attention(q[3:4].to(dev), kv.k[0].to(dev), kv.v[0].to(dev), tables[3:4].to(dev),
+                                         lens[3:4].to(dev), BS, 0.25, block_n=16)
+        finally:
+            decode_kernel.V_EARLY = True
+        torch.testing.assert_close(one.cpu(), ref[3:4], atol=1e-4, rtol=1e-4)
     assert decode_kernel.num_splits(torch.device(dev), G, tables.shape[1] * BS, 16) > 1

@@ -8,6 +8,8 @@ Shapes: B sequences, H query heads, G kv heads, Dk/Dv head dims, N max blocks pe
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from moeloop.model import kernel_switch
@@ -27,8 +29,10 @@ if triton is not None:
     @triton.jit
     def _attend_block(q, m_i, l_i, acc, start, ctx_len, b, g, k_ptr, v_ptr, tables_ptr, scale,
                       s_ks, s_kg, s_vs, s_vg, s_tb, DK: tl.constexpr, DK_PAD: tl.constexpr, DV: tl.constexpr,
-                      DV_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-        """One online-softmax step over positions [start, start + BLOCK_N) (masked past ctx_len)."""
+                      DV_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                      V_EARLY: tl.constexpr):
+        """One online-softmax step over positions [start, start + BLOCK_N) (masked past ctx_len). V_EARLY: V is
+        read with K, both in flight at once (a split's one block: latency), not after the scores (registers)."""
         dk = tl.arange(0, DK_PAD)
         dv = tl.arange(0, DV_PAD)
         pos = start + tl.arange(0, BLOCK_N)
@@ -37,14 +41,18 @@ if triton is not None:
         slot = blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
         k = tl.load(k_ptr + slot[:, None] * s_ks + g * s_kg + dk[None, :],
                     mask=p_ok[:, None] & (dk[None, :] < DK), other=0.0)
+        v_rows = v_ptr + slot[:, None] * s_vs + g * s_vg + dv[None, :]
+        v_ok = p_ok[:, None] & (dv[None, :] < DV)
+        if V_EARLY:
+            v = tl.load(v_rows, mask=v_ok, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         s = tl.where(p_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked block before any real one
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
-        v = tl.load(v_ptr + slot[:, None] * s_vs + g * s_vg + dv[None, :],
-                    mask=p_ok[:, None] & (dv[None, :] < DV), other=0.0)
+        if not V_EARLY:
+            v = tl.load(v_rows, mask=v_ok, other=0.0)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         return m_new, l_i, acc
@@ -55,7 +63,7 @@ if triton is not None:
                       QH: tl.constexpr, QH_PAD: tl.constexpr, DK: tl.constexpr, DK_PAD: tl.constexpr,
                       DV: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                       PRECISION: tl.constexpr, NUM_SPLITS: tl.constexpr, CHUNK: tl.constexpr,
-                      DYNAMIC_LOOP: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
+                      DYNAMIC_LOOP: tl.constexpr, V_EARLY: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
         pdl_launch_next(PDL, EARLY)
         b = tl.program_id(0)
         g = tl.program_id(1)
@@ -75,12 +83,12 @@ if triton is not None:
             for start in range(0, ctx_len, BLOCK_N):
                 m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, start, ctx_len, b, g, k_ptr, v_ptr, tables_ptr, scale,
                                               s_ks, s_kg, s_vs, s_vg, s_tb, DK, DK_PAD, DV, DV_PAD,
-                                              BLOCK_SIZE, BLOCK_N, PRECISION)
+                                              BLOCK_SIZE, BLOCK_N, PRECISION, V_EARLY)
         else:  # static trip count: the interpreter cannot loop from a program-id-derived start
             for i in range(0, CHUNK, BLOCK_N):
                 m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, sp * CHUNK + i, ctx_len, b, g, k_ptr, v_ptr,
                                               tables_ptr, scale, s_ks, s_kg, s_vs, s_vg, s_tb, DK, DK_PAD, DV,
-                                              DV_PAD, BLOCK_SIZE, BLOCK_N, PRECISION)
+                                              DV_PAD, BLOCK_SIZE, BLOCK_N, PRECISION, V_EARLY)
         if NUM_SPLITS == 1:
             out = acc / l_i[:, None]
             tl.store(o_ptr + b * s_ob + (g * QH + h)[:, None] * s_oh + dv[None, :], out.to(o_ptr.dtype.element_ty),
@@ -111,6 +119,8 @@ if triton is not None:
         tl.store(o_ptr + b * s_ob + h * s_oh + dv, out.to(o_ptr.dtype.element_ty), mask=dv < DV)
 
 
+# split programs (few rows) read V together with K (`_attend_block`); MOELOOP_V_EARLY=off reads it after the scores
+V_EARLY = os.environ.get("MOELOOP_V_EARLY", "on").lower() != "off"
 _NUM_SMS: dict[torch.device, int] = {}
 
 
@@ -151,7 +161,8 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SGD: torch.Tensor, v_cac
         v_cache_SGDv.stride(0), v_cache_SGDv.stride(1), out.stride(0), out.stride(1), block_tables_BN.stride(0),
         QH=qh, QH_PAD=max(16, triton.next_power_of_2(qh)), DK=Dk, DK_PAD=max(16, triton.next_power_of_2(Dk)),
         DV=Dv, DV_PAD=dv_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        PRECISION=precision, NUM_SPLITS=splits, CHUNK=chunk, EARLY=kernel_switch.PDL_EARLY, num_warps=4, **pdl,
+        PRECISION=precision, NUM_SPLITS=splits, CHUNK=chunk, V_EARLY=V_EARLY and splits > 1,
+        EARLY=kernel_switch.PDL_EARLY, num_warps=4, **pdl,
         DYNAMIC_LOOP=splits == 1 and not triton_interpreting())  # the interpreter: static trip counts only
     if splits > 1:
         _merge_splits[(B, H)](dest, m, l, out, out.stride(0), out.stride(1), H=H, DV=Dv, DV_PAD=dv_pad,
