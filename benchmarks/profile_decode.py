@@ -122,7 +122,36 @@ def timeline(engine, batch: int, layers: int) -> None:
     (its end minus the previous kernel's end; with PDL a kernel starts before the previous one ends, so the
     durations overlap but these increments add up to the replay's span), then one middle layer's kernels."""
     graphs = engine.runner.graphs
-    graph, _ = graphs.graphs[next(s for s in graphs.sizes if s >= batch)]
+    size = next(s for s in graphs.sizes if s >= batch)
+    graph, _ = graphs.graphs[size]
+    last, adds = replay_kernels(graph)
+    t0 = last[0][0]
+    print(f"B={batch} replay as profiled: {len(last)} kernels, span {max(e for _, e, _ in last) - t0:.1f} us "
+          f"(sum of durations {sum(e - s for s, e, _ in last):.1f} us)")
+    for name, a in sorted(adds.items(), key=lambda kv: -sum(kv[1])):
+        print(f"   {sum(a):7.1f} us added  {len(a):4d} x  {sum(a) / len(a):6.2f} us  {name[:80]}")
+    # the engine's decode graph: K steps of forward + sampling + advance; per step, what is not the forward's
+    step_keys = [k for k in graphs.step_graphs if k[0] == size]
+    if step_keys:
+        (_, steps, *_), forward_names = step_keys[0], set(adds)
+        step_last, step_adds = replay_kernels(graphs.step_graphs[step_keys[0]][0])
+        span = max(e for _, e, _ in step_last) - step_last[0][0]
+        rest = {n: a for n, a in step_adds.items() if n not in forward_names}
+        print(f"B={batch} decode graph ({steps} steps per replay): {span / steps:.1f} us per step; kernels whose "
+              f"names the forward graph lacks add {sum(sum(a) for a in rest.values()) / steps:.1f} us per step:")
+        for name, a in sorted(rest.items(), key=lambda kv: -sum(kv[1]))[:12]:
+            print(f"   {sum(a) / steps:7.1f} us/step added  {len(a) / steps:4.1f} x/step  {name[:80]}")
+    per_layer = len(last) // layers
+    mid = per_layer * (layers // 2)
+    print(f"one layer (kernels {mid}..{mid + per_layer - 1} of the replay; us from the layer's first start):")
+    base = last[mid][0]
+    for start, end, name in last[mid:mid + per_layer + 1]:
+        print(f"   start {start - base:7.2f}  dur {end - start:6.2f}  end {end - base:7.2f}  {name[:70]}")
+
+
+def replay_kernels(graph: torch.cuda.CUDAGraph) -> tuple[list[tuple[float, float, str]], dict[str, list[float]]]:
+    """One replay's kernels as the profiler saw them, (start us, end us, name) in start order, and per name the
+    chain time each launch added (its end minus the latest end before it; these add up to the replay's span)."""
     graph.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -131,24 +160,13 @@ def timeline(engine, batch: int, layers: int) -> None:
             torch.cuda.synchronize()
     kernels = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                       if e.device_type.name == "CUDA"), key=lambda k: k[0])
-    per_replay = len(kernels) // 3
-    last = kernels[-per_replay:]
-    t0 = last[0][0]
+    last = kernels[-(len(kernels) // 3):]
     adds: dict[str, list[float]] = {}
-    prev_end = t0
+    prev_end = last[0][0]
     for start, end, name in last:
         adds.setdefault(name, []).append(max(end - prev_end, 0.0))
         prev_end = max(prev_end, end)
-    print(f"B={batch} replay as profiled: {per_replay} kernels, span {prev_end - t0:.1f} us "
-          f"(sum of durations {sum(e - s for s, e, _ in last):.1f} us)")
-    for name, a in sorted(adds.items(), key=lambda kv: -sum(kv[1])):
-        print(f"   {sum(a):7.1f} us added  {len(a):4d} x  {sum(a) / len(a):6.2f} us  {name[:80]}")
-    per_layer = per_replay // layers
-    mid = per_layer * (layers // 2)
-    print(f"one layer (kernels {mid}..{mid + per_layer - 1} of the replay; us from the layer's first start):")
-    base = last[mid][0]
-    for start, end, name in last[mid:mid + per_layer + 1]:
-        print(f"   start {start - base:7.2f}  dur {end - start:6.2f}  end {end - base:7.2f}  {name[:70]}")
+    return last, adds
 
 
 if __name__ == "__main__":
