@@ -28,7 +28,7 @@ from moeloop.model import kernel_switch
 from moeloop.model.kernel_switch import kernels_apply, pdl_args
 from moeloop.model.moe import MoE
 from moeloop.model.norm import RMSNorm
-from moeloop.rollout.decode_kernel import triton, triton_interpreting
+from moeloop.rollout.decode_kernel import FreshKV, triton, triton_interpreting
 from moeloop.rollout.moe_kernel import fused_experts, grouped_expert_rows, uses_grouped_rows
 from moeloop.rollout.paged_attention import PagedAttention
 
@@ -276,6 +276,27 @@ def qk_norm_rope_store(attn: nn.Module, q_TX: torch.Tensor, k_TX: torch.Tensor, 
     return q_out
 
 
+# experiment (off; not yet run on a GPU): for decode batches of up to PDL_MAX_ROWS rows the q/k norm, RoPE and the
+# new k/v's cache store run inside the paged attention kernel (`decode_kernel.FreshKV`), one launch fewer per layer;
+# MOELOOP_QK_FOLD=on
+QK_FOLD = os.environ.get("MOELOOP_QK_FOLD", "off").lower() == "on"
+
+
+def qk_fold_applies(attn: nn.Module, q_TX: torch.Tensor, ctx: PagedAttention) -> bool:
+    """`QK_FOLD` for this layer and batch: the Triton attention kernel, few rows, a head dim the kernel's tiles hold
+    whole (at least 16)."""
+    return QK_FOLD and ctx.use_kernel and q_TX.shape[0] <= kernel_switch.PDL_MAX_ROWS and attn.head_dim >= 16
+
+
+def fresh_kv(attn: nn.Module, q_TX: torch.Tensor, k_TX: torch.Tensor, v_TX: torch.Tensor, cos_TR: torch.Tensor,
+             sin_TR: torch.Tensor, slots_T: torch.Tensor) -> FreshKV:
+    """What the folded attention kernel needs of this layer's new token (`qk_norm_rope_store`'s inputs)."""
+    qk_norm = hasattr(attn, "q_norm")
+    q_TX, k_TX, v_TX = (x if x.stride(1) == 1 else x.contiguous() for x in (q_TX, k_TX, v_TX))
+    return FreshKV(q_TX, k_TX, v_TX, attn.q_norm.weight if qk_norm else None, attn.k_norm.weight if qk_norm else None,
+                   attn.q_norm.eps if qk_norm else 0.0, cos_TR, sin_TR, slots_T)
+
+
 ROW_LINEAR = True  # a one-token decode (B=1) runs its projections as `_row_linear` launches instead of cuBLAS GEMVs
 # rows per program and warps: small tiles, many programs (H200, reference shapes: `benchmarks/b1_gemv.py`)
 ROW_LINEAR_TILE = (4, 8)
@@ -469,9 +490,12 @@ def fused_decode_forward(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Ten
         else:
             y_TD, res_TD = _settle(pending)
             q_TX, k_TX, v_TX = project_qkv(y_TD, attn)
-        q_THD = qk_norm_rope_store(attn, q_TX, k_TX, v_TX, rope.cos_TR, rope.sin_TR, ctx.cache.k[i], ctx.cache.v[i],
-                                   slots_T)
-        o_THD = ctx.attend_cached(i, q_THD, attn.scale)
+        if qk_fold_applies(attn, q_TX, ctx):
+            o_THD = ctx.attend_fresh(i, fresh_kv(attn, q_TX, k_TX, v_TX, rope.cos_TR, rope.sin_TR, slots_T), attn.scale)
+        else:
+            q_THD = qk_norm_rope_store(attn, q_TX, k_TX, v_TX, rope.cos_TR, rope.sin_TR, ctx.cache.k[i],
+                                       ctx.cache.v[i], slots_T)
+            o_THD = ctx.attend_cached(i, q_THD, attn.scale)
         (o_TD,) = project(o_THD.reshape(T, -1), [attn.o_proj])
         pending = (o_TD, res_TD, layer.post_attention_layernorm)
         mlp = layer.mlp
