@@ -15,21 +15,28 @@ pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not in
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "llama_tied"])
-def test_fused_decode_engine_matches_module_path(arch):
-    model = tiny_model(arch).to(DEVICE)
-    assert fused_supported(model)
-    ps = prompts(6, seed=12)
-    params = SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=4)
+def assert_kernels_match_module_path(model, ps: list, params: SamplingParams, after_ref=lambda: None) -> None:
+    """Generate with the module path (on every device: on CUDA the kernels are the default), call `after_ref`, then
+    with the kernels (decode-only steps take the fused forward; paged attention: the Triton kernel): the same
+    tokens, and logprobs within 1e-5."""
     ref_engine = make_engine(model, enforce_eager=True)
-    ref_engine.runner.use_kernel = False  # the module path on every device (on CUDA the kernels are the default)
+    ref_engine.runner.use_kernel = False
     ref = ref_engine.generate(ps, params)
+    after_ref()
     engine = make_engine(model, enforce_eager=True)
-    engine.runner.use_kernel = True  # decode-only steps take the fused forward (paged attention: Triton kernel)
+    engine.runner.use_kernel = True
     outs = engine.generate(ps, params)
     assert [o.response_ids for o in outs] == [o.response_ids for o in ref]
     for o, r in zip(outs, ref):
         torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(r.logprobs), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "llama_tied"])
+def test_fused_decode_engine_matches_module_path(arch):
+    model = tiny_model(arch).to(DEVICE)
+    assert fused_supported(model)
+    assert_kernels_match_module_path(model, prompts(6, seed=12), SamplingParams(n=2, temperature=1.0, max_tokens=6,
+                                                                                seed=4))
 
 
 def test_fused_decode_forward_bf16_logits_and_kv():
@@ -169,18 +176,12 @@ def test_fused_decode_single_sequence_matches_module_path(monkeypatch, norm_fold
     folds = []
     fold = fused_decode.normed_row_linear
     monkeypatch.setattr(fused_decode, "normed_row_linear", lambda *a, **k: folds.append(len(a[3])) or fold(*a, **k))
+    def module_path_folds_nothing() -> None:
+        assert not folds
+
     model = tiny_model("qwen3_moe").to(DEVICE)
-    ps = prompts(1, seed=5)
-    params = SamplingParams(n=1, temperature=1.0, max_tokens=5, seed=2)
-    ref_engine = make_engine(model, enforce_eager=True)
-    ref_engine.runner.use_kernel = False  # the module path on every device (on CUDA the kernels are the default)
-    ref = ref_engine.generate(ps, params)
-    assert not folds
-    engine = make_engine(model, enforce_eager=True)
-    engine.runner.use_kernel = True
-    outs = engine.generate(ps, params)
-    assert [o.response_ids for o in outs] == [o.response_ids for o in ref]
-    torch.testing.assert_close(torch.tensor(outs[0].logprobs), torch.tensor(ref[0].logprobs), atol=1e-5, rtol=0)
+    assert_kernels_match_module_path(model, prompts(1, seed=5),
+                                     SamplingParams(n=1, temperature=1.0, max_tokens=5, seed=2), module_path_folds_nothing)
     # per decode step and layer: q|k|v (3 projections) and the router (1)
     assert (sorted(set(folds)) == [1, 3] and len(folds) == 2 * 4 * len(model.model.layers)) if norm_fold else not folds
 
@@ -196,19 +197,12 @@ def test_qk_fold_matches_module_path(monkeypatch, num_prompts):
     calls = []
     fresh = PagedAttention.attend_fresh
     monkeypatch.setattr(PagedAttention, "attend_fresh", lambda *a, **k: calls.append(1) or fresh(*a, **k))
+    def module_path_folds_nothing() -> None:
+        assert not calls
+
     model = tiny_model("qwen3_moe").to(DEVICE)
-    ps = prompts(num_prompts, seed=7)
-    params = SamplingParams(n=2, temperature=1.0, max_tokens=7, seed=3)
-    ref_engine = make_engine(model, enforce_eager=True)
-    ref_engine.runner.use_kernel = False
-    ref = ref_engine.generate(ps, params)
-    assert not calls
-    engine = make_engine(model, enforce_eager=True)
-    engine.runner.use_kernel = True
-    outs = engine.generate(ps, params)
-    assert [o.response_ids for o in outs] == [o.response_ids for o in ref]
-    for o, r in zip(outs, ref):
-        torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(r.logprobs), atol=1e-5, rtol=0)
+    assert_kernels_match_module_path(model, prompts(num_prompts, seed=7),
+                                     SamplingParams(n=2, temperature=1.0, max_tokens=7, seed=3), module_path_folds_nothing)
     assert len(calls) >= 6 * len(model.model.layers)  # every decode step of every layer took the fold
 
 
