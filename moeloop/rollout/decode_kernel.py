@@ -122,11 +122,13 @@ if triton is not None:
                                      h_ok[:, None], DK // 2, QK_NORM, dt)
             q = _halves_joined(q1, q2, QH_PAD, DK)
             k1, k2 = _norm_rope_rows(kr_ptr + b * s_kr + g * DK + tl.zeros([1, 1], tl.int32), kw_ptr, c1, c2, s1, s2,
-                                     eps, tl.full([1, 1], 1, tl.int1), DK // 2, QK_NORM, dt)
+                                     eps, tl.zeros([1, 1], tl.int32) == 0, DK // 2, QK_NORM, dt)
             k_new = _halves_joined(k1, k2, 1, DK).to(k_ptr.dtype.element_ty)
             v_new = tl.load(vr_ptr + b * s_vr + g * DV + dv[None, :]).to(v_ptr.dtype.element_ty)
-            # one program of this (row, kv head) holds position ctx_len - 1: it writes the new row
-            mine = (ctx_len - 1 >= sp * CHUNK) & (ctx_len - 1 < sp * CHUNK + CHUNK)
+            # one program of this (row, kv head) holds position ctx_len - 1: it writes the new row (the test as a
+            # vector: triton 3.9's interpreter rejects a scalar mixed into a mask)
+            last = ctx_len - 1 + 0 * dk[None, :]
+            mine = (last >= sp * CHUNK) & (last < sp * CHUNK + CHUNK)
             tl.store(k_ptr + slot_new * s_ks + g * s_kg + dk[None, :], k_new, mask=mine & (dk[None, :] < DK))
             tl.store(v_ptr + slot_new * s_vs + g * s_vg + dv[None, :], v_new, mask=mine & (dv[None, :] < DV))
         else:
