@@ -3,7 +3,9 @@
 One program per (sequence, kv head, context split) computes all H/G query heads of that group with an online
 softmax over `BLOCK_N` keys at a time, reading K/V straight from the paged cache through the block table (no
 gather copy, static shapes, so it can live inside a CUDA graph). Few rows (small B) split the context so every
-SM has work; a second kernel merges the splits' (max, sum, acc). Tested on CPU with TRITON_INTERPRET=1.
+SM has work; a second kernel merges the splits' (max, sum, acc). With `FreshKV` (an experiment for few rows) the
+kernel also applies the q/k norm and RoPE to the new token and writes its k, v into the cache. Tested on CPU with
+TRITON_INTERPRET=1.
 Shapes: B sequences, H query heads, G kv heads, Dk/Dv head dims, N max blocks per sequence.
 """
 from __future__ import annotations
