@@ -67,21 +67,31 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
+    def normed_rotated(x1, x2, rs, w1, w2, c1, c2, s1, s2, QK_NORM: tl.constexpr, dt: tl.constexpr):
+        """Elementwise, any broadcastable shapes: the halves x1, x2 (fp32) of heads, with QK_NORM scaled by rs
+        (their reciprocal RMS) and times the norm weight halves w1, w2, then half-split RoPE, x * cos + cat(-x2, x1)
+        * sin (c1, c2, s1, s2: cos / sin halves); each product and sum rounded to dt as the module path rounds
+        them. The two halves in dt. The callers reduce rs themselves (their layouts differ)."""
+        if QK_NORM:
+            x1 = (w1 * (x1 * rs).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            x2 = (w2 * (x2 * rs).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        o1 = (x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)
+        o2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
+        return o1.to(dt), o2.to(dt)
+
+    @triton.jit
     def _norm_rope_rows(x_ptr, w_ptr, c1, c2, s1, s2, eps, ok, HALF: tl.constexpr, QK_NORM: tl.constexpr,
                         dt: tl.constexpr):
-        """Rows [R, 2 * HALF] at x_ptr ([R, 1] row pointers, rows not ok read as 0): optional RMSNorm (weight
-        w_ptr), then half-split RoPE (c1, c2, s1, s2: [HALF] cos / sin halves) -> the two halves [R, HALF] in dt,
-        rounded where the module path rounds (as `fused_decode._norm_rope_half`, per row)."""
+        """Rows [R, 2 * HALF] at x_ptr ([R, 1] row pointers, rows not ok read as 0): `normed_rotated` (c1, c2, s1,
+        s2: [HALF] cos / sin halves) -> the two halves [R, HALF] in dt."""
         i = tl.arange(0, HALF)[None, :]
         x1 = tl.load(x_ptr + i, mask=ok, other=0.0).to(tl.float32)
         x2 = tl.load(x_ptr + HALF + i, mask=ok, other=0.0).to(tl.float32)
+        rs, w1, w2 = x1, x1, x1  # (used with QK_NORM only)
         if QK_NORM:
             rs = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
-            x1 = (tl.load(w_ptr + i).to(tl.float32) * (x1 * rs).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-            x2 = (tl.load(w_ptr + HALF + i).to(tl.float32) * (x2 * rs).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        o1 = (x1 * c1[None, :]).to(dt).to(tl.float32) + (-x2 * s1[None, :]).to(dt).to(tl.float32)
-        o2 = (x2 * c2[None, :]).to(dt).to(tl.float32) + (x1 * s2[None, :]).to(dt).to(tl.float32)
-        return o1.to(dt), o2.to(dt)
+            w1, w2 = tl.load(w_ptr + i).to(tl.float32), tl.load(w_ptr + HALF + i).to(tl.float32)
+        return normed_rotated(x1, x2, rs, w1, w2, c1[None, :], c2[None, :], s1[None, :], s2[None, :], QK_NORM, dt)
 
     @triton.jit
     def _halves_joined(o1, o2, R: tl.constexpr, D: tl.constexpr):

@@ -36,6 +36,7 @@ if triton is not None:
     import triton.language as tl
 
     from moeloop.model.kernel_switch import pdl_launch_next, pdl_wait
+    from moeloop.rollout.decode_kernel import normed_rotated
 
     @triton.jit
     def _add_rmsnorm(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, dest_ptr, wts_ptr, eps, D: tl.constexpr,
@@ -71,22 +72,20 @@ if triton is not None:
     @triton.jit
     def _norm_rope_half(x_ptr, w_ptr, cos_ptr, sin_ptr, t, eps, HALF: tl.constexpr, QK_NORM: tl.constexpr,
                         dt: tl.constexpr):
-        """One head [2 * HALF] at x_ptr: optional RMSNorm (weight w_ptr), then half-split RoPE; two halves out."""
+        """One head [2 * HALF] at x_ptr: optional RMSNorm (weight w_ptr), then half-split RoPE (`normed_rotated`);
+        two halves out."""
         i = tl.arange(0, HALF)
         x1 = tl.load(x_ptr + i).to(tl.float32)
         x2 = tl.load(x_ptr + HALF + i).to(tl.float32)
+        rs, w1, w2 = x1, x1, x1  # (used with QK_NORM only)
         if QK_NORM:
             rs = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF) + eps)
-            x1 = (tl.load(w_ptr + i).to(tl.float32) * (x1 * rs).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-            x2 = (tl.load(w_ptr + HALF + i).to(tl.float32) * (x2 * rs).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            w1, w2 = tl.load(w_ptr + i).to(tl.float32), tl.load(w_ptr + HALF + i).to(tl.float32)
         c1 = tl.load(cos_ptr + t * 2 * HALF + i).to(tl.float32)
         c2 = tl.load(cos_ptr + t * 2 * HALF + HALF + i).to(tl.float32)
         s1 = tl.load(sin_ptr + t * 2 * HALF + i).to(tl.float32)
         s2 = tl.load(sin_ptr + t * 2 * HALF + HALF + i).to(tl.float32)
-        # x * cos + cat(-x2, x1) * sin, each product and the sum rounded as the module path rounds them
-        o1 = (x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)
-        o2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
-        return o1.to(dt), o2.to(dt)
+        return normed_rotated(x1, x2, rs, w1, w2, c1, c2, s1, s2, QK_NORM, dt)
 
     @triton.jit
     def _qk_norm_rope_store(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, slots_ptr, qo_ptr,
@@ -260,17 +259,14 @@ def qk_norm_rope_store(attn: nn.Module, q_TX: torch.Tensor, k_TX: torch.Tensor, 
     """Normalised, rotated q [T, H, Dh]; k (normalised, rotated) and v written to their cache slots."""
     T = q_TX.shape[0]
     H, G, Dh = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    f = fresh_kv(attn, q_TX, k_TX, v_TX, cos_TR, sin_TR, slots_T)
     q_out = q_TX.new_empty(T, H, Dh)
-    qk_norm = hasattr(attn, "q_norm")
-    qw, kw = (attn.q_norm.weight, attn.k_norm.weight) if qk_norm else (q_TX, q_TX)
-    eps = attn.q_norm.eps if qk_norm else 0.0
-    q_TX, k_TX, v_TX = (x if x.stride(1) == 1 else x.contiguous() for x in (q_TX, k_TX, v_TX))
-    cos_TR, sin_TR = cos_TR.contiguous(), sin_TR.contiguous()
-    _qk_norm_rope_store[(T, H + G)](q_TX, k_TX, v_TX, qw, kw, cos_TR, sin_TR, slots_T, q_out,
-                                    k_cache, v_cache, eps, q_TX.stride(0), k_TX.stride(0), v_TX.stride(0),
-                                    k_cache.stride(0), v_cache.stride(0), H=H, G=G, HALF=Dh // 2,
-                                    QK_NORM=qk_norm, num_warps=1, enable_fp_fusion=False,
-                                    **pdl_args(q_TX, T))
+    qk_norm = f.q_norm_w is not None
+    _qk_norm_rope_store[(T, H + G)](f.q_BX, f.k_BX, f.v_BX, f.q_norm_w if qk_norm else f.q_BX,
+                                    f.k_norm_w if qk_norm else f.q_BX, f.cos_BD.contiguous(), f.sin_BD.contiguous(),
+                                    slots_T, q_out, k_cache, v_cache, f.eps, f.q_BX.stride(0), f.k_BX.stride(0),
+                                    f.v_BX.stride(0), k_cache.stride(0), v_cache.stride(0), H=H, G=G, HALF=Dh // 2,
+                                    QK_NORM=qk_norm, num_warps=1, enable_fp_fusion=False, **pdl_args(q_TX, T))
     # (no FMA: LLVM lowers each bf16 round trip to a bf16 mul and add, and fusing them would skip the rounding of
     # the RoPE products that the module path and the trainer's rope kernel keep)
     return q_out
@@ -290,7 +286,8 @@ def qk_fold_applies(attn: nn.Module, q_TX: torch.Tensor, ctx: PagedAttention) ->
 
 def fresh_kv(attn: nn.Module, q_TX: torch.Tensor, k_TX: torch.Tensor, v_TX: torch.Tensor, cos_TR: torch.Tensor,
              sin_TR: torch.Tensor, slots_T: torch.Tensor) -> FreshKV:
-    """What the folded attention kernel needs of this layer's new token (`qk_norm_rope_store`'s inputs)."""
+    """This layer's new token as the q/k norm + RoPE kernels take it (`qk_norm_rope_store`, or the attention
+    kernel with `QK_FOLD`): rows of unit column stride, the norms' weights and eps."""
     qk_norm = hasattr(attn, "q_norm")
     q_TX, k_TX, v_TX = (x if x.stride(1) == 1 else x.contiguous() for x in (q_TX, k_TX, v_TX))
     return FreshKV(q_TX, k_TX, v_TX, attn.q_norm.weight if qk_norm else None, attn.k_norm.weight if qk_norm else None,
