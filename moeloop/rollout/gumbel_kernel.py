@@ -1,15 +1,16 @@
-"""Full-vocab Gumbel-max sampling in one Triton kernel (plus a reduction over its splits): the sampler's
-no-filter path on CUDA.
+"""Gumbel-max sampling in Triton: the sampler's full-vocab draw (`gumbel_argmax`), its draw among ranked
+top-k candidates (`topk_gumbel_argmax`, the top-p path) and the whole top-k draw with its logprob in one launch
+(`topk_sample`, the top-k-only path).
 
 The torch path builds the [B, V] noise in int64 (about 25 elementwise kernels over 8 bytes per entry), takes two
 logs, divides, adds and reduces: some 30 kernels and ~2 GB of memory traffic at B=128, V=32000. Here SPLITS
 programs per row stream its logits once, each keeping a running argmax over its vocab slice, and an argmax over
 the slices' maxima picks the token (two small torch ops). Same bits as the torch path: the `_mix32` hash in
 uint32 (products wrap mod 2**32, the low 32 bits the torch path keeps), the exact 24-bit uniform, libdevice
-logf (what torch's CUDA log calls), IEEE division, and the first index among equal maxima (torch.argmax's rule).
-`topk_gumbel_argmax` is the top-k path's draw among each row's candidates (torch.topk's values and ids): the
-same scores by vocab id, so the same token as the full-vocab draw restricted to the kept candidates.
-Shapes: B rows, V vocab, N candidates.
+logf (what torch's CUDA log calls), IEEE division, and the smallest vocab id among equal maxima in every path.
+Top-k is a total order: tokens ranked by (logit descending, vocab id ascending), the first k kept (the sampler's
+`ranked_topk`), so the candidate set never depends on how a radix select breaks ties.
+Shapes: B rows, V vocab, N candidates, S vocab slices (programs) per row, C candidates kept per slice.
 """
 from __future__ import annotations
 
@@ -46,9 +47,9 @@ if triton is not None:
     @triton.jit
     def _topk_gumbel(vals_ptr, ids_ptr, keys_ptr, temps_ptr, top_ks_ptr, drop_ptr, out_ptr, N,
                      BLOCK_N: tl.constexpr, HAS_DROP: tl.constexpr, LIBDEVICE: tl.constexpr):
-        """Program b: among row b's N candidates (descending values, their vocab ids), those of rank < top_k
-        (rank 0 always) and not dropped (top-p), the id with the max Gumbel score; the first rank among equal
-        maxima, as torch.argmax over the candidate row picks."""
+        """Program b: among row b's N candidates (ranked: `ranked_topk`'s values and vocab ids), those of rank <
+        top_k (rank 0 always) and not dropped (top-p), the id with the max Gumbel score; the smallest id among
+        equal maxima (the rule of every sampling path)."""
         b = tl.program_id(0).to(tl.int64)
         r = tl.arange(0, BLOCK_N)
         ok = r < N
@@ -63,8 +64,7 @@ if triton is not None:
         temp = tl.where(temp > 0, temp, 1.0)
         score = tl.where(keep, _gumbel_score(z, v, key, temp, LIBDEVICE), float("-inf"))
         top = tl.max(score, 0)
-        first = tl.min(tl.where(score == top, r, BLOCK_N), 0)
-        tl.store(out_ptr + b, tl.sum(tl.where(r == first, v, 0), 0))
+        tl.store(out_ptr + b, tl.min(tl.where(score == top, v, 2**62), 0))
 
     @triton.jit
     def _gumbel_argmax(logits_ptr, keys_ptr, temps_ptr, score_ptr, idx_ptr, s_lb, V: tl.constexpr,
@@ -92,6 +92,113 @@ if triton is not None:
         tl.store(score_ptr + b * n_splits + split, top)
         tl.store(idx_ptr + b * n_splits + split, tl.min(tl.where(best == top, best_v, 2147483647), 0).to(tl.int64))
 
+    @triton.jit
+    def _order_key(z, KEY_BITS: tl.constexpr):
+        """int32 keys ordered as the fp32 values z (-0.0 equals +0.0). KEY_BITS 16: the top 16 bits only, exact for
+        bf16 values (the low 16 bits of a widened bf16 are zero), so 16 bisection steps find any value."""
+        bits = z.to(tl.int32, bitcast=True)
+        key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # negative floats: larger magnitude, smaller key
+        key = tl.where(z == 0.0, 0, key)
+        if KEY_BITS == 16:
+            key = key >> 16
+        return key
+
+    @triton.jit
+    def _kth_largest(key, valid, k, KEY_BITS: tl.constexpr):
+        """The k-th largest key among the valid lanes (the smallest one when fewer than k are valid): bisection
+        for the largest t with count(key >= t) >= k over [min, max], a range of at most 2**KEY_BITS (int64
+        bounds: the fp32 range has 2**32 keys)."""
+        lo = tl.min(tl.where(valid, key, 2147483647), 0).to(tl.int64)
+        hi = tl.max(tl.where(valid, key, -2147483648), 0).to(tl.int64)
+        for _ in range(KEY_BITS):
+            mid = lo + (hi - lo + 1) // 2
+            enough = tl.sum((valid & (key >= mid.to(tl.int32))).to(tl.int32), 0) >= k
+            lo = tl.where(enough, mid, lo)
+            hi = tl.where(enough, hi, mid - 1)
+        return lo.to(tl.int32)
+
+    @triton.jit
+    def _keep_first(z, valid, k, KEY_BITS: tl.constexpr):
+        """Mask of the first k valid lanes under (z descending, lane ascending): every lane above the k-th largest
+        value, then the first lanes tied at it. Lanes are in vocab id order, so this is the top-k total order."""
+        key = _order_key(z, KEY_BITS)
+        kth = _kth_largest(key, valid, k, KEY_BITS)
+        above = valid & (key > kth)
+        tie = valid & (key == kth)
+        room = k - tl.sum(above.to(tl.int32), 0)
+        return above | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= room))
+
+    @triton.jit
+    def _compact(keep, z, v, vals_ptr, ids_ptr):
+        """Store the kept lanes' (value, vocab id) densely, in lane order; return how many."""
+        pos = tl.cumsum(keep.to(tl.int32), 0) - 1
+        tl.store(vals_ptr + pos, z, mask=keep)
+        tl.store(ids_ptr + pos, v, mask=keep)
+        return tl.sum(keep.to(tl.int32), 0)
+
+    @triton.jit
+    def _slice_candidates(logits_ptr, m_ptr, l_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, b, s, k, s_lb,
+                          V: tl.constexpr, S: tl.constexpr, BLOCK_V: tl.constexpr, C: tl.constexpr,
+                          KEY_BITS: tl.constexpr):
+        """Phase 1 of program (b, s): the slice's max m and sum of exp(z - m) (the logprob's normaliser) and its
+        first min(k, n) tokens under the total order, into cand [B, S, C] in vocab id order. A token of the row's
+        top-k has fewer than k tokens ahead of it in its own slice, so the slices' candidates hold the top-k."""
+        v = s * BLOCK_V + tl.arange(0, BLOCK_V)
+        ok = v < V
+        z = tl.load(logits_ptr + b * s_lb + v, mask=ok, other=float("-inf")).to(tl.float32)
+        m = tl.max(z, 0)
+        l = tl.sum(tl.exp(z - tl.where(m == float("-inf"), 0.0, m)), 0)
+        at = b * S + s
+        n = _compact(_keep_first(z, ok, k, KEY_BITS), z, v, cand_z_ptr + at * C, cand_v_ptr + at * C)
+        tl.store(m_ptr + at, m)
+        tl.store(l_ptr + at, l)
+        tl.store(cnt_ptr + at, n)
+
+    @triton.jit
+    def _pick_token(m_ptr, l_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, keys_ptr, temps_ptr, tokens_ptr, logprobs_ptr,
+                    b, k, S: tl.constexpr, S_PAD: tl.constexpr, C: tl.constexpr, KEY_BITS: tl.constexpr,
+                    LIBDEVICE: tl.constexpr):
+        """Phase 2 (row b's last program): the row's top-k among its S * C candidates (already in vocab id order),
+        the max Gumbel score among them (T = 0: the max logit), the smallest id among equal maxima; its id and
+        raw log-softmax z - M - log(sum_s l_s * exp(m_s - M)). Loads bypass L1 (.cg): other programs wrote them."""
+        seg = tl.arange(0, S_PAD)
+        m_S = tl.load(m_ptr + b * S + seg, mask=seg < S, other=float("-inf"), cache_modifier=".cg")
+        l_S = tl.load(l_ptr + b * S + seg, mask=seg < S, other=0.0, cache_modifier=".cg")
+        top_m = tl.max(m_S, 0)
+        top_m = tl.where(top_m == float("-inf"), 0.0, top_m)
+        log_sum = tl.log(tl.sum(l_S * tl.exp(m_S - top_m), 0))
+        j = tl.arange(0, S_PAD * C)
+        js = j // C
+        valid = (js < S) & (j % C < tl.load(cnt_ptr + b * S + js, mask=js < S, other=0, cache_modifier=".cg"))
+        z = tl.load(cand_z_ptr + b * S * C + j, mask=valid, other=float("-inf"), cache_modifier=".cg")
+        v = tl.load(cand_v_ptr + b * S * C + j, mask=valid, other=0, cache_modifier=".cg")
+        keep = _keep_first(z, valid, k, KEY_BITS)
+        temp = tl.load(temps_ptr + b)
+        key = tl.load(keys_ptr + b).to(tl.uint32)
+        score = tl.where(temp > 0, _gumbel_score(z, v, key, tl.where(temp > 0, temp, 1.0), LIBDEVICE), z)
+        score = tl.where(keep, score, float("-inf"))
+        first = tl.min(tl.where(score == tl.max(score, 0), j, S_PAD * C), 0)
+        tl.store(tokens_ptr + b, tl.sum(tl.where(j == first, v, 0), 0).to(tl.int64))
+        tl.store(logprobs_ptr + b, (tl.sum(tl.where(j == first, z, 0.0), 0) - top_m) - log_sum)
+
+    @triton.jit
+    def _topk_sample(logits_ptr, keys_ptr, temps_ptr, top_ks_ptr, m_ptr, l_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr,
+                     done_ptr, tokens_ptr, logprobs_ptr, s_lb, max_top_k, V: tl.constexpr, S: tl.constexpr,
+                     S_PAD: tl.constexpr, BLOCK_V: tl.constexpr, C: tl.constexpr, KEY_BITS: tl.constexpr,
+                     LIBDEVICE: tl.constexpr):
+        """Program (b, s), s < S: phase 1 over vocab slice s of row b; the row's last program to finish (its
+        acq_rel ticket on done[b] is S - 1) runs phase 2 and resets done[b] to 0. k = clamp(top_k, 1, max_top_k)."""
+        b = tl.program_id(0).to(tl.int64)
+        s = tl.program_id(1)
+        k = tl.maximum(tl.minimum(tl.load(top_ks_ptr + b), max_top_k), 1).to(tl.int32)
+        _slice_candidates(logits_ptr, m_ptr, l_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, b, s, k, s_lb, V, S, BLOCK_V, C,
+                          KEY_BITS)
+        tl.debug_barrier()  # every thread's stores precede the ticket's release (taken by one thread)
+        if tl.atomic_add(done_ptr + b, 1, sem="acq_rel") == S - 1:
+            tl.store(done_ptr + b, 0)
+            _pick_token(m_ptr, l_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, keys_ptr, temps_ptr, tokens_ptr, logprobs_ptr,
+                        b, k, S, S_PAD, C, KEY_BITS, LIBDEVICE)
+
 
 def gumbel_argmax(logits_BV: torch.Tensor, keys_B: torch.Tensor, temperatures_B: torch.Tensor) -> torch.Tensor:
     """Sampled token ids [B] (int64) of the no-filter Gumbel-max draw; the same as the torch path's."""
@@ -115,7 +222,7 @@ def gumbel_argmax(logits_BV: torch.Tensor, keys_B: torch.Tensor, temperatures_B:
 def topk_gumbel_argmax(vals_BN: torch.Tensor, ids_BN: torch.Tensor, keys_B: torch.Tensor, temperatures_B: torch.Tensor,
                        top_ks_B: torch.Tensor, drop_BN: torch.Tensor | None = None) -> torch.Tensor:
     """Sampled token ids [B] (int64) among each row's candidates (`Sampler`'s top-k path, one program per row):
-    `vals_BN`/`ids_BN` from torch.topk, `drop_BN` the top-p mask (None: no top-p)."""
+    `vals_BN`/`ids_BN` from `ranked_topk`, `drop_BN` the top-p mask (None: no top-p)."""
     B, N = vals_BN.shape
     out_B = torch.empty(B, dtype=torch.int64, device=vals_BN.device)
     if B:
@@ -125,3 +232,37 @@ def topk_gumbel_argmax(vals_BN: torch.Tensor, ids_BN: torch.Tensor, keys_B: torc
                            top_ks_B.contiguous(), drop, out_B, N, BLOCK_N=max(16, triton.next_power_of_2(N)),
                            HAS_DROP=drop_BN is not None, LIBDEVICE=not triton_interpreting(), num_warps=4)
     return out_B
+
+
+TOPK_SPLITS = 16  # target programs per row of `topk_sample`: at B=1 one per row would leave most SMs idle
+
+
+def topk_sample(logits_BV: torch.Tensor, keys_B: torch.Tensor, temperatures_B: torch.Tensor, top_ks_B: torch.Tensor,
+                max_top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids [B] int64, their raw temperature-1 logprobs [B] fp32) of the top-k Gumbel-max draw (no top-p),
+    in one launch plus a zeroed counter; capture-safe. Row b keeps its first clamp(top_k_b, 1, max_top_k) tokens
+    under (logit descending, vocab id ascending); a temperature-0 row takes the first. Tokens equal the torch path's;
+    logprobs equal torch.log_softmax's up to fp32 rounding (another summation order)."""
+    if logits_BV.stride(-1) != 1:
+        logits_BV = logits_BV.contiguous()
+    B, V = logits_BV.shape
+    dev = logits_BV.device
+    block_v = min(max(triton.next_power_of_2(triton.cdiv(V, TOPK_SPLITS)), 128), 4096)
+    S = triton.cdiv(V, block_v)
+    C = max(16, triton.next_power_of_2(max_top_k))  # per-slice candidate slots
+    tokens_B = torch.empty(B, dtype=torch.int64, device=dev)
+    logprobs_B = torch.empty(B, dtype=torch.float32, device=dev)
+    if not B:
+        return tokens_B, logprobs_B
+    stats_2BS = torch.empty(2, B, S, dtype=torch.float32, device=dev)  # slice max, slice sum of exp
+    cnt_BS = torch.empty(B, S, dtype=torch.int32, device=dev)
+    cand_z_BSC = torch.empty(B, S, C, dtype=torch.float32, device=dev)
+    cand_v_BSC = torch.empty(B, S, C, dtype=torch.int32, device=dev)
+    done_B = torch.zeros(B, dtype=torch.int32, device=dev)
+    tile = max(block_v, triton.next_power_of_2(S) * C)
+    _topk_sample[(B, S)](logits_BV, keys_B.contiguous(), temperatures_B.float().contiguous(), top_ks_B.contiguous(),
+                         stats_2BS[0], stats_2BS[1], cnt_BS, cand_z_BSC, cand_v_BSC, done_B, tokens_B, logprobs_B,
+                         logits_BV.stride(0), max_top_k, V=V, S=S, S_PAD=triton.next_power_of_2(S), BLOCK_V=block_v,
+                         C=C, KEY_BITS=16 if logits_BV.dtype == torch.bfloat16 else 32,
+                         LIBDEVICE=not triton_interpreting(), num_warps=4 if tile <= 2048 else 8)
+    return tokens_B, logprobs_B
