@@ -259,10 +259,11 @@ def topk_sample(logits_BV: torch.Tensor, keys_B: torch.Tensor, temperatures_B: t
     cand_z_BSC = torch.empty(B, S, C, dtype=torch.float32, device=dev)
     cand_v_BSC = torch.empty(B, S, C, dtype=torch.int32, device=dev)
     done_B = torch.zeros(B, dtype=torch.int32, device=dev)
-    tile = max(block_v, triton.next_power_of_2(S) * C)
+    s_pad = max(2, triton.next_power_of_2(S))
+    tile = max(block_v, s_pad * C)
     _topk_sample[(B, S)](logits_BV, keys_B.contiguous(), temperatures_B.float().contiguous(), top_ks_B.contiguous(),
                          stats_2BS[0], stats_2BS[1], cnt_BS, cand_z_BSC, cand_v_BSC, done_B, tokens_B, logprobs_B,
-                         logits_BV.stride(0), max_top_k, V=V, S=S, S_PAD=triton.next_power_of_2(S), BLOCK_V=block_v,
+                         logits_BV.stride(0), max_top_k, V=V, S=S, S_PAD=s_pad, BLOCK_V=block_v,
                          C=C, KEY_BITS=16 if logits_BV.dtype == torch.bfloat16 else 32,
                          LIBDEVICE=not triton_interpreting(), num_warps=4 if tile <= 2048 else 8)
     return tokens_B, logprobs_B
