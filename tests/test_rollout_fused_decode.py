@@ -167,29 +167,23 @@ def test_row_linear_equals_f_linear(monkeypatch, max_d):
     assert not row_linear_applies(x, [nn.Linear(40, 16).to(DEVICE)], 16)  # a bias: the module path
 
 
-@pytest.mark.parametrize("norm_fold, route_fold", [(False, False), (True, False), (True, True)])
-def test_fused_decode_single_sequence_matches_module_path(monkeypatch, norm_fold, route_fold):
+@pytest.mark.parametrize("norm_fold", [False, True])
+def test_fused_decode_single_sequence_matches_module_path(monkeypatch, norm_fold):
     """B=1 decode takes the one-launch projections (with `norm_fold`, the add + RMSNorm folded into the q|k|v and
-    router projections; with `route_fold` too, the router's softmax + top-k in its projection's last program);
-    same tokens and logprobs as the module forward."""
+    router projections); same tokens and logprobs as the module forward."""
     from moeloop.rollout import fused_decode
     monkeypatch.setattr(fused_decode, "NORM_FOLD", norm_fold)
-    monkeypatch.setattr(fused_decode, "ROUTE_FOLD", route_fold)
-    folds, topks = [], []
-    fold, topk = fused_decode.normed_row_linear, fused_decode.route_softmax_topk
+    folds = []
+    fold = fused_decode.normed_row_linear
     monkeypatch.setattr(fused_decode, "normed_row_linear", lambda *a, **k: folds.append(len(a[3])) or fold(*a, **k))
-    monkeypatch.setattr(fused_decode, "route_softmax_topk", lambda *a: topks.append(1) or topk(*a))
     def module_path_folds_nothing() -> None:
-        assert not folds and not topks
+        assert not folds
 
     model = tiny_model("qwen3_moe").to(DEVICE)
     assert_kernels_match_module_path(model, prompts(1, seed=5),
                                      SamplingParams(n=1, temperature=1.0, max_tokens=5, seed=2), module_path_folds_nothing)
-    calls = 4 * len(model.model.layers)  # decode steps x layers
-    # per decode step and layer: q|k|v (3 projections) and, unless the routing is folded too, the router (1)
-    assert sorted(set(folds)) == ([3] if route_fold else [1, 3] if norm_fold else [])
-    assert len(folds) == (calls if route_fold else 2 * calls if norm_fold else 0)
-    assert len(topks) == (0 if route_fold else calls)
+    # per decode step and layer: q|k|v (3 projections) and the router (1)
+    assert (sorted(set(folds)) == [1, 3] and len(folds) == 2 * 4 * len(model.model.layers)) if norm_fold else not folds
 
 
 @pytest.mark.parametrize("num_prompts", [1, 3])

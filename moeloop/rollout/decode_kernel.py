@@ -102,15 +102,12 @@ if triton is not None:
     def _paged_decode(q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, tables_ptr, lens_ptr, scale,
                       s_qb, s_qh, s_ks, s_kg, s_vs, s_vg, s_ob, s_oh, s_tb,
                       kr_ptr, vr_ptr, s_kr, s_vr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, slots_ptr, eps,
-                      out_ptr, arrivals_ptr, QH_P2: tl.constexpr, SPLITS_PAD: tl.constexpr, MERGE: tl.constexpr,
                       QH: tl.constexpr, QH_PAD: tl.constexpr, DK: tl.constexpr, DK_PAD: tl.constexpr,
                       DV: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                       PRECISION: tl.constexpr, NUM_SPLITS: tl.constexpr, CHUNK: tl.constexpr,
                       DYNAMIC_LOOP: tl.constexpr, V_EARLY: tl.constexpr, FOLD: tl.constexpr, QK_NORM: tl.constexpr,
                       EARLY: tl.constexpr, PDL: tl.constexpr):
-        """Splits (NUM_SPLITS > 1) store fp32 partials at o_ptr / m_ptr / l_ptr; with MERGE the last split of each
-        (b, g) (`last_arrival` on arrivals[b * G + g]) merges them into out_ptr, else `_merge_splits` does.
-        FOLD (`FreshKV`): q_ptr holds the raw q projection rows (stride s_qb, heads s_qh = DK apart), and the new
+        """FOLD (`FreshKV`): q_ptr holds the raw q projection rows (stride s_qb, heads s_qh = DK apart), and the new
         token's raw k, v rows are at kr_ptr / vr_ptr: each program applies the q/k norm and RoPE itself (q of its
         QH heads, k of its kv head), uses the new k, v for position ctx_len - 1, and the program whose positions
         hold ctx_len - 1 writes them into the cache slot slots[b] (no separate q/k norm + RoPE + store kernel)."""
@@ -172,57 +169,29 @@ if triton is not None:
             tl.store(m_ptr + row, m_i, mask=h_ok)
             tl.store(l_ptr + row, l_i, mask=h_ok)
             tl.store(o_ptr + row[:, None] * DV + dv[None, :], acc, mask=h_ok[:, None] & (dv[None, :] < DV))
-            if MERGE:  # the last split of (b, g) to finish merges them into out
-                if last_arrival(arrivals_ptr + b * tl.num_programs(1) + g, NUM_SPLITS):
-                    _merge_group(o_ptr, m_ptr, l_ptr, out_ptr, b, g, s_ob, s_oh, QH * tl.num_programs(1), QH,
-                                 QH_P2, DV, DV_PAD, NUM_SPLITS, SPLITS_PAD)
 
     @triton.jit
-    def last_arrival(counter_ptr, n):
-        """True in the last of the n programs that each call this once on one int32 counter, after their stores:
-        a CTA barrier (the program's stores are issued), then an acq_rel atomic at GPU scope, so the last program
-        sees the others' stores (read them with .cg loads, from L2). The last one sets the counter back to 0 for
-        the next launch (a counter lives as long as its buffer: `KVCache.arrivals`)."""
-        tl.debug_barrier()
-        last = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == n - 1
-        if last:
-            tl.store(counter_ptr, 0)
-        return last
-
-    @triton.jit
-    def _merge_group(part_ptr, m_ptr, l_ptr, o_ptr, b, g, s_ob, s_oh, H, QH: tl.constexpr, QH_P2: tl.constexpr,
-                     DV: tl.constexpr, DV_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
-        """Row b's QH query heads of kv head g: their splits' partials (max, sum, unnormalised acc) combined."""
-        sp = tl.arange(0, SPLITS_PAD)[:, None]
-        qh = tl.arange(0, QH_P2)[None, :]
-        dv = tl.arange(0, DV_PAD)
-        ok = (sp < NUM_SPLITS) & (qh < QH)
-        row = (b * NUM_SPLITS + sp) * H + g * QH + qh  # [S, Q]
-        m = tl.load(m_ptr + row, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        l = tl.load(l_ptr + row, mask=ok, other=0.0, cache_modifier=".cg")
-        w = tl.where(l > 0, tl.exp(m - tl.max(m, 0)[None, :]), 0.0)  # split 0 holds position 0: max(m) finite
-        acc = tl.load(part_ptr + row[:, :, None] * DV + dv[None, None, :],
-                      mask=ok[:, :, None] & (dv[None, None, :] < DV), other=0.0, cache_modifier=".cg")
-        out = tl.sum(acc * w[:, :, None], 0) / tl.sum(l * w, 0)[:, None]  # [Q, Dv]; padded heads 0/0, not stored
-        h = g * QH + tl.arange(0, QH_P2)
-        tl.store(o_ptr + b * s_ob + h[:, None] * s_oh + dv[None, :], out.to(o_ptr.dtype.element_ty),
-                 mask=(tl.arange(0, QH_P2) < QH)[:, None] & (dv[None, :] < DV))
-
-    @triton.jit
-    def _merge_splits(part_ptr, m_ptr, l_ptr, o_ptr, s_ob, s_oh, H: tl.constexpr, QH: tl.constexpr,
-                      QH_P2: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                      SPLITS_PAD: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
-        """Program (b, g): `_merge_group` (what `_paged_decode` does itself with MERGE)."""
+    def _merge_splits(part_ptr, m_ptr, l_ptr, o_ptr, s_ob, s_oh, H: tl.constexpr, DV: tl.constexpr,
+                      DV_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, EARLY: tl.constexpr,
+                      PDL: tl.constexpr):
         pdl_launch_next(PDL, EARLY)
         pdl_wait(PDL, EARLY)
-        _merge_group(part_ptr, m_ptr, l_ptr, o_ptr, tl.program_id(0), tl.program_id(1), s_ob, s_oh, H, QH, QH_P2,
-                     DV, DV_PAD, NUM_SPLITS, SPLITS_PAD)
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        sp = tl.arange(0, SPLITS_PAD)
+        dv = tl.arange(0, DV_PAD)
+        sp_ok = sp < NUM_SPLITS
+        row = (b * NUM_SPLITS + sp) * H + h
+        m = tl.load(m_ptr + row, mask=sp_ok, other=float("-inf"))
+        l = tl.load(l_ptr + row, mask=sp_ok, other=0.0)
+        w = tl.where(l > 0, tl.exp(m - tl.max(m, 0)), 0.0)  # split 0 always holds position 0, so max(m) is finite
+        acc = tl.load(part_ptr + row[:, None] * DV + dv[None, :], mask=sp_ok[:, None] & (dv[None, :] < DV), other=0.0)
+        out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+        tl.store(o_ptr + b * s_ob + h * s_oh + dv, out.to(o_ptr.dtype.element_ty), mask=dv < DV)
+
 
 # split programs (few rows) read V together with K (`_attend_block`); MOELOOP_V_EARLY=off reads it after the scores
 V_EARLY = os.environ.get("MOELOOP_V_EARLY", "on").lower() != "off"
-# the last split program of a (row, kv head) merges the splits (`last_arrival`), one launch fewer per layer;
-# MOELOOP_MERGE_FOLD=off launches `_merge_splits`
-MERGE_FOLD = os.environ.get("MOELOOP_MERGE_FOLD", "on").lower() != "off"
 _NUM_SMS: dict[torch.device, int] = {}
 
 
@@ -253,12 +222,10 @@ class FreshKV(NamedTuple):
 def paged_decode_attention(q_BHD: torch.Tensor | None, k_cache_SGD: torch.Tensor, v_cache_SGDv: torch.Tensor,
                            block_tables_BN: torch.Tensor, context_lens_B: torch.Tensor, block_size: int,
                            scale: float, block_n: int = 64, split: bool = True,
-                           fresh: FreshKV | None = None, arrivals: torch.Tensor | None = None) -> torch.Tensor:
+                           fresh: FreshKV | None = None) -> torch.Tensor:
     """Attention of each row's single query over its first context_lens_B[b] cached positions -> [B, H, Dv].
     With `fresh` (q_BHD None): the query and the newest position's k, v are computed in the kernel from the raw
-    projections, and written into the cache there (the fold of `fused_decode.qk_norm_rope_store`).
-    `arrivals` (int32 zeros, at least B * G, left zero; `KVCache.arrivals`): a split context is merged by its last
-    split program (`MERGE_FOLD`), not by a second launch."""
+    projections, and written into the cache there (the fold of `fused_decode.qk_norm_rope_store`)."""
     if triton is None:
         raise RuntimeError("paged_decode_attention needs triton")
     G, Dk, Dv = k_cache_SGD.shape[1], k_cache_SGD.shape[2], v_cache_SGDv.shape[2]
@@ -296,13 +263,11 @@ def paged_decode_attention(q_BHD: torch.Tensor | None, k_cache_SGD: torch.Tensor
         m = torch.empty(B, splits, H, dtype=torch.float32, device=q_ref.device)
         l = torch.empty_like(m)
     q_ptr, s_qb, s_qh = q_args
-    merge = splits > 1 and MERGE_FOLD and arrivals is not None and arrivals.numel() >= B * G
-    splits_pad, qh_p2 = triton.next_power_of_2(splits), triton.next_power_of_2(qh)
     _paged_decode[(B, G, splits)](
         q_ptr, k_cache_SGD, v_cache_SGDv, dest, m, l, block_tables_BN, context_lens_B, scale,
         s_qb, s_qh, k_cache_SGD.stride(0), k_cache_SGD.stride(1),
         v_cache_SGDv.stride(0), v_cache_SGDv.stride(1), out.stride(0), out.stride(1), block_tables_BN.stride(0),
-        *fold_args, out, arrivals if merge else out, QH_P2=qh_p2, SPLITS_PAD=splits_pad, MERGE=merge,
+        *fold_args,
         QH=qh, QH_PAD=max(16, triton.next_power_of_2(qh)), DK=Dk, DK_PAD=max(16, triton.next_power_of_2(Dk)),
         DV=Dv, DV_PAD=dv_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         PRECISION=precision, NUM_SPLITS=splits, CHUNK=chunk, V_EARLY=V_EARLY and splits > 1,
@@ -310,8 +275,8 @@ def paged_decode_attention(q_BHD: torch.Tensor | None, k_cache_SGD: torch.Tensor
         DYNAMIC_LOOP=splits == 1 and not triton_interpreting(),  # the interpreter: static trip counts only
         # (the fold's RoPE products are rounded one by one, as the module path rounds them: no FMA)
         **({"enable_fp_fusion": False} if fresh is not None else {}))
-    if splits > 1 and not merge:
-        _merge_splits[(B, G)](dest, m, l, out, out.stride(0), out.stride(1), H=H, QH=qh, QH_P2=qh_p2, DV=Dv,
-                              DV_PAD=dv_pad, NUM_SPLITS=splits, SPLITS_PAD=splits_pad, EARLY=kernel_switch.PDL_EARLY,
-                              num_warps=4, **pdl)
+    if splits > 1:
+        _merge_splits[(B, H)](dest, m, l, out, out.stride(0), out.stride(1), H=H, DV=Dv, DV_PAD=dv_pad,
+                              NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
+                              EARLY=kernel_switch.PDL_EARLY, num_warps=4, **pdl)
     return out

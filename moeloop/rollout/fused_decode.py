@@ -36,7 +36,7 @@ if triton is not None:
     import triton.language as tl
 
     from moeloop.model.kernel_switch import pdl_launch_next, pdl_wait
-    from moeloop.rollout.decode_kernel import last_arrival, normed_rotated
+    from moeloop.rollout.decode_kernel import normed_rotated
 
     @triton.jit
     def _add_rmsnorm(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, dest_ptr, wts_ptr, eps, D: tl.constexpr,
@@ -148,15 +148,12 @@ if triton is not None:
 
     @triton.jit
     def _norm_row_linear(x_ptr, res_ptr, nw_ptr, y_ptr, res_out_ptr, w0_ptr, w1_ptr, w2_ptr, out_ptr, eps,
-                         ids_ptr, wts_ptr, arrivals_ptr, scale, N0: tl.constexpr, N1: tl.constexpr, D: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_RES: tl.constexpr, WRITE_Y: tl.constexpr,
-                         TOPK: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr,
-                         EARLY: tl.constexpr, PDL: tl.constexpr):
+                         N0: tl.constexpr, N1: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_D: tl.constexpr, HAS_RES: tl.constexpr, WRITE_Y: tl.constexpr, EARLY: tl.constexpr,
+                         PDL: tl.constexpr):
         """`_row_linear` of y = RMSNorm(res + x) (no res: RMSNorm(x)), which every program computes from the whole
         row (BLOCK_D >= D) with `_add_rmsnorm`'s rounding points; program 0 also stores res + x (and y, WRITE_Y)
-        for the kernels after. Its weight tile and the norm weight are read before the PDL wait.
-        TOPK (a router, N0 = E logits): the last program to finish (`last_arrival`) routes the token from the
-        whole logits row as `_softmax_topk` does, into ids / wts."""
+        for the kernels after. Its weight tile and the norm weight are read before the PDL wait."""
         pdl_launch_next(PDL, EARLY)
         pid = tl.program_id(0)
         start = pid * BLOCK_N
@@ -179,12 +176,6 @@ if triton is not None:
                 tl.store(y_ptr + d, y, mask=ok)
         acc = tl.sum(w.to(tl.float32) * y.to(tl.float32)[None, :], 1)
         tl.store(out_ptr + start + r, acc.to(out_ptr.dtype.element_ty))
-        if TOPK:
-            if last_arrival(arrivals_ptr, tl.num_programs(0)):
-                e = tl.arange(0, E_PAD)
-                z = tl.load(out_ptr + e[None, :], mask=e[None, :] < N0, other=float("-inf"), cache_modifier=".cg")
-                t = tl.arange(0, 1).to(tl.int64)
-                _softmax_topk_store(z.to(tl.float32), t, t >= 0, e, ids_ptr, wts_ptr, scale, K, NORM)
 
     @triton.jit
     def _softmax_topk_store(z, t, t_ok, e, ids_ptr, wts_ptr, scale, K: tl.constexpr, NORM: tl.constexpr):
@@ -348,51 +339,16 @@ def normed_row_linear(x_TD: torch.Tensor, res_TD: torch.Tensor | None, norm: RMS
                       want_y: bool = False) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor]:
     """(the projections of y = RMSNorm(res + x) through `linears`, y if want_y, res + x) in one launch: what
     `add_rmsnorm` then `project` give (up to the norm's fp32 summation order)."""
-    out, ws, sizes = _stacked_rows(x_TD, linears)
-    y_TD, res_out = _launch_norm_row_linear(x_TD, res_TD, norm, out, ws, sizes, want_y)
-    return list(out.split(sizes[:len(linears)], dim=1)), y_TD, res_out
-
-
-# B=1: the router's softmax + top-k run in its projection's last program (`_norm_row_linear` TOPK), one launch
-# fewer per layer; MOELOOP_ROUTE_FOLD=off launches `_softmax_topk`
-ROUTE_FOLD = os.environ.get("MOELOOP_ROUTE_FOLD", "on").lower() != "off"
-
-
-def normed_route(x_TD: torch.Tensor, res_TD: torch.Tensor | None, norm: RMSNorm, moe: MoE,
-                 arrivals: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(ids [1, K], weights [1, K], y, res + x) of one token: `normed_row_linear` through the router, then its
-    routing (`route_softmax_topk`); in one launch with ROUTE_FOLD and `arrivals` (`KVCache.arrivals`)."""
-    if not (ROUTE_FOLD and arrivals is not None):
-        (logits_TE,), y_TD, res_out = normed_row_linear(x_TD, res_TD, norm, [moe.gate], want_y=True)
-        return *route_softmax_topk(moe, logits_TE), y_TD, res_out
-    out, ws, sizes = _stacked_rows(x_TD, [moe.gate])
-    router, E = moe.gate, sizes[0]
-    ids_TK = torch.empty(1, router.top_k, dtype=torch.int64, device=x_TD.device)
-    wts_TK = torch.empty(1, router.top_k, dtype=torch.float32, device=x_TD.device)
-    y_TD, res_out = _launch_norm_row_linear(x_TD, res_TD, norm, out, ws, sizes, True,
-                                            (ids_TK, wts_TK, arrivals, float(router.routed_scaling_factor)),
-                                            dict(E_PAD=triton.next_power_of_2(E), K=router.top_k,
-                                                 NORM=bool(router.norm_topk_prob)))
-    return ids_TK, wts_TK, y_TD, res_out
-
-
-def _launch_norm_row_linear(x_TD: torch.Tensor, res_TD: torch.Tensor | None, norm: RMSNorm, out: torch.Tensor,
-                            ws: list, sizes: list[int], want_y: bool, topk_args: tuple | None = None,
-                            topk_consts: dict | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """`_norm_row_linear` into `out` (`_stacked_rows`); with topk_args (ids, wts, arrivals, scale) and topk_consts
-    also the routing. Returns (y if want_y, res + x)."""
     block_n, D = ROW_LINEAR_TILE[0], x_TD.shape[1]
+    out, ws, sizes = _stacked_rows(x_TD, linears)
     y_TD = x_TD.new_empty(1, D) if want_y else out
     res_out = x_TD if res_TD is None else torch.empty_like(x_TD)
     _norm_row_linear[(out.shape[1] // block_n,)](x_TD, x_TD if res_TD is None else res_TD, norm.weight, y_TD, res_out,
-                                                  *ws, out, norm.eps, *(topk_args or (out, out, out, 1.0)),
-                                                  N0=sizes[0], N1=sizes[1], D=D, BLOCK_N=block_n,
+                                                  *ws, out, norm.eps, N0=sizes[0], N1=sizes[1], D=D, BLOCK_N=block_n,
                                                   BLOCK_D=triton.next_power_of_2(D), HAS_RES=res_TD is not None,
-                                                  WRITE_Y=want_y, TOPK=topk_args is not None,
-                                                  **(topk_consts or dict(E_PAD=1, K=1, NORM=False)),
-                                                  EARLY=kernel_switch.PDL_EARLY, num_warps=ROW_LINEAR_TILE[1],
-                                                  **pdl_args(x_TD, 1))
-    return y_TD if want_y else None, res_out
+                                                  WRITE_Y=want_y, EARLY=kernel_switch.PDL_EARLY,
+                                                  num_warps=ROW_LINEAR_TILE[1], **pdl_args(x_TD, 1))
+    return list(out.split(sizes[:len(linears)], dim=1)), y_TD if want_y else None, res_out
 
 
 class QKVPack:
@@ -546,7 +502,8 @@ def fused_decode_forward(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Ten
             pending = (mlp(y_TD), res_TD, norm)
             continue
         if norm_fold_applies(o_TD, [mlp.gate]):  # the router's projection applies the norm, and stores y
-            ids_TK, wts_TK, y_TD, res_TD = normed_route(*pending, mlp, ctx.cache.arrivals)
+            (logits_TE,), y_TD, res_TD = normed_row_linear(*pending, [mlp.gate], want_y=True)
+            ids_TK, wts_TK = route_softmax_topk(mlp, logits_TE)
         else:
             y_TD, res_TD = add_rmsnorm(*pending)
             ids_TK, wts_TK = route(mlp, y_TD)

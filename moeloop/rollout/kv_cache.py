@@ -27,9 +27,6 @@ def kv_budget_bytes(kv_cache_bytes: int, gpu_memory_utilization: float, device: 
     return cpu_default_bytes
 
 
-ARRIVAL_COUNTERS = 4096
-
-
 class KVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str):
@@ -42,9 +39,6 @@ class KVCache:
         self.dtype, self.device = dtype, torch.device(device)
         self.k: torch.Tensor | None = None  # [L, num_slots, G, Dk]
         self.v: torch.Tensor | None = None
-        # grid-arrival counters of the decode kernels (`decode_kernel.last_arrival`), zero between launches; kept
-        # through sleep/wake (CUDA graphs hold their address)
-        self.arrivals = torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=self.device)
         self.allocate()
 
     @property

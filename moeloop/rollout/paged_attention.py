@@ -86,15 +86,13 @@ class PagedAttention:
         kernel (`FreshKV`; the Triton kernel only)."""
         meta = self.meta
         return paged_decode_attention(None, self.cache.k[layer_idx], self.cache.v[layer_idx], meta.block_tables_BN,
-                                      meta.context_lens_B, self.cache.block_size, scale, fresh=fresh,
-                                      arrivals=self.cache.arrivals)
+                                      meta.context_lens_B, self.cache.block_size, scale, fresh=fresh)
 
     def _decode(self, q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         meta = self.meta
         if self.use_kernel:
             return paged_decode_attention(q_BHD.contiguous(), k_cache, v_cache, meta.block_tables_BN,
-                                          meta.context_lens_B, self.cache.block_size, scale,
-                                          arrivals=self.cache.arrivals).to(q_BHD.dtype)
+                                          meta.context_lens_B, self.cache.block_size, scale).to(q_BHD.dtype)
         slots_S, bias_B11L = self._gather_index(q_BHD.dtype)  # index_select on flat slots: ~4x cheaper than k_cache[slots_BL]
         B, L = bias_B11L.shape[0], bias_B11L.shape[-1]
         k_BGLD = k_cache.index_select(0, slots_S).view(B, L, *k_cache.shape[1:]).transpose(1, 2).to(q_BHD.dtype)
