@@ -186,26 +186,6 @@ def test_fused_decode_single_sequence_matches_module_path(monkeypatch, norm_fold
     assert (sorted(set(folds)) == [1, 3] and len(folds) == 2 * 4 * len(model.model.layers)) if norm_fold else not folds
 
 
-@pytest.mark.parametrize("num_prompts", [1, 3])
-def test_qk_fold_matches_module_path(monkeypatch, num_prompts):
-    """`QK_FOLD`: the q/k norm, RoPE and the new k/v's cache store inside the paged attention kernel, for decode
-    batches of up to 8 rows (here 2 and 6). Same tokens and logprobs as the module forward over 7 new tokens, so the
-    rows the kernel wrote into the cache are right too (each later step reads them)."""
-    from moeloop.rollout import fused_decode
-    from moeloop.rollout.paged_attention import PagedAttention
-    monkeypatch.setattr(fused_decode, "QK_FOLD", True)
-    calls = []
-    fresh = PagedAttention.attend_fresh
-    monkeypatch.setattr(PagedAttention, "attend_fresh", lambda *a, **k: calls.append(1) or fresh(*a, **k))
-    def module_path_folds_nothing() -> None:
-        assert not calls
-
-    model = tiny_model("qwen3_moe").to(DEVICE)
-    assert_kernels_match_module_path(model, prompts(num_prompts, seed=7),
-                                     SamplingParams(n=2, temperature=1.0, max_tokens=7, seed=3), module_path_folds_nothing)
-    assert len(calls) >= 6 * len(model.model.layers)  # every decode step of every layer took the fold
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("has_res", [False, True])
 def test_normed_row_linear_equals_add_rmsnorm_then_projection(monkeypatch, dtype, has_res):

@@ -28,7 +28,7 @@ from moeloop.model import kernel_switch
 from moeloop.model.kernel_switch import kernels_apply, pdl_args
 from moeloop.model.moe import MoE
 from moeloop.model.norm import RMSNorm
-from moeloop.rollout.decode_kernel import FreshKV, triton, triton_interpreting
+from moeloop.rollout.decode_kernel import triton, triton_interpreting
 from moeloop.rollout.moe_kernel import fused_experts, grouped_expert_rows, uses_grouped_rows
 from moeloop.rollout.paged_attention import PagedAttention
 
@@ -36,7 +36,6 @@ if triton is not None:
     import triton.language as tl
 
     from moeloop.model.kernel_switch import pdl_launch_next, pdl_wait
-    from moeloop.rollout.decode_kernel import normed_rotated
 
     @triton.jit
     def _add_rmsnorm(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, dest_ptr, wts_ptr, eps, D: tl.constexpr,
@@ -72,20 +71,22 @@ if triton is not None:
     @triton.jit
     def _norm_rope_half(x_ptr, w_ptr, cos_ptr, sin_ptr, t, eps, HALF: tl.constexpr, QK_NORM: tl.constexpr,
                         dt: tl.constexpr):
-        """One head [2 * HALF] at x_ptr: optional RMSNorm (weight w_ptr), then half-split RoPE (`normed_rotated`);
-        two halves out."""
+        """One head [2 * HALF] at x_ptr: optional RMSNorm (weight w_ptr), then half-split RoPE; two halves out."""
         i = tl.arange(0, HALF)
         x1 = tl.load(x_ptr + i).to(tl.float32)
         x2 = tl.load(x_ptr + HALF + i).to(tl.float32)
-        rs, w1, w2 = x1, x1, x1  # (used with QK_NORM only)
         if QK_NORM:
             rs = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF) + eps)
-            w1, w2 = tl.load(w_ptr + i).to(tl.float32), tl.load(w_ptr + HALF + i).to(tl.float32)
+            x1 = (tl.load(w_ptr + i).to(tl.float32) * (x1 * rs).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            x2 = (tl.load(w_ptr + HALF + i).to(tl.float32) * (x2 * rs).to(dt).to(tl.float32)).to(dt).to(tl.float32)
         c1 = tl.load(cos_ptr + t * 2 * HALF + i).to(tl.float32)
         c2 = tl.load(cos_ptr + t * 2 * HALF + HALF + i).to(tl.float32)
         s1 = tl.load(sin_ptr + t * 2 * HALF + i).to(tl.float32)
         s2 = tl.load(sin_ptr + t * 2 * HALF + HALF + i).to(tl.float32)
-        return normed_rotated(x1, x2, rs, w1, w2, c1, c2, s1, s2, QK_NORM, dt)
+        # x * cos + cat(-x2, x1) * sin, each product and the sum rounded as the module path rounds them
+        o1 = (x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)
+        o2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
+        return o1.to(dt), o2.to(dt)
 
     @triton.jit
     def _qk_norm_rope_store(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, slots_ptr, qo_ptr,
@@ -259,39 +260,20 @@ def qk_norm_rope_store(attn: nn.Module, q_TX: torch.Tensor, k_TX: torch.Tensor, 
     """Normalised, rotated q [T, H, Dh]; k (normalised, rotated) and v written to their cache slots."""
     T = q_TX.shape[0]
     H, G, Dh = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    f = fresh_kv(attn, q_TX, k_TX, v_TX, cos_TR, sin_TR, slots_T)
     q_out = q_TX.new_empty(T, H, Dh)
-    qk_norm = f.q_norm_w is not None
-    _qk_norm_rope_store[(T, H + G)](f.q_BX, f.k_BX, f.v_BX, f.q_norm_w if qk_norm else f.q_BX,
-                                    f.k_norm_w if qk_norm else f.q_BX, f.cos_BD.contiguous(), f.sin_BD.contiguous(),
-                                    slots_T, q_out, k_cache, v_cache, f.eps, f.q_BX.stride(0), f.k_BX.stride(0),
-                                    f.v_BX.stride(0), k_cache.stride(0), v_cache.stride(0), H=H, G=G, HALF=Dh // 2,
-                                    QK_NORM=qk_norm, num_warps=1, enable_fp_fusion=False, **pdl_args(q_TX, T))
+    qk_norm = hasattr(attn, "q_norm")
+    qw, kw = (attn.q_norm.weight, attn.k_norm.weight) if qk_norm else (q_TX, q_TX)
+    eps = attn.q_norm.eps if qk_norm else 0.0
+    q_TX, k_TX, v_TX = (x if x.stride(1) == 1 else x.contiguous() for x in (q_TX, k_TX, v_TX))
+    cos_TR, sin_TR = cos_TR.contiguous(), sin_TR.contiguous()
+    _qk_norm_rope_store[(T, H + G)](q_TX, k_TX, v_TX, qw, kw, cos_TR, sin_TR, slots_T, q_out,
+                                    k_cache, v_cache, eps, q_TX.stride(0), k_TX.stride(0), v_TX.stride(0),
+                                    k_cache.stride(0), v_cache.stride(0), H=H, G=G, HALF=Dh // 2,
+                                    QK_NORM=qk_norm, num_warps=1, enable_fp_fusion=False,
+                                    **pdl_args(q_TX, T))
     # (no FMA: LLVM lowers each bf16 round trip to a bf16 mul and add, and fusing them would skip the rounding of
     # the RoPE products that the module path and the trainer's rope kernel keep)
     return q_out
-
-
-# experiment (off; not yet run on a GPU): for decode batches of up to PDL_MAX_ROWS rows the q/k norm, RoPE and the
-# new k/v's cache store run inside the paged attention kernel (`decode_kernel.FreshKV`), one launch fewer per layer;
-# MOELOOP_QK_FOLD=on
-QK_FOLD = os.environ.get("MOELOOP_QK_FOLD", "off").lower() == "on"
-
-
-def qk_fold_applies(attn: nn.Module, q_TX: torch.Tensor, ctx: PagedAttention) -> bool:
-    """`QK_FOLD` for this layer and batch: the Triton attention kernel, few rows, a head dim the kernel's tiles hold
-    whole (at least 16)."""
-    return QK_FOLD and ctx.use_kernel and q_TX.shape[0] <= kernel_switch.PDL_MAX_ROWS and attn.head_dim >= 16
-
-
-def fresh_kv(attn: nn.Module, q_TX: torch.Tensor, k_TX: torch.Tensor, v_TX: torch.Tensor, cos_TR: torch.Tensor,
-             sin_TR: torch.Tensor, slots_T: torch.Tensor) -> FreshKV:
-    """This layer's new token as the q/k norm + RoPE kernels take it (`qk_norm_rope_store`, or the attention
-    kernel with `QK_FOLD`): rows of unit column stride, the norms' weights and eps."""
-    qk_norm = hasattr(attn, "q_norm")
-    q_TX, k_TX, v_TX = (x if x.stride(1) == 1 else x.contiguous() for x in (q_TX, k_TX, v_TX))
-    return FreshKV(q_TX, k_TX, v_TX, attn.q_norm.weight if qk_norm else None, attn.k_norm.weight if qk_norm else None,
-                   attn.q_norm.eps if qk_norm else 0.0, cos_TR, sin_TR, slots_T)
 
 
 ROW_LINEAR = True  # a one-token decode (B=1) runs its projections as `_row_linear` launches instead of cuBLAS GEMVs
@@ -487,12 +469,9 @@ def fused_decode_forward(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Ten
         else:
             y_TD, res_TD = _settle(pending)
             q_TX, k_TX, v_TX = project_qkv(y_TD, attn)
-        if qk_fold_applies(attn, q_TX, ctx):
-            o_THD = ctx.attend_fresh(i, fresh_kv(attn, q_TX, k_TX, v_TX, rope.cos_TR, rope.sin_TR, slots_T), attn.scale)
-        else:
-            q_THD = qk_norm_rope_store(attn, q_TX, k_TX, v_TX, rope.cos_TR, rope.sin_TR, ctx.cache.k[i],
-                                       ctx.cache.v[i], slots_T)
-            o_THD = ctx.attend_cached(i, q_THD, attn.scale)
+        q_THD = qk_norm_rope_store(attn, q_TX, k_TX, v_TX, rope.cos_TR, rope.sin_TR, ctx.cache.k[i], ctx.cache.v[i],
+                                   slots_T)
+        o_THD = ctx.attend_cached(i, q_THD, attn.scale)
         (o_TD,) = project(o_THD.reshape(T, -1), [attn.o_proj])
         pending = (o_TD, res_TD, layer.post_attention_layernorm)
         mlp = layer.mlp
