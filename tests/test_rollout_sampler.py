@@ -2,8 +2,9 @@
 import pytest
 import torch
 
-from moeloop.rollout.sampler import Sampler, SamplingTensors, _mix32, filter_logits, noise_at, row_key, uniform_noise
-from moeloop.rollout.gumbel_kernel import topk_gumbel_argmax
+from moeloop.rollout.sampler import (Sampler, SamplingTensors, _mix32, filter_logits, noise_at, ranked_topk, row_key,
+                                     uniform_noise)
+from moeloop.rollout.gumbel_kernel import topk_gumbel_argmax, topk_sample
 from tests.kernels import DEVICE, needs_kernels
 
 
@@ -130,8 +131,8 @@ def test_topk_kernel_equals_the_torch_top_k_draw(monkeypatch, with_top_p):
 @needs_kernels
 @pytest.mark.parametrize("case", ["top_k_same", "top_k_top_p", "full_vocab", "greedy_rows"])
 def test_kernel_sampler_on_bf16_logits_equals_the_fp32_torch_path(monkeypatch, case):
-    """With the kernels the sampler reads bf16 logits as they are (the decode's lm_head output: no fp32 copy; with
-    one top-k for every row, an unsorted topk): the same tokens and logprobs as the torch path on an fp32 copy."""
+    """With the kernels the sampler reads bf16 logits as they are (the decode's lm_head output: no fp32 copy; top-k
+    without top-p in one fused launch): the same tokens and logprobs as the torch path on an fp32 copy."""
     import moeloop.rollout.sampler as sampler
     device = DEVICE
     g = torch.Generator().manual_seed(2)
@@ -150,9 +151,89 @@ def test_kernel_sampler_on_bf16_logits_equals_the_fp32_torch_path(monkeypatch, c
     monkeypatch.setattr(sampler, "kernels_apply", lambda t: False)
     want_tokens, want_lp = Sampler()(logits.float(), st, want_logprobs=True)
     monkeypatch.setattr(sampler, "kernels_apply", lambda t: True)
-    sorts = []
+    sorts, fused = [], []
     topk = torch.Tensor.topk
     monkeypatch.setattr(torch.Tensor, "topk", lambda t, k, dim=-1, sorted=True: sorts.append(sorted) or topk(t, k, dim, sorted=sorted))
+    monkeypatch.setattr(sampler, "topk_sample", lambda *a: fused.append(1) or topk_sample(*a))
     tokens, lp = Sampler()(logits, st, want_logprobs=True)
-    assert torch.equal(tokens, want_tokens) and lp.dtype == torch.float32 and torch.equal(lp, want_lp)
-    assert sorts == {"top_k_same": [False], "top_k_top_p": [True]}.get(case, [])
+    assert torch.equal(tokens, want_tokens) and lp.dtype == torch.float32
+    if case == "top_k_same":  # the fused top-k launch: its own log-softmax, another fp32 summation order
+        assert fused and not sorts
+        torch.testing.assert_close(lp, want_lp, rtol=0, atol=2e-6)
+    else:  # top-p: ranked_topk's one sorted topk (of the int64 keys); no filter: no topk
+        assert not fused and sorts == ([True] if case == "top_k_top_p" else [])
+        assert torch.equal(lp, want_lp)
+
+
+def test_ranked_topk_keeps_the_smallest_ids_among_ties():
+    """Top-k is a total order, (logit descending, vocab id ascending): a k-th boundary inside a run of equal values
+    keeps its smallest ids, in ranked_topk, filter_logits and the sampler's draws; -0.0 ties +0.0."""
+    row = torch.tensor([[1.0, 3, 3, 2, 3, 3, 0, 5, -0.0, 0.0]])
+    vals, ids = ranked_topk(row, 3)
+    assert vals.tolist() == [[5.0, 3.0, 3.0]] and ids.tolist() == [[7, 1, 2]]
+    assert ranked_topk(row, 10)[1].tolist() == [[7, 1, 2, 4, 5, 3, 0, 6, 8, 9]]
+    assert ranked_topk(row.to(torch.bfloat16), 4)[1].tolist() == [[7, 1, 2, 4]]
+    kept = torch.isfinite(filter_logits(row, torch.tensor([3]), torch.tensor([1.0])))[0]
+    assert kept.nonzero()[:, 0].tolist() == [1, 2, 7]
+    keys = [row_key(5, c) for c in range(400)]
+    for max_top_k in (3, None):  # candidates, then the full-vocab filter: the same draws
+        st = tensors([50.0] * len(keys), keys, top_k=[3] * len(keys), vocab=10)
+        st.max_top_k = max_top_k
+        tokens, _ = Sampler()(row.expand(len(keys), 10), st, want_logprobs=False)
+        assert set(tokens.tolist()) == {1, 2, 7}
+        if max_top_k is None:
+            assert torch.equal(tokens, by_candidates)
+        by_candidates = tokens
+
+
+def test_top_k_paths_agree_on_tied_logits():
+    """The candidate path (`ranked_topk`) and the full-vocab filter (`filter_logits`, a stable sort) keep the same
+    tokens on bf16-valued rows with many ties at the k-th value: the same draws, greedy rows too."""
+    g = torch.Generator().manual_seed(5)
+    B, V = 18, 2500
+    logits = _tied_logits(B, V, torch.bfloat16, g).float()
+    top_ks = [1, 2, 5, 17, 50, 17, 50, 64, 3] * 2
+    temps = [0.0, 0.7, 1.0, 1.5, 2.0, 1.0] * 3
+    st = tensors(temps, [row_key(s, 9) for s in range(B)], top_k=top_ks, vocab=V)
+    by_candidates, _ = Sampler()(logits, SamplingTensors(**{**vars(st), "max_top_k": 64}), want_logprobs=False)
+    by_filter, _ = Sampler()(logits, st, want_logprobs=False)  # max_top_k None: filter_logits over the full vocab
+    assert torch.equal(by_candidates, by_filter)
+
+
+def _tied_logits(B: int, V: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
+    """randn * 2 rows (in bf16: many equal values) with runs of equal values across the fused kernel's slices."""
+    logits = (torch.randn(B, V, generator=g) * 2).to(dtype)
+    logits[4, 200:230] = 9.0  # 30 equal maxima: top-k 50 keeps them all, smaller top-ks the smallest ids
+    logits[5, :10] = 9.0  # ... a top-17 boundary inside a run that crosses a slice border (256)
+    logits[5, 250:262] = 8.0
+    logits[6, 100:400] = 8.0  # top-50 inside 300 equal maxima over two borders
+    return logits
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_topk_kernel_equals_the_torch_path(monkeypatch, dtype):
+    """`topk_sample` (one launch: slice candidates, then the row's last program draws; here the Triton interpreter)
+    picks the torch path's tokens bit for bit, greedy rows too, and its logprobs are torch.log_softmax's within 2e-6
+    (another fp32 summation order). A row's draw does not depend on the rows beside it."""
+    import moeloop.rollout.sampler as sampler
+    g = torch.Generator().manual_seed(4)
+    B, V = 18, 2500  # slices of 256 ids: 10 programs per row
+    logits = _tied_logits(B, V, dtype, g).to(DEVICE)
+    temps = torch.rand(B, generator=g) + 0.3
+    temps[[2, 7, 11]] = 0.0
+    top_ks = torch.tensor([1, 2, 5, 17, 50, 17, 50, 64, V, 2, 5, 17, 50, 64, 1, 2, 5, 50])  # V: clamped to 64
+    keys = torch.tensor([row_key(s, 5 * s + 2) for s in range(B)])
+    st = SamplingTensors(temps.to(DEVICE), top_ks.to(DEVICE), torch.ones(B, device=DEVICE), keys.to(DEVICE),
+                         any_filter=True, all_greedy=False, max_top_k=64, any_greedy=True, any_top_p=False)
+    monkeypatch.setattr(sampler, "kernels_apply", lambda t: False)
+    want_tokens, want_lp = Sampler()(logits.float(), st, want_logprobs=True)
+    tokens, lp = topk_sample(logits, st.keys_B, st.temperatures_B, st.top_ks_B, 64)
+    assert torch.equal(tokens, want_tokens) and lp.dtype == torch.float32
+    torch.testing.assert_close(lp, want_lp, rtol=0, atol=2e-6)
+    assert 200 <= tokens[4] < 230 and (tokens[5] < 10 or 250 <= tokens[5] < 257) and 100 <= tokens[6] < 150
+    greedy = temps == 0
+    assert torch.equal(tokens[greedy], logits.argmax(-1)[greedy])
+    rows = [5, 6, 2]
+    sub = topk_sample(logits[rows], st.keys_B[rows], st.temperatures_B[rows], st.top_ks_B[rows], 64)
+    assert torch.equal(sub[0], tokens[rows])

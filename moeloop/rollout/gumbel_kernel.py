@@ -24,6 +24,8 @@ if triton is not None:
     import triton.language as tl
     from triton.language.extra import libdevice
 
+    from moeloop.rollout.decode_kernel import last_arrival
+
     @triton.jit
     def _mix32(x):
         """lowbias32 on uint32 (the sampler's `_mix32`)."""
@@ -186,16 +188,14 @@ if triton is not None:
                      done_ptr, tokens_ptr, logprobs_ptr, s_lb, max_top_k, V: tl.constexpr, S: tl.constexpr,
                      S_PAD: tl.constexpr, BLOCK_V: tl.constexpr, C: tl.constexpr, KEY_BITS: tl.constexpr,
                      LIBDEVICE: tl.constexpr):
-        """Program (b, s), s < S: phase 1 over vocab slice s of row b; the row's last program to finish (its
-        acq_rel ticket on done[b] is S - 1) runs phase 2 and resets done[b] to 0. k = clamp(top_k, 1, max_top_k)."""
+        """Program (b, s), s < S: phase 1 over vocab slice s of row b; the row's last program to finish
+        (`last_arrival` on done[b], which it resets to 0) runs phase 2. k = clamp(top_k, 1, max_top_k)."""
         b = tl.program_id(0).to(tl.int64)
         s = tl.program_id(1)
         k = tl.maximum(tl.minimum(tl.load(top_ks_ptr + b), max_top_k), 1).to(tl.int32)
         _slice_candidates(logits_ptr, m_ptr, l_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, b, s, k, s_lb, V, S, BLOCK_V, C,
                           KEY_BITS)
-        tl.debug_barrier()  # every thread's stores precede the ticket's release (taken by one thread)
-        if tl.atomic_add(done_ptr + b, 1, sem="acq_rel") == S - 1:
-            tl.store(done_ptr + b, 0)
+        if last_arrival(done_ptr + b, S):
             _pick_token(m_ptr, l_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, keys_ptr, temps_ptr, tokens_ptr, logprobs_ptr,
                         b, k, S, S_PAD, C, KEY_BITS, LIBDEVICE)
 

@@ -4,6 +4,8 @@ Randomness is counter-based, not a shared generator: the noise for a row is a ha
 (sequence seed, response-token index, vocab id), so a sample depends only on its own seed and
 position — never on batch composition, preemption or step order. Sampling uses the Gumbel-max
 trick: argmax(filtered_logits / T + Gumbel(u)) is a draw from softmax(filtered_logits / T).
+One rule in every path (torch or kernels, any batch): top-k keeps the first k tokens under (logit descending, vocab
+id ascending) (`ranked_topk`), and among equal Gumbel scores the smallest vocab id wins.
 Shapes: B rows (sequences sampled this step), V vocab.
 """
 from __future__ import annotations
@@ -14,7 +16,7 @@ import numpy as np
 import torch
 
 from moeloop.model.kernel_switch import kernels_apply
-from moeloop.rollout.gumbel_kernel import gumbel_argmax, topk_gumbel_argmax
+from moeloop.rollout.gumbel_kernel import gumbel_argmax, topk_gumbel_argmax, topk_sample
 
 _M32 = 0xFFFFFFFF
 
@@ -82,7 +84,7 @@ class SamplingTensors:
     keys_B: torch.Tensor  # int64 row keys from `row_key`
     any_filter: bool
     all_greedy: bool
-    max_top_k: int | None = None  # host max of top_ks_B; small -> sample among torch.topk candidates, no sort
+    max_top_k: int | None = None  # host max of top_ks_B; small -> sample among `ranked_topk` candidates, no sort
     any_greedy: bool = True  # some row has temperature 0 (False: no greedy argmax needed)
     any_top_p: bool = True  # some row has top_p < 1 (False: no nucleus mask needed)
     same_top_k: bool = False  # every row has top_k == max_top_k
@@ -94,9 +96,22 @@ class SamplingTensors:
         return cls(floats_2B[0], ints_XB[0], floats_2B[1], ints_XB[1], **flags)
 
 
+def ranked_topk(logits_BV: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, vocab ids) [B, min(n, V)] of each row's first n tokens under (logit descending, vocab id ascending),
+    in that order: torch.topk over a unique int64 key, so ties at the n-th value keep the smallest ids on every
+    device (torch.topk alone leaves that choice unspecified). No host sync."""
+    bits_BV = logits_BV.float().view(torch.int32)
+    key_BV = torch.where(bits_BV >= 0, bits_BV, bits_BV ^ 0x7FFFFFFF)  # int32 in the fp32 order
+    key_BV = key_BV.masked_fill(logits_BV == 0, 0).to(torch.int64)  # -0.0 ties +0.0, as they compare
+    ids_V = torch.arange(logits_BV.shape[-1], device=logits_BV.device)
+    ids_BN = (key_BV * (1 << 32) + (_M32 - ids_V)).topk(min(n, logits_BV.shape[-1]), dim=-1).indices
+    return logits_BV.gather(1, ids_BN), ids_BN
+
+
 def filter_logits(logits_BV: torch.Tensor, top_ks_B: torch.Tensor, top_ps_B: torch.Tensor) -> torch.Tensor:
-    """Set logits outside each row's top-k and top-p nucleus to -inf (always keeps the argmax)."""
-    sorted_BV, order_BV = logits_BV.sort(dim=-1, descending=True)
+    """Set logits outside each row's top-k and top-p nucleus to -inf (always keeps the argmax). The stable sort
+    ranks equal logits by vocab id: `ranked_topk`'s order."""
+    sorted_BV, order_BV = logits_BV.sort(dim=-1, descending=True, stable=True)
     rank_V = torch.arange(logits_BV.shape[-1], device=logits_BV.device)
     drop_BV = rank_V[None, :] >= top_ks_B[:, None]
     probs_BV = sorted_BV.softmax(dim=-1)
@@ -108,21 +123,19 @@ def filter_logits(logits_BV: torch.Tensor, top_ks_B: torch.Tensor, top_ps_B: tor
 
 
 TOPK_CANDIDATES_MAX = 1024
+FUSED_TOPK_MAX = 256  # top-k-only batches with max_top_k up to this sample in one launch (`topk_sample`)
 
 
 def _sample_top_k(logits_BV: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    """`filter_logits` + Gumbel-max restricted to each row's `max_top_k` largest logits (noise by vocab id, so the
-    draw equals the full-vocab one). Top-p mass is measured under the full softmax, as `filter_logits` does.
-    With the kernels, the rank/top-p masks, noise, scores and argmax are one launch (`topk_gumbel_argmax`)."""
-    kernel = kernels_apply(logits_BV)
-    # every row keeps all max_top_k candidates: their order does not matter to the kernel (no sort launched)
-    unranked = kernel and st.same_top_k and not st.any_top_p
-    vals_BN, ids_BN = logits_BV.topk(st.max_top_k, dim=-1, sorted=not unranked)
+    """`filter_logits` + Gumbel-max restricted to each row's `max_top_k` first logits (`ranked_topk`; noise by vocab
+    id, so the draw equals the full-vocab one). Top-p mass is measured under the full softmax, as `filter_logits`
+    does. With the kernels, the rank/top-p masks, noise, scores and argmax are one launch (`topk_gumbel_argmax`)."""
+    vals_BN, ids_BN = ranked_topk(logits_BV, st.max_top_k)
     nucleus_BN = None  # candidates outside the top-p nucleus
     if st.any_top_p:
         probs_BN = (vals_BN.float() - logits_BV.float().logsumexp(dim=-1, keepdim=True)).exp()
         nucleus_BN = (probs_BN.cumsum(dim=-1) - probs_BN) > st.top_ps_B[:, None]
-    if kernel:
+    if kernels_apply(logits_BV):
         return topk_gumbel_argmax(vals_BN, ids_BN, st.keys_B, st.temperatures_B, st.top_ks_B, nucleus_BN)
     rank_N = torch.arange(vals_BN.shape[-1], device=logits_BV.device)
     drop_BN = rank_N[None, :] >= st.top_ks_B[:, None]
@@ -132,7 +145,8 @@ def _sample_top_k(logits_BV: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     temps_B = torch.where(st.temperatures_B > 0, st.temperatures_B, torch.ones_like(st.temperatures_B))
     gumbel_BN = -torch.log(-torch.log(noise_at(st.keys_B, ids_BN)))
     score_BN = vals_BN.masked_fill(drop_BN, float("-inf")) / temps_B[:, None] + gumbel_BN
-    return ids_BN.gather(1, score_BN.argmax(dim=-1, keepdim=True))[:, 0]
+    # the smallest id among equal maxima (candidates are in rank order, not id order)
+    return ids_BN.masked_fill(score_BN < score_BN.amax(dim=-1, keepdim=True), logits_BV.shape[-1]).amin(dim=-1)
 
 
 class Sampler:
@@ -141,11 +155,15 @@ class Sampler:
         """Return (token ids [B], logprobs [B] of those tokens under the raw temperature-1 softmax).
 
         With the kernels, bf16 logits are read as they are (the kernels, topk, argmax and the fp32 log_softmax
-        widen each value exactly); the torch path works on an fp32 copy. Same tokens and logprobs either way."""
+        widen each value exactly); the torch path works on an fp32 copy. Same tokens either way; the same logprobs
+        too, except from the fused top-k kernel (`topk_sample`: its own fp32 log-softmax, within ~1e-6)."""
         if not kernels_apply(logits_BV):
             logits_BV = logits_BV.float()
         if st.all_greedy:
             return self._with_logprobs(logits_BV, logits_BV.argmax(dim=-1), want_logprobs)
+        if self._fused_top_k(logits_BV, st):  # temperature-0 rows included: they take the first token
+            tokens_B, logprobs_B = topk_sample(logits_BV, st.keys_B, st.temperatures_B, st.top_ks_B, st.max_top_k)
+            return tokens_B, logprobs_B if want_logprobs else None
         if st.any_filter and st.max_top_k is not None and st.max_top_k <= TOPK_CANDIDATES_MAX:
             sampled_B = _sample_top_k(logits_BV, st)
         elif not st.any_filter and kernels_apply(logits_BV):  # the same draw in one kernel
@@ -158,6 +176,12 @@ class Sampler:
             sampled_B = (z_BV / temps_B[:, None] + gumbel_BV).argmax(dim=-1)
         tokens_B = torch.where(st.temperatures_B > 0, sampled_B, logits_BV.argmax(dim=-1)) if st.any_greedy else sampled_B
         return self._with_logprobs(logits_BV, tokens_B, want_logprobs)
+
+    @staticmethod
+    def _fused_top_k(logits_BV: torch.Tensor, st: SamplingTensors) -> bool:
+        """Top-k only (no top-p), max_top_k <= FUSED_TOPK_MAX, with the kernels: the one-launch `topk_sample`."""
+        return (kernels_apply(logits_BV) and st.any_filter and not st.any_top_p and st.max_top_k is not None
+                and st.max_top_k <= FUSED_TOPK_MAX)
 
     @staticmethod
     def _with_logprobs(logits_BV: torch.Tensor, tokens_B: torch.Tensor,
