@@ -1,0 +1,113 @@
+"""The rollout sampler's cost per decode step on a GPU, inside CUDA graphs (as the engine runs it), at the reference
+vocab (32000, bf16 logits), temperature 1:
+
+- top-k 50 (what `benchmarks/rollout.py` samples with): the fused `topk_sample` launch (tokens and logprobs) against
+  the path it replaced (torch.topk 50, `_topk_gumbel`, log_softmax + gather);
+- top-k 50 + top-p 0.9: the sampler's top-p path (`ranked_topk`, nucleus mask, `_topk_gumbel`, log_softmax) against
+  the same path on plain torch.topk candidates (what it ran before `ranked_topk`);
+- an agreement check: 300 random batches (ties at the top, greedy rows, top-k 1..256) drawn by the kernels and by
+  the torch path on the same GPU, which must give the same tokens and logprobs within 4e-6.
+
+    python benchmarks/sampler.py            # CUDA only
+"""
+from __future__ import annotations
+
+import torch
+
+from moeloop.rollout import sampler as sampler_mod
+from moeloop.rollout.gumbel_kernel import topk_gumbel_argmax
+from moeloop.rollout.sampler import Sampler, SamplingTensors, row_key
+
+V = 32000
+
+
+def tensors(B: int, temps=None, top_ks=None, top_p: float = 1.0, counter: int = 0) -> SamplingTensors:
+    dev = "cuda"
+    temps = torch.ones(B, device=dev) if temps is None else temps
+    top_ks = torch.full((B,), 50, device=dev) if top_ks is None else top_ks
+    keys = torch.tensor([row_key(s, counter) for s in range(B)], device=dev)
+    return SamplingTensors(temps, top_ks, torch.full((B,), top_p, device=dev), keys, any_filter=True,
+                           all_greedy=False, max_top_k=int(top_ks.max()), any_greedy=bool((temps == 0).any()),
+                           any_top_p=top_p < 1, same_top_k=True)
+
+
+def before_topk(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-k-only path before `topk_sample`: unsorted torch.topk, one-kernel draw, log_softmax + gather."""
+    vals, ids = logits.topk(st.max_top_k, dim=-1, sorted=False)
+    tokens = topk_gumbel_argmax(vals, ids, st.keys_B, st.temperatures_B, st.top_ks_B)
+    return tokens, torch.log_softmax(logits, -1, dtype=torch.float32).gather(1, tokens[:, None])[:, 0]
+
+
+def before_top_p(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-p path on plain (sorted) torch.topk candidates, as before `ranked_topk`."""
+    vals, ids = logits.topk(st.max_top_k, dim=-1)
+    probs = (vals.float() - logits.float().logsumexp(dim=-1, keepdim=True)).exp()
+    drop = (probs.cumsum(dim=-1) - probs) > st.top_ps_B[:, None]
+    tokens = topk_gumbel_argmax(vals, ids, st.keys_B, st.temperatures_B, st.top_ks_B, drop)
+    return tokens, torch.log_softmax(logits, -1, dtype=torch.float32).gather(1, tokens[:, None])[:, 0]
+
+
+def now(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
+    return Sampler()(logits, st, True)
+
+
+def graph_us(fn, logits: torch.Tensor, st: SamplingTensors, calls: int = 20) -> tuple[float, bool]:
+    """Microseconds per call of fn captured `calls` times in one CUDA graph, and whether the replayed outputs
+    equal an eager call's."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn(logits, st)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [fn(logits, st) for _ in range(calls)]
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    want = fn(logits, st)
+    same = all(torch.equal(o[0], want[0]) and torch.equal(o[1], want[1]) for o in outs)
+    return start.elapsed_time(end) / (10 * calls) * 1000, same
+
+
+def agreement(batches: int = 300) -> int:
+    """Batches whose kernel draw differs from the torch path's on the same GPU (tokens, or logprobs by > 4e-6)."""
+    bad = 0
+    for it in range(batches):
+        B = [1, 7, 64, 256][it % 4]
+        logits = (torch.randn(B, V, device="cuda") * (1 + it % 5)).to(torch.bfloat16)
+        logits[:, 100:140] = logits.max()  # a run of equal maxima
+        temps = torch.rand(B, device="cuda") + 0.2
+        temps[::5] = 0
+        st = tensors(B, temps, torch.randint(1, 257, (B,), device="cuda"), counter=it)
+        tokens, lp = Sampler()(logits, st, True)
+        sampler_mod.kernels_apply = lambda t: False
+        try:
+            want_tokens, want_lp = Sampler()(logits, st, True)
+        finally:
+            sampler_mod.kernels_apply = lambda t: True
+        bad += (not torch.equal(tokens, want_tokens)) or (lp - want_lp).abs().max().item() > 4e-6
+    return bad
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; us per sampling step in a CUDA graph, V={V}")
+    for B in (1, 8, 32, 128, 256):
+        logits = (torch.randn(B, V, device="cuda") * 3).to(torch.bfloat16)
+        st, st_p = tensors(B), tensors(B, top_p=0.9)
+        (t_old, _), (t_new, same) = graph_us(before_topk, logits, st), graph_us(now, logits, st)
+        (tp_old, _), (tp_new, same_p) = graph_us(before_top_p, logits, st_p), graph_us(now, logits, st_p)
+        print(f"B={B:3d}  top-k 50: before {t_old:6.1f}  fused {t_new:6.1f}   |  top-k 50 + top-p 0.9: "
+              f"torch.topk {tp_old:6.1f}  ranked_topk {tp_new:6.1f}   (replay == eager: {same and same_p})")
+    print(f"random batches, kernels vs torch path on the GPU: {agreement()} of 300 differ")
+
+
+if __name__ == "__main__":
+    main()
