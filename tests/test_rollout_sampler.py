@@ -160,8 +160,8 @@ def test_kernel_sampler_on_bf16_logits_equals_the_fp32_torch_path(monkeypatch, c
     if case == "top_k_same":  # the fused top-k launch: its own log-softmax, another fp32 summation order
         assert fused and not sorts
         torch.testing.assert_close(lp, want_lp, rtol=0, atol=2e-6)
-    else:  # top-p: ranked_topk's one sorted topk (of the int64 keys); no filter: no topk
-        assert not fused and sorts == ([True] if case == "top_k_top_p" else [])
+    else:  # top-p: ranked_topk's one launch (`ranked_candidates`), no torch.topk; no filter: no topk
+        assert not fused and not sorts
         assert torch.equal(lp, want_lp)
 
 
@@ -198,6 +198,25 @@ def test_top_k_paths_agree_on_tied_logits():
     by_candidates, _ = Sampler()(logits, SamplingTensors(**{**vars(st), "max_top_k": 64}), want_logprobs=False)
     by_filter, _ = Sampler()(logits, st, want_logprobs=False)  # max_top_k None: filter_logits over the full vocab
     assert torch.equal(by_candidates, by_filter)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_ranked_candidates_kernel_equals_ranked_topk(monkeypatch, dtype):
+    """`ranked_candidates` (the kernels' ranked_topk: slices' local top-n, then the row's last program ranks them)
+    returns the torch path's values and ids in the same order, on rows with runs of ties across slice borders,
+    for n from 1 to 256."""
+    import moeloop.rollout.sampler as sampler
+    from moeloop.rollout.gumbel_kernel import ranked_candidates
+    g = torch.Generator().manual_seed(6)
+    logits = _tied_logits(9, 2500, dtype, g).to(DEVICE)
+    logits[0, 7] = -0.0  # equal to +0.0 in the order
+    for n in (1, 17, 50, 64, 256):
+        monkeypatch.setattr(sampler, "kernels_apply", lambda t: False)
+        want_vals, want_ids = ranked_topk(logits, n)
+        monkeypatch.setattr(sampler, "kernels_apply", lambda t: True)
+        vals, ids = ranked_candidates(logits, n)
+        assert vals.dtype == logits.dtype and torch.equal(ids, want_ids) and torch.equal(vals, want_vals), n
 
 
 def _tied_logits(B: int, V: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:

@@ -144,6 +144,13 @@ def _compile_topk_sample():
                                 dict(V=32000, S=16, S_PAD=16, BLOCK_V=2048, C=slots, KEY_BITS=key_bits,
                                      LIBDEVICE=True), num_warps=warps)
         assert "atom.global.gpu.acq_rel.add" in compiled.asm["ptx"]  # the row's ticket, after a bar.sync
+    ranked = {k: v for k, v in types.items() if k not in ("keys_ptr", "temps_ptr", "top_ks_ptr", "tokens_ptr",
+                                                          "logprobs_ptr", "max_top_k")}
+    for n_pad, slots, warps in ((64, 64, 4), (256, 256, 8)):  # the top-p path's ranked candidates
+        compile_sm90(gumbel_kernel._ranked_candidates, dict(logits_ptr="*bf16", vals_ptr="*bf16", ids_ptr="*i64",
+                                                            n="i32", **ranked),
+                     dict(V=32000, S=16, S_PAD=16, BLOCK_V=2048, C=slots, N_PAD=n_pad, J=64, KEY_BITS=16),
+                     num_warps=warps)
 
 
 def _compile_rmsnorm():

@@ -199,6 +199,49 @@ if triton is not None:
             _pick_token(m_ptr, l_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, keys_ptr, temps_ptr, tokens_ptr, logprobs_ptr,
                         b, k, S, S_PAD, C, KEY_BITS, LIBDEVICE)
 
+    @triton.jit
+    def _store_ranked(cnt_ptr, cand_z_ptr, cand_v_ptr, vals_ptr, ids_ptr, b, n, S: tl.constexpr,
+                      S_PAD: tl.constexpr, C: tl.constexpr, N_PAD: tl.constexpr, J: tl.constexpr,
+                      KEY_BITS: tl.constexpr):
+        """Phase 2 of `_ranked_candidates` (row b's last program): the row's first n tokens under the total order,
+        stored in that order into vals / ids [B, n]. The kept candidates are compacted into the row's first C
+        slots (n <= C), then each one's rank is the number of kept tokens ahead of it (J of them at a time)."""
+        j = tl.arange(0, S_PAD * C)
+        js = j // C
+        valid = (js < S) & (j % C < tl.load(cnt_ptr + b * S + js, mask=js < S, other=0, cache_modifier=".cg"))
+        row_z, row_v = cand_z_ptr + b * S * C, cand_v_ptr + b * S * C
+        z = tl.load(row_z + j, mask=valid, other=float("-inf"), cache_modifier=".cg")
+        v = tl.load(row_v + j, mask=valid, other=0, cache_modifier=".cg")
+        keep = _keep_first(z, valid, n, KEY_BITS)
+        tl.debug_barrier()  # every lane has its candidates before the kept ones overwrite the first slots
+        _compact(keep, z, v, row_z, row_v)
+        tl.debug_barrier()
+        i = tl.arange(0, N_PAD)
+        zi = tl.load(row_z + i, mask=i < n, other=float("-inf"))
+        vi = tl.load(row_v + i, mask=i < n, other=0)
+        rank = tl.zeros([N_PAD], tl.int32)
+        for j0 in tl.static_range(0, N_PAD, J):
+            jj = j0 + tl.arange(0, J)
+            zj = tl.load(row_z + jj, mask=jj < n, other=float("-inf"))[None, :]
+            vj = tl.load(row_v + jj, mask=jj < n, other=0)[None, :]
+            ahead = (zj > zi[:, None]) | ((zj == zi[:, None]) & (vj < vi[:, None]))
+            rank += tl.sum((ahead & (jj < n)[None, :]).to(tl.int32), 1)
+        tl.store(vals_ptr + b * n + rank, zi.to(vals_ptr.dtype.element_ty), mask=i < n)
+        tl.store(ids_ptr + b * n + rank, vi.to(tl.int64), mask=i < n)
+
+    @triton.jit
+    def _ranked_candidates(logits_ptr, m_ptr, l_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, done_ptr, vals_ptr, ids_ptr,
+                           s_lb, n, V: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr, BLOCK_V: tl.constexpr,
+                           C: tl.constexpr, N_PAD: tl.constexpr, J: tl.constexpr, KEY_BITS: tl.constexpr):
+        """Program (b, s): `_topk_sample`'s phase 1 with k = n; the row's last program ranks its first n tokens
+        (`_store_ranked`): the sampler's `ranked_topk` in one launch."""
+        b = tl.program_id(0).to(tl.int64)
+        s = tl.program_id(1)
+        _slice_candidates(logits_ptr, m_ptr, l_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, b, s, n, s_lb, V, S, BLOCK_V, C,
+                          KEY_BITS)
+        if last_arrival(done_ptr + b, S):
+            _store_ranked(cnt_ptr, cand_z_ptr, cand_v_ptr, vals_ptr, ids_ptr, b, n, S, S_PAD, C, N_PAD, J, KEY_BITS)
+
 
 def gumbel_argmax(logits_BV: torch.Tensor, keys_B: torch.Tensor, temperatures_B: torch.Tensor) -> torch.Tensor:
     """Sampled token ids [B] (int64) of the no-filter Gumbel-max draw; the same as the torch path's."""
@@ -237,6 +280,32 @@ def topk_gumbel_argmax(vals_BN: torch.Tensor, ids_BN: torch.Tensor, keys_B: torc
 TOPK_SPLITS = 16  # target programs per row of `topk_sample`: at B=1 one per row would leave most SMs idle
 
 
+class _SlicePlan:
+    """The launch shape and scratch of the two-phase top-k kernels for logits [B, V] and up to `max_top_k`
+    candidates per slice: S slices of BLOCK_V, C slots each, the per-slice stats and counts, a zeroed counter per row."""
+
+    def __init__(self, logits_BV: torch.Tensor, max_top_k: int):
+        B, V = logits_BV.shape
+        dev = logits_BV.device
+        self.block_v = min(max(triton.next_power_of_2(triton.cdiv(V, TOPK_SPLITS)), 128), 4096)
+        self.S = triton.cdiv(V, self.block_v)
+        self.s_pad = max(2, triton.next_power_of_2(self.S))
+        self.C = max(16, triton.next_power_of_2(max_top_k))
+        self.stats_2BS = torch.empty(2, B, self.S, dtype=torch.float32, device=dev)  # slice max, sum of exp
+        self.cnt_BS = torch.empty(B, self.S, dtype=torch.int32, device=dev)
+        self.cand_z_BSC = torch.empty(B, self.S, self.C, dtype=torch.float32, device=dev)
+        self.cand_v_BSC = torch.empty(B, self.S, self.C, dtype=torch.int32, device=dev)
+        self.done_B = torch.zeros(B, dtype=torch.int32, device=dev)
+        self.num_warps = 4 if max(self.block_v, self.s_pad * self.C) <= 2048 else 8
+
+    def scratch(self) -> tuple:
+        return self.stats_2BS[0], self.stats_2BS[1], self.cnt_BS, self.cand_z_BSC, self.cand_v_BSC, self.done_B
+
+    def consts(self, logits_BV: torch.Tensor) -> dict:
+        return dict(V=logits_BV.shape[1], S=self.S, S_PAD=self.s_pad, BLOCK_V=self.block_v, C=self.C,
+                    KEY_BITS=16 if logits_BV.dtype == torch.bfloat16 else 32)
+
+
 def topk_sample(logits_BV: torch.Tensor, keys_B: torch.Tensor, temperatures_B: torch.Tensor, top_ks_B: torch.Tensor,
                 max_top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(token ids [B] int64, their raw temperature-1 logprobs [B] fp32) of the top-k Gumbel-max draw (no top-p),
@@ -245,25 +314,33 @@ def topk_sample(logits_BV: torch.Tensor, keys_B: torch.Tensor, temperatures_B: t
     logprobs equal torch.log_softmax's up to fp32 rounding (another summation order)."""
     if logits_BV.stride(-1) != 1:
         logits_BV = logits_BV.contiguous()
-    B, V = logits_BV.shape
-    dev = logits_BV.device
-    block_v = min(max(triton.next_power_of_2(triton.cdiv(V, TOPK_SPLITS)), 128), 4096)
-    S = triton.cdiv(V, block_v)
-    C = max(16, triton.next_power_of_2(max_top_k))  # per-slice candidate slots
-    tokens_B = torch.empty(B, dtype=torch.int64, device=dev)
-    logprobs_B = torch.empty(B, dtype=torch.float32, device=dev)
+    B = logits_BV.shape[0]
+    tokens_B = torch.empty(B, dtype=torch.int64, device=logits_BV.device)
+    logprobs_B = torch.empty(B, dtype=torch.float32, device=logits_BV.device)
     if not B:
         return tokens_B, logprobs_B
-    stats_2BS = torch.empty(2, B, S, dtype=torch.float32, device=dev)  # slice max, slice sum of exp
-    cnt_BS = torch.empty(B, S, dtype=torch.int32, device=dev)
-    cand_z_BSC = torch.empty(B, S, C, dtype=torch.float32, device=dev)
-    cand_v_BSC = torch.empty(B, S, C, dtype=torch.int32, device=dev)
-    done_B = torch.zeros(B, dtype=torch.int32, device=dev)
-    s_pad = max(2, triton.next_power_of_2(S))
-    tile = max(block_v, s_pad * C)
-    _topk_sample[(B, S)](logits_BV, keys_B.contiguous(), temperatures_B.float().contiguous(), top_ks_B.contiguous(),
-                         stats_2BS[0], stats_2BS[1], cnt_BS, cand_z_BSC, cand_v_BSC, done_B, tokens_B, logprobs_B,
-                         logits_BV.stride(0), max_top_k, V=V, S=S, S_PAD=s_pad, BLOCK_V=block_v,
-                         C=C, KEY_BITS=16 if logits_BV.dtype == torch.bfloat16 else 32,
-                         LIBDEVICE=not triton_interpreting(), num_warps=4 if tile <= 2048 else 8)
+    plan = _SlicePlan(logits_BV, max_top_k)
+    _topk_sample[(B, plan.S)](logits_BV, keys_B.contiguous(), temperatures_B.float().contiguous(),
+                              top_ks_B.contiguous(), *plan.scratch(), tokens_B, logprobs_B, logits_BV.stride(0),
+                              max_top_k, **plan.consts(logits_BV), LIBDEVICE=not triton_interpreting(),
+                              num_warps=plan.num_warps)
     return tokens_B, logprobs_B
+
+
+def ranked_candidates(logits_BV: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values in the logits' dtype, vocab ids int64) [B, n], n <= V: each row's first n tokens under (logit
+    descending, vocab id ascending), in that order, in one launch plus a zeroed counter; capture-safe (the
+    sampler's `ranked_topk` on CUDA)."""
+    if logits_BV.stride(-1) != 1:
+        logits_BV = logits_BV.contiguous()
+    B = logits_BV.shape[0]
+    vals_BN = logits_BV.new_empty(B, n)
+    ids_BN = torch.empty(B, n, dtype=torch.int64, device=logits_BV.device)
+    if not B:
+        return vals_BN, ids_BN
+    plan = _SlicePlan(logits_BV, n)
+    n_pad = max(16, triton.next_power_of_2(n))
+    _ranked_candidates[(B, plan.S)](logits_BV, *plan.scratch(), vals_BN, ids_BN, logits_BV.stride(0), n,
+                                    **plan.consts(logits_BV), N_PAD=n_pad, J=min(n_pad, 64),
+                                    num_warps=plan.num_warps)
+    return vals_BN, ids_BN

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from moeloop.model.kernel_switch import kernels_apply
-from moeloop.rollout.gumbel_kernel import gumbel_argmax, topk_gumbel_argmax, topk_sample
+from moeloop.rollout.gumbel_kernel import gumbel_argmax, ranked_candidates, topk_gumbel_argmax, topk_sample
 
 _M32 = 0xFFFFFFFF
 
@@ -99,12 +99,16 @@ class SamplingTensors:
 def ranked_topk(logits_BV: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, vocab ids) [B, min(n, V)] of each row's first n tokens under (logit descending, vocab id ascending),
     in that order: torch.topk over a unique int64 key, so ties at the n-th value keep the smallest ids on every
-    device (torch.topk alone leaves that choice unspecified). No host sync."""
+    device (torch.topk alone leaves that choice unspecified). No host sync. With the kernels and n <= FUSED_TOPK_MAX
+    one launch (`ranked_candidates`), else torch ops."""
+    n = min(n, logits_BV.shape[-1])
+    if kernels_apply(logits_BV) and n <= FUSED_TOPK_MAX:
+        return ranked_candidates(logits_BV, n)
     bits_BV = logits_BV.float().view(torch.int32)
     key_BV = torch.where(bits_BV >= 0, bits_BV, bits_BV ^ 0x7FFFFFFF)  # int32 in the fp32 order
     key_BV = key_BV.masked_fill(logits_BV == 0, 0).to(torch.int64)  # -0.0 ties +0.0, as they compare
     ids_V = torch.arange(logits_BV.shape[-1], device=logits_BV.device)
-    ids_BN = (key_BV * (1 << 32) + (_M32 - ids_V)).topk(min(n, logits_BV.shape[-1]), dim=-1).indices
+    ids_BN = (key_BV * (1 << 32) + (_M32 - ids_V)).topk(n, dim=-1).indices
     return logits_BV.gather(1, ids_BN), ids_BN
 
 
