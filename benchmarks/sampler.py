@@ -28,7 +28,7 @@ def tensors(B: int, temps=None, top_ks=None, top_p: float = 1.0, counter: int = 
     keys = torch.tensor([row_key(s, counter) for s in range(B)], device=dev)
     return SamplingTensors(temps, top_ks, torch.full((B,), top_p, device=dev), keys, any_filter=True,
                            all_greedy=False, max_top_k=int(top_ks.max()), any_greedy=bool((temps == 0).any()),
-                           any_top_p=top_p < 1, same_top_k=True)
+                           any_top_p=top_p < 1)
 
 
 def before_topk(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:

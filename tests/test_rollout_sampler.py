@@ -147,7 +147,7 @@ def test_kernel_sampler_on_bf16_logits_equals_the_fp32_torch_path(monkeypatch, c
     st = SamplingTensors(temps.to(device), torch.tensor(top_ks, device=device), torch.tensor(top_ps, device=device),
                          keys.to(device), any_filter=case.startswith("top_k"), all_greedy=False,
                          max_top_k=max(top_ks), any_greedy=case == "greedy_rows",
-                         any_top_p=case == "top_k_top_p", same_top_k=len(set(top_ks)) == 1)
+                         any_top_p=case == "top_k_top_p")
     monkeypatch.setattr(sampler, "kernels_apply", lambda t: False)
     want_tokens, want_lp = Sampler()(logits.float(), st, want_logprobs=True)
     monkeypatch.setattr(sampler, "kernels_apply", lambda t: True)

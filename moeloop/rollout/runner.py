@@ -288,7 +288,7 @@ class ModelRunner:
         temps, top_ks, top_ps = _row_params(params[:1] if uniform else params, V)
         flags = dict(any_filter=any(k < V for k in top_ks) or any(p < 1 for p in top_ps),
                      all_greedy=all(t == 0 for t in temps), max_top_k=max(top_ks), any_greedy=any(t == 0 for t in temps),
-                     any_top_p=any(p < 1 for p in top_ps), same_top_k=min(top_ks) == max(top_ks))
+                     any_top_p=any(p < 1 for p in top_ps))
         counters = np.array([s.num_response_tokens for s in seqs], dtype=np.int64)
         keys = row_keys([s.seed for s in seqs], counters if steps == 1 else counters + np.arange(steps)[:, None])
         floats = torch.tensor([temps, top_ps], dtype=torch.float32)

@@ -84,10 +84,9 @@ class SamplingTensors:
     keys_B: torch.Tensor  # int64 row keys from `row_key`
     any_filter: bool
     all_greedy: bool
-    max_top_k: int | None = None  # host max of top_ks_B; small -> sample among `ranked_topk` candidates, no sort
+    max_top_k: int | None = None  # host max of top_ks_B; small -> sample among `ranked_topk` candidates (no sort)
     any_greedy: bool = True  # some row has temperature 0 (False: no greedy argmax needed)
     any_top_p: bool = True  # some row has top_p < 1 (False: no nucleus mask needed)
-    same_top_k: bool = False  # every row has top_k == max_top_k
 
     @classmethod
     def packed(cls, floats_2B: torch.Tensor, ints_XB: torch.Tensor, flags: dict) -> "SamplingTensors":
