@@ -28,6 +28,7 @@ from moeloop.model import kernel_switch
 from moeloop.model.kernel_switch import kernels_apply, pdl_args
 from moeloop.model.moe import MoE
 from moeloop.model.norm import RMSNorm
+from moeloop.model.rope import RopeTables
 from moeloop.rollout.decode_kernel import triton, triton_interpreting
 from moeloop.rollout.moe_kernel import fused_experts, grouped_expert_rows, uses_grouped_rows
 from moeloop.rollout.paged_attention import PagedAttention
@@ -71,7 +72,8 @@ if triton is not None:
     @triton.jit
     def _norm_rope_half(x_ptr, w_ptr, cos_ptr, sin_ptr, t, eps, HALF: tl.constexpr, QK_NORM: tl.constexpr,
                         dt: tl.constexpr):
-        """One head [2 * HALF] at x_ptr: optional RMSNorm (weight w_ptr), then half-split RoPE; two halves out."""
+        """One head [2 * HALF] at x_ptr: optional RMSNorm (weight w_ptr), then half-split RoPE with row t of the
+        cos/sin tables; two halves out."""
         i = tl.arange(0, HALF)
         x1 = tl.load(x_ptr + i).to(tl.float32)
         x2 = tl.load(x_ptr + HALF + i).to(tl.float32)
@@ -89,24 +91,26 @@ if triton is not None:
         return o1.to(dt), o2.to(dt)
 
     @triton.jit
-    def _qk_norm_rope_store(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, slots_ptr, qo_ptr,
+    def _qk_norm_rope_store(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, qo_ptr,
                             kc_ptr, vc_ptr, eps, s_q, s_k, s_v, s_kc, s_vc, H: tl.constexpr, G: tl.constexpr,
                             HALF: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr):
-        """Row strides s_q/s_k/s_v: q, k, v may be column slices of one packed q|k|v projection."""
+        """Row strides s_q/s_k/s_v: q, k, v may be column slices of one packed q|k|v projection. cos/sin: RoPE
+        tables by position, row pos[t] for token t."""
         pdl_wait(PDL)
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
+        p = tl.load(pos_ptr + t).to(tl.int64)
         DH = 2 * HALF
         i = tl.arange(0, HALF)
         dt = qo_ptr.dtype.element_ty
         if h < H:
-            o1, o2 = _norm_rope_half(q_ptr + t * s_q + h * DH, qw_ptr, cos_ptr, sin_ptr, t, eps, HALF, QK_NORM, dt)
+            o1, o2 = _norm_rope_half(q_ptr + t * s_q + h * DH, qw_ptr, cos_ptr, sin_ptr, p, eps, HALF, QK_NORM, dt)
             tl.store(qo_ptr + (t * H + h) * DH + i, o1)
             tl.store(qo_ptr + (t * H + h) * DH + HALF + i, o2)
         else:
             g = h - H
             slot = tl.load(slots_ptr + t)
-            o1, o2 = _norm_rope_half(k_ptr + t * s_k + g * DH, kw_ptr, cos_ptr, sin_ptr, t, eps, HALF, QK_NORM, dt)
+            o1, o2 = _norm_rope_half(k_ptr + t * s_k + g * DH, kw_ptr, cos_ptr, sin_ptr, p, eps, HALF, QK_NORM, dt)
             kc = kc_ptr + slot * s_kc + g * DH
             tl.store(kc + i, o1.to(kc_ptr.dtype.element_ty))
             tl.store(kc + HALF + i, o2.to(kc_ptr.dtype.element_ty))
@@ -255,9 +259,10 @@ def add_rmsnorm(x_TD: torch.Tensor, res_TD: torch.Tensor | None, norm: RMSNorm,
 
 
 def qk_norm_rope_store(attn: nn.Module, q_TX: torch.Tensor, k_TX: torch.Tensor, v_TX: torch.Tensor,
-                       cos_TR: torch.Tensor, sin_TR: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       rope: RopeTables, pos_T: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        slots_T: torch.Tensor) -> torch.Tensor:
-    """Normalised, rotated q [T, H, Dh]; k (normalised, rotated) and v written to their cache slots."""
+    """Normalised, rotated q [T, H, Dh]; k (normalised, rotated) and v written to their cache slots. `rope`: tables
+    by position (`RotaryEmbedding.table`), read at rows pos_T."""
     T = q_TX.shape[0]
     H, G, Dh = attn.num_heads, attn.num_kv_heads, attn.head_dim
     q_out = q_TX.new_empty(T, H, Dh)
@@ -265,8 +270,8 @@ def qk_norm_rope_store(attn: nn.Module, q_TX: torch.Tensor, k_TX: torch.Tensor, 
     qw, kw = (attn.q_norm.weight, attn.k_norm.weight) if qk_norm else (q_TX, q_TX)
     eps = attn.q_norm.eps if qk_norm else 0.0
     q_TX, k_TX, v_TX = (x if x.stride(1) == 1 else x.contiguous() for x in (q_TX, k_TX, v_TX))
-    cos_TR, sin_TR = cos_TR.contiguous(), sin_TR.contiguous()
-    _qk_norm_rope_store[(T, H + G)](q_TX, k_TX, v_TX, qw, kw, cos_TR, sin_TR, slots_T, q_out,
+    cos_PR, sin_PR = rope.cos_TR.contiguous(), rope.sin_TR.contiguous()
+    _qk_norm_rope_store[(T, H + G)](q_TX, k_TX, v_TX, qw, kw, cos_PR, sin_PR, pos_T, slots_T, q_out,
                                     k_cache, v_cache, eps, q_TX.stride(0), k_TX.stride(0), v_TX.stride(0),
                                     k_cache.stride(0), v_cache.stride(0), H=H, G=G, HALF=Dh // 2,
                                     QK_NORM=qk_norm, num_warps=1, enable_fp_fusion=False,
@@ -456,7 +461,8 @@ def fused_decode_forward(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Ten
     (the down kernel reads the expert ids)."""
     stack = model.model
     x_TD = stack.embed_tokens(ids_T)
-    rope = model.rotary.tables(pos_T, x_TD.dtype)
+    # RoPE tables by position, built once (the warm-up before a graph capture): the step reads rows, no table ops
+    rope = model.rotary.table(ctx.meta.block_tables_BN.shape[1] * ctx.cache.block_size, x_TD.dtype, x_TD.device)
     layers = stack.layers
     pending = (x_TD, None, layers[0].input_layernorm)
     slots_T = ctx.meta.slot_mapping_T
@@ -469,7 +475,7 @@ def fused_decode_forward(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Ten
         else:
             y_TD, res_TD = _settle(pending)
             q_TX, k_TX, v_TX = project_qkv(y_TD, attn)
-        q_THD = qk_norm_rope_store(attn, q_TX, k_TX, v_TX, rope.cos_TR, rope.sin_TR, ctx.cache.k[i], ctx.cache.v[i],
+        q_THD = qk_norm_rope_store(attn, q_TX, k_TX, v_TX, rope, pos_T, ctx.cache.k[i], ctx.cache.v[i],
                                    slots_T)
         o_THD = ctx.attend_cached(i, q_THD, attn.scale)
         (o_TD,) = project(o_THD.reshape(T, -1), [attn.o_proj])
