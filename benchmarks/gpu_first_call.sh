@@ -16,7 +16,7 @@ tail -1 /tmp/gpu_tests.log
 timeout 150 python3 benchmarks/profile_update.py --micro-batch-tokens 40960 --skip-hf --repeats 3 --top 12
 timeout 80 python3 benchmarks/profile_decode.py --batch 1,128,256 --top 6
 # the decode step's host/device overlap (session 6's pinned uploads): engine.step times against the forward alone
-timeout 150 python3 benchmarks/rollout.py --device cuda --size reference --batch 1,32,256 --repeats 2 --skip-hf \
+timeout 150 python3 benchmarks/rollout.py --device cuda --size reference --batch 1,32,256 --repeats 3 --skip-hf \
     --step-times | grep -v -i warn | tail -11
 MOELOOP_PDL=off timeout 60 python3 benchmarks/rollout.py --device cuda --size reference --batch 1 --repeats 2 \
     --skip-hf | tail -1  # A/B: PDL at B=1

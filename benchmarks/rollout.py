@@ -131,7 +131,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: bfloat16 on cuda, float32 on cpu")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="timed runs per length; the median (of 2 it is the mean: one host stall moved B=1 by 30%%)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--step-times", action="store_true", help="also print the spread of engine.step host times")
     ap.add_argument("--decode-steps", type=int, default=0, help="rollout.decode_steps (0: auto, 8 on CUDA; 1: one "
