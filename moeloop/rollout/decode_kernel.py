@@ -58,19 +58,6 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
-    def last_arrival(counter_ptr, n):
-        """True in the last of the n programs that each call this once on one int32 counter, after their stores:
-        a CTA barrier (the program's stores are issued), then an acq_rel atomic at GPU scope, so the last program
-        sees the others' stores (read them with .cg loads, from L2). The last one sets the counter back to 0 for
-        the next launch. (Used by the sampler's top-k kernel; folding the split merge and the router's top-k into
-        their kernels this way measured slower on the H200 than the PDL-overlapped launches: BENCHMARKS.md.)"""
-        tl.debug_barrier()
-        last = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == n - 1
-        if last:
-            tl.store(counter_ptr, 0)
-        return last
-
-    @triton.jit
     def _paged_decode(q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, tables_ptr, lens_ptr, scale,
                       s_qb, s_qh, s_ks, s_kg, s_vs, s_vg, s_ob, s_oh, s_tb,
                       QH: tl.constexpr, QH_PAD: tl.constexpr, DK: tl.constexpr, DK_PAD: tl.constexpr,

@@ -1,6 +1,8 @@
 """Gumbel-max sampling in Triton: the sampler's full-vocab draw (`gumbel_argmax`), its draw among ranked
-top-k candidates (`topk_gumbel_argmax`, the top-p path) and the whole top-k draw with its logprob in one launch
-(`topk_sample`, the top-k-only path).
+top-k candidates (`topk_gumbel_argmax`, the top-p path, on `ranked_candidates`) and the whole top-k draw with its
+logprob in one launch (`topk_sample`, the top-k-only path). The last two share a two-phase kernel shape
+(`_SlicePlan`): S programs per row each keep their vocab slice's top-k (bisection on an order key), and the row's
+last program to finish (`last_arrival`) works on the slices' candidates.
 
 The torch path builds the [B, V] noise in int64 (about 25 elementwise kernels over 8 bytes per entry), takes two
 logs, divides, adds and reduces: some 30 kernels and ~2 GB of memory traffic at B=128, V=32000. Here SPLITS
@@ -24,7 +26,18 @@ if triton is not None:
     import triton.language as tl
     from triton.language.extra import libdevice
 
-    from moeloop.rollout.decode_kernel import last_arrival
+    @triton.jit
+    def last_arrival(counter_ptr, n):
+        """True in the last of the n programs that each call this once on one int32 counter, after their stores:
+        a CTA barrier (the program's stores are issued), then an acq_rel atomic at GPU scope, so the last program
+        sees the others' stores (read them with .cg loads, from L2). The last one sets the counter back to 0 for
+        the next launch. (Folding the decode's split merge and router top-k into their kernels this way measured
+        slower on the H200 than PDL-overlapped launches: BENCHMARKS.md, session 10.)"""
+        tl.debug_barrier()
+        last = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == n - 1
+        if last:
+            tl.store(counter_ptr, 0)
+        return last
 
     @triton.jit
     def _mix32(x):
