@@ -5,8 +5,10 @@ vocab (32000, bf16 logits), temperature 1:
   the path it replaced (torch.topk 50, `_topk_gumbel`, log_softmax + gather);
 - top-k 50 + top-p 0.9: the sampler's top-p path (`ranked_topk`, nucleus mask, `_topk_gumbel`, log_softmax) against
   the same path on plain torch.topk candidates (what it ran before `ranked_topk`);
-- an agreement check: 300 random batches (ties at the top, greedy rows, top-k 1..256) drawn by the kernels and by
-  the torch path on the same GPU, which must give the same tokens and logprobs within 4e-6.
+- no filter (the RL default, top-k off, top-p 1): the one-launch `gumbel_sample` against the same draw in torch
+  ops (`MOELOOP_KERNELS=off`'s path; the two-kernel version it replaced is gone);
+- an agreement check: 300 random batches (ties at the top, greedy rows, top-k 1..256 or off) drawn by the kernels
+  and by the torch path on the same GPU, which must give the same tokens and logprobs within 4e-6.
 
     python benchmarks/sampler.py            # CUDA only
 """
@@ -26,7 +28,8 @@ def tensors(B: int, temps=None, top_ks=None, top_p: float = 1.0, counter: int = 
     temps = torch.ones(B, device=dev) if temps is None else temps
     top_ks = torch.full((B,), 50, device=dev) if top_ks is None else top_ks
     keys = torch.tensor([row_key(s, counter) for s in range(B)], device=dev)
-    return SamplingTensors(temps, top_ks, torch.full((B,), top_p, device=dev), keys, any_filter=True,
+    return SamplingTensors(temps, top_ks, torch.full((B,), top_p, device=dev), keys,
+                           any_filter=top_p < 1 or bool((top_ks < V).any()),
                            all_greedy=False, max_top_k=int(top_ks.max()), any_greedy=bool((temps == 0).any()),
                            any_top_p=top_p < 1)
 
@@ -49,6 +52,15 @@ def before_top_p(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tenso
 
 def now(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
     return Sampler()(logits, st, True)
+
+
+def torch_ops(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampler with the kernels off (on the bf16 logits' fp32 copy, as that path runs)."""
+    sampler_mod.kernels_apply = lambda t: False
+    try:
+        return Sampler()(logits, st, True)
+    finally:
+        sampler_mod.kernels_apply = lambda t: True
 
 
 def graph_us(fn, logits: torch.Tensor, st: SamplingTensors, calls: int = 20) -> tuple[float, bool]:
@@ -85,13 +97,10 @@ def agreement(batches: int = 300) -> int:
         logits[:, 100:140] = logits.max()  # a run of equal maxima
         temps = torch.rand(B, device="cuda") + 0.2
         temps[::5] = 0
-        st = tensors(B, temps, torch.randint(1, 257, (B,), device="cuda"), counter=it)
+        top_ks = torch.randint(1, 257, (B,), device="cuda") if it % 3 else torch.full((B,), V, device="cuda")
+        st = tensors(B, temps, top_ks, counter=it)  # every third batch: no filter (`gumbel_sample`)
         tokens, lp = Sampler()(logits, st, True)
-        sampler_mod.kernels_apply = lambda t: False
-        try:
-            want_tokens, want_lp = Sampler()(logits, st, True)
-        finally:
-            sampler_mod.kernels_apply = lambda t: True
+        want_tokens, want_lp = torch_ops(logits, st)
         bad += (not torch.equal(tokens, want_tokens)) or (lp - want_lp).abs().max().item() > 4e-6
     return bad
 
@@ -104,8 +113,11 @@ def main() -> None:
         st, st_p = tensors(B), tensors(B, top_p=0.9)
         (t_old, _), (t_new, same) = graph_us(before_topk, logits, st), graph_us(now, logits, st)
         (tp_old, _), (tp_new, same_p) = graph_us(before_top_p, logits, st_p), graph_us(now, logits, st_p)
+        st_n = tensors(B, top_ks=torch.full((B,), V, device="cuda"))
+        (tn_old, _), (tn_new, same_n) = graph_us(torch_ops, logits, st_n), graph_us(now, logits, st_n)
         print(f"B={B:3d}  top-k 50: before {t_old:6.1f}  fused {t_new:6.1f}   |  top-k 50 + top-p 0.9: "
-              f"torch.topk {tp_old:6.1f}  ranked_topk {tp_new:6.1f}   (replay == eager: {same and same_p})")
+              f"torch.topk {tp_old:6.1f}  ranked_topk {tp_new:6.1f}   |  no filter: torch ops {tn_old:6.1f}  "
+              f"one launch {tn_new:6.1f}   (replay == eager: {same and same_p and same_n})")
     print(f"random batches, kernels vs torch path on the GPU: {agreement()} of 300 differ")
 
 

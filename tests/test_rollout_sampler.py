@@ -70,29 +70,41 @@ def test_logprobs_are_raw_temperature_one_and_greedy_is_argmax():
 
 @needs_kernels
 def test_gumbel_kernel_equals_the_torch_draw():
-    """The one-kernel full-vocab draw (CUDA; here the Triton interpreter on CPU) picks the torch path's tokens:
-    same hash, same noise, same logs and division, first index among equal maxima."""
-    from moeloop.rollout.gumbel_kernel import gumbel_argmax
+    """The one-launch full-vocab draw (CUDA; here the Triton interpreter on CPU) picks the torch path's tokens: same
+    hash, same noise, same logs and division, first index among equal maxima, the argmax on greedy rows; and
+    returns the raw log-softmax of each token (up to fp32 summation order)."""
+    from moeloop.rollout.gumbel_kernel import gumbel_sample
     device = DEVICE
     g = torch.Generator().manual_seed(0)
     B, V = 37, 3001  # V not a multiple of the kernel's block
     logits = (torch.randn(B, V, generator=g) * 3).to(device)
     logits[5, 100:110] = 50.0  # near-ties decided by the noise
+    logits[3, 2500:2503] = 60.0  # a greedy row's equal maxima: the first
     temps = (torch.rand(B, generator=g) + 0.3).to(device)
-    temps[3] = 0.0  # a greedy row draws at temperature 1 (the caller replaces it by the argmax)
+    temps[3] = 0.0
     keys = torch.tensor([row_key(s, 7 * s) for s in range(B)], device=device)
     u = uniform_noise(keys, V)
-    ref = (logits / torch.where(temps > 0, temps, torch.ones_like(temps))[:, None] - torch.log(-torch.log(u))).argmax(-1)
-    assert torch.equal(gumbel_argmax(logits, keys, temps), ref)
+
+    def reference() -> torch.Tensor:
+        drawn = (logits / torch.where(temps > 0, temps, torch.ones_like(temps))[:, None]
+                 - torch.log(-torch.log(u))).argmax(-1)
+        return torch.where(temps > 0, drawn, logits.argmax(-1))
+
+    def check(ref: torch.Tensor) -> None:
+        tokens, lp = gumbel_sample(logits, keys, temps)
+        assert torch.equal(tokens, ref) and tokens[3] == 2500
+        want = torch.log_softmax(logits, -1).gather(1, ref[:, None])[:, 0]
+        torch.testing.assert_close(lp, want, rtol=0, atol=2e-6)
+    check(reference())
     import moeloop.rollout.gumbel_kernel as gumbel_kernel
     splits = gumbel_kernel.SPLITS
     try:
         for gumbel_kernel.SPLITS in (1, 3):  # one program per row; slices of 1024 ids and a short last one
-            assert torch.equal(gumbel_argmax(logits, keys, temps), ref)
+            check(reference())
         logits[7, 1024:1030] = logits[7, 2048:2054] = 80.0  # near-ties in two later slices, decided by the noise
-        ref = (logits / torch.where(temps > 0, temps, torch.ones_like(temps))[:, None]
-               - torch.log(-torch.log(u))).argmax(-1)
-        assert torch.equal(gumbel_argmax(logits, keys, temps), ref) and ref[7] >= 1024
+        ref = reference()
+        check(ref)
+        assert ref[7] >= 1024
     finally:
         gumbel_kernel.SPLITS = splits
 
@@ -157,12 +169,12 @@ def test_kernel_sampler_on_bf16_logits_equals_the_fp32_torch_path(monkeypatch, c
     monkeypatch.setattr(sampler, "topk_sample", lambda *a: fused.append(1) or topk_sample(*a))
     tokens, lp = Sampler()(logits, st, want_logprobs=True)
     assert torch.equal(tokens, want_tokens) and lp.dtype == torch.float32
-    if case == "top_k_same":  # the fused top-k launch: its own log-softmax, another fp32 summation order
-        assert fused and not sorts
-        torch.testing.assert_close(lp, want_lp, rtol=0, atol=2e-6)
-    else:  # top-p: ranked_topk's one launch (`ranked_candidates`), no torch.topk; no filter: no topk
-        assert not fused and not sorts
+    assert not sorts  # no torch.topk: ranked_topk's one launch (`ranked_candidates`) on the top-p path
+    assert bool(fused) == (case == "top_k_same")
+    if case == "top_k_top_p":
         assert torch.equal(lp, want_lp)
+    else:  # a one-launch draw (`topk_sample`, `gumbel_sample`): its own log-softmax, another fp32 summation order
+        torch.testing.assert_close(lp, want_lp, rtol=0, atol=2e-6)
 
 
 def test_ranked_topk_keeps_the_smallest_ids_among_ties():

@@ -126,9 +126,11 @@ def _compile_paged_decode():
 
 def _compile_gumbel_kernels():
     from moeloop.rollout import gumbel_kernel
-    compile_sm90(gumbel_kernel._gumbel_argmax, dict(logits_ptr="*fp32", keys_ptr="*i64", temps_ptr="*fp32", score_ptr="*fp32",
-                                                    idx_ptr="*i64", s_lb="i64"),
-                 dict(V=32000, SPLIT_V=4096, BLOCK_V=1024, LIBDEVICE=True))
+    compile_sm90(gumbel_kernel._gumbel_sample, dict(logits_ptr="*bf16", keys_ptr="*i64", temps_ptr="*fp32",
+                                                    score_ptr="*fp32", zs_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32",
+                                                    idx_ptr="*i32", done_ptr="*i32", tokens_ptr="*i64",
+                                                    logprobs_ptr="*fp32", s_lb="i64"),
+                 dict(V=32000, SPLIT_V=4096, BLOCK_V=1024, S=8, S_PAD=8, LIBDEVICE=True))
     compile_sm90(gumbel_kernel._topk_gumbel, dict(vals_ptr="*fp32", ids_ptr="*i64", keys_ptr="*i64", temps_ptr="*fp32",
                                                   top_ks_ptr="*i64", drop_ptr="*i8", out_ptr="*i64", N="i32"),
                  dict(BLOCK_N=64, HAS_DROP=True, LIBDEVICE=True))

@@ -1,15 +1,15 @@
-"""Gumbel-max sampling in Triton: the sampler's full-vocab draw (`gumbel_argmax`), its draw among ranked
-top-k candidates (`topk_gumbel_argmax`, the top-p path, on `ranked_candidates`) and the whole top-k draw with its
-logprob in one launch (`topk_sample`, the top-k-only path). The last two share a two-phase kernel shape
-(`_SlicePlan`): S programs per row each keep their vocab slice's top-k (bisection on an order key), and the row's
-last program to finish (`last_arrival`) works on the slices' candidates.
+"""Gumbel-max sampling in Triton: the sampler's full-vocab draw with its logprob (`gumbel_sample`), its draw
+among ranked top-k candidates (`topk_gumbel_argmax`, the top-p path, on `ranked_candidates`) and the whole top-k
+draw with its logprob (`topk_sample`, the top-k-only path). Each draw is one launch: S programs per row work on
+vocab slices, and the row's last program to finish (`last_arrival`) combines the slices' results (the top-k
+kernels share that shape, `_SlicePlan`: each slice keeps its top-k by bisection on an order key).
 
 The torch path builds the [B, V] noise in int64 (about 25 elementwise kernels over 8 bytes per entry), takes two
-logs, divides, adds and reduces: some 30 kernels and ~2 GB of memory traffic at B=128, V=32000. Here SPLITS
-programs per row stream its logits once, each keeping a running argmax over its vocab slice, and an argmax over
-the slices' maxima picks the token (two small torch ops). Same bits as the torch path: the `_mix32` hash in
+logs, divides, adds and reduces: some 30 kernels and ~2 GB of memory traffic at B=128, V=32000; log_softmax reads
+the logits again. Here each row's logits are read once. Same bits as the torch path: the `_mix32` hash in
 uint32 (products wrap mod 2**32, the low 32 bits the torch path keeps), the exact 24-bit uniform, libdevice
 logf (what torch's CUDA log calls), IEEE division, and the smallest vocab id among equal maxima in every path.
+Logprobs are the raw temperature-1 log-softmax, equal to torch's up to fp32 rounding (another summation order).
 Top-k is a total order: tokens ranked by (logit descending, vocab id ascending), the first k kept (the sampler's
 `ranked_topk`), so the candidate set never depends on how a radix select breaks ties.
 Shapes: B rows, V vocab, N candidates, S vocab slices (programs) per row, C candidates kept per slice.
@@ -82,30 +82,63 @@ if triton is not None:
         tl.store(out_ptr + b, tl.min(tl.where(score == top, v, 2**62), 0))
 
     @triton.jit
-    def _gumbel_argmax(logits_ptr, keys_ptr, temps_ptr, score_ptr, idx_ptr, s_lb, V: tl.constexpr,
-                       SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, LIBDEVICE: tl.constexpr):
-        """Program (b, s): over vocab ids [s * SPLIT_V, (s + 1) * SPLIT_V) of row b, the max and its first id of
-        logits[b, v] / T_b - log(-log(u(key_b, v))), T_b = 1 for a greedy (T = 0) row, into score/idx [B, S].
+    def _gumbel_sample(logits_ptr, keys_ptr, temps_ptr, score_ptr, zs_ptr, m_ptr, l_ptr, idx_ptr, done_ptr, tokens_ptr,
+                       logprobs_ptr, s_lb, V: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr,
+                       S: tl.constexpr, S_PAD: tl.constexpr, LIBDEVICE: tl.constexpr):
+        """Program (b, s), over vocab ids [s * SPLIT_V, (s + 1) * SPLIT_V) of row b: the max of the Gumbel score
+        z / T_b - log(-log(u(key_b, v))) (a greedy row, T = 0: z itself), its first id and the logit there, and
+        the slice's max logit and sum of exp(z - max), into score / zs / m / l / idx [B, S]. The row's last program
+        (`last_arrival` on done[b]) takes the first slice holding the row's max score (the smallest id among equal
+        maxima) and writes its id and raw log-softmax z - M - log(sum_s l_s * exp(m_s - M)).
         LIBDEVICE: logf from libdevice (compiled; the interpreter has no libdevice and uses numpy's log)."""
         b = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
         key = tl.load(keys_ptr + b).to(tl.uint32)
         temp = tl.load(temps_ptr + b)
-        temp = tl.where(temp > 0, temp, 1.0)
+        greedy = temp <= 0
+        temp = tl.where(greedy, 1.0, temp)
         best = tl.full([BLOCK_V], float("-inf"), tl.float32)
         best_v = tl.zeros([BLOCK_V], tl.int32)
+        best_z = tl.zeros([BLOCK_V], tl.float32)
+        m = tl.full([BLOCK_V], float("-inf"), tl.float32)  # per lane: the running max logit and sum of exp(z - max)
+        l = tl.zeros([BLOCK_V], tl.float32)
         for v0 in range(0, SPLIT_V, BLOCK_V):
             v = split * SPLIT_V + v0 + tl.arange(0, BLOCK_V)
             ok = v < V
-            z = tl.load(logits_ptr + b * s_lb + v, mask=ok, other=0.0).to(tl.float32)
-            score = tl.where(ok, _gumbel_score(z, v, key, temp, LIBDEVICE), float("-inf"))
+            z = tl.load(logits_ptr + b * s_lb + v, mask=ok, other=float("-inf")).to(tl.float32)
+            score = tl.where(ok, tl.where(greedy, z, _gumbel_score(z, v, key, temp, LIBDEVICE)), float("-inf"))
             better = score > best  # strict: within a lane the earlier vocab id keeps a tie
             best_v = tl.where(better, v, best_v)
+            best_z = tl.where(better, z, best_z)
             best = tl.where(better, score, best)
+            m_new = tl.maximum(m, z)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            l = l * tl.exp(m - m_safe) + tl.exp(z - m_safe)
+            m = m_new
         top = tl.max(best, 0)
-        n_splits = tl.num_programs(1)
-        tl.store(score_ptr + b * n_splits + split, top)
-        tl.store(idx_ptr + b * n_splits + split, tl.min(tl.where(best == top, best_v, 2147483647), 0).to(tl.int64))
+        first = tl.min(tl.where(best == top, best_v, 2147483647), 0)
+        m_s = tl.max(m, 0)
+        at = b * S + split
+        tl.store(score_ptr + at, top)
+        tl.store(zs_ptr + at, tl.sum(tl.where(best_v == first, best_z, 0.0), 0))  # (each lane holds other ids)
+        tl.store(idx_ptr + at, first)
+        tl.store(m_ptr + at, m_s)
+        tl.store(l_ptr + at, tl.sum(l * tl.exp(m - tl.where(m_s == float("-inf"), 0.0, m_s)), 0))
+        if last_arrival(done_ptr + b, S):
+            sp = tl.arange(0, S_PAD)
+            ok = sp < S
+            tops = tl.load(score_ptr + b * S + sp, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            pick = tl.min(tl.where(tops == tl.max(tops, 0), sp, S_PAD), 0)  # the first slice: the smallest ids
+            token = tl.sum(tl.where(sp == pick, tl.load(idx_ptr + b * S + sp, mask=ok, other=0,
+                                                        cache_modifier=".cg"), 0), 0)
+            z_tok = tl.sum(tl.where(sp == pick, tl.load(zs_ptr + b * S + sp, mask=ok, other=0.0,
+                                                        cache_modifier=".cg"), 0.0), 0)
+            m_S = tl.load(m_ptr + b * S + sp, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            l_S = tl.load(l_ptr + b * S + sp, mask=ok, other=0.0, cache_modifier=".cg")
+            top_m = tl.max(m_S, 0)
+            top_m = tl.where(top_m == float("-inf"), 0.0, top_m)
+            tl.store(tokens_ptr + b, token.to(tl.int64))
+            tl.store(logprobs_ptr + b, (z_tok - top_m) - tl.log(tl.sum(l_S * tl.exp(m_S - top_m), 0)))
 
     @triton.jit
     def _order_key(z, KEY_BITS: tl.constexpr):
@@ -256,23 +289,29 @@ if triton is not None:
             _store_ranked(cnt_ptr, cand_z_ptr, cand_v_ptr, vals_ptr, ids_ptr, b, n, S, S_PAD, C, N_PAD, J, KEY_BITS)
 
 
-def gumbel_argmax(logits_BV: torch.Tensor, keys_B: torch.Tensor, temperatures_B: torch.Tensor) -> torch.Tensor:
-    """Sampled token ids [B] (int64) of the no-filter Gumbel-max draw; the same as the torch path's."""
+def gumbel_sample(logits_BV: torch.Tensor, keys_B: torch.Tensor,
+                  temperatures_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids [B] int64, their raw temperature-1 logprobs [B] fp32) of the no-filter Gumbel-max draw (a
+    temperature-0 row: the argmax) in one launch plus a zeroed counter; capture-safe. Tokens equal the torch path's;
+    logprobs equal torch.log_softmax's up to fp32 rounding (another summation order)."""
     if logits_BV.stride(-1) != 1:
         logits_BV = logits_BV.contiguous()
     B, V = logits_BV.shape
+    dev = logits_BV.device
+    tokens_B = torch.empty(B, dtype=torch.int64, device=dev)
+    logprobs_B = torch.empty(B, dtype=torch.float32, device=dev)
     if not B:
-        return torch.empty(0, dtype=torch.int64, device=logits_BV.device)
+        return tokens_B, logprobs_B
     block_v = 1024
     split_v = block_v * max(1, triton.cdiv(V, block_v * SPLITS))
-    num_splits = triton.cdiv(V, split_v)
-    score_BS = torch.empty(B, num_splits, dtype=torch.float32, device=logits_BV.device)
-    idx_BS = torch.empty(B, num_splits, dtype=torch.int64, device=logits_BV.device)
-    _gumbel_argmax[(B, num_splits)](logits_BV, keys_B.contiguous(), temperatures_B.float().contiguous(), score_BS,
-                                    idx_BS, logits_BV.stride(0), V=V, SPLIT_V=split_v, BLOCK_V=block_v,
-                                    LIBDEVICE=not triton_interpreting(), num_warps=4)
-    # the first split holding the row's max: its ids are the smallest among equal maxima, as torch.argmax picks
-    return idx_BS.gather(1, score_BS.argmax(1, keepdim=True))[:, 0]
+    S = triton.cdiv(V, split_v)
+    stats_4BS = torch.empty(4, B, S, dtype=torch.float32, device=dev)  # best score, its logit, max logit, sum exp
+    idx_BS = torch.empty(B, S, dtype=torch.int32, device=dev)
+    _gumbel_sample[(B, S)](logits_BV, keys_B.contiguous(), temperatures_B.float().contiguous(), *stats_4BS, idx_BS,
+                           torch.zeros(B, dtype=torch.int32, device=dev), tokens_B, logprobs_B, logits_BV.stride(0),
+                           V=V, SPLIT_V=split_v, BLOCK_V=block_v, S=S, S_PAD=max(2, triton.next_power_of_2(S)),
+                           LIBDEVICE=not triton_interpreting(), num_warps=4)
+    return tokens_B, logprobs_B
 
 
 def topk_gumbel_argmax(vals_BN: torch.Tensor, ids_BN: torch.Tensor, keys_B: torch.Tensor, temperatures_B: torch.Tensor,
@@ -295,7 +334,8 @@ TOPK_SPLITS = 16  # target programs per row of `topk_sample`: at B=1 one per row
 
 class _SlicePlan:
     """The launch shape and scratch of the two-phase top-k kernels for logits [B, V] and up to `max_top_k`
-    candidates per slice: S slices of BLOCK_V, C slots each, the per-slice stats and counts, a zeroed counter per row."""
+    candidates per slice: S slices of BLOCK_V, C slots each, the per-slice stats and counts, a zeroed counter per
+    row."""
 
     def __init__(self, logits_BV: torch.Tensor, max_top_k: int):
         B, V = logits_BV.shape

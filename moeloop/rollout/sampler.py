@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from moeloop.model.kernel_switch import kernels_apply
-from moeloop.rollout.gumbel_kernel import gumbel_argmax, ranked_candidates, topk_gumbel_argmax, topk_sample
+from moeloop.rollout.gumbel_kernel import gumbel_sample, ranked_candidates, topk_gumbel_argmax, topk_sample
 
 _M32 = 0xFFFFFFFF
 
@@ -159,19 +159,19 @@ class Sampler:
 
         With the kernels, bf16 logits are read as they are (the kernels, topk, argmax and the fp32 log_softmax
         widen each value exactly); the torch path works on an fp32 copy. Same tokens either way; the same logprobs
-        too, except from the fused top-k kernel (`topk_sample`: its own fp32 log-softmax, within ~1e-6)."""
+        too, except from the one-launch draws (`topk_sample`, `gumbel_sample`: their own fp32 log-softmax, within
+        ~1e-6)."""
         if not kernels_apply(logits_BV):
             logits_BV = logits_BV.float()
         if st.all_greedy:
             return self._with_logprobs(logits_BV, logits_BV.argmax(dim=-1), want_logprobs)
-        if self._fused_top_k(logits_BV, st):  # temperature-0 rows included: they take the first token
-            tokens_B, logprobs_B = topk_sample(logits_BV, st.keys_B, st.temperatures_B, st.top_ks_B, st.max_top_k)
+        fused = self._one_launch(logits_BV, st)  # temperature-0 rows included: they take the first token
+        if fused is not None:
+            tokens_B, logprobs_B = fused
             return tokens_B, logprobs_B if want_logprobs else None
         if st.any_filter and st.max_top_k is not None and st.max_top_k <= TOPK_CANDIDATES_MAX:
             sampled_B = _sample_top_k(logits_BV, st)
-        elif not st.any_filter and kernels_apply(logits_BV):  # the same draw in one kernel
-            sampled_B = gumbel_argmax(logits_BV, st.keys_B, st.temperatures_B)
-        else:  # no filter: Gumbel-max over the full vocab (the same scores per vocab id as the top-k path)
+        else:  # Gumbel-max over the full vocab (the same scores per vocab id as the top-k path)
             z_BV = filter_logits(logits_BV, st.top_ks_B, st.top_ps_B) if st.any_filter else logits_BV
             temps_B = torch.where(st.temperatures_B > 0, st.temperatures_B, torch.ones_like(st.temperatures_B))
             u_BV = uniform_noise(st.keys_B, logits_BV.shape[-1])
@@ -181,10 +181,16 @@ class Sampler:
         return self._with_logprobs(logits_BV, tokens_B, want_logprobs)
 
     @staticmethod
-    def _fused_top_k(logits_BV: torch.Tensor, st: SamplingTensors) -> bool:
-        """Top-k only (no top-p), max_top_k <= FUSED_TOPK_MAX, with the kernels: the one-launch `topk_sample`."""
-        return (kernels_apply(logits_BV) and st.any_filter and not st.any_top_p and st.max_top_k is not None
-                and st.max_top_k <= FUSED_TOPK_MAX)
+    def _one_launch(logits_BV: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(tokens, logprobs) from one kernel launch where the kernels apply: no filter (`gumbel_sample`), or top-k
+        only with max_top_k <= FUSED_TOPK_MAX (`topk_sample`); else None."""
+        if not kernels_apply(logits_BV):
+            return None
+        if not st.any_filter:
+            return gumbel_sample(logits_BV, st.keys_B, st.temperatures_B)
+        if not st.any_top_p and st.max_top_k is not None and st.max_top_k <= FUSED_TOPK_MAX:
+            return topk_sample(logits_BV, st.keys_B, st.temperatures_B, st.top_ks_B, st.max_top_k)
+        return None
 
     @staticmethod
     def _with_logprobs(logits_BV: torch.Tensor, tokens_B: torch.Tensor,
