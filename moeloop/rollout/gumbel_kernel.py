@@ -40,6 +40,21 @@ if triton is not None:
         return last
 
     @triton.jit
+    def _finite(m):
+        """m with -inf (a max over nothing but -inf) as 0: a safe offset for exp(x - m)."""
+        return tl.where(m == float("-inf"), 0.0, m)
+
+    @triton.jit
+    def _row_log_normaliser(m_ptr, l_ptr, b, S: tl.constexpr, S_PAD: tl.constexpr):
+        """(M, log sum_s l_s * exp(m_s - M)) of row b from its S slices' max logit m and sum of exp(z - m) (written
+        by other programs of the launch: .cg loads); the raw log-softmax of logit z is (z - M) - the second."""
+        sp = tl.arange(0, S_PAD)
+        m_S = tl.load(m_ptr + b * S + sp, mask=sp < S, other=float("-inf"), cache_modifier=".cg")
+        l_S = tl.load(l_ptr + b * S + sp, mask=sp < S, other=0.0, cache_modifier=".cg")
+        top_m = _finite(tl.max(m_S, 0))
+        return top_m, tl.log(tl.sum(l_S * tl.exp(m_S - top_m), 0))
+
+    @triton.jit
     def _mix32(x):
         """lowbias32 on uint32 (the sampler's `_mix32`)."""
         x = x ^ (x >> 16)
@@ -112,8 +127,7 @@ if triton is not None:
             best_z = tl.where(better, z, best_z)
             best = tl.where(better, score, best)
             m_new = tl.maximum(m, z)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            l = l * tl.exp(m - m_safe) + tl.exp(z - m_safe)
+            l = l * tl.exp(m - _finite(m_new)) + tl.exp(z - _finite(m_new))
             m = m_new
         top = tl.max(best, 0)
         first = tl.min(tl.where(best == top, best_v, 2147483647), 0)
@@ -123,7 +137,7 @@ if triton is not None:
         tl.store(zs_ptr + at, tl.sum(tl.where(best_v == first, best_z, 0.0), 0))  # (each lane holds other ids)
         tl.store(idx_ptr + at, first)
         tl.store(m_ptr + at, m_s)
-        tl.store(l_ptr + at, tl.sum(l * tl.exp(m - tl.where(m_s == float("-inf"), 0.0, m_s)), 0))
+        tl.store(l_ptr + at, tl.sum(l * tl.exp(m - _finite(m_s)), 0))
         if last_arrival(done_ptr + b, S):
             sp = tl.arange(0, S_PAD)
             ok = sp < S
@@ -133,12 +147,9 @@ if triton is not None:
                                                         cache_modifier=".cg"), 0), 0)
             z_tok = tl.sum(tl.where(sp == pick, tl.load(zs_ptr + b * S + sp, mask=ok, other=0.0,
                                                         cache_modifier=".cg"), 0.0), 0)
-            m_S = tl.load(m_ptr + b * S + sp, mask=ok, other=float("-inf"), cache_modifier=".cg")
-            l_S = tl.load(l_ptr + b * S + sp, mask=ok, other=0.0, cache_modifier=".cg")
-            top_m = tl.max(m_S, 0)
-            top_m = tl.where(top_m == float("-inf"), 0.0, top_m)
+            top_m, log_sum = _row_log_normaliser(m_ptr, l_ptr, b, S, S_PAD)
             tl.store(tokens_ptr + b, token.to(tl.int64))
-            tl.store(logprobs_ptr + b, (z_tok - top_m) - tl.log(tl.sum(l_S * tl.exp(m_S - top_m), 0)))
+            tl.store(logprobs_ptr + b, (z_tok - top_m) - log_sum)
 
     @triton.jit
     def _order_key(z, KEY_BITS: tl.constexpr):
@@ -195,7 +206,7 @@ if triton is not None:
         ok = v < V
         z = tl.load(logits_ptr + b * s_lb + v, mask=ok, other=float("-inf")).to(tl.float32)
         m = tl.max(z, 0)
-        l = tl.sum(tl.exp(z - tl.where(m == float("-inf"), 0.0, m)), 0)
+        l = tl.sum(tl.exp(z - _finite(m)), 0)
         at = b * S + s
         n = _compact(_keep_first(z, ok, k, KEY_BITS), z, v, cand_z_ptr + at * C, cand_v_ptr + at * C)
         tl.store(m_ptr + at, m)
@@ -203,23 +214,25 @@ if triton is not None:
         tl.store(cnt_ptr + at, n)
 
     @triton.jit
-    def _pick_token(m_ptr, l_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, keys_ptr, temps_ptr, tokens_ptr, logprobs_ptr,
-                    b, k, S: tl.constexpr, S_PAD: tl.constexpr, C: tl.constexpr, KEY_BITS: tl.constexpr,
-                    LIBDEVICE: tl.constexpr):
-        """Phase 2 (row b's last program): the row's top-k among its S * C candidates (already in vocab id order),
-        the max Gumbel score among them (T = 0: the max logit), the smallest id among equal maxima; its id and
-        raw log-softmax z - M - log(sum_s l_s * exp(m_s - M)). Loads bypass L1 (.cg): other programs wrote them."""
-        seg = tl.arange(0, S_PAD)
-        m_S = tl.load(m_ptr + b * S + seg, mask=seg < S, other=float("-inf"), cache_modifier=".cg")
-        l_S = tl.load(l_ptr + b * S + seg, mask=seg < S, other=0.0, cache_modifier=".cg")
-        top_m = tl.max(m_S, 0)
-        top_m = tl.where(top_m == float("-inf"), 0.0, top_m)
-        log_sum = tl.log(tl.sum(l_S * tl.exp(m_S - top_m), 0))
+    def _row_candidates(cnt_ptr, cand_z_ptr, cand_v_ptr, b, S: tl.constexpr, S_PAD: tl.constexpr, C: tl.constexpr):
+        """Row b's slice candidates as one [S_PAD * C] vector in vocab id order (written by other programs of the
+        launch: .cg loads): (lane index, valid, value (-inf if not), vocab id)."""
         j = tl.arange(0, S_PAD * C)
         js = j // C
         valid = (js < S) & (j % C < tl.load(cnt_ptr + b * S + js, mask=js < S, other=0, cache_modifier=".cg"))
         z = tl.load(cand_z_ptr + b * S * C + j, mask=valid, other=float("-inf"), cache_modifier=".cg")
         v = tl.load(cand_v_ptr + b * S * C + j, mask=valid, other=0, cache_modifier=".cg")
+        return j, valid, z, v
+
+    @triton.jit
+    def _pick_token(m_ptr, l_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, keys_ptr, temps_ptr, tokens_ptr, logprobs_ptr,
+                    b, k, S: tl.constexpr, S_PAD: tl.constexpr, C: tl.constexpr, KEY_BITS: tl.constexpr,
+                    LIBDEVICE: tl.constexpr):
+        """Phase 2 (row b's last program): the row's top-k among its S * C candidates (already in vocab id order),
+        the max Gumbel score among them (T = 0: the max logit), the smallest id among equal maxima; its id and
+        raw log-softmax z - M - log(sum_s l_s * exp(m_s - M))."""
+        top_m, log_sum = _row_log_normaliser(m_ptr, l_ptr, b, S, S_PAD)
+        j, valid, z, v = _row_candidates(cnt_ptr, cand_z_ptr, cand_v_ptr, b, S, S_PAD, C)
         keep = _keep_first(z, valid, k, KEY_BITS)
         temp = tl.load(temps_ptr + b)
         key = tl.load(keys_ptr + b).to(tl.uint32)
@@ -252,12 +265,8 @@ if triton is not None:
         """Phase 2 of `_ranked_candidates` (row b's last program): the row's first n tokens under the total order,
         stored in that order into vals / ids [B, n]. The kept candidates are compacted into the row's first C
         slots (n <= C), then each one's rank is the number of kept tokens ahead of it (J of them at a time)."""
-        j = tl.arange(0, S_PAD * C)
-        js = j // C
-        valid = (js < S) & (j % C < tl.load(cnt_ptr + b * S + js, mask=js < S, other=0, cache_modifier=".cg"))
+        _, valid, z, v = _row_candidates(cnt_ptr, cand_z_ptr, cand_v_ptr, b, S, S_PAD, C)
         row_z, row_v = cand_z_ptr + b * S * C, cand_v_ptr + b * S * C
-        z = tl.load(row_z + j, mask=valid, other=float("-inf"), cache_modifier=".cg")
-        v = tl.load(row_v + j, mask=valid, other=0, cache_modifier=".cg")
         keep = _keep_first(z, valid, n, KEY_BITS)
         tl.debug_barrier()  # every lane has its candidates before the kept ones overwrite the first slots
         _compact(keep, z, v, row_z, row_v)

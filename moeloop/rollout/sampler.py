@@ -95,6 +95,10 @@ class SamplingTensors:
         return cls(floats_2B[0], ints_XB[0], floats_2B[1], ints_XB[1], **flags)
 
 
+TOPK_CANDIDATES_MAX = 1024  # a top-k up to this samples among `ranked_topk` candidates, not a full-vocab sort
+FUSED_TOPK_MAX = 256  # up to this: `ranked_topk` and the top-k-only draw (`topk_sample`) are one launch each
+
+
 def ranked_topk(logits_BV: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, vocab ids) [B, min(n, V)] of each row's first n tokens under (logit descending, vocab id ascending),
     in that order: torch.topk over a unique int64 key, so ties at the n-th value keep the smallest ids on every
@@ -123,10 +127,6 @@ def filter_logits(logits_BV: torch.Tensor, top_ks_B: torch.Tensor, top_ps_B: tor
     drop_BV[:, 0] = False
     sorted_BV = sorted_BV.masked_fill(drop_BV, float("-inf"))
     return torch.empty_like(logits_BV).scatter_(-1, order_BV, sorted_BV)
-
-
-TOPK_CANDIDATES_MAX = 1024
-FUSED_TOPK_MAX = 256  # top-k-only batches with max_top_k up to this sample in one launch (`topk_sample`)
 
 
 def _sample_top_k(logits_BV: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
