@@ -167,23 +167,67 @@ def test_row_linear_equals_f_linear(monkeypatch, max_d):
     assert not row_linear_applies(x, [nn.Linear(40, 16).to(DEVICE)], 16)  # a bias: the module path
 
 
-@pytest.mark.parametrize("norm_fold", [False, True])
-def test_fused_decode_single_sequence_matches_module_path(monkeypatch, norm_fold):
+@pytest.mark.parametrize("norm_fold,route_fold,embed_fold", [(False, False, False), (True, False, False),
+                                                              (True, True, True)])
+def test_fused_decode_single_sequence_matches_module_path(monkeypatch, norm_fold, route_fold, embed_fold):
     """B=1 decode takes the one-launch projections (with `norm_fold`, the add + RMSNorm folded into the q|k|v and
-    router projections); same tokens and logprobs as the module forward."""
-    from moeloop.rollout import fused_decode
+    router projections; with `route_fold` too, the softmax top-k done inside the expert kernels; with
+    `embed_fold`, the first q|k|v launch reads the embedding row); same tokens and logprobs as the module forward."""
+    from moeloop.rollout import fused_decode, moe_kernel
     monkeypatch.setattr(fused_decode, "NORM_FOLD", norm_fold)
-    folds = []
-    fold = fused_decode.normed_row_linear
-    monkeypatch.setattr(fused_decode, "normed_row_linear", lambda *a, **k: folds.append(len(a[3])) or fold(*a, **k))
+    monkeypatch.setattr(moe_kernel, "ROUTE_FOLD", route_fold)
+    monkeypatch.setattr(fused_decode, "EMBED_FOLD", embed_fold)
+    folds, routed, embedded = [], [], []
+    fold, route = fused_decode.normed_row_linear, fused_decode.routed_experts
+
+    def spy(*a, **k):
+        folds.append(len(a[3]))
+        embedded.append(k.get("ids_T") is not None)
+        return fold(*a, **k)
+    monkeypatch.setattr(fused_decode, "normed_row_linear", spy)
+    monkeypatch.setattr(fused_decode, "routed_experts", lambda *a: routed.append(1) or route(*a))
     def module_path_folds_nothing() -> None:
-        assert not folds
+        assert not folds and not routed
 
     model = tiny_model("qwen3_moe").to(DEVICE)
     assert_kernels_match_module_path(model, prompts(1, seed=5),
                                      SamplingParams(n=1, temperature=1.0, max_tokens=5, seed=2), module_path_folds_nothing)
     # per decode step and layer: q|k|v (3 projections) and the router (1)
     assert (sorted(set(folds)) == [1, 3] and len(folds) == 2 * 4 * len(model.model.layers)) if norm_fold else not folds
+    assert len(routed) == (4 * len(model.model.layers) if route_fold else 0)
+    assert sum(embedded) == (4 if embed_fold else 0)  # once per decode step
+
+
+@pytest.mark.parametrize("norm_topk", [True, False])
+def test_routed_experts_equal_topk_kernel_then_experts(norm_topk):
+    """The expert kernels ranking the router logits themselves (`routed_experts`) give what the top-k kernel's ids
+    and weights give through `fused_experts`: logits with ties at the top-k boundary (lowest id first) and a NaN
+    row (its experts stay in range; the other rows are unaffected)."""
+    from types import SimpleNamespace
+    from moeloop.model.experts import Experts
+    from moeloop.rollout.fused_decode import route_softmax_topk
+    from moeloop.rollout.moe_kernel import fused_experts, routed_experts
+
+    torch.manual_seed(3)
+    E, K, D, F_ = 12, 3, 64, 32  # E padded to 16 inside the kernels
+    experts = Experts(E, D, F_, "grouped_mm").to(DEVICE)
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0, 0.1)
+        experts.down_proj.normal_(0, 0.1)
+    gate = SimpleNamespace(top_k=K, routed_scaling_factor=2.5, norm_topk_prob=norm_topk, scoring_func="softmax")
+    moe = SimpleNamespace(gate=gate, experts=experts)
+    x = torch.randn(4, D, device=DEVICE)
+    logits = torch.randn(4, E, device=DEVICE)
+    logits[1, [2, 5, 9]] = 3.0  # a three-way tie for the top
+    logits[2, [1, 7]] = 4.0
+    logits[2, [3, 4]] = 2.0  # a tie across the K-th place: expert 3 is taken, 4 is not
+    logits[3] = float("nan")
+    ids, wts = route_softmax_topk(moe, logits)
+    assert ids[1].tolist() == [2, 5, 9] and ids[2].tolist() == [1, 7, 3]
+    with torch.no_grad():
+        y = routed_experts(moe, x, logits)
+        ref = fused_experts(experts, x[:3], ids[:3], wts[:3])
+    torch.testing.assert_close(y[:3], ref, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -216,6 +260,16 @@ def test_normed_row_linear_equals_add_rmsnorm_then_projection(monkeypatch, dtype
     (one,), none, _ = normed_row_linear(x, res, norm, mods[:1])
     assert none is None
     torch.testing.assert_close(one, ref_outs[0], **tol)
+    if not has_res:  # the embedding fold: x is row ids[0] of a table, and that row is returned as the residual
+        embed = nn.Embedding(9, 40).to(DEVICE, dtype)
+        ids = torch.tensor([6], device=DEVICE)
+        assert fused_decode.embed_fold_applies(embed, ids, mods)
+        with torch.no_grad():
+            embed.weight[6] = x[0]
+            outs_e, y_e, res_e = normed_row_linear(embed.weight, None, norm, mods, want_y=True, ids_T=ids)
+        assert torch.equal(res_e, x) and torch.equal(y_e, y)
+        for got, want in zip(outs_e, outs):
+            assert torch.equal(got, want)
 
 
 def test_packed_qkv_projection_equals_three_and_follows_weight_changes():

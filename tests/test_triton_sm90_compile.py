@@ -40,12 +40,13 @@ def compile_all() -> None:
 
 def compile_sm90(kernel, types: dict[str, str], consts: dict, num_warps: int = 4, num_stages: int = 3,
                  enable_fp_fusion: bool = True, enable_reflect_ftz: bool = True):
-    """`types`: the non-constexpr arguments' Triton types; `consts`: the constexpr values. Returns the compiled
-    kernel (its `.asm` holds the PTX)."""
+    """`types`: the non-constexpr arguments' Triton types; `consts`: the constexpr values (defaults where left out).
+    Returns the compiled kernel (its `.asm` holds the PTX)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    consts = {**{p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}, **consts}
     signature = {name: types.get(name, "constexpr") for name in kernel.arg_names}
-    assert set(signature) - set(types) == set(consts), "every argument is either typed or a constexpr"
+    assert set(signature) - set(types) == set(consts), "every argument is either typed or a constexpr (or has a default)"
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts),
                               target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages,
@@ -75,6 +76,15 @@ def _compile_align_and_small_batch_experts():
     compile_sm90(moe_kernel._down_combine, dict(h_ptr="*bf16", w_ptr="*bf16", ids_ptr="*i64", wts_ptr="*fp32",
                                                y_ptr="*bf16", s_we="i64", s_wd="i64"),
                  dict(D=D, F=F, K=K, K_PAD=K, BLOCK_D=4, BLOCK_F=512, EARLY=True, PDL=True))
+    # the route fold: both read the router's bf16 logits [T, E] and rank them
+    compile_sm90(moe_kernel._gate_up_silu, dict(x_ptr="*bf16", w_ptr="*bf16", ids_ptr="*bf16", h_ptr="*bf16",
+                                                s_we="i64", s_wf="i64"),
+                 dict(D=D, F=F, K=K, BLOCK_F=4, BLOCK_D=2048, LIBDEVICE=True, PDL=True, ROUTED=True, E=E, E_PAD=E),
+                 num_warps=8)
+    compile_sm90(moe_kernel._down_combine, dict(h_ptr="*bf16", w_ptr="*bf16", ids_ptr="*bf16", wts_ptr="*bf16",
+                                               y_ptr="*bf16", s_we="i64", s_wd="i64"),
+                 dict(D=D, F=F, K=K, K_PAD=K, BLOCK_D=4, BLOCK_F=512, EARLY=True, PDL=True, ROUTED=True, E=E,
+                      E_PAD=E, SCALE=1.0, NORM=True))
 
 
 def _compile_combine_rows_and_backward():
@@ -184,7 +194,7 @@ def _compile_row_linear():
     for n0, n1, block_n in ((H * DH, G * DH, 4), (D, 0, 4), (E, 0, 4)):  # q|k|v, o_proj, router
         for pdl, early in ((False, False), (False, True), (True, False), (True, True)):
             compiled = compile_sm90(fused_decode._row_linear, dict(x_ptr="*bf16", w0_ptr="*bf16", w1_ptr="*bf16", w2_ptr="*bf16",
-                                                        out_ptr="*bf16"),
+                                                        out_ptr="*bf16", p0_ptr="*bf16", p1_ptr="*bf16", p2_ptr="*bf16"),
                          dict(N0=n0, N1=n1, D=D if n0 != D else H * DH, BLOCK_N=block_n, BLOCK_D=2048, EARLY=early,
                               PDL=pdl), num_warps=8)
             # the PDL build waits on the previous grid and releases the next one (once: EARLY before the weight
@@ -195,16 +205,27 @@ def _compile_row_linear():
                 first_load = ptx.index("ld.global")
                 trigger, wait = ptx.index("griddepcontrol.launch_dependents"), ptx.index("griddepcontrol.wait")
                 assert (trigger < first_load < wait) if early else (first_load < wait < trigger)
+    # o_proj asking L2 for the next layer's q, k, v weights (lines of 64 bf16): the prefetches are issued after the
+    # weight tile's loads and before the wait
+    ptx = compile_sm90(fused_decode._row_linear, dict(x_ptr="*bf16", w0_ptr="*bf16", w1_ptr="*bf16", w2_ptr="*bf16",
+                                                      out_ptr="*bf16", p0_ptr="*bf16", p1_ptr="*bf16", p2_ptr="*bf16"),
+                       dict(N0=D, N1=0, D=H * DH, BLOCK_N=4, BLOCK_D=2048, EARLY=True, PDL=True,
+                            P_L0=H * DH * D // 64, P_L1=G * DH * D // 64, P_L2=G * DH * D // 64, P_LINE=64,
+                            P_PER_PROGRAM=256), num_warps=8).asm["ptx"]
+    assert "prefetch.global.L2::evict_last" in ptx
+    assert ptx.index("ld.global") < ptx.index("prefetch.global.L2::evict_last") < ptx.index("griddepcontrol.wait")
 
 
 def _compile_norm_row_linear():
     from moeloop.rollout import fused_decode
-    for n0, n1, has_res, write_y in ((H * DH, G * DH, True, False), (H * DH, G * DH, False, False), (E, 0, True, True)):
+    for n0, n1, has_res, write_y, embed in ((H * DH, G * DH, True, False, False), (H * DH, G * DH, False, False, False),
+                                            (E, 0, True, True, False), (H * DH, G * DH, False, False, True)):
         compile_sm90(fused_decode._norm_row_linear,
-                     dict(x_ptr="*bf16", res_ptr="*bf16", nw_ptr="*bf16", y_ptr="*bf16", res_out_ptr="*bf16",
-                          w0_ptr="*bf16", w1_ptr="*bf16", w2_ptr="*bf16", out_ptr="*bf16", eps="fp32"),
+                     dict(x_ptr="*bf16", res_ptr="*i64" if embed else "*bf16", nw_ptr="*bf16", y_ptr="*bf16",
+                          res_out_ptr="*bf16", w0_ptr="*bf16", w1_ptr="*bf16", w2_ptr="*bf16", out_ptr="*bf16",
+                          eps="fp32"),
                      dict(N0=n0, N1=n1, D=D, BLOCK_N=4, BLOCK_D=2048, HAS_RES=has_res, WRITE_Y=write_y, EARLY=True,
-                          PDL=True),
+                          PDL=True, EMBED=embed),
                      num_warps=8)
 
 

@@ -30,13 +30,14 @@ from moeloop.model.moe import MoE
 from moeloop.model.norm import RMSNorm
 from moeloop.model.rope import RopeTables
 from moeloop.rollout.decode_kernel import triton, triton_interpreting
-from moeloop.rollout.moe_kernel import fused_experts, grouped_expert_rows, uses_grouped_rows
+from moeloop.rollout.moe_kernel import (fused_experts, grouped_expert_rows, routed_experts, routed_experts_apply,
+                                        uses_grouped_rows)
 from moeloop.rollout.paged_attention import PagedAttention
 
 if triton is not None:
     import triton.language as tl
 
-    from moeloop.model.kernel_switch import pdl_launch_next, pdl_wait
+    from moeloop.model.kernel_switch import l2_prefetch, pdl_launch_next, pdl_wait
 
     @triton.jit
     def _add_rmsnorm(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, dest_ptr, wts_ptr, eps, D: tl.constexpr,
@@ -130,17 +131,23 @@ if triton is not None:
         return w_rows
 
     @triton.jit
-    def _row_linear(x_ptr, w0_ptr, w1_ptr, w2_ptr, out_ptr, N0: tl.constexpr, N1: tl.constexpr, D: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
+    def _row_linear(x_ptr, w0_ptr, w1_ptr, w2_ptr, out_ptr, p0_ptr, p1_ptr, p2_ptr, N0: tl.constexpr,
+                    N1: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EARLY: tl.constexpr,
+                    PDL: tl.constexpr, P_L0: tl.constexpr = 0, P_L1: tl.constexpr = 0, P_L2: tl.constexpr = 0,
+                    P_LINE: tl.constexpr = 64, P_PER_PROGRAM: tl.constexpr = 0):
         """One token: out[n] = x . W[n] over the rows of [W0; W1; W2] (N0, N1, then the rest), fp32 accumulation,
         rounded once. A program owns BLOCK_N output rows of one weight (the host checks BLOCK_N divides N0, N1).
-        Its first [BLOCK_N, BLOCK_D] weight tile (all of D when BLOCK_D >= D) is read before the PDL wait."""
+        Its first [BLOCK_N, BLOCK_D] weight tile (all of D when BLOCK_D >= D) is read before the PDL wait.
+        P_PER_PROGRAM > 0: before that wait, it also asks L2 for P_PER_PROGRAM lines of [P0; P1; P2] (`l2_prefetch`;
+        P_L0, P_L1, P_L2 lines of P_LINE elements each), weights that a later kernel reads."""
         pdl_launch_next(PDL, EARLY)
         start = tl.program_id(0) * BLOCK_N
         r = tl.arange(0, BLOCK_N)
         w_rows = _weight_rows(w0_ptr, w1_ptr, w2_ptr, start, r, N0, N1, D)
         d = tl.arange(0, BLOCK_D)
         w = tl.load(w_rows + d[None, :], mask=d[None, :] < D, other=0.0)
+        if P_PER_PROGRAM > 0:
+            l2_prefetch(p0_ptr, p1_ptr, p2_ptr, P_L0, P_L1, P_L2, P_LINE, P_PER_PROGRAM)
         pdl_wait(PDL, EARLY)
         x = tl.load(x_ptr + d, mask=d < D, other=0.0).to(tl.float32)
         acc = tl.sum(w.to(tl.float32) * x[None, :], 1)
@@ -155,10 +162,12 @@ if triton is not None:
     def _norm_row_linear(x_ptr, res_ptr, nw_ptr, y_ptr, res_out_ptr, w0_ptr, w1_ptr, w2_ptr, out_ptr, eps,
                          N0: tl.constexpr, N1: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_D: tl.constexpr, HAS_RES: tl.constexpr, WRITE_Y: tl.constexpr, EARLY: tl.constexpr,
-                         PDL: tl.constexpr):
+                         PDL: tl.constexpr, EMBED: tl.constexpr = False):
         """`_row_linear` of y = RMSNorm(res + x) (no res: RMSNorm(x)), which every program computes from the whole
         row (BLOCK_D >= D) with `_add_rmsnorm`'s rounding points; program 0 also stores res + x (and y, WRITE_Y)
-        for the kernels after. Its weight tile and the norm weight are read before the PDL wait."""
+        for the kernels after. Its weight tile and the norm weight are read before the PDL wait.
+        EMBED (no res): x is row res_ptr[0] (the token id) of the embedding table at x_ptr, and program 0 stores
+        it into res_out: the embedding lookup of the first layer, without a launch of its own."""
         pdl_launch_next(PDL, EARLY)
         pid = tl.program_id(0)
         start = pid * BLOCK_N
@@ -170,7 +179,12 @@ if triton is not None:
         nw = tl.load(nw_ptr + d, mask=ok, other=0.0).to(tl.float32)
         pdl_wait(PDL, EARLY)
         dt = x_ptr.dtype.element_ty
-        x = tl.load(x_ptr + d, mask=ok, other=0.0)
+        if EMBED:
+            x = tl.load(x_ptr + tl.load(res_ptr).to(tl.int64) * D + d, mask=ok, other=0.0)
+            if pid == 0:
+                tl.store(res_out_ptr + d, x, mask=ok)
+        else:
+            x = tl.load(x_ptr + d, mask=ok, other=0.0)
         if HAS_RES:
             x = (x.to(tl.float32) + tl.load(res_ptr + d, mask=ok, other=0.0).to(tl.float32)).to(dt)
             if pid == 0:
@@ -294,14 +308,39 @@ def row_linear_applies(x_TD: torch.Tensor, linears: list[nn.Module], block_n: in
                     and m.weight.shape[0] % block_n == 0 and m.weight.is_contiguous() for m in linears))
 
 
-def row_linear(x_TD: torch.Tensor, linears: list[nn.Module], block_n: int) -> torch.Tensor:
-    """[1, N0 + N1 + N2]: x through up to three bias-free projections in one launch (`_row_linear`)."""
+def row_linear(x_TD: torch.Tensor, linears: list[nn.Module], block_n: int,
+               prefetch: list[torch.Tensor] = ()) -> torch.Tensor:
+    """[1, N0 + N1 + N2]: x through up to three bias-free projections in one launch (`_row_linear`). `prefetch`: up
+    to three weights that the launch asks L2 for before its PDL wait (only with PDL; see `prefetch_weights`)."""
     out, ws, sizes = _stacked_rows(x_TD, linears)
-    _row_linear[(out.shape[1] // block_n,)](x_TD, *ws, out, N0=sizes[0], N1=sizes[1], D=x_TD.shape[1], BLOCK_N=block_n,
-                                             BLOCK_D=min(ROW_LINEAR_MAX_D, triton.next_power_of_2(x_TD.shape[1])),
-                                             EARLY=kernel_switch.PDL_EARLY, num_warps=ROW_LINEAR_TILE[1],
-                                             **pdl_args(x_TD, 1))
+    pdl = pdl_args(x_TD, 1)
+    programs = out.shape[1] // block_n
+    pf = _prefetch_args(prefetch, programs) if prefetch and pdl["PDL"] else {"p0_ptr": out, "p1_ptr": out, "p2_ptr": out}
+    _row_linear[(programs,)](x_TD, *ws, out, N0=sizes[0], N1=sizes[1], D=x_TD.shape[1], BLOCK_N=block_n,
+                             BLOCK_D=min(ROW_LINEAR_MAX_D, triton.next_power_of_2(x_TD.shape[1])),
+                             EARLY=kernel_switch.PDL_EARLY, num_warps=ROW_LINEAR_TILE[1], **pf, **pdl)
     return out
+
+
+# B=1: each layer's o_proj launch asks L2 for the next layer's q, k, v weights while the attention chain leaves HBM
+# idle (per-thread `prefetch.global.L2::evict_last`, which nothing waits for); MOELOOP_L2_NEXT=off turns it off
+L2_NEXT = os.environ.get("MOELOOP_L2_NEXT", "on").lower() != "off"
+L2_LINE_BYTES = 128
+
+
+def prefetch_weights(linears: list[nn.Module]) -> list[torch.Tensor]:
+    """The weights of `linears` an L2 prefetch may take (`L2_NEXT` on; contiguous, at most three)."""
+    ws = [m.weight for m in linears]
+    return ws if L2_NEXT and len(ws) <= 3 and all(w.is_contiguous() for w in ws) else []
+
+
+def _prefetch_args(ws: list[torch.Tensor], programs: int) -> dict:
+    """`_row_linear`'s prefetch arguments: three weight pointers (the last repeated), their line counts, the line
+    length in elements and the lines per program (a power of two, programs * it >= all lines)."""
+    line = L2_LINE_BYTES // ws[0].element_size()
+    lines = [triton.cdiv(w.numel(), line) for w in ws] + [0] * (3 - len(ws))
+    return {"p0_ptr": ws[0], "p1_ptr": ws[min(1, len(ws) - 1)], "p2_ptr": ws[-1], "P_L0": lines[0], "P_L1": lines[1],
+            "P_L2": lines[2], "P_LINE": line, "P_PER_PROGRAM": triton.next_power_of_2(triton.cdiv(sum(lines), programs))}
 
 
 def _stacked_rows(x_TD: torch.Tensor, linears: list[nn.Module]) -> tuple[torch.Tensor, list, list[int]]:
@@ -323,19 +362,38 @@ def norm_fold_applies(x_TD: torch.Tensor, linears: list[nn.Module]) -> bool:
 
 
 def normed_row_linear(x_TD: torch.Tensor, res_TD: torch.Tensor | None, norm: RMSNorm, linears: list[nn.Module],
-                      want_y: bool = False) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor]:
+                      want_y: bool = False, ids_T: torch.Tensor | None = None
+                      ) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor]:
     """(the projections of y = RMSNorm(res + x) through `linears`, y if want_y, res + x) in one launch: what
-    `add_rmsnorm` then `project` give (up to the norm's fp32 summation order)."""
+    `add_rmsnorm` then `project` give (up to the norm's fp32 summation order). With `ids_T` (one token id, no res),
+    x_TD is the embedding table and x its row ids_T[0] (`embed_fold_applies`)."""
     block_n, D = ROW_LINEAR_TILE[0], x_TD.shape[1]
     out, ws, sizes = _stacked_rows(x_TD, linears)
     y_TD = x_TD.new_empty(1, D) if want_y else out
-    res_out = x_TD if res_TD is None else torch.empty_like(x_TD)
-    _norm_row_linear[(out.shape[1] // block_n,)](x_TD, x_TD if res_TD is None else res_TD, norm.weight, y_TD, res_out,
+    if ids_T is not None:
+        res_out, res_in = x_TD.new_empty(1, D), ids_T
+    else:
+        res_out = x_TD if res_TD is None else torch.empty_like(x_TD)
+        res_in = x_TD if res_TD is None else res_TD
+    _norm_row_linear[(out.shape[1] // block_n,)](x_TD, res_in, norm.weight, y_TD, res_out,
                                                   *ws, out, norm.eps, N0=sizes[0], N1=sizes[1], D=D, BLOCK_N=block_n,
                                                   BLOCK_D=triton.next_power_of_2(D), HAS_RES=res_TD is not None,
                                                   WRITE_Y=want_y, EARLY=kernel_switch.PDL_EARLY,
-                                                  num_warps=ROW_LINEAR_TILE[1], **pdl_args(x_TD, 1))
+                                                  EMBED=ids_T is not None, num_warps=ROW_LINEAR_TILE[1],
+                                                  **pdl_args(x_TD, 1))
     return list(out.split(sizes[:len(linears)], dim=1)), y_TD if want_y else None, res_out
+
+
+# B=1: the first layer's q|k|v launch reads the token's embedding row itself (`normed_row_linear` with ids), one
+# launch fewer per step; MOELOOP_EMBED_FOLD=off runs the embedding lookup first
+EMBED_FOLD = os.environ.get("MOELOOP_EMBED_FOLD", "on").lower() != "off"
+
+
+def embed_fold_applies(embed: nn.Module, ids_T: torch.Tensor, linears: list[nn.Module]) -> bool:
+    """One token through a plain embedding table (contiguous, int ids) into a norm-folded projection."""
+    table = embed.weight
+    return (EMBED_FOLD and ids_T.numel() == 1 and type(embed) is nn.Embedding and embed.max_norm is None
+            and table.is_contiguous() and not ids_T.is_floating_point() and norm_fold_applies(table[:1], linears))
 
 
 class QKVPack:
@@ -403,11 +461,12 @@ def project_qkv(x_TD: torch.Tensor, attn: nn.Module) -> list[torch.Tensor]:
     return list(F.linear(x_TD, pack.weight, pack.bias).split(pack.sizes, dim=1))
 
 
-def project(x_TD: torch.Tensor, linears: list[nn.Module], block_n: int = ROW_LINEAR_TILE[0]) -> list[torch.Tensor]:
+def project(x_TD: torch.Tensor, linears: list[nn.Module], block_n: int = ROW_LINEAR_TILE[0],
+            prefetch: list[torch.Tensor] = ()) -> list[torch.Tensor]:
     """x @ W.T (+ bias) for each module's `weight` (nn.Linear, or the router): one `_row_linear` launch for a
-    single token when it applies, else one F.linear each."""
+    single token when it applies (asking L2 for `prefetch`), else one F.linear each."""
     if row_linear_applies(x_TD, linears, block_n):
-        return list(row_linear(x_TD, linears, block_n).split([m.weight.shape[0] for m in linears], dim=1))
+        return list(row_linear(x_TD, linears, block_n, prefetch).split([m.weight.shape[0] for m in linears], dim=1))
     return [F.linear(x_TD, m.weight, getattr(m, "bias", None)) for m in linears]
 
 
@@ -458,19 +517,23 @@ def fused_decode_forward(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Ten
     next kernel launch at their start (`PDL_EARLY`); three kernels trigger late, after their wait, because a later
     kernel reads before its own wait what was written before them: the q/k norm + RoPE store (the paged decode
     reads the lengths, block tables and cached K/V), the top-k (gate_up would see the router's logits) and gate_up
-    (the down kernel reads the expert ids)."""
+    (the down kernel reads the expert ids, or with `ROUTE_FOLD` the router's logits)."""
     stack = model.model
-    x_TD = stack.embed_tokens(ids_T)
-    # RoPE tables by position, built once (the warm-up before a graph capture): the step reads rows, no table ops
-    rope = model.rotary.table(ctx.meta.block_tables_BN.shape[1] * ctx.cache.block_size, x_TD.dtype, x_TD.device)
     layers = stack.layers
-    pending = (x_TD, None, layers[0].input_layernorm)
+    table = stack.embed_tokens.weight
+    # RoPE tables by position, built once (the warm-up before a graph capture): the step reads rows, no table ops
+    rope = model.rotary.table(ctx.meta.block_tables_BN.shape[1] * ctx.cache.block_size, table.dtype, table.device)
+    a0 = layers[0].self_attn
+    embed_fold = embed_fold_applies(stack.embed_tokens, ids_T, [a0.q_proj, a0.k_proj, a0.v_proj])
+    pending = (None if embed_fold else stack.embed_tokens(ids_T), None, layers[0].input_layernorm)
     slots_T = ctx.meta.slot_mapping_T
-    T = x_TD.shape[0]
+    T = ids_T.shape[0]
     for i, layer in enumerate(layers):
         attn = layer.self_attn
         linears = [attn.q_proj, attn.k_proj, attn.v_proj]
-        if pending[2] is not None and norm_fold_applies(pending[0], linears):
+        if i == 0 and embed_fold:
+            (q_TX, k_TX, v_TX), _, res_TD = normed_row_linear(table, None, pending[2], linears, ids_T=ids_T)
+        elif pending[2] is not None and norm_fold_applies(pending[0], linears):
             (q_TX, k_TX, v_TX), _, res_TD = normed_row_linear(*pending, linears)
         else:
             y_TD, res_TD = _settle(pending)
@@ -478,7 +541,9 @@ def fused_decode_forward(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Ten
         q_THD = qk_norm_rope_store(attn, q_TX, k_TX, v_TX, rope, pos_T, ctx.cache.k[i], ctx.cache.v[i],
                                    slots_T)
         o_THD = ctx.attend_cached(i, q_THD, attn.scale)
-        (o_TD,) = project(o_THD.reshape(T, -1), [attn.o_proj])
+        nxt = layers[i + 1].self_attn if i + 1 < len(layers) else None
+        prefetch = prefetch_weights([nxt.q_proj, nxt.k_proj, nxt.v_proj]) if nxt is not None else []
+        (o_TD,) = project(o_THD.reshape(T, -1), [attn.o_proj], prefetch=prefetch)
         pending = (o_TD, res_TD, layer.post_attention_layernorm)
         mlp = layer.mlp
         norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else stack.norm
@@ -488,6 +553,9 @@ def fused_decode_forward(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Ten
             continue
         if norm_fold_applies(o_TD, [mlp.gate]):  # the router's projection applies the norm, and stores y
             (logits_TE,), y_TD, res_TD = normed_row_linear(*pending, [mlp.gate], want_y=True)
+            if routed_experts_apply(y_TD, mlp):  # the expert kernels rank the logits themselves
+                pending = (routed_experts(mlp, y_TD, logits_TE), res_TD, norm)
+                continue
             ids_TK, wts_TK = route_softmax_topk(mlp, logits_TE)
         else:
             y_TD, res_TD = add_rmsnorm(*pending)

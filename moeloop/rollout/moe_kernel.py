@@ -53,15 +53,47 @@ if triton is not None:
     from moeloop.model.swiglu_kernel import _silu
 
     @triton.jit
+    def _ranked_experts(logits_ptr, t, slot, E: tl.constexpr, E_PAD: tl.constexpr):
+        """(ids, z, rank): the experts at ranks `slot` (a tensor) of token t's router logits [T, E]; z, the logits
+        [E_PAD] in fp32 (padding -inf); rank, each expert's rank. The order is logit descending, lowest id among
+        ties: `_softmax_topk_store`'s order on their softmax, which the exp keeps (it could tie two logits only by
+        rounding both to one probability). A slot no expert holds (a NaN row) reads expert 0."""
+        i = tl.arange(0, E_PAD)
+        z = tl.load(logits_ptr + t * E + i, mask=i < E, other=float("-inf")).to(tl.float32)
+        beats = (z[None, :] > z[:, None]) | ((z[None, :] == z[:, None]) & (i[None, :] < i[:, None]))
+        rank = tl.sum(beats.to(tl.int32), 1)
+        ids = tl.min(tl.where(rank[None, :] == slot[:, None], i[None, :], E_PAD), 1)
+        return tl.where(ids < E, ids, 0), z, rank
+
+    @triton.jit
+    def _routed_weights(z, rank, ids, scale, K: tl.constexpr, NORM: tl.constexpr):
+        """Routing weights of experts `ids` (a tensor) from `_ranked_experts`' z and rank: softmax probability,
+        divided by the sum of the top K's (added in rank order) when NORM, times `scale` (`_softmax_topk_store`)."""
+        p = tl.exp(z - tl.max(z, 0))
+        p = p / tl.sum(p, 0)
+        total = tl.sum(tl.where(rank == 0, p, 0.0), 0)
+        for kk in tl.static_range(1, K):
+            total += tl.sum(tl.where(rank == kk, p, 0.0), 0)
+        i = tl.arange(0, z.shape[0])
+        best = tl.sum(tl.where(i[None, :] == ids[:, None], p[None, :], 0.0), 1)
+        return (best / total if NORM else best) * scale
+
+    @triton.jit
     def _gate_up_silu(x_ptr, w_ptr, ids_ptr, h_ptr, s_we, s_wf, D: tl.constexpr, F: tl.constexpr, K: tl.constexpr,
-                      BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
+                      BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr,
+                      ROUTED: tl.constexpr = False, E: tl.constexpr = 1, E_PAD: tl.constexpr = 1):
         """Program (s, f): gate/up rows f of assignment s's expert against its token, SiLU(gate) * up. Waits first:
-        the expert ids come from the kernel just before."""
+        the expert ids come from the kernel just before. ROUTED: `ids_ptr` holds the router logits [T, E] instead,
+        and the program ranks them itself (`_ranked_experts`: assignment s is token s // K's rank s % K)."""
         pdl_wait(PDL)
         s = tl.program_id(0)
         f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
         f_ok = f < F
-        e = tl.load(ids_ptr + s).to(tl.int64)
+        if ROUTED:
+            ids, _, _ = _ranked_experts(ids_ptr, s // K, tl.zeros([1], tl.int32) + s % K, E, E_PAD)
+            e = tl.max(ids, 0).to(tl.int64)
+        else:
+            e = tl.load(ids_ptr + s).to(tl.int64)
         x_row = x_ptr + (s // K).to(tl.int64) * D
         acc_g = tl.zeros([BLOCK_F], tl.float32)
         acc_u = tl.zeros([BLOCK_F], tl.float32)
@@ -142,11 +174,14 @@ if triton is not None:
     @triton.jit
     def _down_combine(h_ptr, w_ptr, ids_ptr, wts_ptr, y_ptr, s_we, s_wd, D: tl.constexpr, F: tl.constexpr, K: tl.constexpr,
                       K_PAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr, EARLY: tl.constexpr,
-                      PDL: tl.constexpr):
+                      PDL: tl.constexpr, ROUTED: tl.constexpr = False, E: tl.constexpr = 1, E_PAD: tl.constexpr = 1,
+                      SCALE: tl.constexpr = 1.0, NORM: tl.constexpr = False):
         """Program (t, j): outputs d of block j of token t, sum_k wts[t, k] * (h[t*K + k] . W_down[ids[t, k]][d]),
         each expert's product rounded first. The K experts' rows are one [K_PAD * BLOCK_D, BLOCK_F] tile, whose first
         F-block is read before the PDL wait: the ids are two kernels old (the router's; `_gate_up_silu` between
-        triggers late), h is the last kernel's."""
+        triggers late), h is the last kernel's. ROUTED: `ids_ptr` holds the router logits [T, E], two kernels old
+        too, and the program takes the ids and weights from them (`_ranked_experts`, `_routed_weights` with SCALE
+        and NORM); `wts_ptr` is not read."""
         pdl_launch_next(PDL, EARLY)
         t = tl.program_id(0)
         r = tl.arange(0, K_PAD * BLOCK_D)
@@ -154,7 +189,12 @@ if triton is not None:
         d = tl.program_id(1) * BLOCK_D + r % BLOCK_D
         ok = (k < K) & (d < D)
         s = (t * K + k).to(tl.int64)
-        e = tl.load(ids_ptr + s, mask=ok, other=0).to(tl.int64)
+        if ROUTED:
+            ids, z, rank = _ranked_experts(ids_ptr, t, k, E, E_PAD)
+            e = ids.to(tl.int64)
+            wts = _routed_weights(z, rank, ids, SCALE, K, NORM)
+        else:
+            e = tl.load(ids_ptr + s, mask=ok, other=0).to(tl.int64)
         w_rows = w_ptr + e[:, None] * s_we + d[:, None] * s_wd
         f = tl.arange(0, BLOCK_F)
         w = tl.load(w_rows + f[None, :], mask=ok[:, None] & (f[None, :] < F), other=0.0)
@@ -168,7 +208,9 @@ if triton is not None:
             ww = tl.load(w_rows + ff[None, :], mask=fm, other=0.0).to(tl.float32)
             acc += tl.sum(ww * tl.load(h_rows + ff[None, :], mask=fm, other=0.0).to(tl.float32), 1)
         dt = y_ptr.dtype.element_ty
-        part = tl.reshape(acc.to(dt).to(tl.float32) * tl.load(wts_ptr + s, mask=ok, other=0.0), [K_PAD, BLOCK_D])
+        if not ROUTED:
+            wts = tl.load(wts_ptr + s, mask=ok, other=0.0)
+        part = tl.reshape(acc.to(dt).to(tl.float32) * wts, [K_PAD, BLOCK_D])
         # the K products added in expert order, as the module path and the trainer's combine add them (a tree sum
         # could round differently): each term is a one-row sum, exact
         k_rows = tl.arange(0, K_PAD)[:, None]
@@ -186,12 +228,42 @@ def fused_experts(experts: Experts, x_TD: torch.Tensor, ids_TK: torch.Tensor, we
         return experts.sorted_forward(x_TD, ids_TK, weights_TK, expert_counts(ids_TK, experts.num_experts))
     if uses_grouped_rows(x_TD, ids_TK):
         return grouped_experts(experts, x_TD, ids_TK, weights_TK)
+    # (any cast before the first launch: down follows gate_up directly)
+    return _few_token_experts(experts, x_TD.contiguous(), ids_TK.reshape(-1).contiguous(),
+                              weights_TK.float().contiguous(), K, {})
+
+
+# a one-token decode ranks its router logits inside the two expert kernels (`routed_experts`), one launch fewer per
+# layer; MOELOOP_ROUTE_FOLD=off runs the top-k kernel between the router and the experts instead
+ROUTE_FOLD = os.environ.get("MOELOOP_ROUTE_FOLD", "on").lower() != "off"
+
+
+def routed_experts_apply(x_TD: torch.Tensor, moe: MoE) -> bool:
+    """`routed_experts` takes this batch: `ROUTE_FOLD` on, Triton (CUDA or the interpreter), few assignments, a
+    softmax router."""
+    router = moe.gate
+    return (ROUTE_FOLD and triton is not None and (x_TD.is_cuda or triton_interpreting())
+            and x_TD.shape[0] * router.top_k <= FUSED_MAX_ASSIGNMENTS and router.scoring_func == "softmax")
+
+
+def routed_experts(moe: MoE, x_TD: torch.Tensor, logits_TE: torch.Tensor) -> torch.Tensor:
+    """Routed-expert output [T, D] from the router logits [T, E] of x, with the softmax top-k routing
+    (`fused_decode.route_softmax_topk`) done inside the two expert kernels: no ids or weights in memory."""
+    router, E = moe.gate, logits_TE.shape[1]
+    routing = dict(ROUTED=True, E=E, E_PAD=max(16, triton.next_power_of_2(E)))
+    down = dict(SCALE=float(router.routed_scaling_factor), NORM=bool(router.norm_topk_prob))
+    return _few_token_experts(moe.experts, x_TD.contiguous(), logits_TE.contiguous(), logits_TE, router.top_k,
+                              routing, down)
+
+
+def _few_token_experts(experts: Experts, x_TD: torch.Tensor, route: torch.Tensor, wts_S: torch.Tensor, K: int,
+                       routing: dict, down_routing: dict | None = None) -> torch.Tensor:
+    """`_gate_up_silu` then `_down_combine` over T * K assignments; `route`: the expert ids [T * K] (weights wts_S),
+    or with `routing` (ROUTED) the router logits [T, E]."""
     w_gu, w_d = experts.gate_up_proj, experts.down_proj
-    D, F = experts.dim, experts.ffn_dim
-    x_TD, ids_S = x_TD.contiguous(), ids_TK.reshape(-1).contiguous()
+    D, F, T = experts.dim, experts.ffn_dim, x_TD.shape[0]
     h_SF = x_TD.new_empty(T * K, F)
     y_TD = torch.empty_like(x_TD)
-    wts_S = weights_TK.float().contiguous()  # (any cast before the first launch: down follows gate_up directly)
     # narrow tiles, many programs, a whole weight row per program: at B=1 this is a weight stream of K experts,
     # bound by the bytes in flight
     pdl = pdl_args(x_TD, T)
@@ -199,13 +271,15 @@ def fused_experts(experts: Experts, x_TD: torch.Tensor, ids_TK: torch.Tensor, we
     # down's tile: K_PAD * BLOCK_D rows x BLOCK_F columns, at most 4 * FEW_MAX_WIDTH values (512 columns at K=4)
     k_pad = triton.next_power_of_2(K)
     down_block_f = min(FEW_MAX_WIDTH * 4 // (k_pad * block_d), triton.next_power_of_2(F))
-    _gate_up_silu[(T * K, triton.cdiv(F, block_f))](x_TD, w_gu, ids_S, h_SF, w_gu.stride(0), w_gu.stride(1),
+    _gate_up_silu[(T * K, triton.cdiv(F, block_f))](x_TD, w_gu, route, h_SF, w_gu.stride(0), w_gu.stride(1),
                                                      D=D, F=F, K=K, BLOCK_F=block_f,
                                                      BLOCK_D=min(FEW_MAX_WIDTH, triton.next_power_of_2(D)),
-                                                     LIBDEVICE=not triton_interpreting(), num_warps=warps_f, **pdl)
-    _down_combine[(T, triton.cdiv(D, block_d))](h_SF, w_d, ids_S, wts_S, y_TD, w_d.stride(0), w_d.stride(1), D=D, F=F,
+                                                     LIBDEVICE=not triton_interpreting(), num_warps=warps_f, **routing,
+                                                     **pdl)
+    _down_combine[(T, triton.cdiv(D, block_d))](h_SF, w_d, route, wts_S, y_TD, w_d.stride(0), w_d.stride(1), D=D, F=F,
                                                  K=K, K_PAD=k_pad, BLOCK_D=block_d, BLOCK_F=down_block_f,
-                                                 EARLY=kernel_switch.PDL_EARLY, num_warps=warps_d, **pdl)
+                                                 EARLY=kernel_switch.PDL_EARLY, num_warps=warps_d, **routing,
+                                                 **(down_routing or {}), **pdl)
     return y_TD
 
 
