@@ -172,7 +172,7 @@ def main() -> None:
 
             def run() -> None:
                 for w in ws:
-                    fused_decode._row_linear[(n_rows // block_n,)](x, w, w, w, out, w, w, w, N0=n_rows, N1=0, D=D,
+                    fused_decode._row_linear[(n_rows // block_n,)](x, w, w, w, out, N0=n_rows, N1=0, D=D,
                                                                    BLOCK_N=block_n, BLOCK_D=block_d, EARLY=False, PDL=False,
                                                                    num_warps=warps)
             run()

@@ -194,7 +194,7 @@ def _compile_row_linear():
     for n0, n1, block_n in ((H * DH, G * DH, 4), (D, 0, 4), (E, 0, 4)):  # q|k|v, o_proj, router
         for pdl, early in ((False, False), (False, True), (True, False), (True, True)):
             compiled = compile_sm90(fused_decode._row_linear, dict(x_ptr="*bf16", w0_ptr="*bf16", w1_ptr="*bf16", w2_ptr="*bf16",
-                                                        out_ptr="*bf16", p0_ptr="*bf16", p1_ptr="*bf16", p2_ptr="*bf16"),
+                                                        out_ptr="*bf16"),
                          dict(N0=n0, N1=n1, D=D if n0 != D else H * DH, BLOCK_N=block_n, BLOCK_D=2048, EARLY=early,
                               PDL=pdl), num_warps=8)
             # the PDL build waits on the previous grid and releases the next one (once: EARLY before the weight
@@ -205,15 +205,6 @@ def _compile_row_linear():
                 first_load = ptx.index("ld.global")
                 trigger, wait = ptx.index("griddepcontrol.launch_dependents"), ptx.index("griddepcontrol.wait")
                 assert (trigger < first_load < wait) if early else (first_load < wait < trigger)
-    # o_proj asking L2 for the next layer's q, k, v weights (lines of 64 bf16): the prefetches are issued after the
-    # weight tile's loads and before the wait
-    ptx = compile_sm90(fused_decode._row_linear, dict(x_ptr="*bf16", w0_ptr="*bf16", w1_ptr="*bf16", w2_ptr="*bf16",
-                                                      out_ptr="*bf16", p0_ptr="*bf16", p1_ptr="*bf16", p2_ptr="*bf16"),
-                       dict(N0=D, N1=0, D=H * DH, BLOCK_N=4, BLOCK_D=2048, EARLY=True, PDL=True,
-                            P_L0=H * DH * D // 64, P_L1=G * DH * D // 64, P_L2=G * DH * D // 64, P_LINE=64,
-                            P_PER_PROGRAM=256), num_warps=8).asm["ptx"]
-    assert "prefetch.global.L2::evict_last" in ptx
-    assert ptx.index("ld.global") < ptx.index("prefetch.global.L2::evict_last") < ptx.index("griddepcontrol.wait")
 
 
 def _compile_norm_row_linear():

@@ -105,18 +105,6 @@ if triton is not None:
             gdc_launch_dependents()
 
     @triton.jit
-    def l2_prefetch(w0_ptr, w1_ptr, w2_ptr, L0, L1, L2, LINE: tl.constexpr, LINES: tl.constexpr):
-        """Hint (sm_80+ `prefetch.global.L2::evict_last`): start pulling this program's LINES lines of LINE elements
-        (lines program_id * LINES + i) of [W0; W1; W2], which have L0, L1 and L2 lines, into L2. Each thread issues
-        its lines' prefetches and goes on: nothing waits for them, and they hold no registers."""
-        g = tl.program_id(0) * LINES + tl.arange(0, LINES)
-        ptrs = tl.where(g < L0, w0_ptr + g * LINE,
-                        tl.where(g < L0 + L1, w1_ptr + (g - L0) * LINE, w2_ptr + (g - L0 - L1) * LINE))
-        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2::evict_last [$1]; "
-                                  "mov.u32 $0, 0; }", "=r,l,r", [ptrs, (g < L0 + L1 + L2).to(tl.int32)],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
     def bf16_rne(x):
         """fp32 -> nearest-even bf16 value, kept in fp32, by bits: the interpreter's cast truncates instead."""
         bits = x.to(tl.uint32, bitcast=True)

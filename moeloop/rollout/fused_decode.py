@@ -37,7 +37,7 @@ from moeloop.rollout.paged_attention import PagedAttention
 if triton is not None:
     import triton.language as tl
 
-    from moeloop.model.kernel_switch import l2_prefetch, pdl_launch_next, pdl_wait
+    from moeloop.model.kernel_switch import pdl_launch_next, pdl_wait
 
     @triton.jit
     def _add_rmsnorm(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, dest_ptr, wts_ptr, eps, D: tl.constexpr,
@@ -131,23 +131,17 @@ if triton is not None:
         return w_rows
 
     @triton.jit
-    def _row_linear(x_ptr, w0_ptr, w1_ptr, w2_ptr, out_ptr, p0_ptr, p1_ptr, p2_ptr, N0: tl.constexpr,
-                    N1: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EARLY: tl.constexpr,
-                    PDL: tl.constexpr, P_L0: tl.constexpr = 0, P_L1: tl.constexpr = 0, P_L2: tl.constexpr = 0,
-                    P_LINE: tl.constexpr = 64, P_PER_PROGRAM: tl.constexpr = 0):
+    def _row_linear(x_ptr, w0_ptr, w1_ptr, w2_ptr, out_ptr, N0: tl.constexpr, N1: tl.constexpr, D: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
         """One token: out[n] = x . W[n] over the rows of [W0; W1; W2] (N0, N1, then the rest), fp32 accumulation,
         rounded once. A program owns BLOCK_N output rows of one weight (the host checks BLOCK_N divides N0, N1).
-        Its first [BLOCK_N, BLOCK_D] weight tile (all of D when BLOCK_D >= D) is read before the PDL wait.
-        P_PER_PROGRAM > 0: before that wait, it also asks L2 for P_PER_PROGRAM lines of [P0; P1; P2] (`l2_prefetch`;
-        P_L0, P_L1, P_L2 lines of P_LINE elements each), weights that a later kernel reads."""
+        Its first [BLOCK_N, BLOCK_D] weight tile (all of D when BLOCK_D >= D) is read before the PDL wait."""
         pdl_launch_next(PDL, EARLY)
         start = tl.program_id(0) * BLOCK_N
         r = tl.arange(0, BLOCK_N)
         w_rows = _weight_rows(w0_ptr, w1_ptr, w2_ptr, start, r, N0, N1, D)
         d = tl.arange(0, BLOCK_D)
         w = tl.load(w_rows + d[None, :], mask=d[None, :] < D, other=0.0)
-        if P_PER_PROGRAM > 0:
-            l2_prefetch(p0_ptr, p1_ptr, p2_ptr, P_L0, P_L1, P_L2, P_LINE, P_PER_PROGRAM)
         pdl_wait(PDL, EARLY)
         x = tl.load(x_ptr + d, mask=d < D, other=0.0).to(tl.float32)
         acc = tl.sum(w.to(tl.float32) * x[None, :], 1)
@@ -308,39 +302,14 @@ def row_linear_applies(x_TD: torch.Tensor, linears: list[nn.Module], block_n: in
                     and m.weight.shape[0] % block_n == 0 and m.weight.is_contiguous() for m in linears))
 
 
-def row_linear(x_TD: torch.Tensor, linears: list[nn.Module], block_n: int,
-               prefetch: list[torch.Tensor] = ()) -> torch.Tensor:
-    """[1, N0 + N1 + N2]: x through up to three bias-free projections in one launch (`_row_linear`). `prefetch`: up
-    to three weights that the launch asks L2 for before its PDL wait (only with PDL; see `prefetch_weights`)."""
+def row_linear(x_TD: torch.Tensor, linears: list[nn.Module], block_n: int) -> torch.Tensor:
+    """[1, N0 + N1 + N2]: x through up to three bias-free projections in one launch (`_row_linear`)."""
     out, ws, sizes = _stacked_rows(x_TD, linears)
-    pdl = pdl_args(x_TD, 1)
-    programs = out.shape[1] // block_n
-    pf = _prefetch_args(prefetch, programs) if prefetch and pdl["PDL"] else {"p0_ptr": out, "p1_ptr": out, "p2_ptr": out}
-    _row_linear[(programs,)](x_TD, *ws, out, N0=sizes[0], N1=sizes[1], D=x_TD.shape[1], BLOCK_N=block_n,
-                             BLOCK_D=min(ROW_LINEAR_MAX_D, triton.next_power_of_2(x_TD.shape[1])),
-                             EARLY=kernel_switch.PDL_EARLY, num_warps=ROW_LINEAR_TILE[1], **pf, **pdl)
+    _row_linear[(out.shape[1] // block_n,)](x_TD, *ws, out, N0=sizes[0], N1=sizes[1], D=x_TD.shape[1], BLOCK_N=block_n,
+                                             BLOCK_D=min(ROW_LINEAR_MAX_D, triton.next_power_of_2(x_TD.shape[1])),
+                                             EARLY=kernel_switch.PDL_EARLY, num_warps=ROW_LINEAR_TILE[1],
+                                             **pdl_args(x_TD, 1))
     return out
-
-
-# B=1: each layer's o_proj launch asks L2 for the next layer's q, k, v weights while the attention chain leaves HBM
-# idle (per-thread `prefetch.global.L2::evict_last`, which nothing waits for); MOELOOP_L2_NEXT=off turns it off
-L2_NEXT = os.environ.get("MOELOOP_L2_NEXT", "on").lower() != "off"
-L2_LINE_BYTES = 128
-
-
-def prefetch_weights(linears: list[nn.Module]) -> list[torch.Tensor]:
-    """The weights of `linears` an L2 prefetch may take (`L2_NEXT` on; contiguous, at most three)."""
-    ws = [m.weight for m in linears]
-    return ws if L2_NEXT and len(ws) <= 3 and all(w.is_contiguous() for w in ws) else []
-
-
-def _prefetch_args(ws: list[torch.Tensor], programs: int) -> dict:
-    """`_row_linear`'s prefetch arguments: three weight pointers (the last repeated), their line counts, the line
-    length in elements and the lines per program (a power of two, programs * it >= all lines)."""
-    line = L2_LINE_BYTES // ws[0].element_size()
-    lines = [triton.cdiv(w.numel(), line) for w in ws] + [0] * (3 - len(ws))
-    return {"p0_ptr": ws[0], "p1_ptr": ws[min(1, len(ws) - 1)], "p2_ptr": ws[-1], "P_L0": lines[0], "P_L1": lines[1],
-            "P_L2": lines[2], "P_LINE": line, "P_PER_PROGRAM": triton.next_power_of_2(triton.cdiv(sum(lines), programs))}
 
 
 def _stacked_rows(x_TD: torch.Tensor, linears: list[nn.Module]) -> tuple[torch.Tensor, list, list[int]]:
@@ -461,12 +430,11 @@ def project_qkv(x_TD: torch.Tensor, attn: nn.Module) -> list[torch.Tensor]:
     return list(F.linear(x_TD, pack.weight, pack.bias).split(pack.sizes, dim=1))
 
 
-def project(x_TD: torch.Tensor, linears: list[nn.Module], block_n: int = ROW_LINEAR_TILE[0],
-            prefetch: list[torch.Tensor] = ()) -> list[torch.Tensor]:
+def project(x_TD: torch.Tensor, linears: list[nn.Module], block_n: int = ROW_LINEAR_TILE[0]) -> list[torch.Tensor]:
     """x @ W.T (+ bias) for each module's `weight` (nn.Linear, or the router): one `_row_linear` launch for a
-    single token when it applies (asking L2 for `prefetch`), else one F.linear each."""
+    single token when it applies, else one F.linear each."""
     if row_linear_applies(x_TD, linears, block_n):
-        return list(row_linear(x_TD, linears, block_n, prefetch).split([m.weight.shape[0] for m in linears], dim=1))
+        return list(row_linear(x_TD, linears, block_n).split([m.weight.shape[0] for m in linears], dim=1))
     return [F.linear(x_TD, m.weight, getattr(m, "bias", None)) for m in linears]
 
 
@@ -541,9 +509,7 @@ def fused_decode_forward(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Ten
         q_THD = qk_norm_rope_store(attn, q_TX, k_TX, v_TX, rope, pos_T, ctx.cache.k[i], ctx.cache.v[i],
                                    slots_T)
         o_THD = ctx.attend_cached(i, q_THD, attn.scale)
-        nxt = layers[i + 1].self_attn if i + 1 < len(layers) else None
-        prefetch = prefetch_weights([nxt.q_proj, nxt.k_proj, nxt.v_proj]) if nxt is not None else []
-        (o_TD,) = project(o_THD.reshape(T, -1), [attn.o_proj], prefetch=prefetch)
+        (o_TD,) = project(o_THD.reshape(T, -1), [attn.o_proj])
         pending = (o_TD, res_TD, layer.post_attention_layernorm)
         mlp = layer.mlp
         norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else stack.norm
