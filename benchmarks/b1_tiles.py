@@ -1,0 +1,75 @@
+"""The B=1 decode's kernel tiles, measured in place: the engine's forward graph (reference Qwen3-MoE, bf16, one
+sequence, prompt 128) for each tile of the one-token kernels, varied one knob at a time from the current best
+(coordinate descent), with every config's greedy tokens compared with the defaults'.
+
+`b1_gemv.py` picked the tiles from each kernel alone and from a four-kernel chain. In the engine every kernel
+shares the GPU with its PDL neighbours, which load their weights while it runs, so the best tile there may differ.
+
+    python3 benchmarks/b1_tiles.py [--rounds 2] [--replays 200]
+
+Knobs (module constants read at each launch, so a fresh engine's graph capture takes them):
+  row_linear  fused_decode.ROW_LINEAR_TILE   (rows per program, warps): q|k|v, o_proj and the router
+  gate_up     moe_kernel.GATE_UP_FEW_TILE    (ffn rows per program, warps)
+  down        moe_kernel.DOWN_FEW_TILE       (output rows per program, warps)
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from cuda_kernels import replay_seconds
+from moeloop.model.factory import build_model
+from moeloop.rollout import SamplingParams, fused_decode, moe_kernel
+from sized_engine import sized_engine
+
+KNOBS = {
+    "row_linear": (fused_decode, "ROW_LINEAR_TILE", [(2, 4), (2, 8), (4, 4), (4, 8), (8, 4), (8, 8)]),
+    "gate_up": (moe_kernel, "GATE_UP_FEW_TILE", [(2, 4), (2, 8), (4, 4), (4, 8), (8, 4), (8, 8)]),
+    "down": (moe_kernel, "DOWN_FEW_TILE", [(2, 2), (2, 4), (4, 2), (4, 4), (4, 8), (8, 4)]),
+}
+PROMPT, NEW = 128, 8
+
+
+def forward_graph_ms(model, prompt: list[int], replays: int) -> tuple[float, list[int]]:
+    """(median ms per replay of the B=1 forward graph over 3 timings, greedy tokens) of a fresh engine, whose
+    warm-up captures the graph under the current tiles."""
+    engine = sized_engine(model, 1, PROMPT, NEW)
+    tokens = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=NEW))[0].response_ids
+    graphs = engine.runner.graphs
+    graph, _ = graphs.graphs[next(s for s in graphs.sizes if s >= 1)]
+    graph.replay()
+    torch.cuda.synchronize()
+    return statistics.median(replay_seconds(graph, replays) * 1e3 for _ in range(3)), tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--replays", type=int, default=200)
+    args = ap.parse_args()
+    model = build_model("qwen3_moe", "reference", seed=0).to("cuda", torch.bfloat16).eval()
+    prompt = torch.randint(3, model.cfg.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
+    best = {name: getattr(mod, attr) for name, (mod, attr, _) in KNOBS.items()}
+    base_ms, base_tokens = forward_graph_ms(model, prompt, args.replays)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; B=1 forward graph, prompt {PROMPT}")
+    print(f"defaults {best}: {base_ms:.4f} ms")
+    best_ms = base_ms
+    for rnd in range(args.rounds):
+        for name, (mod, attr, tiles) in KNOBS.items():
+            for tile in tiles:
+                if tile == best[name]:
+                    continue
+                setattr(mod, attr, tile)
+                ms, tokens = forward_graph_ms(model, prompt, args.replays)
+                same = "same tokens" if tokens == base_tokens else f"tokens differ: {tokens} vs {base_tokens}"
+                print(f"round {rnd + 1} {name}={tile}: {ms:.4f} ms ({same})")
+                if ms < best_ms and tokens == base_tokens:
+                    best_ms, best[name] = ms, tile
+            setattr(mod, attr, best[name])
+    print(f"best {best}: {best_ms:.4f} ms (defaults {base_ms:.4f} ms)")
+
+
+if __name__ == "__main__":
+    main()
