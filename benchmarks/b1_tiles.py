@@ -11,6 +11,8 @@ Knobs (module constants read at each launch, so a fresh engine's graph capture t
   row_linear  fused_decode.ROW_LINEAR_TILE   (rows per program, warps): q|k|v, o_proj and the router
   gate_up     moe_kernel.GATE_UP_FEW_TILE    (ffn rows per program, warps)
   down        moe_kernel.DOWN_FEW_TILE       (output rows per program, warps)
+  paged_block_n  decode_kernel.PAGED_BLOCK_N  (cached positions per step and per split unit: B=1 runs ceil(384 / it)
+                                              split programs per kv head, then the merge)
 """
 from __future__ import annotations
 
@@ -21,13 +23,14 @@ import torch
 
 from cuda_kernels import replay_seconds
 from moeloop.model.factory import build_model
-from moeloop.rollout import SamplingParams, fused_decode, moe_kernel
+from moeloop.rollout import SamplingParams, decode_kernel, fused_decode, moe_kernel
 from sized_engine import sized_engine
 
 KNOBS = {
     "row_linear": (fused_decode, "ROW_LINEAR_TILE", [(2, 4), (2, 8), (4, 4), (4, 8), (8, 4), (8, 8)]),
     "gate_up": (moe_kernel, "GATE_UP_FEW_TILE", [(2, 4), (2, 8), (4, 4), (4, 8), (8, 4), (8, 8)]),
     "down": (moe_kernel, "DOWN_FEW_TILE", [(2, 2), (2, 4), (4, 2), (4, 4), (4, 8), (8, 4)]),
+    "paged_block_n": (decode_kernel, "PAGED_BLOCK_N", [16, 32, 64, 128]),
 }
 PROMPT, NEW = 128, 8
 

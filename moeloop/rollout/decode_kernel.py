@@ -132,17 +132,21 @@ def num_splits(device: torch.device, num_programs: int, max_len: int, block_n: i
     return max(1, min(wanted, -(-max_len // block_n), 16))
 
 
+PAGED_BLOCK_N = 64  # cached positions per loop step, and the split programs' chunk unit (`benchmarks/b1_tiles.py`)
+
+
 def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SGD: torch.Tensor, v_cache_SGDv: torch.Tensor,
                            block_tables_BN: torch.Tensor, context_lens_B: torch.Tensor, block_size: int,
-                           scale: float, block_n: int = 64, split: bool = True) -> torch.Tensor:
-    """Attention of each row's single query over its first context_lens_B[b] cached positions -> [B, H, Dv]."""
+                           scale: float, block_n: int | None = None, split: bool = True) -> torch.Tensor:
+    """Attention of each row's single query over its first context_lens_B[b] cached positions -> [B, H, Dv]
+    (`block_n`: default PAGED_BLOCK_N)."""
     if triton is None:
         raise RuntimeError("paged_decode_attention needs triton")
     B, H, Dk = q_BHD.shape
     G, Dv = k_cache_SGD.shape[1], v_cache_SGDv.shape[2]
     out = q_BHD.new_empty(B, H, Dv)
     qh = H // G
-    block_n = max(16, min(block_n, triton.next_power_of_2(block_size) * 8))
+    block_n = max(16, min(PAGED_BLOCK_N if block_n is None else block_n, triton.next_power_of_2(block_size) * 8))
     precision = "ieee" if q_BHD.dtype == torch.float32 else "tf32"
     max_len = block_tables_BN.shape[1] * block_size  # static: the grid must not depend on the lengths (graphs)
     splits = num_splits(q_BHD.device, B * G, max_len, block_n) if split else 1
