@@ -167,12 +167,14 @@ def test_row_linear_equals_f_linear(monkeypatch, max_d):
     assert not row_linear_applies(x, [nn.Linear(40, 16).to(DEVICE)], 16)  # a bias: the module path
 
 
-@pytest.mark.parametrize("norm_fold,route_fold,embed_fold", [(False, False, False), (True, False, False),
-                                                              (True, True, True)])
-def test_fused_decode_single_sequence_matches_module_path(monkeypatch, norm_fold, route_fold, embed_fold):
+@pytest.mark.parametrize("arch,norm_fold,route_fold,embed_fold", [
+    ("qwen3_moe", False, False, False), ("qwen3_moe", True, False, False), ("qwen3_moe", True, True, True),
+    ("mixtral", True, True, True)])
+def test_fused_decode_single_sequence_matches_module_path(monkeypatch, arch, norm_fold, route_fold, embed_fold):
     """B=1 decode takes the one-launch projections (with `norm_fold`, the add + RMSNorm folded into the q|k|v and
     router projections; with `route_fold` too, the softmax top-k done inside the expert kernels; with
-    `embed_fold`, the first q|k|v launch reads the embedding row); same tokens and logprobs as the module forward."""
+    `embed_fold`, the first q|k|v launch reads the embedding row); same tokens and logprobs as the module forward
+    (Mixtral: top-2 of 8 experts, no q/k norm)."""
     from moeloop.rollout import fused_decode, moe_kernel
     monkeypatch.setattr(fused_decode, "NORM_FOLD", norm_fold)
     monkeypatch.setattr(moe_kernel, "ROUTE_FOLD", route_fold)
@@ -189,7 +191,7 @@ def test_fused_decode_single_sequence_matches_module_path(monkeypatch, norm_fold
     def module_path_folds_nothing() -> None:
         assert not folds and not routed
 
-    model = tiny_model("qwen3_moe").to(DEVICE)
+    model = tiny_model(arch).to(DEVICE)
     assert_kernels_match_module_path(model, prompts(1, seed=5),
                                      SamplingParams(n=1, temperature=1.0, max_tokens=5, seed=2), module_path_folds_nothing)
     # per decode step and layer: q|k|v (3 projections) and the router (1)
