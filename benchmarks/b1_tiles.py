@@ -13,6 +13,7 @@ Knobs (module constants read at each launch, so a fresh engine's graph capture t
   down        moe_kernel.DOWN_FEW_TILE       (output rows per program, warps)
   paged_block_n  decode_kernel.PAGED_BLOCK_N  (cached positions per step and per split unit: B=1 runs ceil(384 / it)
                                               split programs per kv head, then the merge)
+  max_splits  decode_kernel.MAX_SPLITS       (1: one program per kv head loops over the context, no merge launch)
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ KNOBS = {
     "gate_up": (moe_kernel, "GATE_UP_FEW_TILE", [(2, 4), (2, 8), (4, 4), (4, 8), (8, 4), (8, 8)]),
     "down": (moe_kernel, "DOWN_FEW_TILE", [(2, 2), (2, 4), (4, 2), (4, 4), (4, 8), (8, 4)]),
     "paged_block_n": (decode_kernel, "PAGED_BLOCK_N", [16, 32, 64, 128]),
+    "max_splits": (decode_kernel, "MAX_SPLITS", [1, 2, 3, 16]),
 }
 PROMPT, NEW = 128, 8
 

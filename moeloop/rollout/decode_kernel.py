@@ -124,12 +124,16 @@ V_EARLY = os.environ.get("MOELOOP_V_EARLY", "on").lower() != "off"
 _NUM_SMS: dict[torch.device, int] = {}
 
 
+MAX_SPLITS = 16  # context splits per (row, kv head) at most (`benchmarks/b1_tiles.py` sweeps it at B=1)
+
+
 def num_splits(device: torch.device, num_programs: int, max_len: int, block_n: int) -> int:
-    """Context splits so that about two programs run per SM (1 when the rows alone fill the device)."""
+    """Context splits so that about two programs run per SM (1 when the rows alone fill the device), at most
+    MAX_SPLITS."""
     if device not in _NUM_SMS:
         _NUM_SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     wanted = -(-2 * _NUM_SMS[device] // num_programs)
-    return max(1, min(wanted, -(-max_len // block_n), 16))
+    return max(1, min(wanted, -(-max_len // block_n), MAX_SPLITS))
 
 
 PAGED_BLOCK_N = 64  # cached positions per loop step, and the split programs' chunk unit (`benchmarks/b1_tiles.py`)
