@@ -143,8 +143,8 @@ def test_topk_kernel_equals_the_torch_top_k_draw(monkeypatch, with_top_p):
 @needs_kernels
 @pytest.mark.parametrize("case", ["top_k_same", "top_k_top_p", "full_vocab", "greedy_rows"])
 def test_kernel_sampler_on_bf16_logits_equals_the_fp32_torch_path(monkeypatch, case):
-    """With the kernels the sampler reads bf16 logits as they are (the decode's lm_head output: no fp32 copy; top-k
-    without top-p in one fused launch): the same tokens and logprobs as the torch path on an fp32 copy."""
+    """With the kernels the sampler reads bf16 logits as they are (the decode's lm_head output: no fp32 copy; top-k,
+    with or without top-p, in one fused launch): the same tokens and logprobs as the torch path on an fp32 copy."""
     import moeloop.rollout.sampler as sampler
     device = DEVICE
     g = torch.Generator().manual_seed(2)
@@ -169,12 +169,10 @@ def test_kernel_sampler_on_bf16_logits_equals_the_fp32_torch_path(monkeypatch, c
     monkeypatch.setattr(sampler, "topk_sample", lambda *a: fused.append(1) or topk_sample(*a))
     tokens, lp = Sampler()(logits, st, want_logprobs=True)
     assert torch.equal(tokens, want_tokens) and lp.dtype == torch.float32
-    assert not sorts  # no torch.topk: ranked_topk's one launch (`ranked_candidates`) on the top-p path
-    assert bool(fused) == (case == "top_k_same")
-    if case == "top_k_top_p":
-        assert torch.equal(lp, want_lp)
-    else:  # a one-launch draw (`topk_sample`, `gumbel_sample`): its own log-softmax, another fp32 summation order
-        torch.testing.assert_close(lp, want_lp, rtol=0, atol=2e-6)
+    assert not sorts  # no torch.topk anywhere
+    assert bool(fused) == case.startswith("top_k")
+    # a one-launch draw (`topk_sample`, `gumbel_sample`): its own log-softmax, another fp32 summation order
+    torch.testing.assert_close(lp, want_lp, rtol=0, atol=2e-6)
 
 
 def test_ranked_topk_keeps_the_smallest_ids_among_ties():
@@ -239,6 +237,41 @@ def _tied_logits(B: int, V: int, dtype: torch.dtype, g: torch.Generator) -> torc
     logits[5, 250:262] = 8.0
     logits[6, 100:400] = 8.0  # top-50 inside 300 equal maxima over two borders
     return logits
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_top_p_kernel_equals_the_torch_path(monkeypatch, dtype):
+    """`topk_sample` with top-p (phase 2 weighs the mass ahead of each top-k token in fp64) picks the torch path's
+    tokens: `ranked_topk` candidates, `nucleus_drop`, the Gumbel draw. Rows: ties at the top, a few dominant tokens
+    (a small nucleus), flat rows (the top-k limits first), top_p 1 beside top_p < 1, greedy rows, top-k 1."""
+    import moeloop.rollout.sampler as sampler
+    g = torch.Generator().manual_seed(6)
+    B, V = 18, 2500
+    logits = _tied_logits(B, V, dtype, g).to(DEVICE)
+    logits[9, [17, 900, 1500]] = 12.0  # three dominant tokens: a 0.5 nucleus keeps two of them (ties: smallest ids)
+    logits[10] = (torch.arange(V, device=DEVICE) % 97).to(dtype) * 0.05  # 26 tokens tie at each value: a 0.05
+    # nucleus keeps the 26 at the top and the first (smallest id) of the next 26, inside the top-64
+    temps = torch.rand(B, generator=g) + 0.3
+    temps[[2, 11]] = 0.0
+    top_ks = torch.tensor([1, 2, 5, 17, 50, 17, 50, 64, V, 50, 64, 17, 50, 64, 1, 2, 5, 50])
+    top_ps = torch.tensor([0.9, 0.5, 0.3, 1.0, 0.8, 0.95, 0.6, 0.99, 0.7, 0.5, 0.05, 0.9, 1.0, 0.2, 0.5, 0.9, 0.75,
+                           0.05])
+    keys = torch.tensor([row_key(s, 7 * s + 3) for s in range(B)])
+    st = SamplingTensors(temps.to(DEVICE), top_ks.to(DEVICE), top_ps.to(DEVICE), keys.to(DEVICE), any_filter=True,
+                         all_greedy=False, max_top_k=64, any_greedy=True, any_top_p=True)
+    monkeypatch.setattr(sampler, "kernels_apply", lambda t: False)
+    want_tokens, want_lp = Sampler()(logits.float(), st, want_logprobs=True)
+    tokens, lp = topk_sample(logits, st.keys_B, st.temperatures_B, st.top_ks_B, 64, st.top_ps_B)
+    assert torch.equal(tokens, want_tokens) and lp.dtype == torch.float32
+    torch.testing.assert_close(lp, want_lp, rtol=0, atol=2e-6)
+    greedy = temps == 0
+    assert torch.equal(tokens[greedy], logits.argmax(-1)[greedy])
+    full = filter_logits(logits.float(), st.top_ks_B, st.top_ps_B)  # the full-vocab filter keeps every drawn token
+    assert torch.isfinite(full.gather(1, tokens[:, None])).all()
+    assert tokens[9] in (17, 900)  # the third equal maximum lies outside a 0.5 nucleus
+    top = logits[10] == logits[10].max()
+    assert top[tokens[10]] or tokens[10] == 95  # the first id at the second value (4.75)
 
 
 @needs_kernels

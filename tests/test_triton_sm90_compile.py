@@ -44,7 +44,8 @@ def compile_sm90(kernel, types: dict[str, str], consts: dict, num_warps: int = 4
     Returns the compiled kernel (its `.asm` holds the PTX)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    consts = {**{p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}, **consts}
+    # defaults: a constexpr's value, or an optional pointer left as None (a constexpr None)
+    consts = {**{p.name: p.default for p in kernel.params if p.has_default and p.name not in types}, **consts}
     signature = {name: types.get(name, "constexpr") for name in kernel.arg_names}
     assert set(signature) - set(types) == set(consts), "every argument is either typed or a constexpr (or has a default)"
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts),
@@ -157,6 +158,13 @@ def _compile_topk_sample():
                                 dict(V=32000, S=16, S_PAD=16, BLOCK_V=2048, C=slots, KEY_BITS=key_bits,
                                      LIBDEVICE=True), num_warps=warps)
         assert "atom.global.gpu.acq_rel.add" in compiled.asm["ptx"]  # the row's ticket, after a bar.sync
+    # with top-p: the fp64 slice sums and the nucleus mass (top-k 50 and the largest, 256)
+    for dtype, slots, warps in (("bf16", 64, 4), ("bf16", 256, 8), ("fp32", 64, 4)):
+        compiled = compile_sm90(gumbel_kernel._topk_sample, dict(logits_ptr=f"*{dtype}", top_ps_ptr="*fp32",
+                                                                 l64_ptr="*fp64", **types),
+                                dict(V=32000, S=16, S_PAD=16, BLOCK_V=2048, C=slots, KEY_BITS=16 if dtype == "bf16" else 32,
+                                     LIBDEVICE=True, TOP_P=True, N_PAD=slots, J=16), num_warps=warps)
+        assert ".f64" in compiled.asm["ptx"]
     ranked = {k: v for k, v in types.items() if k not in ("keys_ptr", "temps_ptr", "top_ks_ptr", "tokens_ptr",
                                                           "logprobs_ptr", "max_top_k")}
     for n_pad, slots, warps in ((64, 64, 4), (256, 256, 8)):  # the top-p path's ranked candidates

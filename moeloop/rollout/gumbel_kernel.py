@@ -1,7 +1,7 @@
 """Gumbel-max sampling in Triton: the sampler's full-vocab draw with its logprob (`gumbel_sample`), its draw
-among ranked top-k candidates (`topk_gumbel_argmax`, the top-p path, on `ranked_candidates`) and the whole top-k
-draw with its logprob (`topk_sample`, the top-k-only path). Each draw is one launch: S programs per row work on
-vocab slices, and the row's last program to finish (`last_arrival`) combines the slices' results (the top-k
+among ranked top-k candidates (`topk_gumbel_argmax`, on `ranked_candidates`: for a top-k above FUSED_TOPK_MAX) and
+the whole top-k draw, with or without top-p, with its logprob (`topk_sample`). Each draw is one launch: S programs
+per row work on vocab slices, and the row's last program to finish (`last_arrival`) combines the slices' results (the top-k
 kernels share that shape, `_SlicePlan`: each slice keeps its top-k by bisection on an order key).
 
 The torch path builds the [B, V] noise in int64 (about 25 elementwise kernels over 8 bytes per entry), takes two
@@ -198,16 +198,19 @@ if triton is not None:
     @triton.jit
     def _slice_candidates(logits_ptr, m_ptr, l_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, b, s, k, s_lb,
                           V: tl.constexpr, S: tl.constexpr, BLOCK_V: tl.constexpr, C: tl.constexpr,
-                          KEY_BITS: tl.constexpr):
+                          KEY_BITS: tl.constexpr, l64_ptr=None, TOP_P: tl.constexpr = False):
         """Phase 1 of program (b, s): the slice's max m and sum of exp(z - m) (the logprob's normaliser) and its
         first min(k, n) tokens under the total order, into cand [B, S, C] in vocab id order. A token of the row's
-        top-k has fewer than k tokens ahead of it in its own slice, so the slices' candidates hold the top-k."""
+        top-k has fewer than k tokens ahead of it in its own slice, so the slices' candidates hold the top-k.
+        TOP_P: also the sum of exp(z - m) in fp64 into l64 (the nucleus mass's normaliser, `_pick_token_top_p`)."""
         v = s * BLOCK_V + tl.arange(0, BLOCK_V)
         ok = v < V
         z = tl.load(logits_ptr + b * s_lb + v, mask=ok, other=float("-inf")).to(tl.float32)
         m = tl.max(z, 0)
         l = tl.sum(tl.exp(z - _finite(m)), 0)
         at = b * S + s
+        if TOP_P:
+            tl.store(l64_ptr + at, tl.sum(tl.exp(z.to(tl.float64) - _finite(m).to(tl.float64)), 0))
         n = _compact(_keep_first(z, ok, k, KEY_BITS), z, v, cand_z_ptr + at * C, cand_v_ptr + at * C)
         tl.store(m_ptr + at, m)
         tl.store(l_ptr + at, l)
@@ -243,20 +246,79 @@ if triton is not None:
         tl.store(logprobs_ptr + b, (tl.sum(tl.where(j == first, z, 0.0), 0) - top_m) - log_sum)
 
     @triton.jit
+    def _compact_first(cnt_ptr, cand_z_ptr, cand_v_ptr, b, k, S: tl.constexpr, S_PAD: tl.constexpr, C: tl.constexpr,
+                       KEY_BITS: tl.constexpr):
+        """Row b's first k candidates under the total order, moved into the row's first k slots (still in vocab id
+        order; k <= C); returns k or fewer when the row has fewer."""
+        _, valid, z, v = _row_candidates(cnt_ptr, cand_z_ptr, cand_v_ptr, b, S, S_PAD, C)
+        keep = _keep_first(z, valid, k, KEY_BITS)
+        tl.debug_barrier()  # every lane has its candidates before the kept ones overwrite the first slots
+        n = _compact(keep, z, v, cand_z_ptr + b * S * C, cand_v_ptr + b * S * C)
+        tl.debug_barrier()
+        return n
+
+    @triton.jit
+    def _pick_token_top_p(m_ptr, l_ptr, l64_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, keys_ptr, temps_ptr, top_ps_ptr,
+                          tokens_ptr, logprobs_ptr, b, k, S: tl.constexpr, S_PAD: tl.constexpr, C: tl.constexpr,
+                          N_PAD: tl.constexpr, J: tl.constexpr, KEY_BITS: tl.constexpr, LIBDEVICE: tl.constexpr):
+        """Phase 2 with top-p (row b's last program): among the row's top-k, the tokens whose softmax mass ahead of
+        them (under the total order) is at most top_p, plus the first; then `_pick_token`'s draw and logprob.
+        The mass is exp(z - M) summed in fp64 over the tokens ahead, against top_p times the fp64 sum over the
+        whole row (the slices' l64): the sampler's torch path computes the same sums in fp64, so the two keep the
+        same nucleus up to fp64 rounding."""
+        top_m, log_sum = _row_log_normaliser(m_ptr, l_ptr, b, S, S_PAD)
+        sp = tl.arange(0, S_PAD)
+        m_S = tl.load(m_ptr + b * S + sp, mask=sp < S, other=float("-inf"), cache_modifier=".cg")
+        l64_S = tl.load(l64_ptr + b * S + sp, mask=sp < S, other=0.0, cache_modifier=".cg")
+        m64 = top_m.to(tl.float64)
+        total = tl.sum(l64_S * tl.exp(m_S.to(tl.float64) - m64), 0)
+        n = _compact_first(cnt_ptr, cand_z_ptr, cand_v_ptr, b, k, S, S_PAD, C, KEY_BITS)
+        row_z, row_v = cand_z_ptr + b * S * C, cand_v_ptr + b * S * C
+        i = tl.arange(0, N_PAD)
+        zi = tl.load(row_z + i, mask=i < n, other=float("-inf"))
+        vi = tl.load(row_v + i, mask=i < n, other=0)
+        ahead_mass = tl.zeros([N_PAD], tl.float64)
+        rank = tl.zeros([N_PAD], tl.int32)
+        for j0 in tl.static_range(0, N_PAD, J):
+            jj = j0 + tl.arange(0, J)
+            zj = tl.load(row_z + jj, mask=jj < n, other=float("-inf"))
+            vj = tl.load(row_v + jj, mask=jj < n, other=0)
+            ahead = ((zj[None, :] > zi[:, None]) | ((zj[None, :] == zi[:, None]) & (vj[None, :] < vi[:, None])))
+            ahead = ahead & (jj < n)[None, :]
+            ej = tl.exp(zj.to(tl.float64) - m64)
+            ahead_mass += tl.sum(tl.where(ahead, ej[None, :], 0.0), 1)
+            rank += tl.sum(ahead.to(tl.int32), 1)
+        kept = (i < n) & ((ahead_mass <= tl.load(top_ps_ptr + b).to(tl.float64) * total) | (rank == 0))
+        temp = tl.load(temps_ptr + b)
+        key = tl.load(keys_ptr + b).to(tl.uint32)
+        score = tl.where(temp > 0, _gumbel_score(zi, vi, key, tl.where(temp > 0, temp, 1.0), LIBDEVICE), zi)
+        score = tl.where(kept, score, float("-inf"))
+        first = tl.min(tl.where(score == tl.max(score, 0), i, N_PAD), 0)  # slots in vocab id order: smallest id
+        tl.store(tokens_ptr + b, tl.sum(tl.where(i == first, vi, 0), 0).to(tl.int64))
+        tl.store(logprobs_ptr + b, (tl.sum(tl.where(i == first, zi, 0.0), 0) - top_m) - log_sum)
+
+    @triton.jit
     def _topk_sample(logits_ptr, keys_ptr, temps_ptr, top_ks_ptr, m_ptr, l_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr,
                      done_ptr, tokens_ptr, logprobs_ptr, s_lb, max_top_k, V: tl.constexpr, S: tl.constexpr,
                      S_PAD: tl.constexpr, BLOCK_V: tl.constexpr, C: tl.constexpr, KEY_BITS: tl.constexpr,
-                     LIBDEVICE: tl.constexpr):
+                     LIBDEVICE: tl.constexpr, top_ps_ptr=None, l64_ptr=None, TOP_P: tl.constexpr = False,
+                     N_PAD: tl.constexpr = 16, J: tl.constexpr = 16):
         """Program (b, s), s < S: phase 1 over vocab slice s of row b; the row's last program to finish
-        (`last_arrival` on done[b], which it resets to 0) runs phase 2. k = clamp(top_k, 1, max_top_k)."""
+        (`last_arrival` on done[b], which it resets to 0) runs phase 2. k = clamp(top_k, 1, max_top_k).
+        TOP_P: phase 2 also applies each row's top_p (`_pick_token_top_p`; N_PAD >= max_top_k, J per step)."""
         b = tl.program_id(0).to(tl.int64)
         s = tl.program_id(1)
         k = tl.maximum(tl.minimum(tl.load(top_ks_ptr + b), max_top_k), 1).to(tl.int32)
         _slice_candidates(logits_ptr, m_ptr, l_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, b, s, k, s_lb, V, S, BLOCK_V, C,
-                          KEY_BITS)
+                          KEY_BITS, l64_ptr, TOP_P)
         if last_arrival(done_ptr + b, S):
-            _pick_token(m_ptr, l_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, keys_ptr, temps_ptr, tokens_ptr, logprobs_ptr,
-                        b, k, S, S_PAD, C, KEY_BITS, LIBDEVICE)
+            if TOP_P:
+                _pick_token_top_p(m_ptr, l_ptr, l64_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, keys_ptr, temps_ptr,
+                                  top_ps_ptr, tokens_ptr, logprobs_ptr, b, k, S, S_PAD, C, N_PAD, J, KEY_BITS,
+                                  LIBDEVICE)
+            else:
+                _pick_token(m_ptr, l_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, keys_ptr, temps_ptr, tokens_ptr,
+                            logprobs_ptr, b, k, S, S_PAD, C, KEY_BITS, LIBDEVICE)
 
     @triton.jit
     def _store_ranked(cnt_ptr, cand_z_ptr, cand_v_ptr, vals_ptr, ids_ptr, b, n, S: tl.constexpr,
@@ -265,12 +327,8 @@ if triton is not None:
         """Phase 2 of `_ranked_candidates` (row b's last program): the row's first n tokens under the total order,
         stored in that order into vals / ids [B, n]. The kept candidates are compacted into the row's first C
         slots (n <= C), then each one's rank is the number of kept tokens ahead of it (J of them at a time)."""
-        _, valid, z, v = _row_candidates(cnt_ptr, cand_z_ptr, cand_v_ptr, b, S, S_PAD, C)
+        _compact_first(cnt_ptr, cand_z_ptr, cand_v_ptr, b, n, S, S_PAD, C, KEY_BITS)
         row_z, row_v = cand_z_ptr + b * S * C, cand_v_ptr + b * S * C
-        keep = _keep_first(z, valid, n, KEY_BITS)
-        tl.debug_barrier()  # every lane has its candidates before the kept ones overwrite the first slots
-        _compact(keep, z, v, row_z, row_v)
-        tl.debug_barrier()
         i = tl.arange(0, N_PAD)
         zi = tl.load(row_z + i, mask=i < n, other=float("-inf"))
         vi = tl.load(row_v + i, mask=i < n, other=0)
@@ -369,11 +427,12 @@ class _SlicePlan:
 
 
 def topk_sample(logits_BV: torch.Tensor, keys_B: torch.Tensor, temperatures_B: torch.Tensor, top_ks_B: torch.Tensor,
-                max_top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token ids [B] int64, their raw temperature-1 logprobs [B] fp32) of the top-k Gumbel-max draw (no top-p),
-    in one launch plus a zeroed counter; capture-safe. Row b keeps its first clamp(top_k_b, 1, max_top_k) tokens
-    under (logit descending, vocab id ascending); a temperature-0 row takes the first. Tokens equal the torch path's;
-    logprobs equal torch.log_softmax's up to fp32 rounding (another summation order)."""
+                max_top_k: int, top_ps_B: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids [B] int64, their raw temperature-1 logprobs [B] fp32) of the top-k Gumbel-max draw, in one launch
+    plus a zeroed counter; capture-safe. Row b keeps its first clamp(top_k_b, 1, max_top_k) tokens under (logit
+    descending, vocab id ascending); with `top_ps_B`, of those only the ones whose softmax mass ahead is at most
+    top_p_b (and the first: the sampler's nucleus, in fp64). A temperature-0 row takes the first. Tokens equal the
+    torch path's; logprobs equal torch.log_softmax's up to fp32 rounding (another summation order)."""
     if logits_BV.stride(-1) != 1:
         logits_BV = logits_BV.contiguous()
     B = logits_BV.shape[0]
@@ -382,10 +441,14 @@ def topk_sample(logits_BV: torch.Tensor, keys_B: torch.Tensor, temperatures_B: t
     if not B:
         return tokens_B, logprobs_B
     plan = _SlicePlan(logits_BV, max_top_k)
+    top_p = {}
+    if top_ps_B is not None:
+        top_p = dict(top_ps_ptr=top_ps_B.float().contiguous(), TOP_P=True, N_PAD=plan.C, J=16,
+                     l64_ptr=torch.empty(B, plan.S, dtype=torch.float64, device=logits_BV.device))
     _topk_sample[(B, plan.S)](logits_BV, keys_B.contiguous(), temperatures_B.float().contiguous(),
                               top_ks_B.contiguous(), *plan.scratch(), tokens_B, logprobs_B, logits_BV.stride(0),
                               max_top_k, **plan.consts(logits_BV), LIBDEVICE=not triton_interpreting(),
-                              num_warps=plan.num_warps)
+                              num_warps=plan.num_warps, **top_p)
     return tokens_B, logprobs_B
 
 

@@ -115,15 +115,27 @@ def ranked_topk(logits_BV: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Te
     return logits_BV.gather(1, ids_BN), ids_BN
 
 
+def nucleus_drop(vals_BN: torch.Tensor, logits_BV: torch.Tensor, top_ps_B: torch.Tensor) -> torch.Tensor:
+    """Mask of the ranked candidates vals_BN (each row's first N tokens, in order) outside the top-p nucleus: those
+    whose softmax mass ahead of them exceeds top_p, i.e. sum of exp(z - M) over the tokens ahead > top_p * sum of
+    exp(z - M) over the row, in fp64 (the fused draw, `topk_sample`, sums the same in fp64, in another order, so
+    the two agree up to fp64 rounding). The first candidate is never dropped."""
+    max_B1 = logits_BV.amax(dim=-1, keepdim=True).double()
+    e_BN = (vals_BN.double() - max_B1).exp()
+    total_B1 = (logits_BV.double() - max_B1).exp().sum(dim=-1, keepdim=True)
+    ahead_BN = torch.cat([torch.zeros_like(e_BN[:, :1]), e_BN.cumsum(dim=-1)[:, :-1]], dim=-1)
+    drop_BN = ahead_BN > top_ps_B.double()[:, None] * total_B1
+    drop_BN[:, 0] = False
+    return drop_BN
+
+
 def filter_logits(logits_BV: torch.Tensor, top_ks_B: torch.Tensor, top_ps_B: torch.Tensor) -> torch.Tensor:
-    """Set logits outside each row's top-k and top-p nucleus to -inf (always keeps the argmax). The stable sort
-    ranks equal logits by vocab id: `ranked_topk`'s order."""
+    """Set logits outside each row's top-k and top-p nucleus (`nucleus_drop`) to -inf (always keeps the argmax).
+    The stable sort ranks equal logits by vocab id: `ranked_topk`'s order."""
     sorted_BV, order_BV = logits_BV.sort(dim=-1, descending=True, stable=True)
     rank_V = torch.arange(logits_BV.shape[-1], device=logits_BV.device)
     drop_BV = rank_V[None, :] >= top_ks_B[:, None]
-    probs_BV = sorted_BV.softmax(dim=-1)
-    mass_before_BV = probs_BV.cumsum(dim=-1) - probs_BV
-    drop_BV |= mass_before_BV > top_ps_B[:, None]
+    drop_BV |= nucleus_drop(sorted_BV, logits_BV, top_ps_B)
     drop_BV[:, 0] = False
     sorted_BV = sorted_BV.masked_fill(drop_BV, float("-inf"))
     return torch.empty_like(logits_BV).scatter_(-1, order_BV, sorted_BV)
@@ -134,10 +146,7 @@ def _sample_top_k(logits_BV: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     id, so the draw equals the full-vocab one). Top-p mass is measured under the full softmax, as `filter_logits`
     does. With the kernels, the rank/top-p masks, noise, scores and argmax are one launch (`topk_gumbel_argmax`)."""
     vals_BN, ids_BN = ranked_topk(logits_BV, st.max_top_k)
-    nucleus_BN = None  # candidates outside the top-p nucleus
-    if st.any_top_p:
-        probs_BN = (vals_BN.float() - logits_BV.float().logsumexp(dim=-1, keepdim=True)).exp()
-        nucleus_BN = (probs_BN.cumsum(dim=-1) - probs_BN) > st.top_ps_B[:, None]
+    nucleus_BN = nucleus_drop(vals_BN, logits_BV, st.top_ps_B) if st.any_top_p else None  # outside the nucleus
     if kernels_apply(logits_BV):
         return topk_gumbel_argmax(vals_BN, ids_BN, st.keys_B, st.temperatures_B, st.top_ks_B, nucleus_BN)
     rank_N = torch.arange(vals_BN.shape[-1], device=logits_BV.device)
@@ -183,13 +192,14 @@ class Sampler:
     @staticmethod
     def _one_launch(logits_BV: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(tokens, logprobs) from one kernel launch where the kernels apply: no filter (`gumbel_sample`), or top-k
-        only with max_top_k <= FUSED_TOPK_MAX (`topk_sample`); else None."""
+        with max_top_k <= FUSED_TOPK_MAX, with or without top-p (`topk_sample`); else None."""
         if not kernels_apply(logits_BV):
             return None
         if not st.any_filter:
             return gumbel_sample(logits_BV, st.keys_B, st.temperatures_B)
-        if not st.any_top_p and st.max_top_k is not None and st.max_top_k <= FUSED_TOPK_MAX:
-            return topk_sample(logits_BV, st.keys_B, st.temperatures_B, st.top_ks_B, st.max_top_k)
+        if st.max_top_k is not None and st.max_top_k <= FUSED_TOPK_MAX:
+            return topk_sample(logits_BV, st.keys_B, st.temperatures_B, st.top_ks_B, st.max_top_k,
+                               st.top_ps_B if st.any_top_p else None)
         return None
 
     @staticmethod
