@@ -10,6 +10,7 @@ Shapes: B rows (sequences sampled this step), V vocab.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,7 +97,10 @@ class SamplingTensors:
 
 
 TOPK_CANDIDATES_MAX = 1024  # a top-k up to this samples among `ranked_topk` candidates, not a full-vocab sort
-FUSED_TOPK_MAX = 256  # up to this: `ranked_topk` and the top-k-only draw (`topk_sample`) are one launch each
+FUSED_TOPK_MAX = 256  # up to this: `ranked_topk` and the top-k draw (`topk_sample`) are one launch each
+# top-k + top-p in that one launch too (session 11); MOELOOP_FUSED_TOP_P=off: `ranked_topk`, the nucleus mask in torch
+# ops, `topk_gumbel_argmax` and log_softmax instead (the same tokens)
+FUSED_TOP_P = os.environ.get("MOELOOP_FUSED_TOP_P", "on").lower() != "off"
 
 
 def ranked_topk(logits_BV: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,12 +196,12 @@ class Sampler:
     @staticmethod
     def _one_launch(logits_BV: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(tokens, logprobs) from one kernel launch where the kernels apply: no filter (`gumbel_sample`), or top-k
-        with max_top_k <= FUSED_TOPK_MAX, with or without top-p (`topk_sample`); else None."""
+        with max_top_k <= FUSED_TOPK_MAX, with or without top-p (`FUSED_TOP_P`; `topk_sample`); else None."""
         if not kernels_apply(logits_BV):
             return None
         if not st.any_filter:
             return gumbel_sample(logits_BV, st.keys_B, st.temperatures_B)
-        if st.max_top_k is not None and st.max_top_k <= FUSED_TOPK_MAX:
+        if st.max_top_k is not None and st.max_top_k <= FUSED_TOPK_MAX and (FUSED_TOP_P or not st.any_top_p):
             return topk_sample(logits_BV, st.keys_B, st.temperatures_B, st.top_ks_B, st.max_top_k,
                                st.top_ps_B if st.any_top_p else None)
         return None
