@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device call (< 8 min on an H200) that checks the CUDA paths and re-measures the numbers BENCHMARKS.md tracks:
-# the CUDA tests of every Triton kernel, the actor-update profile, the decode-step profile, and the rollout
+# One device call (< 9 min on an H200) that checks the CUDA paths and re-measures the numbers BENCHMARKS.md tracks:
+# the CUDA tests of every Triton kernel, the sampler's timings and agreement check, the actor-update profile, the decode-step profile, and the rollout
 # benchmark (moeloop only) with its graph capture times and the spread of its step times, a PDL A/B at B=1 and a
 # multi-step decode A/B. `benchmarks/gpu_experiments.sh` is the second call (the current B=1 A/B, see its header),
 # the e2e run against TRL the third:
@@ -13,6 +13,8 @@ python3 -m pytest -q -p no:cacheprovider tests/test_model_norm.py tests/test_mod
     --tb=short > /tmp/gpu_tests.log 2>&1
 grep -E "^(FAILED|ERROR|E  )" /tmp/gpu_tests.log | head -40  # each failure's assertion lines
 tail -1 /tmp/gpu_tests.log
+# the sampler per step in CUDA graphs (session 11's one-launch top-p is new) and its agreement with the torch path
+timeout 150 python3 benchmarks/sampler.py 2>&1 | tail -7
 timeout 150 python3 benchmarks/profile_update.py --micro-batch-tokens 40960 --skip-hf --repeats 3 --top 12
 timeout 80 python3 benchmarks/profile_decode.py --batch 1,128,256 --top 6
 # the decode step's host/device overlap (session 6's pinned uploads): engine.step times against the forward alone
