@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One device call (< 9 min on an H200) that checks the CUDA paths and re-measures the numbers BENCHMARKS.md tracks:
-# the CUDA tests of every Triton kernel, the sampler's timings and agreement check, the actor-update profile, the decode-step profile, and the rollout
-# benchmark (moeloop only) with its graph capture times and the spread of its step times, a PDL A/B at B=1 and a
-# multi-step decode A/B. `benchmarks/gpu_experiments.sh` is the second call (the current B=1 A/B, see its header),
-# the e2e run against TRL the third:
+# the CUDA tests of every Triton kernel, the sampler's timings and agreement check, the actor-update profile, the
+# decode-step profile, and the rollout benchmark (moeloop only) with its graph capture times and the spread of its
+# step times, a PDL A/B at B=1 and a multi-step decode A/B. `benchmarks/gpu_experiments.sh` is the second call (the
+# B=1 tiles in place, see its header), the e2e run against TRL the third:
 #   python3 benchmarks/e2e_vs_trl.py --size reference --device cuda --steps 6 --repeats 1 --gen-profile
 # Run from the repository root with the project importable.
 set -u
