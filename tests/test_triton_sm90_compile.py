@@ -47,7 +47,7 @@ def compile_sm90(kernel, types: dict[str, str], consts: dict, num_warps: int = 4
     # defaults: a constexpr's value, or an optional pointer left as None (a constexpr None)
     consts = {**{p.name: p.default for p in kernel.params if p.has_default and p.name not in types}, **consts}
     signature = {name: types.get(name, "constexpr") for name in kernel.arg_names}
-    assert set(signature) - set(types) == set(consts), "every argument is either typed or a constexpr (or has a default)"
+    assert set(signature) - set(types) == set(consts), "every argument: typed, a constexpr, or has a default"
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts),
                               target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages,
@@ -162,8 +162,9 @@ def _compile_topk_sample():
     for dtype, slots, warps in (("bf16", 64, 4), ("bf16", 256, 8), ("fp32", 64, 4)):
         compiled = compile_sm90(gumbel_kernel._topk_sample, dict(logits_ptr=f"*{dtype}", top_ps_ptr="*fp32",
                                                                  l64_ptr="*fp64", **types),
-                                dict(V=32000, S=16, S_PAD=16, BLOCK_V=2048, C=slots, KEY_BITS=16 if dtype == "bf16" else 32,
-                                     LIBDEVICE=True, TOP_P=True, N_PAD=slots, J=16), num_warps=warps)
+                                dict(V=32000, S=16, S_PAD=16, BLOCK_V=2048, C=slots,
+                                     KEY_BITS=16 if dtype == "bf16" else 32, LIBDEVICE=True, TOP_P=True, N_PAD=slots,
+                                     J=16), num_warps=warps)
         assert ".f64" in compiled.asm["ptx"]
     ranked = {k: v for k, v in types.items() if k not in ("keys_ptr", "temps_ptr", "top_ks_ptr", "tokens_ptr",
                                                           "logprobs_ptr", "max_top_k")}

@@ -1,8 +1,8 @@
 """Gumbel-max sampling in Triton: the sampler's full-vocab draw with its logprob (`gumbel_sample`), its draw
 among ranked top-k candidates (`topk_gumbel_argmax`, on `ranked_candidates`: for a top-k above FUSED_TOPK_MAX) and
 the whole top-k draw, with or without top-p, with its logprob (`topk_sample`). Each draw is one launch: S programs
-per row work on vocab slices, and the row's last program to finish (`last_arrival`) combines the slices' results (the top-k
-kernels share that shape, `_SlicePlan`: each slice keeps its top-k by bisection on an order key).
+per row work on vocab slices, and the row's last program to finish (`last_arrival`) combines the slices' results
+(the top-k kernels share that shape, `_SlicePlan`: each slice keeps its top-k by bisection on an order key).
 
 The torch path builds the [B, V] noise in int64 (about 25 elementwise kernels over 8 bytes per entry), takes two
 logs, divides, adds and reduces: some 30 kernels and ~2 GB of memory traffic at B=128, V=32000; log_softmax reads
