@@ -228,22 +228,38 @@ if triton is not None:
         return j, valid, z, v
 
     @triton.jit
-    def _pick_token(m_ptr, l_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, keys_ptr, temps_ptr, tokens_ptr, logprobs_ptr,
-                    b, k, S: tl.constexpr, S_PAD: tl.constexpr, C: tl.constexpr, KEY_BITS: tl.constexpr,
-                    LIBDEVICE: tl.constexpr):
-        """Phase 2 (row b's last program): the row's top-k among its S * C candidates (already in vocab id order),
-        the max Gumbel score among them (T = 0: the max logit), the smallest id among equal maxima; its id and
-        raw log-softmax z - M - log(sum_s l_s * exp(m_s - M))."""
-        top_m, log_sum = _row_log_normaliser(m_ptr, l_ptr, b, S, S_PAD)
-        j, valid, z, v = _row_candidates(cnt_ptr, cand_z_ptr, cand_v_ptr, b, S, S_PAD, C)
-        keep = _keep_first(z, valid, k, KEY_BITS)
+    def _draw_store(z, v, keep, lane, LANES: tl.constexpr, keys_ptr, temps_ptr, tokens_ptr, logprobs_ptr, b, top_m,
+                    log_sum, LIBDEVICE: tl.constexpr):
+        """Row b's draw among the kept lanes (lanes in vocab id order): the max Gumbel score (T = 0: the max logit),
+        the first lane among equal maxima (the smallest id); its id and raw log-softmax z - M - log_sum."""
         temp = tl.load(temps_ptr + b)
         key = tl.load(keys_ptr + b).to(tl.uint32)
         score = tl.where(temp > 0, _gumbel_score(z, v, key, tl.where(temp > 0, temp, 1.0), LIBDEVICE), z)
         score = tl.where(keep, score, float("-inf"))
-        first = tl.min(tl.where(score == tl.max(score, 0), j, S_PAD * C), 0)
-        tl.store(tokens_ptr + b, tl.sum(tl.where(j == first, v, 0), 0).to(tl.int64))
-        tl.store(logprobs_ptr + b, (tl.sum(tl.where(j == first, z, 0.0), 0) - top_m) - log_sum)
+        first = tl.min(tl.where(score == tl.max(score, 0), lane, LANES), 0)
+        tl.store(tokens_ptr + b, tl.sum(tl.where(lane == first, v, 0), 0).to(tl.int64))
+        tl.store(logprobs_ptr + b, (tl.sum(tl.where(lane == first, z, 0.0), 0) - top_m) - log_sum)
+
+    @triton.jit
+    def _pick_token(m_ptr, l_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, keys_ptr, temps_ptr, tokens_ptr, logprobs_ptr,
+                    b, k, S: tl.constexpr, S_PAD: tl.constexpr, C: tl.constexpr, KEY_BITS: tl.constexpr,
+                    LIBDEVICE: tl.constexpr):
+        """Phase 2 (row b's last program): the row's top-k among its S * C candidates (already in vocab id order),
+        then `_draw_store` with the row's log-softmax normaliser."""
+        top_m, log_sum = _row_log_normaliser(m_ptr, l_ptr, b, S, S_PAD)
+        j, valid, z, v = _row_candidates(cnt_ptr, cand_z_ptr, cand_v_ptr, b, S, S_PAD, C)
+        keep = _keep_first(z, valid, k, KEY_BITS)
+        _draw_store(z, v, keep, j, S_PAD * C, keys_ptr, temps_ptr, tokens_ptr, logprobs_ptr, b, top_m, log_sum,
+                    LIBDEVICE)
+
+    @triton.jit
+    def _ahead_of(row_z, row_v, zi, vi, jj, n):
+        """([N, J] mask: compacted slot jj (< n) comes before slot i under the total order, logit descending then
+        vocab id ascending; the logits of slots jj)."""
+        zj = tl.load(row_z + jj, mask=jj < n, other=float("-inf"))
+        vj = tl.load(row_v + jj, mask=jj < n, other=0)
+        ahead = (zj[None, :] > zi[:, None]) | ((zj[None, :] == zi[:, None]) & (vj[None, :] < vi[:, None]))
+        return ahead & (jj < n)[None, :], zj
 
     @triton.jit
     def _compact_first(cnt_ptr, cand_z_ptr, cand_v_ptr, b, k, S: tl.constexpr, S_PAD: tl.constexpr, C: tl.constexpr,
@@ -262,7 +278,7 @@ if triton is not None:
                           tokens_ptr, logprobs_ptr, b, k, S: tl.constexpr, S_PAD: tl.constexpr, C: tl.constexpr,
                           N_PAD: tl.constexpr, J: tl.constexpr, KEY_BITS: tl.constexpr, LIBDEVICE: tl.constexpr):
         """Phase 2 with top-p (row b's last program): among the row's top-k, the tokens whose softmax mass ahead of
-        them (under the total order) is at most top_p, plus the first; then `_pick_token`'s draw and logprob.
+        them (under the total order) is at most top_p, plus the first; then `_draw_store`.
         The mass is exp(z - M) summed in fp64 over the tokens ahead, against top_p times the fp64 sum over the
         whole row (the slices' l64): the sampler's torch path computes the same sums in fp64, so the two keep the
         same nucleus up to fp64 rounding."""
@@ -280,22 +296,14 @@ if triton is not None:
         ahead_mass = tl.zeros([N_PAD], tl.float64)
         rank = tl.zeros([N_PAD], tl.int32)
         for j0 in tl.static_range(0, N_PAD, J):
-            jj = j0 + tl.arange(0, J)
-            zj = tl.load(row_z + jj, mask=jj < n, other=float("-inf"))
-            vj = tl.load(row_v + jj, mask=jj < n, other=0)
-            ahead = ((zj[None, :] > zi[:, None]) | ((zj[None, :] == zi[:, None]) & (vj[None, :] < vi[:, None])))
-            ahead = ahead & (jj < n)[None, :]
+            ahead, zj = _ahead_of(row_z, row_v, zi, vi, j0 + tl.arange(0, J), n)
             ej = tl.exp(zj.to(tl.float64) - m64)
             ahead_mass += tl.sum(tl.where(ahead, ej[None, :], 0.0), 1)
             rank += tl.sum(ahead.to(tl.int32), 1)
         kept = (i < n) & ((ahead_mass <= tl.load(top_ps_ptr + b).to(tl.float64) * total) | (rank == 0))
-        temp = tl.load(temps_ptr + b)
-        key = tl.load(keys_ptr + b).to(tl.uint32)
-        score = tl.where(temp > 0, _gumbel_score(zi, vi, key, tl.where(temp > 0, temp, 1.0), LIBDEVICE), zi)
-        score = tl.where(kept, score, float("-inf"))
-        first = tl.min(tl.where(score == tl.max(score, 0), i, N_PAD), 0)  # slots in vocab id order: smallest id
-        tl.store(tokens_ptr + b, tl.sum(tl.where(i == first, vi, 0), 0).to(tl.int64))
-        tl.store(logprobs_ptr + b, (tl.sum(tl.where(i == first, zi, 0.0), 0) - top_m) - log_sum)
+        # (the compacted slots are in vocab id order, as `_draw_store` needs)
+        _draw_store(zi, vi, kept, i, N_PAD, keys_ptr, temps_ptr, tokens_ptr, logprobs_ptr, b, top_m, log_sum,
+                    LIBDEVICE)
 
     @triton.jit
     def _topk_sample(logits_ptr, keys_ptr, temps_ptr, top_ks_ptr, m_ptr, l_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr,
@@ -334,11 +342,8 @@ if triton is not None:
         vi = tl.load(row_v + i, mask=i < n, other=0)
         rank = tl.zeros([N_PAD], tl.int32)
         for j0 in tl.static_range(0, N_PAD, J):
-            jj = j0 + tl.arange(0, J)
-            zj = tl.load(row_z + jj, mask=jj < n, other=float("-inf"))[None, :]
-            vj = tl.load(row_v + jj, mask=jj < n, other=0)[None, :]
-            ahead = (zj > zi[:, None]) | ((zj == zi[:, None]) & (vj < vi[:, None]))
-            rank += tl.sum((ahead & (jj < n)[None, :]).to(tl.int32), 1)
+            ahead, _ = _ahead_of(row_z, row_v, zi, vi, j0 + tl.arange(0, J), n)
+            rank += tl.sum(ahead.to(tl.int32), 1)
         tl.store(vals_ptr + b * n + rank, zi.to(vals_ptr.dtype.element_ty), mask=i < n)
         tl.store(ids_ptr + b * n + rank, vi.to(tl.int64), mask=i < n)
 
