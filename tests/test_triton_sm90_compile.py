@@ -82,10 +82,10 @@ def _compile_align_and_small_batch_experts():
                                                 s_we="i64", s_wf="i64"),
                  dict(D=D, F=F, K=K, BLOCK_F=4, BLOCK_D=2048, LIBDEVICE=True, PDL=True, ROUTED=True, E=E, E_PAD=E),
                  num_warps=8)
-    compile_sm90(moe_kernel._down_combine, dict(h_ptr="*bf16", w_ptr="*bf16", ids_ptr="*bf16", wts_ptr="*bf16",
-                                               y_ptr="*bf16", s_we="i64", s_wd="i64"),
-                 dict(D=D, F=F, K=K, K_PAD=K, BLOCK_D=4, BLOCK_F=512, EARLY=True, PDL=True, ROUTED=True, E=E,
-                      E_PAD=E, SCALE=1.0, NORM=True))
+    compile_sm90(moe_kernel._down_combine, dict(h_ptr="*bf16", w_ptr="*bf16", ids_ptr="*bf16", y_ptr="*bf16",
+                                               s_we="i64", s_wd="i64"),
+                 dict(wts_ptr=None, D=D, F=F, K=K, K_PAD=K, BLOCK_D=4, BLOCK_F=512, EARLY=True, PDL=True, ROUTED=True,
+                      E=E, E_PAD=E, SCALE=1.0, NORM=True))
 
 
 def _compile_combine_rows_and_backward():

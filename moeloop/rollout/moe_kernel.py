@@ -181,7 +181,7 @@ if triton is not None:
         F-block is read before the PDL wait: the ids are two kernels old (the router's; `_gate_up_silu` between
         triggers late), h is the last kernel's. ROUTED: `ids_ptr` holds the router logits [T, E], two kernels old
         too, and the program takes the ids and weights from them (`_ranked_experts`, `_routed_weights` with SCALE
-        and NORM); `wts_ptr` is not read."""
+        and NORM); `wts_ptr` is not read (None)."""
         pdl_launch_next(PDL, EARLY)
         t = tl.program_id(0)
         r = tl.arange(0, K_PAD * BLOCK_D)
@@ -252,14 +252,14 @@ def routed_experts(moe: MoE, x_TD: torch.Tensor, logits_TE: torch.Tensor) -> tor
     router, E = moe.gate, logits_TE.shape[1]
     routing = dict(ROUTED=True, E=E, E_PAD=max(16, triton.next_power_of_2(E)))
     down = dict(SCALE=float(router.routed_scaling_factor), NORM=bool(router.norm_topk_prob))
-    return _few_token_experts(moe.experts, x_TD.contiguous(), logits_TE.contiguous(), logits_TE, router.top_k,
-                              routing, down)
+    return _few_token_experts(moe.experts, x_TD.contiguous(), logits_TE.contiguous(), None, router.top_k, routing,
+                              down)
 
 
-def _few_token_experts(experts: Experts, x_TD: torch.Tensor, route: torch.Tensor, wts_S: torch.Tensor, K: int,
+def _few_token_experts(experts: Experts, x_TD: torch.Tensor, route: torch.Tensor, wts_S: torch.Tensor | None, K: int,
                        routing: dict, down_routing: dict | None = None) -> torch.Tensor:
     """`_gate_up_silu` then `_down_combine` over T * K assignments; `route`: the expert ids [T * K] (weights wts_S),
-    or with `routing` (ROUTED) the router logits [T, E]."""
+    or with `routing` (ROUTED) the router logits [T, E] (no wts_S: the down kernel derives the weights)."""
     w_gu, w_d = experts.gate_up_proj, experts.down_proj
     D, F, T = experts.dim, experts.ffn_dim, x_TD.shape[0]
     h_SF = x_TD.new_empty(T * K, F)
