@@ -292,8 +292,9 @@ def qk_norm_rope_store(attn: nn.Module, q_TX: torch.Tensor, k_TX: torch.Tensor, 
 
 
 ROW_LINEAR = True  # a one-token decode (B=1) runs its projections as `_row_linear` launches instead of cuBLAS GEMVs
-# rows per program and warps: small tiles, many programs (H200, reference shapes: `benchmarks/b1_gemv.py`)
-ROW_LINEAR_TILE = (4, 8)
+# rows per program and warps: small tiles, many programs (H200, reference shapes: picked alone by
+# `benchmarks/b1_gemv.py`, then in the engine's B=1 graph by `benchmarks/b1_tiles.py`: 4 warps, session 12)
+ROW_LINEAR_TILE = (4, 4)
 ROW_LINEAR_MAX_D = 2048  # weight columns a program holds at once (the whole row up to this width)
 
 
@@ -432,9 +433,10 @@ def project_qkv(x_TD: torch.Tensor, attn: nn.Module) -> list[torch.Tensor]:
     return list(F.linear(x_TD, pack.weight, pack.bias).split(pack.sizes, dim=1))
 
 
-def project(x_TD: torch.Tensor, linears: list[nn.Module], block_n: int = ROW_LINEAR_TILE[0]) -> list[torch.Tensor]:
+def project(x_TD: torch.Tensor, linears: list[nn.Module], block_n: int | None = None) -> list[torch.Tensor]:
     """x @ W.T (+ bias) for each module's `weight` (nn.Linear, or the router): one `_row_linear` launch for a
-    single token when it applies, else one F.linear each."""
+    single token when it applies (`block_n` rows per program, default ROW_LINEAR_TILE's), else one F.linear each."""
+    block_n = ROW_LINEAR_TILE[0] if block_n is None else block_n
     if row_linear_applies(x_TD, linears, block_n):
         return list(row_linear(x_TD, linears, block_n).split([m.weight.shape[0] for m in linears], dim=1))
     return [F.linear(x_TD, m.weight, getattr(m, "bias", None)) for m in linears]
