@@ -5,7 +5,7 @@ sequence, prompt 128) for each tile of the one-token kernels, varied one knob at
 `b1_gemv.py` picked the tiles from each kernel alone and from a four-kernel chain. In the engine every kernel
 shares the GPU with its PDL neighbours, which load their weights while it runs, so the best tile there may differ.
 
-    python3 benchmarks/b1_tiles.py [--rounds 2] [--replays 200] [--pairs 4]
+    python3 benchmarks/b1_tiles.py [--rounds 2] [--replays 200] [--pairs 4] [--ab name=value ...]
 
 One timing of a config drifts by about 10 us from one engine to the next (clocks, placement), about the size of the
 gains looked for, so the sweep's best is then measured against the defaults in alternation (`--pairs` of each) and
@@ -18,10 +18,17 @@ Knobs (module constants read at each launch, so a fresh engine's graph capture t
   paged_block_n  decode_kernel.PAGED_BLOCK_N  (cached positions per step and per split unit: B=1 runs ceil(384 / it)
                                               split programs per kv head, then the merge)
   max_splits  decode_kernel.MAX_SPLITS       (1: one program per kv head loops over the context, no merge launch)
+  merge_fold, merge  fused_decode.MERGE_FOLD, MERGE_TILE: o_proj merges the context splits itself (no merge launch)
+  lm_head_fold, lm_head  fused_decode.LM_HEAD_FOLD, LM_HEAD_TILE: the final norm folded into a one-token lm_head
+                                                 launch instead of `_add_rmsnorm` then cuBLAS
+
+`--ab name=value` (repeatable) also measures that change alone against the defaults in alternation, whatever the
+sweep found (e.g. `--ab merge_fold=False`: the fold's A/B).
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import statistics
 
 import torch
@@ -37,6 +44,10 @@ KNOBS = {
     "down": (moe_kernel, "DOWN_FEW_TILE", [(1, 2), (2, 1), (2, 2), (4, 2), (4, 4), (8, 4)]),
     "paged_block_n": (decode_kernel, "PAGED_BLOCK_N", [16, 32, 64, 128]),
     "max_splits": (decode_kernel, "MAX_SPLITS", [3, 4, 8, 16]),
+    "merge_fold": (fused_decode, "MERGE_FOLD", [True, False]),
+    "merge": (fused_decode, "MERGE_TILE", [(4, 4), (8, 4), (8, 8), (16, 8)]),
+    "lm_head_fold": (fused_decode, "LM_HEAD_FOLD", [True, False]),
+    "lm_head": (fused_decode, "LM_HEAD_TILE", [(4, 4), (8, 4), (8, 8), (16, 4), (16, 8)]),
 }
 PROMPT, NEW = 128, 8
 
@@ -58,6 +69,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--replays", type=int, default=200)
     ap.add_argument("--pairs", type=int, default=4)
+    ap.add_argument("--ab", action="append", default=[], help="name=value: also A/B this change against the defaults")
     args = ap.parse_args()
     model = build_model("qwen3_moe", "reference", seed=0).to("cuda", torch.bfloat16).eval()
     prompt = torch.randint(3, model.cfg.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -85,6 +97,11 @@ def main() -> None:
     candidates = [(f"{name}={best[name]}", {name: best[name]}) for name in changed]
     if len(changed) > 1:
         candidates.append(("all of them", {name: best[name] for name in changed}))
+    for item in args.ab:
+        name, value = item.split("=", 1)
+        if name not in KNOBS:
+            ap.error(f"--ab {item}: {name!r} is not one of the knobs {sorted(KNOBS)}")
+        candidates.append((item, {name: ast.literal_eval(value)}))
     for label, change in candidates:
         pair_ms = {"defaults": [], label: []}
         for _ in range(args.pairs):

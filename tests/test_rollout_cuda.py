@@ -81,14 +81,14 @@ def test_cuda_fused_capture_failure_falls_back_to_module_graphs(monkeypatch):
     model = tiny_model().cuda()
     ps = prompts(6, seed=6)
     ref = make_engine(model, enforce_eager=True, decode_steps=1).generate(ps, GREEDY)
-    real = cuda_graphs.fused_decode_forward
+    real = cuda_graphs.fused_decode_logits
 
     def uncapturable(*args):
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("a host sync inside the capture")
         return real(*args)
 
-    monkeypatch.setattr(cuda_graphs, "fused_decode_forward", uncapturable)
+    monkeypatch.setattr(cuda_graphs, "fused_decode_logits", uncapturable)
     engine = make_engine(model, enforce_eager=False, decode_steps=8)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -133,6 +133,7 @@ def test_fused_failure_falls_back_to_module_forward(monkeypatch):
         raise RuntimeError("no kernel for this device")
 
     monkeypatch.setattr(runner, "fused_decode_forward", broken)
+    monkeypatch.setattr(runner, "fused_decode_logits", broken)
     engine = make_engine(model, enforce_eager=True)
     engine.runner.use_kernel = True
     with pytest.warns(UserWarning, match="module forward"):
@@ -167,23 +168,28 @@ def test_row_linear_equals_f_linear(monkeypatch, max_d):
     assert not row_linear_applies(x, [nn.Linear(40, 16).to(DEVICE)], 16)  # a bias: the module path
 
 
-@pytest.mark.parametrize("arch,norm_fold,route_fold,embed_fold", [
-    ("qwen3_moe", False, False, False), ("qwen3_moe", True, False, False), ("qwen3_moe", True, True, True),
-    ("mixtral", True, True, True)])
-def test_fused_decode_single_sequence_matches_module_path(monkeypatch, arch, norm_fold, route_fold, embed_fold):
+@pytest.mark.parametrize("arch,norm_fold,route_fold,embed_fold,head_fold", [
+    ("qwen3_moe", False, False, False, True), ("qwen3_moe", True, False, False, False),
+    ("qwen3_moe", True, True, True, True), ("mixtral", True, True, True, True)])
+def test_fused_decode_single_sequence_matches_module_path(monkeypatch, arch, norm_fold, route_fold, embed_fold,
+                                                          head_fold):
     """B=1 decode takes the one-launch projections (with `norm_fold`, the add + RMSNorm folded into the q|k|v and
-    router projections; with `route_fold` too, the softmax top-k done inside the expert kernels; with
-    `embed_fold`, the first q|k|v launch reads the embedding row); same tokens and logprobs as the module forward
-    (Mixtral: top-2 of 8 experts, no q/k norm)."""
+    router projections, and with `head_fold` the final one into the lm_head; with `route_fold` too, the softmax
+    top-k done inside the expert kernels; with `embed_fold`, the first q|k|v launch reads the embedding row); same
+    tokens and logprobs as the module forward (Mixtral: top-2 of 8 experts, no q/k norm)."""
     from moeloop.rollout import fused_decode, moe_kernel
     monkeypatch.setattr(fused_decode, "NORM_FOLD", norm_fold)
     monkeypatch.setattr(moe_kernel, "ROUTE_FOLD", route_fold)
     monkeypatch.setattr(fused_decode, "EMBED_FOLD", embed_fold)
-    folds, routed, embedded = [], [], []
+    monkeypatch.setattr(fused_decode, "LM_HEAD_FOLD", head_fold)
+    folds, routed, embedded, heads = [], [], [], []
     fold, route = fused_decode.normed_row_linear, fused_decode.routed_experts
 
     def spy(*a, **k):
-        folds.append(len(a[3]))
+        if a[3] == [model.lm_head]:
+            heads.append(k["tile"])
+        else:
+            folds.append(len(a[3]))
         embedded.append(k.get("ids_T") is not None)
         return fold(*a, **k)
     monkeypatch.setattr(fused_decode, "normed_row_linear", spy)
@@ -198,6 +204,47 @@ def test_fused_decode_single_sequence_matches_module_path(monkeypatch, arch, nor
     assert (sorted(set(folds)) == [1, 3] and len(folds) == 2 * 4 * len(model.model.layers)) if norm_fold else not folds
     assert len(routed) == (4 * len(model.model.layers) if route_fold else 0)
     assert sum(embedded) == (4 if embed_fold else 0)  # once per decode step
+    assert heads == ([fused_decode.LM_HEAD_TILE] * 4 if head_fold and norm_fold else [])
+
+
+@pytest.mark.parametrize("merge_fold", [True, False])
+def test_merge_fold_over_split_context_matches_module_path(monkeypatch, merge_fold):
+    """A B=1 context long enough for the paged decode to split it (block_n 32, so at least 2 splits past 32
+    positions): with `merge_fold` o_proj merges the splits itself, once per layer and decode step, without it
+    `_merge_splits` does; same tokens and logprobs as the module forward either way."""
+    from moeloop.rollout import fused_decode
+    monkeypatch.setattr(fused_decode, "MERGE_FOLD", merge_fold)
+    merged, real = [], fused_decode.merged_row_linear
+    monkeypatch.setattr(fused_decode, "merged_row_linear", lambda *a: merged.append(a[0].acc.shape[1]) or real(*a))
+    model = tiny_model("qwen3_moe").to(DEVICE)
+    long_prompt = torch.randint(3, 256, (44,), generator=torch.Generator().manual_seed(8)).tolist()
+    assert_kernels_match_module_path(model, [long_prompt], SamplingParams(n=1, temperature=1.0, max_tokens=4, seed=3),
+                                     lambda: merged.clear())
+    assert len(merged) == (3 * len(model.model.layers) if merge_fold else 0)  # 3 decode steps
+    assert all(s >= 2 for s in merged)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merged_row_linear_equals_merge_then_projection(dtype):
+    """o_proj over the merged context splits in one launch == the merge by hand (splits weighted by exp(m - max m),
+    an empty split ignored, rounded to the dtype) then F.linear; H * Dv = 48 leaves masked columns."""
+    from torch import nn
+    from moeloop.rollout.decode_kernel import SplitPartials
+    from moeloop.rollout.fused_decode import merged_row_linear
+    torch.manual_seed(4)
+    S, H, Dv, N = 3, 3, 16, 24
+    acc = torch.randn(1, S, H, Dv, device=DEVICE)
+    m = torch.randn(1, S, H, device=DEVICE) * 3
+    l = torch.rand(1, S, H, device=DEVICE) + 0.5
+    acc[:, 2], m[:, 2], l[:, 2] = 0.0, float("-inf"), 0.0  # an empty split
+    o_proj = nn.Linear(H * Dv, N, bias=False).to(DEVICE, dtype)
+    with torch.no_grad():
+        out = merged_row_linear(SplitPartials(acc, m, l), o_proj, dtype)
+        w = torch.where(l > 0, torch.exp(m - m.amax(1, keepdim=True)), 0.0)
+        x = ((acc * w[..., None]).sum(1) / (l * w).sum(1)[..., None]).to(dtype).reshape(1, -1)
+        ref = F.linear(x, o_proj.weight)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(out, ref, **tol)
 
 
 @pytest.mark.parametrize("norm_topk", [True, False])

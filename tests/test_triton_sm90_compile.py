@@ -229,6 +229,28 @@ def _compile_norm_row_linear():
                      num_warps=8)
 
 
+def _compile_merged_row_linear():
+    from moeloop.rollout import fused_decode
+    block_n, warps = fused_decode.MERGE_TILE
+    for splits in (2, 6, 16):
+        compiled = compile_sm90(fused_decode._merged_row_linear,
+                                dict(acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", w_ptr="*bf16", out_ptr="*bf16"),
+                                dict(H=H, DV=DH, D=H * DH, NUM_SPLITS=splits, BLOCK_N=block_n, BLOCK_D=2048,
+                                     EARLY=True, PDL=True), num_warps=warps)
+        ptx = compiled.asm["ptx"]  # the weight tile is read before the wait on the paged decode
+        assert ptx.index("ld.global") < ptx.index("griddepcontrol.wait")
+
+
+def _compile_lm_head_fold():
+    from moeloop.rollout import fused_decode
+    block_n, warps = fused_decode.LM_HEAD_TILE
+    compile_sm90(fused_decode._norm_row_linear,
+                 dict(x_ptr="*bf16", res_ptr="*bf16", nw_ptr="*bf16", y_ptr="*bf16", res_out_ptr="*bf16",
+                      w0_ptr="*bf16", w1_ptr="*bf16", w2_ptr="*bf16", out_ptr="*bf16", eps="fp32"),
+                 dict(N0=0, N1=0, D=D, BLOCK_N=block_n, BLOCK_D=2048, HAS_RES=True, WRITE_Y=False, EARLY=True,
+                      PDL=True), num_warps=warps)
+
+
 def _compile_rope_half_split():
     from moeloop.model import rope_kernel
     for heads in (H, G):  # q and k

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from moeloop.rollout.fused_decode import fused_decode_forward
+from moeloop.rollout.fused_decode import fused_decode_logits
 from moeloop.rollout.multistep import decode_steps, step_sampler
 from moeloop.rollout.sampler import SamplingTensors
 from moeloop.rollout.kv_cache import KVCache
@@ -118,7 +118,7 @@ class DecodeGraphs:
         meta = AttentionMetadata(slots, None, tables, lens, 0, [])
         ctx = PagedAttention(self.cache, meta, use_kernel=True)
         if self.fused:
-            return lambda: self.model.compute_logits(fused_decode_forward(self.model, ids, pos, ctx))
+            return lambda: fused_decode_logits(self.model, ids, pos, ctx)
         return lambda: self.model.compute_logits(self.model(ids, pos, ctx))
 
     def run(self, ids: list[int], pos: list[int], slots: list[int], lens: list[int], tables: list[list[int]],

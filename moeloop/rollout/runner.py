@@ -15,7 +15,7 @@ from torch import nn
 from moeloop.model.kernel_switch import kernels_apply
 from moeloop.model.moe import MoE
 from moeloop.rollout.cuda_graphs import CaptureFailed, DecodeGraphs
-from moeloop.rollout.fused_decode import QKVPack, fused_decode_forward, fused_supported
+from moeloop.rollout.fused_decode import QKVPack, fused_decode_forward, fused_decode_logits, fused_supported
 from moeloop.rollout.kv_cache import KVCache
 from moeloop.rollout.moe_kernel import decode_moe
 from moeloop.rollout.multistep import decode_steps, step_sampler
@@ -171,7 +171,7 @@ class ModelRunner:
 
         def forward(k: int) -> torch.Tensor:
             ctx = PagedAttention(self.cache, replace(meta, max_decode_len=meta.max_decode_len + k), self.use_kernel)
-            return self.model.compute_logits(self._hidden(ids, pos, ctx))
+            return self._decode_logits(ids, pos, ctx)
 
         tokens = decode_steps(forward, sample, ids, pos, slots, meta.context_lens_B, meta.block_tables_BN,
                               self.cache.block_size, K, out)
@@ -202,7 +202,10 @@ class ModelRunner:
         ids, pos, slots, meta, last_rows = self._prepare(batch)
         sample_rows = [last_rows[i] for i in rows]
         self._patch(ids, patch)
-        hidden_TD = self._hidden(ids, pos, PagedAttention(self.cache, meta, self.use_kernel))
+        ctx = PagedAttention(self.cache, meta, self.use_kernel)
+        if sample_rows == list(range(ids.shape[0])):  # every row samples (a decode-only batch: as the graphs do)
+            return self._decode_logits(ids, pos, ctx)
+        hidden_TD = self._hidden(ids, pos, ctx)
         return None if not sample_rows else self.model.compute_logits(hidden_TD[sample_rows])
 
     def _patch(self, ids_T: torch.Tensor, patch: "InputPatch | None") -> None:
@@ -212,13 +215,22 @@ class ModelRunner:
 
     def _hidden(self, ids_T: torch.Tensor, pos_T: torch.Tensor, ctx: PagedAttention) -> torch.Tensor:
         """Hidden states [T, D] of the stream: the fused decode forward where it applies, else the module forward."""
+        return self._fused_or_module(fused_decode_forward, self.model, ids_T, pos_T, ctx)
+
+    def _decode_logits(self, ids_T: torch.Tensor, pos_T: torch.Tensor, ctx: PagedAttention) -> torch.Tensor:
+        """Logits [T, V] of a decode-only stream, as the decode graphs compute them (`fused_decode_logits`)."""
+        return self._fused_or_module(fused_decode_logits, lambda *a: self.model.compute_logits(self.model(*a)),
+                                     ids_T, pos_T, ctx)
+
+    def _fused_or_module(self, fused, module, ids_T: torch.Tensor, pos_T: torch.Tensor,
+                         ctx: PagedAttention) -> torch.Tensor:
         meta = ctx.meta
         if self.use_kernel and self.fused_ok and meta.decode_rows_B is None and not meta.prefills:
             try:
-                return fused_decode_forward(self.model, ids_T, pos_T, ctx)
+                return fused(self.model, ids_T, pos_T, ctx)
             except Exception as err:  # the module forward rewrites the same K/V slots, so nothing is half-done
                 self._disable_fused(f"the fused decode forward failed ({err!r})")
-        return self.model(ids_T, pos_T, ctx)
+        return module(ids_T, pos_T, ctx)
 
     def _disable_fused(self, why: str) -> None:
         warnings.warn(f"{why}; decoding with the module forward from now on")
