@@ -22,8 +22,8 @@ Knobs (module constants read at each launch, so a fresh engine's graph capture t
   lm_head_fold, lm_head  fused_decode.LM_HEAD_FOLD, LM_HEAD_TILE: the final norm folded into a one-token lm_head
                                                  launch instead of `_add_rmsnorm` then cuBLAS
 
-`--ab name=value` (repeatable) also measures that change alone against the defaults in alternation, whatever the
-sweep found (e.g. `--ab merge_fold=False`: the fold's A/B).
+`--ab name=value[;name=value]` (repeatable) also measures that change against the defaults in alternation, whatever
+the sweep found (e.g. `--ab merge_fold=False`: the fold's A/B). `--rounds 0` runs only those.
 """
 from __future__ import annotations
 
@@ -98,10 +98,13 @@ def main() -> None:
     if len(changed) > 1:
         candidates.append(("all of them", {name: best[name] for name in changed}))
     for item in args.ab:
-        name, value = item.split("=", 1)
-        if name not in KNOBS:
-            ap.error(f"--ab {item}: {name!r} is not one of the knobs {sorted(KNOBS)}")
-        candidates.append((item, {name: ast.literal_eval(value)}))
+        change = {}
+        for part in item.split(";"):
+            name, value = part.split("=", 1)
+            if name.strip() not in KNOBS:
+                ap.error(f"--ab {item}: {name!r} is not one of the knobs {sorted(KNOBS)}")
+            change[name.strip()] = ast.literal_eval(value)
+        candidates.append((item, change))
     for label, change in candidates:
         pair_ms = {"defaults": [], label: []}
         for _ in range(args.pairs):
