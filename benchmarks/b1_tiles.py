@@ -18,12 +18,11 @@ Knobs (module constants read at each launch, so a fresh engine's graph capture t
   paged_block_n  decode_kernel.PAGED_BLOCK_N  (cached positions per step and per split unit: B=1 runs ceil(384 / it)
                                               split programs per kv head, then the merge)
   max_splits  decode_kernel.MAX_SPLITS       (1: one program per kv head loops over the context, no merge launch)
-  merge_fold, merge  fused_decode.MERGE_FOLD, MERGE_TILE: o_proj merges the context splits itself (no merge launch)
   lm_head_fold, lm_head  fused_decode.LM_HEAD_FOLD, LM_HEAD_TILE: the final norm folded into a one-token lm_head
                                                  launch instead of `_add_rmsnorm` then cuBLAS
 
 `--ab name=value[;name=value]` (repeatable) also measures that change against the defaults in alternation, whatever
-the sweep found (e.g. `--ab merge_fold=False`: the fold's A/B). `--rounds 0` runs only those.
+the sweep found (e.g. `--ab lm_head_fold=False`: the fold's A/B). `--rounds 0` runs only those.
 """
 from __future__ import annotations
 
@@ -44,8 +43,6 @@ KNOBS = {
     "down": (moe_kernel, "DOWN_FEW_TILE", [(1, 2), (2, 1), (2, 2), (4, 2), (4, 4), (8, 4)]),
     "paged_block_n": (decode_kernel, "PAGED_BLOCK_N", [16, 32, 64, 128]),
     "max_splits": (decode_kernel, "MAX_SPLITS", [3, 4, 8, 16]),
-    "merge_fold": (fused_decode, "MERGE_FOLD", [True, False]),
-    "merge": (fused_decode, "MERGE_TILE", [(4, 4), (8, 4), (8, 8), (16, 8)]),
     "lm_head_fold": (fused_decode, "LM_HEAD_FOLD", [True, False]),
     "lm_head": (fused_decode, "LM_HEAD_TILE", [(4, 4), (8, 4), (8, 8), (16, 4), (16, 8)]),
 }

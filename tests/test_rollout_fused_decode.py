@@ -207,46 +207,6 @@ def test_fused_decode_single_sequence_matches_module_path(monkeypatch, arch, nor
     assert heads == ([fused_decode.LM_HEAD_TILE] * 4 if head_fold and norm_fold else [])
 
 
-@pytest.mark.parametrize("merge_fold", [True, False])
-def test_merge_fold_over_split_context_matches_module_path(monkeypatch, merge_fold):
-    """A B=1 context long enough for the paged decode to split it (block_n 32, so at least 2 splits past 32
-    positions): with `merge_fold` o_proj merges the splits itself, once per layer and decode step, without it
-    `_merge_splits` does; same tokens and logprobs as the module forward either way."""
-    from moeloop.rollout import fused_decode
-    monkeypatch.setattr(fused_decode, "MERGE_FOLD", merge_fold)
-    merged, real = [], fused_decode.merged_row_linear
-    monkeypatch.setattr(fused_decode, "merged_row_linear", lambda *a: merged.append(a[0].acc.shape[1]) or real(*a))
-    model = tiny_model("qwen3_moe").to(DEVICE)
-    long_prompt = torch.randint(3, 256, (44,), generator=torch.Generator().manual_seed(8)).tolist()
-    assert_kernels_match_module_path(model, [long_prompt], SamplingParams(n=1, temperature=1.0, max_tokens=4, seed=3),
-                                     lambda: merged.clear())
-    assert len(merged) == (3 * len(model.model.layers) if merge_fold else 0)  # 3 decode steps
-    assert all(s >= 2 for s in merged)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_merged_row_linear_equals_merge_then_projection(dtype):
-    """o_proj over the merged context splits in one launch == the merge by hand (splits weighted by exp(m - max m),
-    an empty split ignored, rounded to the dtype) then F.linear; H * Dv = 48 leaves masked columns."""
-    from torch import nn
-    from moeloop.rollout.decode_kernel import SplitPartials
-    from moeloop.rollout.fused_decode import merged_row_linear
-    torch.manual_seed(4)
-    S, H, Dv, N = 3, 3, 16, 24
-    acc = torch.randn(1, S, H, Dv, device=DEVICE)
-    m = torch.randn(1, S, H, device=DEVICE) * 3
-    l = torch.rand(1, S, H, device=DEVICE) + 0.5
-    acc[:, 2], m[:, 2], l[:, 2] = 0.0, float("-inf"), 0.0  # an empty split
-    o_proj = nn.Linear(H * Dv, N, bias=False).to(DEVICE, dtype)
-    with torch.no_grad():
-        out = merged_row_linear(SplitPartials(acc, m, l), o_proj, dtype)
-        w = torch.where(l > 0, torch.exp(m - m.amax(1, keepdim=True)), 0.0)
-        x = ((acc * w[..., None]).sum(1) / (l * w).sum(1)[..., None]).to(dtype).reshape(1, -1)
-        ref = F.linear(x, o_proj.weight)
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
-    torch.testing.assert_close(out, ref, **tol)
-
-
 @pytest.mark.parametrize("norm_topk", [True, False])
 def test_routed_experts_equal_topk_kernel_then_experts(norm_topk):
     """The expert kernels ranking the router logits themselves (`routed_experts`) give what the top-k kernel's ids

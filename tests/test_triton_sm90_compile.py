@@ -229,18 +229,6 @@ def _compile_norm_row_linear():
                      num_warps=8)
 
 
-def _compile_merged_row_linear():
-    from moeloop.rollout import fused_decode
-    block_n, warps = fused_decode.MERGE_TILE
-    for splits in (2, 6, 16):
-        compiled = compile_sm90(fused_decode._merged_row_linear,
-                                dict(acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", w_ptr="*bf16", out_ptr="*bf16"),
-                                dict(H=H, DV=DH, D=H * DH, NUM_SPLITS=splits, BLOCK_N=block_n, BLOCK_D=2048,
-                                     EARLY=True, PDL=True), num_warps=warps)
-        ptx = compiled.asm["ptx"]  # the weight tile is read before the wait on the paged decode
-        assert ptx.index("ld.global") < ptx.index("griddepcontrol.wait")
-
-
 def _compile_lm_head_fold():
     from moeloop.rollout import fused_decode
     block_n, warps = fused_decode.LM_HEAD_TILE

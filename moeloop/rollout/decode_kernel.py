@@ -9,7 +9,6 @@ Shapes: B sequences, H query heads, G kv heads, Dk/Dv head dims, N max blocks pe
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
 
 import torch
 
@@ -140,22 +139,11 @@ def num_splits(device: torch.device, num_programs: int, max_len: int, block_n: i
 PAGED_BLOCK_N = 64  # cached positions per loop step, and the split programs' chunk unit (`benchmarks/b1_tiles.py`)
 
 
-class SplitPartials(NamedTuple):
-    """The context splits' unmerged results of a paged decode: acc [B, S, H, Dv] (unnormalised), m and l [B, S, H]
-    (running max and sum; an empty split holds (-inf, 0, 0)), all fp32. `_merge_splits` merges them, or the
-    consumer does (the fused decode's o_proj at B=1: `fused_decode.merged_row_linear`)."""
-    acc: torch.Tensor
-    m: torch.Tensor
-    l: torch.Tensor
-
-
 def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SGD: torch.Tensor, v_cache_SGDv: torch.Tensor,
                            block_tables_BN: torch.Tensor, context_lens_B: torch.Tensor, block_size: int,
-                           scale: float, block_n: int | None = None, split: bool = True,
-                           merge: bool = True) -> torch.Tensor | SplitPartials:
+                           scale: float, block_n: int | None = None, split: bool = True) -> torch.Tensor:
     """Attention of each row's single query over its first context_lens_B[b] cached positions -> [B, H, Dv]
-    (`block_n`: default PAGED_BLOCK_N). merge=False: a split context returns its `SplitPartials` unmerged (one
-    launch fewer; the caller merges), an unsplit one the output as usual."""
+    (`block_n`: default PAGED_BLOCK_N)."""
     if triton is None:
         raise RuntimeError("paged_decode_attention needs triton")
     B, H, Dk = q_BHD.shape
@@ -184,8 +172,6 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SGD: torch.Tensor, v_cac
         PRECISION=precision, NUM_SPLITS=splits, CHUNK=chunk, V_EARLY=V_EARLY and splits > 1,
         EARLY=kernel_switch.PDL_EARLY, num_warps=4, **pdl,
         DYNAMIC_LOOP=splits == 1 and not triton_interpreting())  # the interpreter: static trip counts only
-    if splits > 1 and not merge:
-        return SplitPartials(dest, m, l)
     if splits > 1:
         _merge_splits[(B, H)](dest, m, l, out, out.stride(0), out.stride(1), H=H, DV=Dv, DV_PAD=dv_pad,
                               NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),

@@ -31,7 +31,7 @@ from moeloop.model.kernel_switch import kernels_apply, pdl_args
 from moeloop.model.moe import MoE
 from moeloop.model.norm import RMSNorm
 from moeloop.model.rope import RopeTables
-from moeloop.rollout.decode_kernel import SplitPartials, triton, triton_interpreting
+from moeloop.rollout.decode_kernel import triton, triton_interpreting
 from moeloop.rollout.moe_kernel import (fused_experts, grouped_expert_rows, routed_experts, routed_experts_apply,
                                         uses_grouped_rows)
 from moeloop.rollout.paged_attention import PagedAttention
@@ -153,35 +153,6 @@ if triton is not None:
             ww = tl.load(w_rows + dd[None, :], mask=dd[None, :] < D, other=0.0).to(tl.float32)
             acc += tl.sum(ww * xx[None, :], 1)
         tl.store(out_ptr + start + r, acc.to(out_ptr.dtype.element_ty))
-
-    @triton.jit
-    def _merged_row_linear(acc_ptr, m_ptr, l_ptr, w_ptr, out_ptr, H: tl.constexpr, DV: tl.constexpr, D: tl.constexpr,
-                           NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                           EARLY: tl.constexpr, PDL: tl.constexpr):
-        """One token: out[n] = x . W[n] where x [H * Dv] is the paged decode's context splits merged (what
-        `_merge_splits` computes and rounds to out's dtype; the splits are summed one after another). Every
-        program merges the whole row (BLOCK_D >= H * Dv) from the partials in L2; its weight tile is read before
-        the PDL wait."""
-        pdl_launch_next(PDL, EARLY)
-        start = tl.program_id(0) * BLOCK_N
-        r = tl.arange(0, BLOCK_N)
-        d = tl.arange(0, BLOCK_D)
-        ok = d < D
-        w = tl.load(w_ptr + (start + r).to(tl.int64)[:, None] * D + d[None, :], mask=ok[None, :], other=0.0)
-        pdl_wait(PDL, EARLY)
-        head = d // DV
-        top = tl.full([BLOCK_D], float("-inf"), tl.float32)
-        for sp in range(NUM_SPLITS):
-            top = tl.maximum(top, tl.load(m_ptr + sp * H + head, mask=ok, other=float("-inf")))
-        num = tl.zeros([BLOCK_D], tl.float32)
-        den = tl.zeros([BLOCK_D], tl.float32)
-        for sp in range(NUM_SPLITS):  # split 0 always holds position 0, so top is finite
-            l = tl.load(l_ptr + sp * H + head, mask=ok, other=0.0)
-            wt = tl.where(l > 0, tl.exp(tl.load(m_ptr + sp * H + head, mask=ok, other=0.0) - top), 0.0)
-            num += tl.load(acc_ptr + sp * D + d, mask=ok, other=0.0) * wt
-            den += l * wt
-        x = tl.where(ok, num / tl.where(ok, den, 1.0), 0.0).to(out_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(out_ptr + start + r, tl.sum(w.to(tl.float32) * x[None, :], 1).to(out_ptr.dtype.element_ty))
 
     @triton.jit
     def _norm_row_linear(x_ptr, res_ptr, nw_ptr, y_ptr, res_out_ptr, w0_ptr, w1_ptr, w2_ptr, out_ptr, eps,
@@ -350,35 +321,6 @@ def _stacked_rows(x_TD: torch.Tensor, linears: list[nn.Module]) -> tuple[torch.T
     ws = [m.weight for m in linears]
     sizes = [w.shape[0] for w in ws] + [0] * (3 - len(ws))
     return x_TD.new_empty(1, sum(sizes)), ws + [ws[-1]] * (3 - len(ws)), sizes
-
-
-# B=1: the paged decode's context splits merged inside o_proj's one-token projection (`_merged_row_linear`, MERGE_TILE
-# rows per program) instead of by `_merge_splits`, one launch fewer per layer; MOELOOP_MERGE_FOLD=off turns it off
-MERGE_FOLD = os.environ.get("MOELOOP_MERGE_FOLD", "on").lower() != "off"
-MERGE_TILE = (4, 4)  # (rows per program, warps) (`benchmarks/b1_tiles.py`)
-
-
-def merge_fold_applies(q_THD: torch.Tensor, o_proj: nn.Module, dv: int) -> bool:
-    """One token whose attention output [H * dv] goes through a bias-free o_proj of its dtype that one
-    `_merged_row_linear` program row covers."""
-    T, H = q_THD.shape[:2]
-    x_meta = torch.empty(T, H * dv, dtype=q_THD.dtype, device="meta")
-    return (MERGE_FOLD and row_linear_applies(x_meta, [o_proj], MERGE_TILE[0])
-            and triton.next_power_of_2(H * dv) <= ROW_LINEAR_MAX_D)
-
-
-def merged_row_linear(parts: SplitPartials, o_proj: nn.Module, dtype: torch.dtype) -> torch.Tensor:
-    """[1, N]: the one-token attention output merged from its context splits (rounded to `dtype`, as the merge
-    kernel stores it) through o_proj, in one launch."""
-    _, S, H, Dv = parts.acc.shape
-    w = o_proj.weight
-    out = torch.empty(1, w.shape[0], dtype=dtype, device=w.device)
-    _merged_row_linear[(w.shape[0] // MERGE_TILE[0],)](parts.acc, parts.m, parts.l, w, out, H=H, DV=Dv, D=H * Dv,
-                                                       NUM_SPLITS=S, BLOCK_N=MERGE_TILE[0],
-                                                       BLOCK_D=triton.next_power_of_2(H * Dv),
-                                                       EARLY=kernel_switch.PDL_EARLY, num_warps=MERGE_TILE[1],
-                                                       **pdl_args(w, 1))
-    return out
 
 
 # B=1: the add + RMSNorm before a one-token projection folded into it (`_norm_row_linear`), two fewer
@@ -595,12 +537,8 @@ def _decode_layers(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Tensor, c
             q_TX, k_TX, v_TX = project_qkv(y_TD, attn)
         q_THD = qk_norm_rope_store(attn, q_TX, k_TX, v_TX, rope, pos_T, ctx.cache.k[i], ctx.cache.v[i],
                                    slots_T)
-        merge_fold = merge_fold_applies(q_THD, attn.o_proj, ctx.cache.v[i].shape[-1])
-        o_THD = ctx.attend_cached(i, q_THD, attn.scale, merge=not merge_fold)
-        if isinstance(o_THD, SplitPartials):
-            o_TD = merged_row_linear(o_THD, attn.o_proj, q_THD.dtype)
-        else:
-            (o_TD,) = project(o_THD.reshape(T, -1), [attn.o_proj])
+        o_THD = ctx.attend_cached(i, q_THD, attn.scale)
+        (o_TD,) = project(o_THD.reshape(T, -1), [attn.o_proj])
         pending = (o_TD, res_TD, layer.post_attention_layernorm)
         mlp = layer.mlp
         norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else stack.norm
