@@ -301,3 +301,23 @@ def test_fused_topk_kernel_equals_the_torch_path(monkeypatch, dtype):
     rows = [5, 6, 2]
     sub = topk_sample(logits[rows], st.keys_B[rows], st.temperatures_B[rows], st.top_ks_B[rows], 64)
     assert torch.equal(sub[0], tokens[rows])
+
+
+@needs_kernels
+def test_row_counters_are_reused_and_left_at_zero():
+    """On CUDA the one-launch samplers share one int32 counter per row across launches (no memset before each):
+    every launch's last program per row sets it back to 0, so repeated launches draw the same tokens as the
+    first. Elsewhere each launch gets fresh zeros."""
+    from moeloop.rollout.gumbel_kernel import gumbel_sample, row_counters
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 5000, generator=g).to(DEVICE)
+    keys = torch.tensor([row_key(7, s) for s in range(3)], device=DEVICE)
+    temps, top_ks = torch.ones(3, device=DEVICE), torch.tensor([1, 20, 50], device=DEVICE)
+    first = [topk_sample(logits, keys, temps, top_ks, 50), gumbel_sample(logits, keys, temps)]
+    for _ in range(3):
+        again = [topk_sample(logits, keys, temps, top_ks, 50), gumbel_sample(logits, keys, temps)]
+        for (tok, lp), (tok0, lp0) in zip(again, first):
+            assert torch.equal(tok, tok0) and torch.equal(lp, lp0)
+    counters = row_counters(logits.device, 3)
+    assert (counters is row_counters(logits.device, 3)) == (logits.device.type == "cuda")
+    assert not counters.any()

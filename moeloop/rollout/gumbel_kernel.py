@@ -364,7 +364,7 @@ if triton is not None:
 def gumbel_sample(logits_BV: torch.Tensor, keys_B: torch.Tensor,
                   temperatures_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(token ids [B] int64, their raw temperature-1 logprobs [B] fp32) of the no-filter Gumbel-max draw (a
-    temperature-0 row: the argmax) in one launch plus a zeroed counter; capture-safe. Tokens equal the torch path's;
+    temperature-0 row: the argmax) in one launch; capture-safe. Tokens equal the torch path's;
     logprobs equal torch.log_softmax's up to fp32 rounding (another summation order)."""
     if logits_BV.stride(-1) != 1:
         logits_BV = logits_BV.contiguous()
@@ -380,7 +380,7 @@ def gumbel_sample(logits_BV: torch.Tensor, keys_B: torch.Tensor,
     stats_4BS = torch.empty(4, B, S, dtype=torch.float32, device=dev)  # best score, its logit, max logit, sum exp
     idx_BS = torch.empty(B, S, dtype=torch.int32, device=dev)
     _gumbel_sample[(B, S)](logits_BV, keys_B.contiguous(), temperatures_B.float().contiguous(), *stats_4BS, idx_BS,
-                           torch.zeros(B, dtype=torch.int32, device=dev), tokens_B, logprobs_B, logits_BV.stride(0),
+                           row_counters(dev, B), tokens_B, logprobs_B, logits_BV.stride(0),
                            V=V, SPLIT_V=split_v, BLOCK_V=block_v, S=S, S_PAD=max(2, triton.next_power_of_2(S)),
                            LIBDEVICE=not triton_interpreting(), num_warps=4)
     return tokens_B, logprobs_B
@@ -401,13 +401,30 @@ def topk_gumbel_argmax(vals_BN: torch.Tensor, ids_BN: torch.Tensor, keys_B: torc
     return out_B
 
 
+_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def row_counters(device: torch.device, B: int) -> torch.Tensor:
+    """B int32 zeros for `last_arrival`, kept per (device, B) and reused: the last program of each row sets its
+    counter back to 0, so no launch zeroes them (a memset kernel before every sampler launch otherwise). Made
+    fresh inside a CUDA graph capture, where a kept tensor would live in the graph's private pool."""
+    device = torch.device(device)
+    key = (device, B)
+    if key not in _COUNTERS:
+        counters = torch.zeros(B, dtype=torch.int32, device=device)
+        if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            return counters
+        _COUNTERS[key] = counters
+    return _COUNTERS[key]
+
+
 TOPK_SPLITS = 16  # target programs per row of `topk_sample`: at B=1 one per row would leave most SMs idle
 
 
 class _SlicePlan:
     """The launch shape and scratch of the two-phase top-k kernels for logits [B, V] and up to `max_top_k`
-    candidates per slice: S slices of BLOCK_V, C slots each, the per-slice stats and counts, a zeroed counter per
-    row."""
+    candidates per slice: S slices of BLOCK_V, C slots each, the per-slice stats and counts, the row counters
+    (`row_counters`)."""
 
     def __init__(self, logits_BV: torch.Tensor, max_top_k: int):
         B, V = logits_BV.shape
@@ -420,7 +437,7 @@ class _SlicePlan:
         self.cnt_BS = torch.empty(B, self.S, dtype=torch.int32, device=dev)
         self.cand_z_BSC = torch.empty(B, self.S, self.C, dtype=torch.float32, device=dev)
         self.cand_v_BSC = torch.empty(B, self.S, self.C, dtype=torch.int32, device=dev)
-        self.done_B = torch.zeros(B, dtype=torch.int32, device=dev)
+        self.done_B = row_counters(dev, B)
         self.num_warps = 4 if max(self.block_v, self.s_pad * self.C) <= 2048 else 8
 
     def scratch(self) -> tuple:
@@ -433,8 +450,8 @@ class _SlicePlan:
 
 def topk_sample(logits_BV: torch.Tensor, keys_B: torch.Tensor, temperatures_B: torch.Tensor, top_ks_B: torch.Tensor,
                 max_top_k: int, top_ps_B: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token ids [B] int64, their raw temperature-1 logprobs [B] fp32) of the top-k Gumbel-max draw, in one launch
-    plus a zeroed counter; capture-safe. Row b keeps its first clamp(top_k_b, 1, max_top_k) tokens under (logit
+    """(token ids [B] int64, their raw temperature-1 logprobs [B] fp32) of the top-k Gumbel-max draw, in one launch;
+    capture-safe. Row b keeps its first clamp(top_k_b, 1, max_top_k) tokens under (logit
     descending, vocab id ascending); with `top_ps_B`, of those only the ones whose softmax mass ahead is at most
     top_p_b (and the first: the sampler's nucleus, in fp64). A temperature-0 row takes the first. Tokens equal the
     torch path's; logprobs equal torch.log_softmax's up to fp32 rounding (another summation order)."""
@@ -459,7 +476,7 @@ def topk_sample(logits_BV: torch.Tensor, keys_B: torch.Tensor, temperatures_B: t
 
 def ranked_candidates(logits_BV: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(values in the logits' dtype, vocab ids int64) [B, n], n <= V: each row's first n tokens under (logit
-    descending, vocab id ascending), in that order, in one launch plus a zeroed counter; capture-safe (the
+    descending, vocab id ascending), in that order, in one launch; capture-safe (the
     sampler's `ranked_topk` on CUDA)."""
     if logits_BV.stride(-1) != 1:
         logits_BV = logits_BV.contiguous()
