@@ -4,7 +4,8 @@ with the memory roofline of each decode step.
     python benchmarks/rollout.py                                  # CPU, tiny model
     python benchmarks/rollout.py --device cuda --size reference --batch 1,32,256
 
-decode tok/s = B * (N - 1) / (wall(N new tokens) - wall(1 new token)): the decode steps only, as in
+decode tok/s = B * (N - 1) / (wall(N new tokens) - wall(1 new token)), each wall the fastest of --repeats runs:
+the decode steps only, as in
 shared/notes/gpu-anchors.md. Roofline bytes per decode step = dense weights without the embedding
 + E * (1 - (1 - k/E)^B) distinct experts per MoE layer + the mean KV cache read; over the measured
 device copy bandwidth (read + write bytes / time). Sampling: temperature 1, top-k 50 for both engines.
@@ -65,6 +66,9 @@ def roofline(model, batch: int, prompt_len: int, new_tokens: int, bw: float) -> 
 
 
 def timed(fn, device: str, repeats: int) -> float:
+    """The fastest of `repeats` timed runs: a host stall only ever adds time, and decode tok/s is the difference of
+    two such walls (a stall in the 1-token runs' median once put B=1 at 43% of the roofline while its engine.step
+    median said 38%, session 12)."""
     times = []
     for _ in range(repeats):
         sync(device)
@@ -72,7 +76,7 @@ def timed(fn, device: str, repeats: int) -> float:
         fn()
         sync(device)
         times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return min(times)
 
 
 def bench_moeloop(model, prompts: list[list[int]], new_tokens: int, device: str, repeats: int,
@@ -132,7 +136,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--repeats", type=int, default=3,
-                    help="timed runs per length; the median (of 2 it is the mean: one host stall moved B=1 by 30%%)")
+                    help="timed runs per length, the fastest kept (host stalls only add time: `timed`)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--step-times", action="store_true", help="also print the spread of engine.step host times")
     ap.add_argument("--decode-steps", type=int, default=0, help="rollout.decode_steps (0: auto, 8 on CUDA; 1: one "
