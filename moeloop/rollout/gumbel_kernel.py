@@ -419,6 +419,7 @@ def row_counters(device: torch.device, B: int) -> torch.Tensor:
 
 
 TOPK_SPLITS = 16  # target programs per row of `topk_sample`: at B=1 one per row would leave most SMs idle
+TOPK_WARPS = 0  # warps per program of the two-phase top-k kernels; 0: 4, or 8 past 2048 values per phase
 
 
 class _SlicePlan:
@@ -438,7 +439,7 @@ class _SlicePlan:
         self.cand_z_BSC = torch.empty(B, self.S, self.C, dtype=torch.float32, device=dev)
         self.cand_v_BSC = torch.empty(B, self.S, self.C, dtype=torch.int32, device=dev)
         self.done_B = row_counters(dev, B)
-        self.num_warps = 4 if max(self.block_v, self.s_pad * self.C) <= 2048 else 8
+        self.num_warps = TOPK_WARPS or (4 if max(self.block_v, self.s_pad * self.C) <= 2048 else 8)
 
     def scratch(self) -> tuple:
         return self.stats_2BS[0], self.stats_2BS[1], self.cnt_BS, self.cand_z_BSC, self.cand_v_BSC, self.done_B
