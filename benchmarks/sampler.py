@@ -12,7 +12,12 @@ vocab (32000, bf16 logits), temperature 1:
   drawn by the kernels and by the torch path on the same GPU, which must give the same tokens and logprobs within
   4e-6.
 
-    python benchmarks/sampler.py            # CUDA only
+    python benchmarks/sampler.py                 # CUDA only
+    python benchmarks/sampler.py --topk-sweep    # top-k 50's slices per row and warps per program instead
+
+`--topk-sweep`: `topk_sample` at top-k 50 for each `gumbel_kernel.TOPK_SPLITS` (slices per row: phase 1 ranks
+V / S values per program, phase 2 S * 64 candidates in the row's last program) and `TOPK_WARPS`, with the tokens
+compared with the defaults' (the slicing must not change them).
 """
 from __future__ import annotations
 
@@ -117,7 +122,31 @@ def agreement(batches: int = 300) -> int:
     return bad
 
 
+def topk_sweep() -> None:
+    from moeloop.rollout import gumbel_kernel
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; top-k 50 `topk_sample`, us per sampling step "
+          f"in a CUDA graph, V={V}")
+    defaults = gumbel_kernel.TOPK_SPLITS, gumbel_kernel.TOPK_WARPS
+    for B in (1, 32, 256):
+        logits = (torch.randn(B, V, device="cuda") * 3).to(torch.bfloat16)
+        st = tensors(B)
+        want = now(logits, st)
+        row = []
+        for splits in (4, 8, 16, 32):
+            for warps in (0, 2, 4, 8):
+                gumbel_kernel.TOPK_SPLITS, gumbel_kernel.TOPK_WARPS = splits, warps
+                us, _ = graph_us(now, logits, st)
+                tokens, lp = now(logits, st)
+                same = torch.equal(tokens, want[0]) and (lp - want[1]).abs().max().item() <= 4e-6
+                row.append(f"S{splits}/w{warps or 'auto'} {us:5.1f}{'' if same else ' (DIFFERS)'}")
+        gumbel_kernel.TOPK_SPLITS, gumbel_kernel.TOPK_WARPS = defaults
+        print(f"B={B:3d}: " + ", ".join(row))
+
+
 def main() -> None:
+    import sys
+    if "--topk-sweep" in sys.argv[1:]:
+        return topk_sweep()
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; us per sampling step in a CUDA graph, V={V}")
     for B in (1, 8, 32, 128, 256):
