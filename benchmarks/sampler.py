@@ -132,7 +132,7 @@ def topk_sweep() -> None:
         st = tensors(B)
         want = now(logits, st)
         row = []
-        for splits in (4, 8, 16, 32):
+        for splits in (8, 16, 32, 64):
             for warps in (0, 2, 4, 8):
                 gumbel_kernel.TOPK_SPLITS, gumbel_kernel.TOPK_WARPS = splits, warps
                 us, _ = graph_us(now, logits, st)
