@@ -73,30 +73,6 @@ def test_fused_decode_forward_bf16_logits_and_kv():
     assert (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean() >= 0.8
 
 
-@pytest.mark.parametrize("even,max_width", [(False, 2048), (True, 2048), (True, 16)])
-def test_gate_up_column_chunks_match_sorted_forward(monkeypatch, even, max_width):
-    """The small-batch gate_up over a width that is no power of two (D = 48): one masked 64-wide chunk, or with
-    `GATE_UP_EVEN_CHUNKS` a whole 32-wide chunk then a 16-wide tail (max_width 16: three whole chunks, no tail);
-    the expert outputs equal `Experts.sorted_forward`."""
-    from moeloop.model.experts import Experts, expert_counts
-    from moeloop.rollout import moe_kernel
-    monkeypatch.setattr(moe_kernel, "GATE_UP_EVEN_CHUNKS", even)
-    monkeypatch.setattr(moe_kernel, "FEW_MAX_WIDTH", max_width)
-    chunks = moe_kernel.gate_up_columns(48)
-    assert chunks == ({"BLOCK_D": 64} if not even else {"BLOCK_D": 32, "D_MAIN": 32, "TAIL": 16} if max_width == 2048
-                      else {"BLOCK_D": 16, "D_MAIN": 48, "TAIL": 0})
-    torch.manual_seed(2)
-    experts = Experts(8, 48, 32, "grouped_mm").to(DEVICE)
-    with torch.no_grad():
-        experts.gate_up_proj.normal_(0, 0.1)
-        experts.down_proj.normal_(0, 0.1)
-        x = torch.randn(3, 48, device=DEVICE)
-        ids = torch.stack([torch.randperm(8, device=DEVICE)[:2] for _ in range(3)])
-        wts = torch.rand(3, 2, device=DEVICE)
-        ref = experts.sorted_forward(x, ids, wts, expert_counts(ids, 8))
-        torch.testing.assert_close(moe_kernel.fused_experts(experts, x, ids, wts), ref, atol=1e-5, rtol=1e-5)
-
-
 @pytest.mark.parametrize("num_tokens,max_width", [(1, 2048), (3, 2048), (2, 32), (40, 2048), (300, 2048)])
 def test_decode_expert_kernels_match_sorted_forward(monkeypatch, num_tokens, max_width):
     """The small-batch fused kernels and the grouped path (counting sort + grouped_mm + weighted sum) both equal

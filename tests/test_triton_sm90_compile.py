@@ -82,12 +82,6 @@ def _compile_align_and_small_batch_experts():
                                                 s_we="i64", s_wf="i64"),
                  dict(D=D, F=F, K=K, BLOCK_F=4, BLOCK_D=2048, LIBDEVICE=True, PDL=True, ROUTED=True, E=E, E_PAD=E),
                  num_warps=8)
-    # gate_up's columns in whole chunks plus a tail (`gate_up_columns`: 1536 = 1024 + 512), at the B=1 tile
-    block_f, warps_f = moe_kernel.GATE_UP_FEW_TILE
-    compile_sm90(moe_kernel._gate_up_silu, dict(x_ptr="*bf16", w_ptr="*bf16", ids_ptr="*bf16", h_ptr="*bf16",
-                                                s_we="i64", s_wf="i64"),
-                 dict(D=D, F=F, K=K, BLOCK_F=block_f, LIBDEVICE=True, PDL=True, ROUTED=True, E=E, E_PAD=E,
-                      BLOCK_D=1024, D_MAIN=1024, TAIL=512), num_warps=warps_f)
     compile_sm90(moe_kernel._down_combine, dict(h_ptr="*bf16", w_ptr="*bf16", ids_ptr="*bf16", y_ptr="*bf16",
                                                s_we="i64", s_wd="i64"),
                  dict(wts_ptr=None, D=D, F=F, K=K, K_PAD=K, BLOCK_D=4, BLOCK_F=512, EARLY=True, PDL=True, ROUTED=True,

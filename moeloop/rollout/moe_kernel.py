@@ -34,8 +34,6 @@ FUSED_MAX_ASSIGNMENTS = 32
 GATE_UP_FEW_TILE = (8, 4)
 DOWN_FEW_TILE = (4, 4)
 FEW_MAX_WIDTH = 2048
-# gate_up's columns in unmasked power-of-two chunks plus a tail (`gate_up_columns`; `benchmarks/b1_tiles.py`)
-GATE_UP_EVEN_CHUNKS = os.environ.get("MOELOOP_GATE_UP_EVEN", "off").lower() == "on"
 GROUPED_GEMM = "triton"  # or "grouped_mm" (torch's cutlass kernel; bf16 only)
 # `_expert_gemm` tiles: (BLOCK_N, BLOCK_K, num_warps, num_stages) for the gate_up and down launches
 GATE_UP_TILE = (64, 128, 4, 3)
@@ -82,24 +80,12 @@ if triton is not None:
         return (best / total if NORM else best) * scale
 
     @triton.jit
-    def _gate_up_chunk(x_row, w_ptr, e, s_we, s_wf, f, f_ok, d, D: tl.constexpr, F: tl.constexpr, acc_g, acc_u):
-        """acc_g, acc_u plus gate and up rows f of expert e against the token over columns d (masked to D)."""
-        ok = f_ok[:, None] & (d[None, :] < D)
-        x = tl.load(x_row + d, mask=d < D, other=0.0).to(tl.float32)
-        wg = tl.load(w_ptr + e * s_we + f[:, None] * s_wf + d[None, :], mask=ok, other=0.0).to(tl.float32)
-        wu = tl.load(w_ptr + e * s_we + (f + F)[:, None] * s_wf + d[None, :], mask=ok, other=0.0).to(tl.float32)
-        return acc_g + tl.sum(wg * x[None, :], 1), acc_u + tl.sum(wu * x[None, :], 1)
-
-    @triton.jit
     def _gate_up_silu(x_ptr, w_ptr, ids_ptr, h_ptr, s_we, s_wf, D: tl.constexpr, F: tl.constexpr, K: tl.constexpr,
                       BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr,
-                      ROUTED: tl.constexpr = False, E: tl.constexpr = 1, E_PAD: tl.constexpr = 1,
-                      D_MAIN: tl.constexpr = 0, TAIL: tl.constexpr = 0):
+                      ROUTED: tl.constexpr = False, E: tl.constexpr = 1, E_PAD: tl.constexpr = 1):
         """Program (s, f): gate/up rows f of assignment s's expert against its token, SiLU(gate) * up. Waits first:
         the expert ids come from the kernel just before. ROUTED: `ids_ptr` holds the router logits [T, E] instead,
-        and the program ranks them itself (`_ranked_experts`: assignment s is token s // K's rank s % K).
-        D_MAIN > 0: columns [0, D_MAIN) in whole BLOCK_D chunks (unrolled, unmasked), then [D_MAIN, D) in one
-        masked chunk of TAIL; else a loop of masked BLOCK_D chunks."""
+        and the program ranks them itself (`_ranked_experts`: assignment s is token s // K's rank s % K)."""
         pdl_wait(PDL)
         s = tl.program_id(0)
         f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
@@ -112,17 +98,14 @@ if triton is not None:
         x_row = x_ptr + (s // K).to(tl.int64) * D
         acc_g = tl.zeros([BLOCK_F], tl.float32)
         acc_u = tl.zeros([BLOCK_F], tl.float32)
-        if D_MAIN > 0:
-            for d0 in tl.static_range(0, D_MAIN, BLOCK_D):
-                acc_g, acc_u = _gate_up_chunk(x_row, w_ptr, e, s_we, s_wf, f, f_ok, d0 + tl.arange(0, BLOCK_D), D, F,
-                                              acc_g, acc_u)
-            if TAIL > 0:
-                acc_g, acc_u = _gate_up_chunk(x_row, w_ptr, e, s_we, s_wf, f, f_ok, D_MAIN + tl.arange(0, TAIL), D, F,
-                                              acc_g, acc_u)
-        else:
-            for d0 in range(0, D, BLOCK_D):
-                acc_g, acc_u = _gate_up_chunk(x_row, w_ptr, e, s_we, s_wf, f, f_ok, d0 + tl.arange(0, BLOCK_D), D, F,
-                                              acc_g, acc_u)
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            ok = f_ok[:, None] & (d[None, :] < D)
+            x = tl.load(x_row + d, mask=d < D, other=0.0).to(tl.float32)
+            wg = tl.load(w_ptr + e * s_we + f[:, None] * s_wf + d[None, :], mask=ok, other=0.0).to(tl.float32)
+            wu = tl.load(w_ptr + e * s_we + (f + F)[:, None] * s_wf + d[None, :], mask=ok, other=0.0).to(tl.float32)
+            acc_g += tl.sum(wg * x[None, :], 1)
+            acc_u += tl.sum(wu * x[None, :], 1)
         dt = h_ptr.dtype.element_ty
         g = acc_g.to(dt).to(tl.float32)
         u = acc_u.to(dt).to(tl.float32)
@@ -274,17 +257,6 @@ def routed_experts(moe: MoE, x_TD: torch.Tensor, logits_TE: torch.Tensor) -> tor
                               down)
 
 
-def gate_up_columns(D: int) -> dict:
-    """`_gate_up_silu`'s column chunks for width D: with GATE_UP_EVEN_CHUNKS, whole power-of-two chunks of at most
-    FEW_MAX_WIDTH, unrolled, then one masked tail (1536 = 1024 + 512); else masked chunks of next_power_of_2(D) up to
-    FEW_MAX_WIDTH (1536 in one 2048-wide chunk, a quarter of its lanes masked)."""
-    if not GATE_UP_EVEN_CHUNKS:
-        return dict(BLOCK_D=min(FEW_MAX_WIDTH, triton.next_power_of_2(D)))
-    block_d = min(FEW_MAX_WIDTH, 1 << (D.bit_length() - 1))
-    rest = D % block_d
-    return dict(BLOCK_D=block_d, D_MAIN=D - rest, TAIL=triton.next_power_of_2(rest) if rest else 0)
-
-
 def _few_token_experts(experts: Experts, x_TD: torch.Tensor, route: torch.Tensor, wts_S: torch.Tensor | None, K: int,
                        routing: dict, down_routing: dict | None = None) -> torch.Tensor:
     """`_gate_up_silu` then `_down_combine` over T * K assignments; `route`: the expert ids [T * K] (weights wts_S),
@@ -301,7 +273,8 @@ def _few_token_experts(experts: Experts, x_TD: torch.Tensor, route: torch.Tensor
     k_pad = triton.next_power_of_2(K)
     down_block_f = min(FEW_MAX_WIDTH * 4 // (k_pad * block_d), triton.next_power_of_2(F))
     _gate_up_silu[(T * K, triton.cdiv(F, block_f))](x_TD, w_gu, route, h_SF, w_gu.stride(0), w_gu.stride(1),
-                                                     D=D, F=F, K=K, BLOCK_F=block_f, **gate_up_columns(D),
+                                                     D=D, F=F, K=K, BLOCK_F=block_f,
+                                                     BLOCK_D=min(FEW_MAX_WIDTH, triton.next_power_of_2(D)),
                                                      LIBDEVICE=not triton_interpreting(), num_warps=warps_f, **routing,
                                                      **pdl)
     _down_combine[(T, triton.cdiv(D, block_d))](h_SF, w_d, route, wts_S, y_TD, w_d.stride(0), w_d.stride(1), D=D, F=F,
