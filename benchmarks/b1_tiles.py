@@ -18,7 +18,6 @@ Knobs (module constants read at each launch, so a fresh engine's graph capture t
   paged_block_n  decode_kernel.PAGED_BLOCK_N  (cached positions per step and per split unit: B=1 runs ceil(384 / it)
                                               split programs per kv head, then the merge)
   max_splits  decode_kernel.MAX_SPLITS       (1: one program per kv head loops over the context, no merge launch)
-  rope_fold   fused_decode.ROPE_FOLD: the q/k norm + RoPE + K/V store inside the paged decode (no launch of its own)
   lm_head_fold, lm_head  fused_decode.LM_HEAD_FOLD, LM_HEAD_TILE: the final norm folded into a one-token lm_head
                                                  launch instead of `_add_rmsnorm` then cuBLAS
 
@@ -44,7 +43,6 @@ KNOBS = {
     "down": (moe_kernel, "DOWN_FEW_TILE", [(1, 2), (2, 1), (2, 2), (4, 2), (4, 4), (8, 4)]),
     "paged_block_n": (decode_kernel, "PAGED_BLOCK_N", [16, 32, 64, 128]),
     "max_splits": (decode_kernel, "MAX_SPLITS", [3, 4, 8, 16]),
-    "rope_fold": (fused_decode, "ROPE_FOLD", [False, True]),
     "lm_head_fold": (fused_decode, "LM_HEAD_FOLD", [True, False]),
     "lm_head": (fused_decode, "LM_HEAD_TILE", [(4, 4), (8, 4), (8, 8), (16, 4), (16, 8)]),
 }

@@ -32,36 +32,11 @@ def assert_kernels_match_module_path(model, ps: list, params: SamplingParams, af
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "llama_tied"])
-@pytest.mark.parametrize("rope_fold", [False, True])
-def test_fused_decode_engine_matches_module_path(monkeypatch, arch, rope_fold):
-    """Decode batches of several sequences through the fused forward (with `rope_fold`, the q/k norm, RoPE and K/V
-    store inside the paged decode kernel; Mixtral has no q/k norm) give the module path's tokens and logprobs."""
-    from moeloop.rollout import fused_decode
-    monkeypatch.setattr(fused_decode, "ROPE_FOLD", rope_fold)
-    folded, real = [], fused_decode.paged_rope_attention
-    monkeypatch.setattr(fused_decode, "paged_rope_attention", lambda *a: folded.append(a[4].shape[0]) or real(*a))
+def test_fused_decode_engine_matches_module_path(arch):
     model = tiny_model(arch).to(DEVICE)
     assert fused_supported(model)
     assert_kernels_match_module_path(model, prompts(6, seed=12), SamplingParams(n=2, temperature=1.0, max_tokens=6,
-                                                                                seed=4), lambda: folded.clear())
-    assert (max(folded) > 1 and len(folded) % len(model.model.layers) == 0) if rope_fold else not folded
-
-
-def test_rope_fold_over_split_contexts_matches_module_path(monkeypatch):
-    """The rope fold where the paged decode splits the context (block_n 32: two splits past 32 positions): the split
-    that holds each row's new position writes its K/V first; a long and a short sequence together, greedy and
-    sampled, give the module path's tokens and logprobs."""
-    from moeloop.rollout import decode_kernel, fused_decode
-    monkeypatch.setattr(fused_decode, "ROPE_FOLD", True)
-    splits, real = [], decode_kernel.num_splits
-    monkeypatch.setattr(decode_kernel, "num_splits", lambda *a: splits.append(real(*a)) or splits[-1])
-    model = tiny_model("qwen3_moe").to(DEVICE)
-    g = torch.Generator().manual_seed(8)
-    ps = [torch.randint(3, 256, (44,), generator=g).tolist(), torch.randint(3, 256, (9,), generator=g).tolist()]
-    assert_kernels_match_module_path(model, ps, SamplingParams(n=1, temperature=1.0, max_tokens=5, seed=3),
-                                     lambda: splits.clear())
-    assert max(splits) >= 2
-    assert_kernels_match_module_path(model, ps, SamplingParams(n=1, temperature=0.0, max_tokens=5))
+                                                                                seed=4))
 
 
 def test_fused_decode_forward_bf16_logits_and_kv():

@@ -130,15 +130,6 @@ def _compile_paged_decode():
                      dict(QH=H // G, QH_PAD=16, DK=DH, DK_PAD=DH, DV=DH, DV_PAD=DH, BLOCK_SIZE=16, BLOCK_N=64,
                           PRECISION="tf32", NUM_SPLITS=splits, CHUNK=256, DYNAMIC_LOOP=splits == 1, V_EARLY=splits > 1, EARLY=True,
                           PDL=splits > 1))
-        # the rope fold: raw q, the new k and v, q/k norm weights, RoPE tables, positions and slots
-        compile_sm90(decode_kernel._paged_decode,
-                     dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", o_ptr="*bf16" if splits == 1 else "*fp32",
-                          m_ptr="*fp32", l_ptr="*fp32", tables_ptr="*i32", lens_ptr="*i32", scale="fp32", **strides,
-                          kn_ptr="*bf16", vn_ptr="*bf16", s_kn="i64", s_vn="i64", qw_ptr="*bf16", kw_ptr="*bf16",
-                          cos_ptr="*bf16", sin_ptr="*bf16", pos_ptr="*i64", slots_ptr="*i64", eps="fp32"),
-                     dict(QH=H // G, QH_PAD=16, DK=DH, DK_PAD=DH, DV=DH, DV_PAD=DH, BLOCK_SIZE=16, BLOCK_N=64,
-                          PRECISION="tf32", NUM_SPLITS=splits, CHUNK=256, DYNAMIC_LOOP=splits == 1,
-                          V_EARLY=splits > 1, EARLY=True, PDL=True, ROPE=True, QK_NORM=True))
     compile_sm90(decode_kernel._merge_splits, dict(part_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", o_ptr="*bf16",
                                                    s_ob="i64", s_oh="i64"),
                  dict(H=H, DV=DH, DV_PAD=DH, NUM_SPLITS=4, SPLITS_PAD=4, EARLY=True, PDL=True))

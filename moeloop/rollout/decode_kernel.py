@@ -27,50 +27,6 @@ def triton_available() -> bool:
 
 if triton is not None:
     @triton.jit
-    def _norm_rope_half(x_ptr, w_ptr, cos_ptr, sin_ptr, t, eps, HALF: tl.constexpr, QK_NORM: tl.constexpr,
-                        dt: tl.constexpr):
-        """One head [2 * HALF] at x_ptr: optional RMSNorm (weight w_ptr), then half-split RoPE with row t of the
-        cos/sin tables; two halves out."""
-        i = tl.arange(0, HALF)
-        x1 = tl.load(x_ptr + i).to(tl.float32)
-        x2 = tl.load(x_ptr + HALF + i).to(tl.float32)
-        if QK_NORM:
-            rs = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF) + eps)
-            x1 = (tl.load(w_ptr + i).to(tl.float32) * (x1 * rs).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-            x2 = (tl.load(w_ptr + HALF + i).to(tl.float32) * (x2 * rs).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        c1 = tl.load(cos_ptr + t * 2 * HALF + i).to(tl.float32)
-        c2 = tl.load(cos_ptr + t * 2 * HALF + HALF + i).to(tl.float32)
-        s1 = tl.load(sin_ptr + t * 2 * HALF + i).to(tl.float32)
-        s2 = tl.load(sin_ptr + t * 2 * HALF + HALF + i).to(tl.float32)
-        # x * cos + cat(-x2, x1) * sin, each product and the sum rounded as the module path rounds them
-        o1 = (x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)
-        o2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
-        return o1.to(dt), o2.to(dt)
-
-    @triton.jit
-    def _norm_rope_heads(x_ptr, s_xh, n, w_ptr, cos_ptr, sin_ptr, t, eps, R: tl.constexpr, HALF: tl.constexpr,
-                         QK_NORM: tl.constexpr, dt: tl.constexpr):
-        """`_norm_rope_half` over heads [0, n) at x_ptr + r * s_xh (rows past n: 0), as one [R, 2 * HALF] tile."""
-        r = tl.arange(0, R)
-        i = tl.arange(0, HALF)
-        ok = (r < n)[:, None]
-        rows = x_ptr + r[:, None] * s_xh + i[None, :]
-        x1 = tl.load(rows, mask=ok, other=0.0).to(tl.float32)
-        x2 = tl.load(rows + HALF, mask=ok, other=0.0).to(tl.float32)
-        if QK_NORM:
-            rs = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
-            x1 = (tl.load(w_ptr + i).to(tl.float32)[None, :] * (x1 * rs).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-            x2 = (tl.load(w_ptr + HALF + i).to(tl.float32)[None, :] * (x2 * rs).to(dt).to(tl.float32)).to(dt).to(
-                tl.float32)
-        c1 = tl.load(cos_ptr + t * 2 * HALF + i).to(tl.float32)[None, :]
-        c2 = tl.load(cos_ptr + t * 2 * HALF + HALF + i).to(tl.float32)[None, :]
-        s1 = tl.load(sin_ptr + t * 2 * HALF + i).to(tl.float32)[None, :]
-        s2 = tl.load(sin_ptr + t * 2 * HALF + HALF + i).to(tl.float32)[None, :]
-        o1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
-        o2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
-        return tl.reshape(tl.permute(tl.join(o1, o2), (0, 2, 1)), (R, 2 * HALF))
-
-    @triton.jit
     def _attend_block(q, m_i, l_i, acc, start, ctx_len, b, g, k_ptr, v_ptr, tables_ptr, scale,
                       s_ks, s_kg, s_vs, s_vg, s_tb, DK: tl.constexpr, DK_PAD: tl.constexpr, DV: tl.constexpr,
                       DV_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
@@ -107,14 +63,7 @@ if triton is not None:
                       QH: tl.constexpr, QH_PAD: tl.constexpr, DK: tl.constexpr, DK_PAD: tl.constexpr,
                       DV: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                       PRECISION: tl.constexpr, NUM_SPLITS: tl.constexpr, CHUNK: tl.constexpr,
-                      DYNAMIC_LOOP: tl.constexpr, V_EARLY: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
-                      ROPE: tl.constexpr = False, kn_ptr=None, vn_ptr=None, s_kn=0, s_vn=0, qw_ptr=None, kw_ptr=None,
-                      cos_ptr=None, sin_ptr=None, pos_ptr=None, slots_ptr=None, eps=0.0,
-                      QK_NORM: tl.constexpr = False):
-        """ROPE (the rope fold, `paged_rope_attention`): q_ptr holds the raw q of the new token (rows s_qb, heads
-        s_qh) and every program applies the q norm and RoPE to its query heads itself; the program whose split
-        holds the new position (row b's lens - 1) first normalises and rotates the new k (kn_ptr) and writes it
-        and the new v (vn_ptr) to the cache slot slots[b], as `_qk_norm_rope_store` did one launch earlier."""
+                      DYNAMIC_LOOP: tl.constexpr, V_EARLY: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
         pdl_launch_next(PDL, EARLY)
         b = tl.program_id(0)
         g = tl.program_id(1)
@@ -125,25 +74,8 @@ if triton is not None:
         dk = tl.arange(0, DK_PAD)
         dv = tl.arange(0, DV_PAD)
         h_ok = h < QH
-        if ROPE:  # (DK = DK_PAD = DV = DV_PAD here: `paged_rope_attention`)
-            dt = q_ptr.dtype.element_ty
-            p = tl.load(pos_ptr + b).to(tl.int64)
-            q = _norm_rope_heads(q_ptr + b * s_qb + g * QH * s_qh, s_qh, QH, qw_ptr, cos_ptr, sin_ptr, p, eps, QH_PAD,
-                                 DK // 2, QK_NORM, dt)
-            if (ctx_len - 1) // CHUNK == sp:  # this split attends over the new position: its K/V go in first
-                slot = tl.load(slots_ptr + b).to(tl.int64)
-                k1, k2 = _norm_rope_half(kn_ptr + b * s_kn + g * DK, kw_ptr, cos_ptr, sin_ptr, p, eps, DK // 2,
-                                         QK_NORM, dt)
-                i = tl.arange(0, DK // 2)
-                kc = k_ptr + slot * s_ks + g * s_kg
-                tl.store(kc + i, k1.to(k_ptr.dtype.element_ty))
-                tl.store(kc + DK // 2 + i, k2.to(k_ptr.dtype.element_ty))
-                vc = v_ptr + slot * s_vs + g * s_vg
-                tl.store(vc + dv, tl.load(vn_ptr + b * s_vn + g * DV + dv).to(v_ptr.dtype.element_ty))
-                tl.debug_barrier()  # the program's own stores, visible to its loads below
-        else:
-            q = tl.load(q_ptr + b * s_qb + (g * QH + h)[:, None] * s_qh + dk[None, :],
-                        mask=h_ok[:, None] & (dk[None, :] < DK), other=0.0)
+        q = tl.load(q_ptr + b * s_qb + (g * QH + h)[:, None] * s_qh + dk[None, :],
+                    mask=h_ok[:, None] & (dk[None, :] < DK), other=0.0)
         m_i = tl.full([QH_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([QH_PAD], tl.float32)
         acc = tl.zeros([QH_PAD, DV_PAD], tl.float32)
@@ -209,11 +141,9 @@ PAGED_BLOCK_N = 64  # cached positions per loop step, and the split programs' ch
 
 def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SGD: torch.Tensor, v_cache_SGDv: torch.Tensor,
                            block_tables_BN: torch.Tensor, context_lens_B: torch.Tensor, block_size: int,
-                           scale: float, block_n: int | None = None, split: bool = True,
-                           rope: dict | None = None) -> torch.Tensor:
+                           scale: float, block_n: int | None = None, split: bool = True) -> torch.Tensor:
     """Attention of each row's single query over its first context_lens_B[b] cached positions -> [B, H, Dv]
-    (`block_n`: default PAGED_BLOCK_N). `rope`: the rope fold's extra kernel arguments (`paged_rope_attention`);
-    q_BHD is then the raw q, which may be strided by rows (a column slice of a packed q|k|v)."""
+    (`block_n`: default PAGED_BLOCK_N)."""
     if triton is None:
         raise RuntimeError("paged_decode_attention needs triton")
     B, H, Dk = q_BHD.shape
@@ -240,7 +170,7 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SGD: torch.Tensor, v_cac
         QH=qh, QH_PAD=max(16, triton.next_power_of_2(qh)), DK=Dk, DK_PAD=max(16, triton.next_power_of_2(Dk)),
         DV=Dv, DV_PAD=dv_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         PRECISION=precision, NUM_SPLITS=splits, CHUNK=chunk, V_EARLY=V_EARLY and splits > 1,
-        EARLY=kernel_switch.PDL_EARLY, num_warps=4, **pdl, **(rope or {}),
+        EARLY=kernel_switch.PDL_EARLY, num_warps=4, **pdl,
         DYNAMIC_LOOP=splits == 1 and not triton_interpreting())  # the interpreter: static trip counts only
     if splits > 1:
         _merge_splits[(B, H)](dest, m, l, out, out.stride(0), out.stride(1), H=H, DV=Dv, DV_PAD=dv_pad,

@@ -31,7 +31,7 @@ from moeloop.model.kernel_switch import kernels_apply, pdl_args
 from moeloop.model.moe import MoE
 from moeloop.model.norm import RMSNorm
 from moeloop.model.rope import RopeTables
-from moeloop.rollout.decode_kernel import paged_decode_attention, triton, triton_interpreting
+from moeloop.rollout.decode_kernel import triton, triton_interpreting
 from moeloop.rollout.moe_kernel import (fused_experts, grouped_expert_rows, routed_experts, routed_experts_apply,
                                         uses_grouped_rows)
 from moeloop.rollout.paged_attention import PagedAttention
@@ -40,7 +40,6 @@ if triton is not None:
     import triton.language as tl
 
     from moeloop.model.kernel_switch import pdl_launch_next, pdl_wait
-    from moeloop.rollout.decode_kernel import _norm_rope_half
 
     @triton.jit
     def _add_rmsnorm(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, dest_ptr, wts_ptr, eps, D: tl.constexpr,
@@ -72,6 +71,27 @@ if triton is not None:
         x = x.to(tl.float32)
         normed = (x * tl.rsqrt(tl.sum(x * x, 0) / D + eps)).to(dt).to(tl.float32)
         return (w * normed).to(dt)
+
+    @triton.jit
+    def _norm_rope_half(x_ptr, w_ptr, cos_ptr, sin_ptr, t, eps, HALF: tl.constexpr, QK_NORM: tl.constexpr,
+                        dt: tl.constexpr):
+        """One head [2 * HALF] at x_ptr: optional RMSNorm (weight w_ptr), then half-split RoPE with row t of the
+        cos/sin tables; two halves out."""
+        i = tl.arange(0, HALF)
+        x1 = tl.load(x_ptr + i).to(tl.float32)
+        x2 = tl.load(x_ptr + HALF + i).to(tl.float32)
+        if QK_NORM:
+            rs = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF) + eps)
+            x1 = (tl.load(w_ptr + i).to(tl.float32) * (x1 * rs).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            x2 = (tl.load(w_ptr + HALF + i).to(tl.float32) * (x2 * rs).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        c1 = tl.load(cos_ptr + t * 2 * HALF + i).to(tl.float32)
+        c2 = tl.load(cos_ptr + t * 2 * HALF + HALF + i).to(tl.float32)
+        s1 = tl.load(sin_ptr + t * 2 * HALF + i).to(tl.float32)
+        s2 = tl.load(sin_ptr + t * 2 * HALF + HALF + i).to(tl.float32)
+        # x * cos + cat(-x2, x1) * sin, each product and the sum rounded as the module path rounds them
+        o1 = (x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)
+        o2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
+        return o1.to(dt), o2.to(dt)
 
     @triton.jit
     def _qk_norm_rope_store(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, qo_ptr,
@@ -269,37 +289,6 @@ def qk_norm_rope_store(attn: nn.Module, q_TX: torch.Tensor, k_TX: torch.Tensor, 
     # (no FMA: LLVM lowers each bf16 round trip to a bf16 mul and add, and fusing them would skip the rounding of
     # the RoPE products that the module path and the trainer's rope kernel keep)
     return q_out
-
-
-# the q/k norm + RoPE + K/V store folded into the paged decode (`paged_rope_attention`), one launch fewer per layer;
-# MOELOOP_ROPE_FOLD=on turns it on (off until measured on a GPU: `benchmarks/b1_tiles.py --ab rope_fold=True`)
-ROPE_FOLD = os.environ.get("MOELOOP_ROPE_FOLD", "off").lower() == "on"
-
-
-def rope_fold_applies(attn: nn.Module, ctx: PagedAttention, layer: int) -> bool:
-    """The paged decode kernel runs (`use_kernel`), and q, k and v heads share one power-of-two width of at least
-    16 (the kernel's q tile is the rotated halves side by side, unpadded)."""
-    dh = attn.head_dim
-    return (ROPE_FOLD and ctx.use_kernel and dh >= 16 and dh & (dh - 1) == 0
-            and ctx.cache.k[layer].shape[-1] == dh and ctx.cache.v[layer].shape[-1] == dh)
-
-
-def paged_rope_attention(attn: nn.Module, ctx: PagedAttention, layer: int, q_TX: torch.Tensor, k_TX: torch.Tensor,
-                         v_TX: torch.Tensor, rope: RopeTables, pos_T: torch.Tensor,
-                         slots_T: torch.Tensor) -> torch.Tensor:
-    """Attention [T, H, Dh] of a decode-only batch from its raw q, k, v: what `qk_norm_rope_store` then
-    `attend_cached` give, with the norms, RoPE and the K/V store done inside the paged decode (`rope_fold_applies`)."""
-    T = q_TX.shape[0]
-    H, Dh = attn.num_heads, attn.head_dim
-    qk_norm = hasattr(attn, "q_norm")
-    qw, kw = (attn.q_norm.weight, attn.k_norm.weight) if qk_norm else (None, None)
-    q_TX, k_TX, v_TX = (x if x.stride(1) == 1 else x.contiguous() for x in (q_TX, k_TX, v_TX))
-    meta, cache = ctx.meta, ctx.cache
-    extra = dict(ROPE=True, kn_ptr=k_TX, vn_ptr=v_TX, s_kn=k_TX.stride(0), s_vn=v_TX.stride(0), qw_ptr=qw, kw_ptr=kw,
-                 cos_ptr=rope.cos_TR.contiguous(), sin_ptr=rope.sin_TR.contiguous(), pos_ptr=pos_T,
-                 slots_ptr=slots_T, eps=attn.q_norm.eps if qk_norm else 0.0, QK_NORM=qk_norm)
-    return paged_decode_attention(q_TX.view(T, H, Dh), cache.k[layer], cache.v[layer], meta.block_tables_BN,
-                                  meta.context_lens_B, cache.block_size, attn.scale, rope=extra)
 
 
 ROW_LINEAR = True  # a one-token decode (B=1) runs its projections as `_row_linear` launches instead of cuBLAS GEMVs
@@ -546,12 +535,9 @@ def _decode_layers(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Tensor, c
         else:
             y_TD, res_TD = _settle(pending)
             q_TX, k_TX, v_TX = project_qkv(y_TD, attn)
-        if rope_fold_applies(attn, ctx, i):
-            o_THD = paged_rope_attention(attn, ctx, i, q_TX, k_TX, v_TX, rope, pos_T, slots_T)
-        else:
-            q_THD = qk_norm_rope_store(attn, q_TX, k_TX, v_TX, rope, pos_T, ctx.cache.k[i], ctx.cache.v[i],
-                                       slots_T)
-            o_THD = ctx.attend_cached(i, q_THD, attn.scale)
+        q_THD = qk_norm_rope_store(attn, q_TX, k_TX, v_TX, rope, pos_T, ctx.cache.k[i], ctx.cache.v[i],
+                                   slots_T)
+        o_THD = ctx.attend_cached(i, q_THD, attn.scale)
         (o_TD,) = project(o_THD.reshape(T, -1), [attn.o_proj])
         pending = (o_TD, res_TD, layer.post_attention_layernorm)
         mlp = layer.mlp
