@@ -13,7 +13,7 @@ python3 -m pytest -q -p no:cacheprovider tests/test_model_norm.py tests/test_mod
     --tb=short > /tmp/gpu_tests.log 2>&1
 grep -E "^(FAILED|ERROR|E  )" /tmp/gpu_tests.log | head -40  # each failure's assertion lines
 tail -1 /tmp/gpu_tests.log
-# the sampler per step in CUDA graphs (session 11's one-launch top-p is new) and its agreement with the torch path
+# the sampler per step in CUDA graphs and its agreement with the torch path
 timeout 150 python3 benchmarks/sampler.py 2>&1 | tail -7
 timeout 150 python3 benchmarks/profile_update.py --micro-batch-tokens 40960 --skip-hf --repeats 3 --top 12
 timeout 80 python3 benchmarks/profile_decode.py --batch 1,128,256 --top 6
