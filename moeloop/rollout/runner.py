@@ -203,7 +203,7 @@ class ModelRunner:
         sample_rows = [last_rows[i] for i in rows]
         self._patch(ids, patch)
         ctx = PagedAttention(self.cache, meta, self.use_kernel)
-        if sample_rows == list(range(ids.shape[0])):  # every row samples (a decode-only batch: as the graphs do)
+        if sample_rows and sample_rows == list(range(ids.shape[0])):  # every row samples: as the graphs compute it
             return self._decode_logits(ids, pos, ctx)
         hidden_TD = self._hidden(ids, pos, ctx)
         return None if not sample_rows else self.model.compute_logits(hidden_TD[sample_rows])
@@ -224,6 +224,8 @@ class ModelRunner:
 
     def _fused_or_module(self, fused, module, ids_T: torch.Tensor, pos_T: torch.Tensor,
                          ctx: PagedAttention) -> torch.Tensor:
+        """fused(model, ...) for a decode-only stream while the fused forward is on (it is switched off for good,
+        with a warning, the first time it raises), else module(...)."""
         meta = ctx.meta
         if self.use_kernel and self.fused_ok and meta.decode_rows_B is None and not meta.prefills:
             try:
