@@ -274,6 +274,27 @@ if triton is not None:
         return n
 
     @triton.jit
+    def _ranked_first(cnt_ptr, cand_z_ptr, cand_v_ptr, b, k, S: tl.constexpr, S_PAD: tl.constexpr, C: tl.constexpr,
+                      N_PAD: tl.constexpr, J: tl.constexpr, KEY_BITS: tl.constexpr, m64, MASS: tl.constexpr):
+        """Row b's first k candidates, compacted (`_compact_first`), as N_PAD lanes: (lane, how many, their logits
+        (-inf past them), vocab ids, each one's rank among them (the kept tokens ahead, J at a time) and, with
+        MASS, the fp64 sum of exp(z - m64) over those ahead)."""
+        n = _compact_first(cnt_ptr, cand_z_ptr, cand_v_ptr, b, k, S, S_PAD, C, KEY_BITS)
+        row_z, row_v = cand_z_ptr + b * S * C, cand_v_ptr + b * S * C
+        i = tl.arange(0, N_PAD)
+        zi = tl.load(row_z + i, mask=i < n, other=float("-inf"))
+        vi = tl.load(row_v + i, mask=i < n, other=0)
+        ahead_mass = tl.zeros([N_PAD], tl.float64)
+        rank = tl.zeros([N_PAD], tl.int32)
+        for j0 in tl.static_range(0, N_PAD, J):
+            ahead, zj = _ahead_of(row_z, row_v, zi, vi, j0 + tl.arange(0, J), n)
+            if MASS:
+                ej = tl.exp(zj.to(tl.float64) - m64)
+                ahead_mass += tl.sum(tl.where(ahead, ej[None, :], 0.0), 1)
+            rank += tl.sum(ahead.to(tl.int32), 1)
+        return i, n, zi, vi, rank, ahead_mass
+
+    @triton.jit
     def _pick_token_top_p(m_ptr, l_ptr, l64_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, keys_ptr, temps_ptr, top_ps_ptr,
                           tokens_ptr, logprobs_ptr, b, k, S: tl.constexpr, S_PAD: tl.constexpr, C: tl.constexpr,
                           N_PAD: tl.constexpr, J: tl.constexpr, KEY_BITS: tl.constexpr, LIBDEVICE: tl.constexpr):
@@ -288,18 +309,8 @@ if triton is not None:
         l64_S = tl.load(l64_ptr + b * S + sp, mask=sp < S, other=0.0, cache_modifier=".cg")
         m64 = top_m.to(tl.float64)
         total = tl.sum(l64_S * tl.exp(m_S.to(tl.float64) - m64), 0)
-        n = _compact_first(cnt_ptr, cand_z_ptr, cand_v_ptr, b, k, S, S_PAD, C, KEY_BITS)
-        row_z, row_v = cand_z_ptr + b * S * C, cand_v_ptr + b * S * C
-        i = tl.arange(0, N_PAD)
-        zi = tl.load(row_z + i, mask=i < n, other=float("-inf"))
-        vi = tl.load(row_v + i, mask=i < n, other=0)
-        ahead_mass = tl.zeros([N_PAD], tl.float64)
-        rank = tl.zeros([N_PAD], tl.int32)
-        for j0 in tl.static_range(0, N_PAD, J):
-            ahead, zj = _ahead_of(row_z, row_v, zi, vi, j0 + tl.arange(0, J), n)
-            ej = tl.exp(zj.to(tl.float64) - m64)
-            ahead_mass += tl.sum(tl.where(ahead, ej[None, :], 0.0), 1)
-            rank += tl.sum(ahead.to(tl.int32), 1)
+        i, n, zi, vi, rank, ahead_mass = _ranked_first(cnt_ptr, cand_z_ptr, cand_v_ptr, b, k, S, S_PAD, C, N_PAD, J,
+                                                       KEY_BITS, m64, True)
         kept = (i < n) & ((ahead_mass <= tl.load(top_ps_ptr + b).to(tl.float64) * total) | (rank == 0))
         # (the compacted slots are in vocab id order, as `_draw_store` needs)
         _draw_store(zi, vi, kept, i, N_PAD, keys_ptr, temps_ptr, tokens_ptr, logprobs_ptr, b, top_m, log_sum,
@@ -335,15 +346,8 @@ if triton is not None:
         """Phase 2 of `_ranked_candidates` (row b's last program): the row's first n tokens under the total order,
         stored in that order into vals / ids [B, n]. The kept candidates are compacted into the row's first C
         slots (n <= C), then each one's rank is the number of kept tokens ahead of it (J of them at a time)."""
-        _compact_first(cnt_ptr, cand_z_ptr, cand_v_ptr, b, n, S, S_PAD, C, KEY_BITS)
-        row_z, row_v = cand_z_ptr + b * S * C, cand_v_ptr + b * S * C
-        i = tl.arange(0, N_PAD)
-        zi = tl.load(row_z + i, mask=i < n, other=float("-inf"))
-        vi = tl.load(row_v + i, mask=i < n, other=0)
-        rank = tl.zeros([N_PAD], tl.int32)
-        for j0 in tl.static_range(0, N_PAD, J):
-            ahead, _ = _ahead_of(row_z, row_v, zi, vi, j0 + tl.arange(0, J), n)
-            rank += tl.sum(ahead.to(tl.int32), 1)
+        i, _, zi, vi, rank, _ = _ranked_first(cnt_ptr, cand_z_ptr, cand_v_ptr, b, n, S, S_PAD, C, N_PAD, J, KEY_BITS,
+                                              0.0, False)
         tl.store(vals_ptr + b * n + rank, zi.to(vals_ptr.dtype.element_ty), mask=i < n)
         tl.store(ids_ptr + b * n + rank, vi.to(tl.int64), mask=i < n)
 
