@@ -46,13 +46,14 @@ if triton is not None:
 
     @triton.jit
     def _row_log_normaliser(m_ptr, l_ptr, b, S: tl.constexpr, S_PAD: tl.constexpr):
-        """(M, log sum_s l_s * exp(m_s - M)) of row b from its S slices' max logit m and sum of exp(z - m) (written
-        by other programs of the launch: .cg loads); the raw log-softmax of logit z is (z - M) - the second."""
+        """(M, log sum_s l_s * exp(m_s - M), the slices' m [S_PAD]) of row b from its S slices' max logit m and sum
+        of exp(z - m) (written by other programs of the launch: .cg loads); the raw log-softmax of logit z is
+        (z - M) - the second."""
         sp = tl.arange(0, S_PAD)
         m_S = tl.load(m_ptr + b * S + sp, mask=sp < S, other=float("-inf"), cache_modifier=".cg")
         l_S = tl.load(l_ptr + b * S + sp, mask=sp < S, other=0.0, cache_modifier=".cg")
         top_m = _finite(tl.max(m_S, 0))
-        return top_m, tl.log(tl.sum(l_S * tl.exp(m_S - top_m), 0))
+        return top_m, tl.log(tl.sum(l_S * tl.exp(m_S - top_m), 0)), m_S
 
     @triton.jit
     def _mix32(x):
@@ -147,7 +148,7 @@ if triton is not None:
                                                         cache_modifier=".cg"), 0), 0)
             z_tok = tl.sum(tl.where(sp == pick, tl.load(zs_ptr + b * S + sp, mask=ok, other=0.0,
                                                         cache_modifier=".cg"), 0.0), 0)
-            top_m, log_sum = _row_log_normaliser(m_ptr, l_ptr, b, S, S_PAD)
+            top_m, log_sum, _ = _row_log_normaliser(m_ptr, l_ptr, b, S, S_PAD)
             tl.store(tokens_ptr + b, token.to(tl.int64))
             tl.store(logprobs_ptr + b, (z_tok - top_m) - log_sum)
 
@@ -246,7 +247,7 @@ if triton is not None:
                     LIBDEVICE: tl.constexpr):
         """Phase 2 (row b's last program): the row's top-k among its S * C candidates (already in vocab id order),
         then `_draw_store` with the row's log-softmax normaliser."""
-        top_m, log_sum = _row_log_normaliser(m_ptr, l_ptr, b, S, S_PAD)
+        top_m, log_sum, _ = _row_log_normaliser(m_ptr, l_ptr, b, S, S_PAD)
         j, valid, z, v = _row_candidates(cnt_ptr, cand_z_ptr, cand_v_ptr, b, S, S_PAD, C)
         keep = _keep_first(z, valid, k, KEY_BITS)
         _draw_store(z, v, keep, j, S_PAD * C, keys_ptr, temps_ptr, tokens_ptr, logprobs_ptr, b, top_m, log_sum,
@@ -303,9 +304,8 @@ if triton is not None:
         The mass is exp(z - M) summed in fp64 over the tokens ahead, against top_p times the fp64 sum over the
         whole row (the slices' l64): the sampler's torch path computes the same sums in fp64, so the two keep the
         same nucleus up to fp64 rounding."""
-        top_m, log_sum = _row_log_normaliser(m_ptr, l_ptr, b, S, S_PAD)
+        top_m, log_sum, m_S = _row_log_normaliser(m_ptr, l_ptr, b, S, S_PAD)
         sp = tl.arange(0, S_PAD)
-        m_S = tl.load(m_ptr + b * S + sp, mask=sp < S, other=float("-inf"), cache_modifier=".cg")
         l64_S = tl.load(l64_ptr + b * S + sp, mask=sp < S, other=0.0, cache_modifier=".cg")
         m64 = top_m.to(tl.float64)
         total = tl.sum(l64_S * tl.exp(m_S.to(tl.float64) - m64), 0)
