@@ -89,7 +89,8 @@ def bench_moeloop(model, prompts: list[list[int]], new_tokens: int, device: str,
         assert all(len(o.response_ids) == n for o in outs)
         engine.blocks.reset_prefix_cache()  # the next call prefills again, like the first
 
-    run(min(new_tokens, 4 + 2 * engine.runner.decode_steps))  # warm-up: kernels, graph capture (multi-step too)
+    # warm-up: kernels, graph capture; 3K tokens take every multi-step graph (K = 8: 1 + 8 + 8 + 4 + 2 + 1)
+    run(min(new_tokens, 3 * engine.runner.decode_steps))
     graphs = engine.runner.graphs
     if graphs is not None and graphs.capture_s:
         print(f"# B={B} CUDA graph capture s: " + ", ".join(f"{k} {v:.2f}" for k, v in graphs.capture_s.items()),

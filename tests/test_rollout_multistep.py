@@ -208,3 +208,30 @@ def test_multistep_equals_single_step_on_random_configurations():
         eng = make_engine(model, decode_steps=rng.choice([2, 3, 5, 8]), **kw)
         same(ref, eng.generate(ps, params))
         assert eng.blocks.num_free_blocks == eng.blocks.num_blocks, (trial, kw)
+
+
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_multistep_tail_runs_in_the_captured_step_counts(monkeypatch, launches, async_scheduling):
+    """With CUDA graphs a launch runs one of the captured step counts (`ModelRunner.step_counts`: K, then powers of two
+    down to 2): 15 tokens after the prefill's one run as 8 + 4 + 2 + 1 launches, not 8 and then seven single steps,
+    with the completions of one step per launch."""
+    monkeypatch.setattr(ModelRunner, "step_counts", property(lambda self: (8, 4, 2)))
+    model = tiny_model()
+    ps = prompts(3, seed=5)
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=16, seed=1)
+    ref = make_engine(model, decode_steps=1, async_scheduling=async_scheduling).generate(ps, params)
+    launches.clear()
+    out = make_engine(model, decode_steps=8, async_scheduling=async_scheduling).generate(ps, params)
+    same(ref, out)
+    assert [n for n in launches if n > 1] == [8, 4, 2] and launches.count(1) <= 2  # the prefill, the last step
+
+
+def test_runner_step_counts_halve_down_to_two():
+    """`step_counts` with graphs: K and the powers of two below it, down to 2; without graphs any count (None)."""
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.graphs = object()
+    for K, want in [(8, (8, 4, 2)), (5, (5, 4, 2)), (2, (2,)), (1, (1,)), (16, (16, 8, 4, 2))]:
+        runner.decode_steps = K
+        assert runner.step_counts == want
+    runner.graphs = None
+    assert runner.step_counts is None

@@ -321,3 +321,48 @@ def test_row_counters_are_reused_and_left_at_zero():
     counters = row_counters(logits.device, 3)
     assert (counters is row_counters(logits.device, 3)) == (logits.device.type == "cuda")
     assert not counters.any()
+
+
+@needs_kernels
+@pytest.mark.parametrize("draw", ["top_k", "top_k_top_p", "no_filter"])
+@pytest.mark.parametrize("advance", [True, False])
+@pytest.mark.parametrize("want_logprobs", [True, False])
+def test_one_launch_draw_writes_the_multistep_record(draw, advance, want_logprobs):
+    """With a `StepRecord` the one-launch samplers (multi-step decode's draw) also write the step's tokens and
+    logprobs into the output rows and advance the next step's inputs, exactly as `record_and_advance`'s torch ops
+    do after a draw without one; the record is marked written and the draw itself is unchanged."""
+    from moeloop.rollout.gumbel_kernel import StepRecord, gumbel_sample
+    from moeloop.rollout.multistep import record_and_advance
+    g = torch.Generator().manual_seed(9)
+    B, V, K, k, block = 5, 1500, 4, 2, 4
+    logits = torch.randn(B, V, generator=g).to(DEVICE)
+    keys = torch.tensor([row_key(3, s) for s in range(B)], device=DEVICE)
+    temps = torch.tensor([1.0, 0.7, 0.0, 1.3, 1.0], device=DEVICE)
+    top_ks, top_ps = torch.tensor([50, 5, 50, 1, 20], device=DEVICE), torch.tensor([0.9, 1.0, 0.5, 1.0, 0.3],
+                                                                                   device=DEVICE)
+
+    def draw_with(record):
+        if draw == "no_filter":
+            return gumbel_sample(logits, keys, temps, record=record)
+        return topk_sample(logits, keys, temps, top_ks, 50, top_ps if draw == "top_k_top_p" else None, record=record)
+
+    def state():
+        pos = torch.tensor([3, 7, 8, 15, 0], device=DEVICE)
+        tables = torch.randint(0, 90, (B, 6), generator=g).to(DEVICE)
+        out = torch.full(((2 if want_logprobs else 1) * K, B), -1.0, dtype=torch.float64, device=DEVICE)
+        return out, (torch.zeros(B, dtype=torch.int64, device=DEVICE), pos, torch.zeros_like(pos), pos + 1, tables,
+                     block)
+
+    g.manual_seed(1)
+    out_ref, inputs_ref = state()
+    tokens, lp = draw_with(None)
+    record_and_advance(tokens, lp if want_logprobs else None, out_ref, k, K, inputs_ref if advance else None)
+    g.manual_seed(1)
+    out, inputs = state()
+    record = StepRecord(out, k, K, inputs if advance else None)
+    tokens2, lp2 = draw_with(record)
+    assert record.written and torch.equal(tokens2, tokens) and torch.equal(lp2, lp)
+    assert torch.equal(out, out_ref) and (out[k] >= 0).all()
+    for got, want in zip(inputs[:5], inputs_ref[:5]):
+        assert torch.equal(got, want)
+    assert advance == bool((inputs[0] == tokens).all() and (inputs[1] != torch.tensor([3, 7, 8, 15, 0])).all())

@@ -135,6 +135,14 @@ def _compile_paged_decode():
                  dict(H=H, DV=DH, DV_PAD=DH, NUM_SPLITS=4, SPLITS_PAD=4, EARLY=True, PDL=True))
 
 
+_RECORD_TYPES = dict(out_ptr="*fp64", s_out="i64", rec_k="i32", rec_steps="i32", ids_ptr="*i64", pos_ptr="*i64",
+                     slots_ptr="*i64", lens_ptr="*i64", tables_ptr="*i64", s_tb="i64")
+
+
+def _record_consts(advance: bool) -> dict:
+    return dict(BLOCK_SIZE=16, RECORD=True, HAS_LOGPROBS=True, ADVANCE=advance, EARLY=True, PDL=True)
+
+
 def _compile_gumbel_kernels():
     from moeloop.rollout import gumbel_kernel
     compile_sm90(gumbel_kernel._gumbel_sample, dict(logits_ptr="*bf16", keys_ptr="*i64", temps_ptr="*fp32",
@@ -142,6 +150,14 @@ def _compile_gumbel_kernels():
                                                     idx_ptr="*i32", done_ptr="*i32", tokens_ptr="*i64",
                                                     logprobs_ptr="*fp32", s_lb="i64"),
                  dict(V=32000, SPLIT_V=4096, BLOCK_V=1024, S=8, S_PAD=8, LIBDEVICE=True))
+    # multi-step decode's draw: the record and next inputs from the row's last program, under PDL
+    for advance in (False, True):
+        compiled = compile_sm90(gumbel_kernel._gumbel_sample, dict(
+            logits_ptr="*bf16", keys_ptr="*i64", temps_ptr="*fp32", score_ptr="*fp32", zs_ptr="*fp32", m_ptr="*fp32",
+            l_ptr="*fp32", idx_ptr="*i32", done_ptr="*i32", tokens_ptr="*i64", logprobs_ptr="*fp32", s_lb="i64",
+            **_RECORD_TYPES), dict(V=32000, SPLIT_V=4096, BLOCK_V=1024, S=8, S_PAD=8, LIBDEVICE=True,
+                                   **_record_consts(advance)))
+        assert "griddepcontrol.wait" in compiled.asm["ptx"]
     compile_sm90(gumbel_kernel._topk_gumbel, dict(vals_ptr="*fp32", ids_ptr="*i64", keys_ptr="*i64", temps_ptr="*fp32",
                                                   top_ks_ptr="*i64", drop_ptr="*i8", out_ptr="*i64", N="i32"),
                  dict(BLOCK_N=64, HAS_DROP=True, LIBDEVICE=True))
@@ -166,6 +182,11 @@ def _compile_topk_sample():
                                      KEY_BITS=16 if dtype == "bf16" else 32, LIBDEVICE=True, TOP_P=True, N_PAD=slots,
                                      J=16), num_warps=warps)
         assert ".f64" in compiled.asm["ptx"]
+    for advance in (False, True):  # multi-step decode's top-k 50 draw with its record, under PDL
+        compiled = compile_sm90(gumbel_kernel._topk_sample, dict(logits_ptr="*bf16", **types, **_RECORD_TYPES),
+                                dict(V=32000, S=16, S_PAD=16, BLOCK_V=2048, C=64, KEY_BITS=16, LIBDEVICE=True,
+                                     **_record_consts(advance)))
+        assert "griddepcontrol.launch_dependents" in compiled.asm["ptx"]
     ranked = {k: v for k, v in types.items() if k not in ("keys_ptr", "temps_ptr", "top_ks_ptr", "tokens_ptr",
                                                           "logprobs_ptr", "max_top_k")}
     for n_pad, slots, warps in ((64, 64, 4), (256, 256, 8)):  # the top-p path's ranked candidates

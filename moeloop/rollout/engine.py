@@ -114,7 +114,7 @@ class Engine:
             raise RuntimeError("the engine is asleep: call wake() first")
         if self._in_flight is None and not self.scheduler.running:  # idle: weights may have changed in place since
             self.runner.refresh_weights()  # (while sequences run they may not: update_weights needs a drain)
-        batch = self.scheduler.schedule(self.runner.decode_steps, self.runner.exact_steps)
+        batch = self.scheduler.schedule(self.runner.decode_steps, self.runner.step_counts)
         launched = self._launch(batch) if batch.seqs else None
         done, self._ready = self._ready + self._flush(), []
         self._in_flight = launched

@@ -16,15 +16,65 @@ Shapes: B rows, V vocab, N candidates, S vocab slices (programs) per row, C cand
 """
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import torch
 
+from moeloop.model import kernel_switch
+from moeloop.model.kernel_switch import pdl_args
 from moeloop.rollout.decode_kernel import triton, triton_interpreting
 
 SPLITS = 8  # programs per row: one per row left most SMs idle at B <= 128 (~34 us for B=128, V=32000 on the H200)
 
+
+@dataclass
+class StepRecord:
+    """Where multi-step decode's step k puts what it sampled (`multistep.record_and_advance`): out_XKB[k] the tokens,
+    out_XKB[steps + k] the logprobs (if out has 2 * steps rows), float64; `inputs` = (ids, pos, slots, lens,
+    tables, block size) to advance in place for the next step, None at the last step. A one-launch sampler that
+    writes all that itself (its row's last program) sets `written`."""
+    out_XKB: torch.Tensor
+    k: int
+    steps: int
+    inputs: tuple | None
+    written: bool = False
+
+    def kernel_args(self) -> dict:
+        """The record keywords of `_gumbel_sample` / `_topk_sample` (their `record_rows` call)."""
+        out = self.out_XKB
+        args = dict(out_ptr=out, s_out=out.stride(0), rec_k=self.k, rec_steps=self.steps, RECORD=True,
+                    HAS_LOGPROBS=out.shape[0] == 2 * self.steps, ADVANCE=self.inputs is not None)
+        if self.inputs is not None:
+            ids, pos, slots, lens, tables, block_size = self.inputs
+            args.update(ids_ptr=ids, pos_ptr=pos, slots_ptr=slots, lens_ptr=lens, tables_ptr=tables,
+                        s_tb=tables.stride(0), BLOCK_SIZE=block_size)
+        return args
+
+
 if triton is not None:
     import triton.language as tl
     from triton.language.extra import libdevice
+
+    from moeloop.model.kernel_switch import pdl_launch_next, pdl_wait
+
+    @triton.jit
+    def record_rows(tok, lp, r, ok, out_ptr, s_out, k, steps, ids_ptr, pos_ptr, slots_ptr, lens_ptr, tables_ptr,
+                    s_tb, BLOCK_SIZE: tl.constexpr, HAS_LOGPROBS: tl.constexpr, ADVANCE: tl.constexpr):
+        """Multi-step decode's record of rows r (mask ok): out[k, r] = tokens, out[steps + k, r] = logprobs (float64);
+        ADVANCE: the next step's inputs in place, ids = tokens, positions and lengths + 1, slots from the block
+        tables (`multistep.record_and_advance`'s torch ops)."""
+        tl.store(out_ptr + k * s_out + r, tok.to(tl.float64), mask=ok)
+        if HAS_LOGPROBS:
+            tl.store(out_ptr + (steps + k) * s_out + r, lp.to(tl.float64), mask=ok)
+        if ADVANCE:
+            tl.store(ids_ptr + r, tok.to(ids_ptr.dtype.element_ty), mask=ok)
+            p = tl.load(pos_ptr + r, mask=ok, other=0) + 1
+            tl.store(pos_ptr + r, p, mask=ok)
+            tl.store(lens_ptr + r, tl.load(lens_ptr + r, mask=ok, other=0) + 1, mask=ok)
+            blk = tl.load(tables_ptr + r.to(tl.int64) * s_tb + p // BLOCK_SIZE, mask=ok, other=0)
+            tl.store(slots_ptr + r, (blk.to(tl.int64) * BLOCK_SIZE + p % BLOCK_SIZE).to(slots_ptr.dtype.element_ty),
+                     mask=ok)
 
     @triton.jit
     def last_arrival(counter_ptr, n):
@@ -100,13 +150,20 @@ if triton is not None:
     @triton.jit
     def _gumbel_sample(logits_ptr, keys_ptr, temps_ptr, score_ptr, zs_ptr, m_ptr, l_ptr, idx_ptr, done_ptr, tokens_ptr,
                        logprobs_ptr, s_lb, V: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr,
-                       S: tl.constexpr, S_PAD: tl.constexpr, LIBDEVICE: tl.constexpr):
+                       S: tl.constexpr, S_PAD: tl.constexpr, LIBDEVICE: tl.constexpr, out_ptr=None, s_out=0, rec_k=0,
+                       rec_steps=1, ids_ptr=None, pos_ptr=None, slots_ptr=None, lens_ptr=None, tables_ptr=None, s_tb=0,
+                       BLOCK_SIZE: tl.constexpr = 1, RECORD: tl.constexpr = False, HAS_LOGPROBS: tl.constexpr = False,
+                       ADVANCE: tl.constexpr = False, EARLY: tl.constexpr = False, PDL: tl.constexpr = False):
         """Program (b, s), over vocab ids [s * SPLIT_V, (s + 1) * SPLIT_V) of row b: the max of the Gumbel score
         z / T_b - log(-log(u(key_b, v))) (a greedy row, T = 0: z itself), its first id and the logit there, and
         the slice's max logit and sum of exp(z - max), into score / zs / m / l / idx [B, S]. The row's last program
         (`last_arrival` on done[b]) takes the first slice holding the row's max score (the smallest id among equal
         maxima) and writes its id and raw log-softmax z - M - log(sum_s l_s * exp(m_s - M)).
-        LIBDEVICE: logf from libdevice (compiled; the interpreter has no libdevice and uses numpy's log)."""
+        LIBDEVICE: logf from libdevice (compiled; the interpreter has no libdevice and uses numpy's log).
+        RECORD: that program also writes multi-step decode's record of the row (`record_rows`, `StepRecord`).
+        PDL: launched while the logits' kernel runs; nothing is read before its wait (`kernel_switch`)."""
+        pdl_launch_next(PDL, EARLY)
+        pdl_wait(PDL, EARLY)
         b = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
         key = tl.load(keys_ptr + b).to(tl.uint32)
@@ -149,8 +206,12 @@ if triton is not None:
             z_tok = tl.sum(tl.where(sp == pick, tl.load(zs_ptr + b * S + sp, mask=ok, other=0.0,
                                                         cache_modifier=".cg"), 0.0), 0)
             top_m, log_sum, _ = _row_log_normaliser(m_ptr, l_ptr, b, S, S_PAD)
+            logprob = (z_tok - top_m) - log_sum
             tl.store(tokens_ptr + b, token.to(tl.int64))
-            tl.store(logprobs_ptr + b, (z_tok - top_m) - log_sum)
+            tl.store(logprobs_ptr + b, logprob)
+            if RECORD:
+                record_rows(token, logprob, b, b >= 0, out_ptr, s_out, rec_k, rec_steps, ids_ptr, pos_ptr, slots_ptr,
+                            lens_ptr, tables_ptr, s_tb, BLOCK_SIZE, HAS_LOGPROBS, ADVANCE)
 
     @triton.jit
     def _order_key(z, KEY_BITS: tl.constexpr):
@@ -232,14 +293,18 @@ if triton is not None:
     def _draw_store(z, v, keep, lane, LANES: tl.constexpr, keys_ptr, temps_ptr, tokens_ptr, logprobs_ptr, b, top_m,
                     log_sum, LIBDEVICE: tl.constexpr):
         """Row b's draw among the kept lanes (lanes in vocab id order): the max Gumbel score (T = 0: the max logit),
-        the first lane among equal maxima (the smallest id); its id and raw log-softmax z - M - log_sum."""
+        the first lane among equal maxima (the smallest id); stores and returns its id and raw log-softmax
+        z - M - log_sum."""
         temp = tl.load(temps_ptr + b)
         key = tl.load(keys_ptr + b).to(tl.uint32)
         score = tl.where(temp > 0, _gumbel_score(z, v, key, tl.where(temp > 0, temp, 1.0), LIBDEVICE), z)
         score = tl.where(keep, score, float("-inf"))
         first = tl.min(tl.where(score == tl.max(score, 0), lane, LANES), 0)
-        tl.store(tokens_ptr + b, tl.sum(tl.where(lane == first, v, 0), 0).to(tl.int64))
-        tl.store(logprobs_ptr + b, (tl.sum(tl.where(lane == first, z, 0.0), 0) - top_m) - log_sum)
+        token = tl.sum(tl.where(lane == first, v, 0), 0).to(tl.int64)
+        logprob = (tl.sum(tl.where(lane == first, z, 0.0), 0) - top_m) - log_sum
+        tl.store(tokens_ptr + b, token)
+        tl.store(logprobs_ptr + b, logprob)
+        return token, logprob
 
     @triton.jit
     def _pick_token(m_ptr, l_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, keys_ptr, temps_ptr, tokens_ptr, logprobs_ptr,
@@ -250,8 +315,8 @@ if triton is not None:
         top_m, log_sum, _ = _row_log_normaliser(m_ptr, l_ptr, b, S, S_PAD)
         j, valid, z, v = _row_candidates(cnt_ptr, cand_z_ptr, cand_v_ptr, b, S, S_PAD, C)
         keep = _keep_first(z, valid, k, KEY_BITS)
-        _draw_store(z, v, keep, j, S_PAD * C, keys_ptr, temps_ptr, tokens_ptr, logprobs_ptr, b, top_m, log_sum,
-                    LIBDEVICE)
+        return _draw_store(z, v, keep, j, S_PAD * C, keys_ptr, temps_ptr, tokens_ptr, logprobs_ptr, b, top_m, log_sum,
+                           LIBDEVICE)
 
     @triton.jit
     def _ahead_of(row_z, row_v, zi, vi, jj, n):
@@ -313,18 +378,24 @@ if triton is not None:
                                                        KEY_BITS, m64, True)
         kept = (i < n) & ((ahead_mass <= tl.load(top_ps_ptr + b).to(tl.float64) * total) | (rank == 0))
         # (the compacted slots are in vocab id order, as `_draw_store` needs)
-        _draw_store(zi, vi, kept, i, N_PAD, keys_ptr, temps_ptr, tokens_ptr, logprobs_ptr, b, top_m, log_sum,
-                    LIBDEVICE)
+        return _draw_store(zi, vi, kept, i, N_PAD, keys_ptr, temps_ptr, tokens_ptr, logprobs_ptr, b, top_m, log_sum,
+                           LIBDEVICE)
 
     @triton.jit
     def _topk_sample(logits_ptr, keys_ptr, temps_ptr, top_ks_ptr, m_ptr, l_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr,
                      done_ptr, tokens_ptr, logprobs_ptr, s_lb, max_top_k, V: tl.constexpr, S: tl.constexpr,
                      S_PAD: tl.constexpr, BLOCK_V: tl.constexpr, C: tl.constexpr, KEY_BITS: tl.constexpr,
                      LIBDEVICE: tl.constexpr, top_ps_ptr=None, l64_ptr=None, TOP_P: tl.constexpr = False,
-                     N_PAD: tl.constexpr = 16, J: tl.constexpr = 16):
+                     N_PAD: tl.constexpr = 16, J: tl.constexpr = 16, out_ptr=None, s_out=0, rec_k=0,
+                     rec_steps=1, ids_ptr=None, pos_ptr=None, slots_ptr=None, lens_ptr=None, tables_ptr=None, s_tb=0,
+                     BLOCK_SIZE: tl.constexpr = 1, RECORD: tl.constexpr = False, HAS_LOGPROBS: tl.constexpr = False,
+                     ADVANCE: tl.constexpr = False, EARLY: tl.constexpr = False, PDL: tl.constexpr = False):
         """Program (b, s), s < S: phase 1 over vocab slice s of row b; the row's last program to finish
         (`last_arrival` on done[b], which it resets to 0) runs phase 2. k = clamp(top_k, 1, max_top_k).
-        TOP_P: phase 2 also applies each row's top_p (`_pick_token_top_p`; N_PAD >= max_top_k, J per step)."""
+        TOP_P: phase 2 also applies each row's top_p (`_pick_token_top_p`; N_PAD >= max_top_k, J per step).
+        RECORD and PDL: as in `_gumbel_sample`."""
+        pdl_launch_next(PDL, EARLY)
+        pdl_wait(PDL, EARLY)
         b = tl.program_id(0).to(tl.int64)
         s = tl.program_id(1)
         k = tl.maximum(tl.minimum(tl.load(top_ks_ptr + b), max_top_k), 1).to(tl.int32)
@@ -332,12 +403,15 @@ if triton is not None:
                           KEY_BITS, l64_ptr, TOP_P)
         if last_arrival(done_ptr + b, S):
             if TOP_P:
-                _pick_token_top_p(m_ptr, l_ptr, l64_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, keys_ptr, temps_ptr,
-                                  top_ps_ptr, tokens_ptr, logprobs_ptr, b, k, S, S_PAD, C, N_PAD, J, KEY_BITS,
-                                  LIBDEVICE)
+                token, logprob = _pick_token_top_p(m_ptr, l_ptr, l64_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, keys_ptr,
+                                                   temps_ptr, top_ps_ptr, tokens_ptr, logprobs_ptr, b, k, S, S_PAD, C,
+                                                   N_PAD, J, KEY_BITS, LIBDEVICE)
             else:
-                _pick_token(m_ptr, l_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, keys_ptr, temps_ptr, tokens_ptr,
-                            logprobs_ptr, b, k, S, S_PAD, C, KEY_BITS, LIBDEVICE)
+                token, logprob = _pick_token(m_ptr, l_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, keys_ptr, temps_ptr,
+                                             tokens_ptr, logprobs_ptr, b, k, S, S_PAD, C, KEY_BITS, LIBDEVICE)
+            if RECORD:
+                record_rows(token, logprob, b, b >= 0, out_ptr, s_out, rec_k, rec_steps, ids_ptr, pos_ptr, slots_ptr,
+                            lens_ptr, tables_ptr, s_tb, BLOCK_SIZE, HAS_LOGPROBS, ADVANCE)
 
     @triton.jit
     def _store_ranked(cnt_ptr, cand_z_ptr, cand_v_ptr, vals_ptr, ids_ptr, b, n, S: tl.constexpr,
@@ -365,11 +439,12 @@ if triton is not None:
             _store_ranked(cnt_ptr, cand_z_ptr, cand_v_ptr, vals_ptr, ids_ptr, b, n, S, S_PAD, C, N_PAD, J, KEY_BITS)
 
 
-def gumbel_sample(logits_BV: torch.Tensor, keys_B: torch.Tensor,
-                  temperatures_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gumbel_sample(logits_BV: torch.Tensor, keys_B: torch.Tensor, temperatures_B: torch.Tensor,
+                  record: StepRecord | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(token ids [B] int64, their raw temperature-1 logprobs [B] fp32) of the no-filter Gumbel-max draw (a
     temperature-0 row: the argmax) in one launch; capture-safe. Tokens equal the torch path's;
-    logprobs equal torch.log_softmax's up to fp32 rounding (another summation order)."""
+    logprobs equal torch.log_softmax's up to fp32 rounding (another summation order). `record`: the launch also
+    writes multi-step decode's record and next inputs (`StepRecord`), and marks it written."""
     if logits_BV.stride(-1) != 1:
         logits_BV = logits_BV.contiguous()
     B, V = logits_BV.shape
@@ -386,7 +461,7 @@ def gumbel_sample(logits_BV: torch.Tensor, keys_B: torch.Tensor,
     _gumbel_sample[(B, S)](logits_BV, keys_B.contiguous(), temperatures_B.float().contiguous(), *stats_4BS, idx_BS,
                            row_counters(dev, B), tokens_B, logprobs_B, logits_BV.stride(0),
                            V=V, SPLIT_V=split_v, BLOCK_V=block_v, S=S, S_PAD=max(2, triton.next_power_of_2(S)),
-                           LIBDEVICE=not triton_interpreting(), num_warps=4)
+                           LIBDEVICE=not triton_interpreting(), num_warps=4, **_launch_extras(logits_BV, record))
     return tokens_B, logprobs_B
 
 
@@ -403,6 +478,23 @@ def topk_gumbel_argmax(vals_BN: torch.Tensor, ids_BN: torch.Tensor, keys_B: torc
                            top_ks_B.contiguous(), drop, out_B, N, BLOCK_N=max(16, triton.next_power_of_2(N)),
                            HAS_DROP=drop_BN is not None, LIBDEVICE=not triton_interpreting(), num_warps=4)
     return out_B
+
+
+# session 13: the one-launch samplers write multi-step decode's record themselves (no `_record_advance` launch;
+# MOELOOP_FUSED_RECORD=off: they do not) and are launched with PDL (MOELOOP_SAMPLER_PDL=off: without)
+FUSED_RECORD = os.environ.get("MOELOOP_FUSED_RECORD", "on").lower() != "off"
+SAMPLER_PDL = os.environ.get("MOELOOP_SAMPLER_PDL", "on").lower() != "off"
+
+
+def _launch_extras(logits_BV: torch.Tensor, record: StepRecord | None) -> dict:
+    """A one-launch sampler's PDL keywords (it may start while the logits' kernel runs, and lets the next kernel
+    start at once: it reads nothing before its wait, and the next step's first kernel reads only weights before
+    its own) and, with `record`, the record keywords (marked written: the launch follows)."""
+    extras = dict(EARLY=kernel_switch.PDL_EARLY, **pdl_args(logits_BV, logits_BV.shape[0])) if SAMPLER_PDL else {}
+    if record is not None and FUSED_RECORD:
+        extras.update(record.kernel_args())
+        record.written = True
+    return extras
 
 
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
@@ -454,12 +546,14 @@ class _SlicePlan:
 
 
 def topk_sample(logits_BV: torch.Tensor, keys_B: torch.Tensor, temperatures_B: torch.Tensor, top_ks_B: torch.Tensor,
-                max_top_k: int, top_ps_B: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                max_top_k: int, top_ps_B: torch.Tensor | None = None,
+                record: StepRecord | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(token ids [B] int64, their raw temperature-1 logprobs [B] fp32) of the top-k Gumbel-max draw, in one launch;
     capture-safe. Row b keeps its first clamp(top_k_b, 1, max_top_k) tokens under (logit
     descending, vocab id ascending); with `top_ps_B`, of those only the ones whose softmax mass ahead is at most
     top_p_b (and the first: the sampler's nucleus, in fp64). A temperature-0 row takes the first. Tokens equal the
-    torch path's; logprobs equal torch.log_softmax's up to fp32 rounding (another summation order)."""
+    torch path's; logprobs equal torch.log_softmax's up to fp32 rounding (another summation order). `record`: as
+    in `gumbel_sample`."""
     if logits_BV.stride(-1) != 1:
         logits_BV = logits_BV.contiguous()
     B = logits_BV.shape[0]
@@ -475,7 +569,7 @@ def topk_sample(logits_BV: torch.Tensor, keys_B: torch.Tensor, temperatures_B: t
     _topk_sample[(B, plan.S)](logits_BV, keys_B.contiguous(), temperatures_B.float().contiguous(),
                               top_ks_B.contiguous(), *plan.scratch(), tokens_B, logprobs_B, logits_BV.stride(0),
                               max_top_k, **plan.consts(logits_BV), LIBDEVICE=not triton_interpreting(),
-                              num_warps=plan.num_warps, **top_p)
+                              num_warps=plan.num_warps, **top_p, **_launch_extras(logits_BV, record))
     return tokens_B, logprobs_B
 
 

@@ -16,26 +16,32 @@ from dataclasses import replace
 import torch
 
 from moeloop.model.kernel_switch import kernels_apply, triton
+from moeloop.rollout.gumbel_kernel import StepRecord
 from moeloop.rollout.sampler import SamplingTensors
 
 if triton is not None:
     import triton.language as tl
 
+    from moeloop.rollout.gumbel_kernel import record_rows
+
 _kernel_failed = False  # set when `_record_advance` failed to compile or launch here
 
 
-def decode_steps(forward: Callable[[int], torch.Tensor], sample: Callable[[torch.Tensor, int], tuple],
+def decode_steps(forward: Callable[[int], torch.Tensor], sample: Callable[[torch.Tensor, StepRecord], tuple],
                  ids_B: torch.Tensor, pos_B: torch.Tensor, slots_B: torch.Tensor, lens_B: torch.Tensor,
                  tables_BN: torch.Tensor, block_size: int, steps: int, out_XKB: torch.Tensor) -> torch.Tensor:
-    """Run `steps` steps: `forward(k)` -> logits [B, V] of the current inputs, `sample(logits, k)` -> (tokens [B],
-    logprobs [B] or None) into out_XKB[k] and out_XKB[steps + k]. Returns the last step's tokens [B] (the next
-    launch's inputs)."""
+    """Run `steps` steps: `forward(k)` -> logits [B, V] of the current inputs, `sample(logits, record)` -> (tokens
+    [B], logprobs [B] or None) into out_XKB[k] and out_XKB[steps + k], then the next step's inputs (`StepRecord`:
+    a one-launch sampler writes them itself, else `record_and_advance`). Returns the last step's tokens [B] (the
+    next launch's inputs)."""
     if steps < 1:
         raise ValueError("steps must be >= 1")
     for k in range(steps):
-        tokens_B, logprobs_B = sample(forward(k), k)
-        record_and_advance(tokens_B, logprobs_B, out_XKB, k, steps, None if k + 1 == steps else
-                           (ids_B, pos_B, slots_B, lens_B, tables_BN, block_size))
+        record = StepRecord(out_XKB, k, steps, None if k + 1 == steps else
+                            (ids_B, pos_B, slots_B, lens_B, tables_BN, block_size))
+        tokens_B, logprobs_B = sample(forward(k), record)
+        if not record.written:
+            record_and_advance(tokens_B, logprobs_B, out_XKB, k, steps, record.inputs)
     return tokens_B
 
 
@@ -81,21 +87,14 @@ if triton is not None:
         r = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
         ok = r < B
         tok = tl.load(tokens_ptr + r, mask=ok, other=0)
-        tl.store(out_ptr + k * s_out + r, tok.to(tl.float64), mask=ok)
+        lp = tok  # (not stored without logprobs)
         if HAS_LOGPROBS:
             lp = tl.load(logprobs_ptr + r, mask=ok, other=0.0)
-            tl.store(out_ptr + (steps + k) * s_out + r, lp.to(tl.float64), mask=ok)
-        if ADVANCE:
-            tl.store(ids_ptr + r, tok.to(ids_ptr.dtype.element_ty), mask=ok)
-            p = tl.load(pos_ptr + r, mask=ok, other=0) + 1
-            tl.store(pos_ptr + r, p, mask=ok)
-            tl.store(lens_ptr + r, tl.load(lens_ptr + r, mask=ok, other=0) + 1, mask=ok)
-            blk = tl.load(tables_ptr + r.to(tl.int64) * s_tb + p // BLOCK_SIZE, mask=ok, other=0)
-            tl.store(slots_ptr + r, (blk.to(tl.int64) * BLOCK_SIZE + p % BLOCK_SIZE).to(slots_ptr.dtype.element_ty),
-                     mask=ok)
+        record_rows(tok, lp, r, ok, out_ptr, s_out, k, steps, ids_ptr, pos_ptr, slots_ptr, lens_ptr, tables_ptr, s_tb,
+                    BLOCK_SIZE, HAS_LOGPROBS, ADVANCE)
 
 
 def step_sampler(sampler: Callable, st: SamplingTensors, keys_KB: torch.Tensor,
-                 want_logprobs: bool) -> Callable[[torch.Tensor, int], tuple]:
-    """`decode_steps`'s sample(logits, k): `sampler` with the batch's parameters and step k's row keys."""
-    return lambda logits_BV, k: sampler(logits_BV, replace(st, keys_B=keys_KB[k]), want_logprobs)
+                 want_logprobs: bool) -> Callable[[torch.Tensor, StepRecord], tuple]:
+    """`decode_steps`'s sample(logits, record): `sampler` with the batch's parameters and step k's row keys."""
+    return lambda logits_BV, record: sampler(logits_BV, replace(st, keys_B=keys_KB[record.k]), want_logprobs, record)

@@ -5,6 +5,7 @@ batches), and samples the sequences that reached their last token.
 # T tokens in the step, B sampled sequences, V vocab, N blocks per sequence
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass, field, replace
 
@@ -25,6 +26,10 @@ from moeloop.rollout.sampling_params import SamplingParams
 from moeloop.rollout.scheduler import ScheduledBatch
 from moeloop.rollout.sequence import Sequence
 from moeloop.transfer import to_device, upload
+
+# session 13: with CUDA graphs a batch with fewer than K tokens left runs them in launches of K/2, K/4, ... 2 steps
+# (`ModelRunner.step_counts`); MOELOOP_TAIL_STEP_COUNTS=off: one step a launch, as before
+TAIL_STEP_COUNTS = os.environ.get("MOELOOP_TAIL_STEP_COUNTS", "on").lower() != "off"
 
 
 @dataclass
@@ -74,9 +79,16 @@ class ModelRunner:
         self._out_turn = 0
 
     @property
-    def exact_steps(self) -> bool:
-        """A multi-step launch must run exactly `decode_steps` steps (a CUDA graph per step count), not fewer."""
-        return self.graphs is not None
+    def step_counts(self) -> tuple[int, ...] | None:
+        """The step counts a multi-step launch may run: with CUDA graphs (one per step count) K = `decode_steps`,
+        then the powers of two below it down to 2, so a batch with r < K tokens left runs them in a few launches
+        (7 = 4 + 2 + 1) rather than one step a launch; None (any count up to K) without graphs."""
+        if self.graphs is None:
+            return None
+        K = self.decode_steps
+        if not TAIL_STEP_COUNTS:
+            return (K,)
+        return (K,) + tuple(c for c in (1 << i for i in range(K.bit_length() - 1, 0, -1)) if c < K)
 
     def refresh_weights(self, force: bool = False) -> None:
         """Re-copy packed weights whose sources changed (force: all of them; after `Engine.update_weights`)."""

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from moeloop.model.kernel_switch import kernels_apply
-from moeloop.rollout.gumbel_kernel import gumbel_sample, ranked_candidates, topk_gumbel_argmax, topk_sample
+from moeloop.rollout.gumbel_kernel import StepRecord, gumbel_sample, ranked_candidates, topk_gumbel_argmax, topk_sample
 
 _M32 = 0xFFFFFFFF
 
@@ -166,9 +166,10 @@ def _sample_top_k(logits_BV: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
 
 
 class Sampler:
-    def __call__(self, logits_BV: torch.Tensor, st: SamplingTensors,
-                 want_logprobs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Return (token ids [B], logprobs [B] of those tokens under the raw temperature-1 softmax).
+    def __call__(self, logits_BV: torch.Tensor, st: SamplingTensors, want_logprobs: bool,
+                 record: StepRecord | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Return (token ids [B], logprobs [B] of those tokens under the raw temperature-1 softmax). `record`
+        (multi-step decode): a one-launch draw also writes the step's record and next inputs, and marks it written.
 
         With the kernels, bf16 logits are read as they are (the kernels, topk, argmax and the fp32 log_softmax
         widen each value exactly); the torch path works on an fp32 copy. Same tokens either way; the same logprobs
@@ -178,7 +179,7 @@ class Sampler:
             logits_BV = logits_BV.float()
         if st.all_greedy:
             return self._with_logprobs(logits_BV, logits_BV.argmax(dim=-1), want_logprobs)
-        fused = self._one_launch(logits_BV, st)  # temperature-0 rows included: they take the first token
+        fused = self._one_launch(logits_BV, st, record)  # temperature-0 rows included: they take the first token
         if fused is not None:
             tokens_B, logprobs_B = fused
             return tokens_B, logprobs_B if want_logprobs else None
@@ -194,16 +195,17 @@ class Sampler:
         return self._with_logprobs(logits_BV, tokens_B, want_logprobs)
 
     @staticmethod
-    def _one_launch(logits_BV: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _one_launch(logits_BV: torch.Tensor, st: SamplingTensors,
+                    record: StepRecord | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(tokens, logprobs) from one kernel launch where the kernels apply: no filter (`gumbel_sample`), or top-k
         with max_top_k <= FUSED_TOPK_MAX, with or without top-p (`FUSED_TOP_P`; `topk_sample`); else None."""
         if not kernels_apply(logits_BV):
             return None
         if not st.any_filter:
-            return gumbel_sample(logits_BV, st.keys_B, st.temperatures_B)
+            return gumbel_sample(logits_BV, st.keys_B, st.temperatures_B, record)
         if st.max_top_k is not None and st.max_top_k <= FUSED_TOPK_MAX and (FUSED_TOP_P or not st.any_top_p):
             return topk_sample(logits_BV, st.keys_B, st.temperatures_B, st.top_ks_B, st.max_top_k,
-                               st.top_ps_B if st.any_top_p else None)
+                               st.top_ps_B if st.any_top_p else None, record)
         return None
 
     @staticmethod

@@ -16,8 +16,8 @@ cached prompt blocks as before.
 
 Multi-step decode (`schedule(max_steps=K)`): a decode-only batch with nothing waiting runs up to K decode steps on
 the device with no host round trip (`ScheduledBatch.num_steps`): as many as every sequence may still sample under
-its max_tokens (exactly K for a CUDA graph; the engine keeps prompt + max_tokens within max_model_len), with the KV
-blocks for those positions taken ahead. The host checks stops afterwards: tokens sampled past a sequence's stop
+its max_tokens (for CUDA graphs, the largest of the captured step counts K, K/2, ... 2 that fits; the engine keeps
+prompt + max_tokens within max_model_len), with the KV blocks for those positions taken ahead. The host checks stops afterwards: tokens sampled past a sequence's stop
 token are dropped, as with async scheduling. Otherwise the batch runs one step.
 
 With async scheduling a sequence may carry pending tokens (sampled by a step still on the device). It is
@@ -87,27 +87,27 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running) or (bool(self.waiting) and not self.paused)
 
-    def schedule(self, max_steps: int = 1, exact_steps: bool = False) -> ScheduledBatch:
-        """The next batch; a decode-only one may run up to `max_steps` steps (exactly that many, if `exact_steps`:
+    def schedule(self, max_steps: int = 1, step_counts: tuple[int, ...] | None = None) -> ScheduledBatch:
+        """The next batch; a decode-only one may run up to `max_steps` steps (only one of `step_counts`, if given:
         a CUDA graph is captured per step count)."""
         batch = ScheduledBatch()
         budget, all_running_fit = self._schedule_running(batch, self.max_num_batched_tokens)
         if not self.paused and all_running_fit and not self._preempted_this_step:
             self._admit_waiting(batch, budget)
         if max_steps > 1 and batch.seqs and not self.waiting and not batch.forks and all_running_fit:
-            self._look_ahead(batch, max_steps, exact_steps)
+            self._look_ahead(batch, max_steps, step_counts)
         return batch
 
-    def _look_ahead(self, batch: ScheduledBatch, steps: int, exact: bool) -> None:
+    def _look_ahead(self, batch: ScheduledBatch, steps: int, counts: tuple[int, ...] | None) -> None:
         """Make a decode-only batch run several decode steps: as many as every sequence may still sample (max_tokens),
-        at most `steps` (exactly `steps` if `exact`), if the blocks for their K/V are free (taken now); else leave it
-        at one step."""
+        at most `steps` (the largest of `counts` within that, if given), if the blocks for their K/V are free (taken
+        now); else leave it at one step."""
         if any(n != 1 or not _reaches_end(seq, n) for seq, n in zip(batch.seqs, batch.num_new_tokens)):
             return  # (a 1-token chunk of a prompt that continues does not sample: its next inputs are prompt tokens)
         room = min(seq.params.max_tokens - seq.num_response_tokens for seq in batch.seqs)
-        if room < steps and exact:
-            return
         steps = min(steps, room)
+        if counts is not None:
+            steps = max((c for c in counts if c <= steps), default=1)
         if steps < 2:
             return
         blocks = self.blocks
