@@ -131,7 +131,7 @@ def timeline(engine, batch: int, layers: int) -> None:
     for name, a in sorted(adds.items(), key=lambda kv: -sum(kv[1])):
         print(f"   {sum(a):7.1f} us added  {len(a):4d} x  {sum(a) / len(a):6.2f} us  {name[:80]}")
     # the engine's decode graph: K steps of forward + sampling + advance; per step, what is not the forward's
-    step_keys = [k for k in graphs.step_graphs if k[0] == size]
+    step_keys = sorted((k for k in graphs.step_graphs if k[0] == size), key=lambda k: -k[1])  # the most steps first
     if step_keys:
         (_, steps, *_), forward_names = step_keys[0], set(adds)
         step_last, step_adds = replay_kernels(graphs.step_graphs[step_keys[0]][0])

@@ -65,11 +65,11 @@ def roofline(model, batch: int, prompt_len: int, new_tokens: int, bw: float) -> 
     return step_bytes, batch / (step_bytes / bw)
 
 
-def timed(fn, device: str, repeats: int) -> float:
+def timed(fn, device: str, repeats: int, times: list | None = None) -> float:
     """The fastest of `repeats` timed runs: a host stall only ever adds time, and decode tok/s is the difference of
     two such walls (a stall in the 1-token runs' median once put B=1 at 43% of the roofline while its engine.step
-    median said 38%, session 12)."""
-    times = []
+    median said 38%, session 12). `times`: gets every run's seconds."""
+    times = [] if times is None else times
     for _ in range(repeats):
         sync(device)
         t = time.perf_counter()
@@ -111,7 +111,12 @@ def bench_moeloop(model, prompts: list[list[int]], new_tokens: int, device: str,
               f"median {statistics.median(ms):.3f}, p90 "
               f"{ms[int(0.9 * len(ms))]:.3f}, max {ms[-1]:.2f}, sum {sum(ms):.1f}; steps over 2 ms: "
               f"{sum(t > 2 for t in ms)} ({sum(t for t in ms if t > 2):.1f} ms)", flush=True)
-    return timed(lambda: run(new_tokens), device, repeats), timed(lambda: run(1), device, repeats)
+    full, one = [], []
+    result = timed(lambda: run(new_tokens), device, repeats, full), timed(lambda: run(1), device, repeats, one)
+    if step_times:
+        print(f"# B={B} walls ms, {new_tokens} new tokens: {' '.join(f'{1e3 * t:.1f}' for t in full)}; 1 new token: "
+              f"{' '.join(f'{1e3 * t:.1f}' for t in one)}", flush=True)
+    return result
 
 
 def bench_transformers(hf, prompts: list[list[int]], new_tokens: int, device: str, repeats: int) -> tuple[float, float]:

@@ -365,4 +365,4 @@ def test_one_launch_draw_writes_the_multistep_record(draw, advance, want_logprob
     assert torch.equal(out, out_ref) and (out[k] >= 0).all()
     for got, want in zip(inputs[:5], inputs_ref[:5]):
         assert torch.equal(got, want)
-    assert advance == bool((inputs[0] == tokens).all() and (inputs[1] != torch.tensor([3, 7, 8, 15, 0])).all())
+    assert advance == bool((inputs[0] == tokens).all() and (inputs[1] != torch.tensor([3, 7, 8, 15, 0], device=DEVICE)).all())
