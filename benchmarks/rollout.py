@@ -4,8 +4,8 @@ with the memory roofline of each decode step.
     python benchmarks/rollout.py                                  # CPU, tiny model
     python benchmarks/rollout.py --device cuda --size reference --batch 1,32,256
 
-decode tok/s = B * (N - 1) / (wall(N new tokens) - wall(1 new token)), each wall the fastest of --repeats runs:
-the decode steps only, as in
+decode tok/s = B * (N - 1) / (wall(N new tokens) - wall(1 new token)), each wall the fastest of --repeats runs,
+the N-token and 1-token runs in alternation (so that a slow phase of the host hits both): the decode steps only, as in
 shared/notes/gpu-anchors.md. Roofline bytes per decode step = dense weights without the embedding
 + E * (1 - (1 - k/E)^B) distinct experts per MoE layer + the mean KV cache read; over the measured
 device copy bandwidth (read + write bytes / time). Sampling: temperature 1, top-k 50 for both engines.
@@ -65,18 +65,20 @@ def roofline(model, batch: int, prompt_len: int, new_tokens: int, bw: float) -> 
     return step_bytes, batch / (step_bytes / bw)
 
 
-def timed(fn, device: str, repeats: int, times: list | None = None) -> float:
-    """The fastest of `repeats` timed runs: a host stall only ever adds time, and decode tok/s is the difference of
-    two such walls (a stall in the 1-token runs' median once put B=1 at 43% of the roofline while its engine.step
-    median said 38%, session 12). `times`: gets every run's seconds."""
-    times = [] if times is None else times
+def walls(run, n: int, device: str, repeats: int) -> tuple[list[float], list[float]]:
+    """Seconds of `repeats` runs of run(n) and of run(1), in alternation. decode tok/s is the difference of the
+    fastest of each: a host stall only ever adds time, and the prompt's prefill (host-bound at B=1, 21-37 ms from
+    one process to the next) is in both. Session 13 saw B=1 at 36.7% and 43.0% of the roofline from the same code
+    when the 1-token runs all came after the N-token ones: the prefill was slow through one batch of runs."""
+    full, one = [], []
     for _ in range(repeats):
-        sync(device)
-        t = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t)
-    return min(times)
+        for k, times in ((n, full), (1, one)):
+            sync(device)
+            t = time.perf_counter()
+            run(k)
+            sync(device)
+            times.append(time.perf_counter() - t)
+    return full, one
 
 
 def bench_moeloop(model, prompts: list[list[int]], new_tokens: int, device: str, repeats: int,
@@ -111,12 +113,11 @@ def bench_moeloop(model, prompts: list[list[int]], new_tokens: int, device: str,
               f"median {statistics.median(ms):.3f}, p90 "
               f"{ms[int(0.9 * len(ms))]:.3f}, max {ms[-1]:.2f}, sum {sum(ms):.1f}; steps over 2 ms: "
               f"{sum(t > 2 for t in ms)} ({sum(t for t in ms if t > 2):.1f} ms)", flush=True)
-    full, one = [], []
-    result = timed(lambda: run(new_tokens), device, repeats, full), timed(lambda: run(1), device, repeats, one)
+    full, one = walls(run, new_tokens, device, repeats)
     if step_times:
         print(f"# B={B} walls ms, {new_tokens} new tokens: {' '.join(f'{1e3 * t:.1f}' for t in full)}; 1 new token: "
               f"{' '.join(f'{1e3 * t:.1f}' for t in one)}", flush=True)
-    return result
+    return min(full), min(one)
 
 
 def bench_transformers(hf, prompts: list[list[int]], new_tokens: int, device: str, repeats: int) -> tuple[float, float]:
@@ -129,7 +130,8 @@ def bench_transformers(hf, prompts: list[list[int]], new_tokens: int, device: st
         assert out.shape[1] == ids.shape[1] + n
 
     run(4)
-    return timed(lambda: run(new_tokens), device, repeats), timed(lambda: run(1), device, repeats)
+    full, one = walls(run, new_tokens, device, repeats)
+    return min(full), min(one)
 
 
 def main() -> None:
@@ -142,7 +144,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--repeats", type=int, default=3,
-                    help="timed runs per length, the fastest kept (host stalls only add time: `timed`)")
+                    help="timed runs per length, the fastest kept (host stalls only add time: `walls`)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--step-times", action="store_true", help="also print the spread of engine.step host times")
     ap.add_argument("--decode-steps", type=int, default=0, help="rollout.decode_steps (0: auto, 8 on CUDA; 1: one "

@@ -212,9 +212,9 @@ def test_multistep_equals_single_step_on_random_configurations():
 
 @pytest.mark.parametrize("async_scheduling", ["off", "on"])
 def test_multistep_tail_runs_in_the_captured_step_counts(monkeypatch, launches, async_scheduling):
-    """With CUDA graphs a launch runs one of the captured step counts (`ModelRunner.step_counts`: K, then powers of two
-    down to 2): 15 tokens after the prefill's one run as 8 + 4 + 2 + 1 launches, not 8 and then seven single steps,
-    with the completions of one step per launch."""
+    """With CUDA graphs a launch runs one of the captured step counts (`ModelRunner.step_counts`); with counts 8, 4
+    and 2, 15 tokens after the prefill's one run as 8 + 4 + 2 + 1 launches, not 8 and then seven single steps, with
+    the completions of one step per launch."""
     monkeypatch.setattr(ModelRunner, "step_counts", property(lambda self: (8, 4, 2)))
     model = tiny_model()
     ps = prompts(3, seed=5)
@@ -226,12 +226,20 @@ def test_multistep_tail_runs_in_the_captured_step_counts(monkeypatch, launches, 
     assert [n for n in launches if n > 1] == [8, 4, 2] and launches.count(1) <= 2  # the prefill, the last step
 
 
-def test_runner_step_counts_halve_down_to_two():
-    """`step_counts` with graphs: K and the powers of two below it, down to 2; without graphs any count (None)."""
+def test_runner_step_counts_run_a_tail_in_one_launch(monkeypatch, launches):
+    """`step_counts` with graphs: K down to 2 (a tail of 1 < r < K tokens in one launch); without graphs any count
+    (None). With them, 15 tokens after the prefill's one run as 8 + 7."""
     runner = ModelRunner.__new__(ModelRunner)
     runner.graphs = object()
-    for K, want in [(8, (8, 4, 2)), (5, (5, 4, 2)), (2, (2,)), (1, (1,)), (16, (16, 8, 4, 2))]:
+    for K, want in [(8, (8, 7, 6, 5, 4, 3, 2)), (2, (2,)), (1, ())]:
         runner.decode_steps = K
         assert runner.step_counts == want
     runner.graphs = None
     assert runner.step_counts is None
+    monkeypatch.setattr(ModelRunner, "step_counts", property(lambda self: tuple(range(8, 1, -1))))
+    model = tiny_model()
+    params = SamplingParams(temperature=1.0, max_tokens=16, seed=2)
+    ref = make_engine(model, decode_steps=1).generate(prompts(2, seed=3), params)
+    launches.clear()
+    same(ref, make_engine(model, decode_steps=8).generate(prompts(2, seed=3), params))
+    assert [n for n in launches if n > 1] == [8, 7]
