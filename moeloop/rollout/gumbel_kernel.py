@@ -226,24 +226,17 @@ if triton is not None:
 
     @triton.jit
     def _kth_largest(key, valid, k, KEY_BITS: tl.constexpr):
-        """The k-th largest key among the valid lanes (the smallest key there can be when fewer than k are valid):
-        a radix select on the keys' biased unsigned view, 4 bits a round from the top. Each round counts the valid
-        lanes at or above 16 thresholds in one [16, N] reduction and keeps the largest threshold that k lanes
-        reach: KEY_BITS / 4 dependent reductions, where a bisection takes KEY_BITS."""
-        if KEY_BITS == 16:
-            u = (key + 32768).to(tl.uint32)
-        else:
-            u = (key ^ -2147483648).to(tl.uint32, bitcast=True)
-        digit = tl.arange(0, 16).to(tl.uint32)
-        lo = tl.min(digit, 0)  # 0: every valid lane is at or above it
-        for r in tl.static_range(KEY_BITS // 4):
-            shift = KEY_BITS - 4 * (r + 1)
-            t = lo + (digit << shift)
-            count = tl.sum(((u[None, :] >= t[:, None]) & valid[None, :]).to(tl.int32), 1)
-            lo = lo + (tl.max(tl.where(count >= k, digit, 0), 0) << shift)
-        if KEY_BITS == 16:
-            return lo.to(tl.int32) - 32768
-        return lo.to(tl.int32, bitcast=True) ^ -2147483648
+        """The k-th largest key among the valid lanes (the smallest one when fewer than k are valid): bisection
+        for the largest t with count(key >= t) >= k over [min, max], a range of at most 2**KEY_BITS (int64
+        bounds: the fp32 range has 2**32 keys)."""
+        lo = tl.min(tl.where(valid, key, 2147483647), 0).to(tl.int64)
+        hi = tl.max(tl.where(valid, key, -2147483648), 0).to(tl.int64)
+        for _ in range(KEY_BITS):
+            mid = lo + (hi - lo + 1) // 2
+            enough = tl.sum((valid & (key >= mid.to(tl.int32))).to(tl.int32), 0) >= k
+            lo = tl.where(enough, mid, lo)
+            hi = tl.where(enough, hi, mid - 1)
+        return lo.to(tl.int32)
 
     @triton.jit
     def _keep_first(z, valid, k, KEY_BITS: tl.constexpr):
