@@ -82,8 +82,8 @@ class ModelRunner:
     def step_counts(self) -> tuple[int, ...] | None:
         """The step counts a multi-step launch may run: with CUDA graphs (one per step count, captured when first
         needed) K = `decode_steps` down to 2, so a batch with 1 < r < K tokens left runs them in one launch rather
-        than one step a launch (H200, B=1: the last 7 of 255 tokens took 3.9 ms that way, and 2.7 ms of graph
-        time in one launch); None (any count up to K) without graphs."""
+        than one step a launch (H200, B=1, 255 decode tokens: 97.4 ms, against 98.4 ms with one step a launch for
+        the last 7; BENCHMARKS.md, session 13); None (any count up to K) without graphs."""
         if self.graphs is None:
             return None
         return tuple(range(self.decode_steps, 1, -1)) if TAIL_STEP_COUNTS else (self.decode_steps,)
