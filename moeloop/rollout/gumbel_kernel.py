@@ -515,7 +515,9 @@ def row_counters(device: torch.device, B: int) -> torch.Tensor:
 
 
 TOPK_SPLITS = 16  # target programs per row of `topk_sample`: at B=1 one per row would leave most SMs idle
-TOPK_WARPS = 0  # warps per program of the two-phase top-k kernels; 0: 4, or 8 past 2048 values per phase
+# warps per program of the two-phase top-k kernels; 0: 8 for one row (H200, top-k 50: 14.1 us against 15.2 with 4,
+# session 12's `sampler.py --topk-sweep`; 8 was slower at B=32 and 256) or past 2048 values per phase, else 4
+TOPK_WARPS = 0
 
 
 class _SlicePlan:
@@ -535,7 +537,7 @@ class _SlicePlan:
         self.cand_z_BSC = torch.empty(B, self.S, self.C, dtype=torch.float32, device=dev)
         self.cand_v_BSC = torch.empty(B, self.S, self.C, dtype=torch.int32, device=dev)
         self.done_B = row_counters(dev, B)
-        self.num_warps = TOPK_WARPS or (4 if max(self.block_v, self.s_pad * self.C) <= 2048 else 8)
+        self.num_warps = TOPK_WARPS or (4 if B > 1 and max(self.block_v, self.s_pad * self.C) <= 2048 else 8)
 
     def scratch(self) -> tuple:
         return self.stats_2BS[0], self.stats_2BS[1], self.cnt_BS, self.cand_z_BSC, self.cand_v_BSC, self.done_B
