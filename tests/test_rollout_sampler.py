@@ -240,12 +240,16 @@ def _tied_logits(B: int, V: int, dtype: torch.dtype, g: torch.Generator) -> torc
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fused_top_p_kernel_equals_the_torch_path(monkeypatch, dtype):
+@pytest.mark.parametrize("dtype,short", [(torch.bfloat16, False), (torch.float32, False), (torch.bfloat16, True),
+                                         (torch.float32, True)])
+def test_fused_top_p_kernel_equals_the_torch_path(monkeypatch, dtype, short):
     """`topk_sample` with top-p (phase 2 weighs the mass ahead of each top-k token in fp64) picks the torch path's
     tokens: `ranked_topk` candidates, `nucleus_drop`, the Gumbel draw. Rows: ties at the top, a few dominant tokens
-    (a small nucleus), flat rows (the top-k limits first), top_p 1 beside top_p < 1, greedy rows, top-k 1."""
+    (a small nucleus), flat rows (the top-k limits first), top_p 1 beside top_p < 1, greedy rows, top-k 1. short:
+    `TOPK_SHORT`'s bisections (early stop, phase 2 from the full slices' bound)."""
     import moeloop.rollout.sampler as sampler
+    from moeloop.rollout import gumbel_kernel
+    monkeypatch.setattr(gumbel_kernel, "TOPK_SHORT", short)
     g = torch.Generator().manual_seed(6)
     B, V = 18, 2500
     logits = _tied_logits(B, V, dtype, g).to(DEVICE)
@@ -275,12 +279,16 @@ def test_fused_top_p_kernel_equals_the_torch_path(monkeypatch, dtype):
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fused_topk_kernel_equals_the_torch_path(monkeypatch, dtype):
+@pytest.mark.parametrize("dtype,short", [(torch.bfloat16, False), (torch.float32, False), (torch.bfloat16, True),
+                                         (torch.float32, True)])
+def test_fused_topk_kernel_equals_the_torch_path(monkeypatch, dtype, short):
     """`topk_sample` (one launch: slice candidates, then the row's last program draws; here the Triton interpreter)
     picks the torch path's tokens bit for bit, greedy rows too, and its logprobs are torch.log_softmax's within 2e-6
-    (another fp32 summation order). A row's draw does not depend on the rows beside it."""
+    (another fp32 summation order). A row's draw does not depend on the rows beside it. short: as in the top-p
+    test."""
     import moeloop.rollout.sampler as sampler
+    from moeloop.rollout import gumbel_kernel
+    monkeypatch.setattr(gumbel_kernel, "TOPK_SHORT", short)
     g = torch.Generator().manual_seed(4)
     B, V = 18, 2500  # slices of 256 ids: 10 programs per row
     logits = _tied_logits(B, V, dtype, g).to(DEVICE)

@@ -184,6 +184,10 @@ def _compile_topk_sample():
                                      KEY_BITS=16 if dtype == "bf16" else 32, LIBDEVICE=True, TOP_P=True, N_PAD=slots,
                                      J=16), num_warps=warps)
         assert ".f64" in compiled.asm["ptx"]
+    for top_p in ({}, dict(top_ps_ptr="*fp32", l64_ptr="*fp64")):  # `TOPK_SHORT`: while-loop bisections
+        compile_sm90(gumbel_kernel._topk_sample, dict(logits_ptr="*bf16", **types, **top_p),
+                     dict(V=32000, S=16, S_PAD=16, BLOCK_V=2048, C=64, KEY_BITS=16, LIBDEVICE=True, SHORT=True,
+                          **(dict(TOP_P=True, N_PAD=64, J=16) if top_p else {})), num_warps=8)
     for advance in (False, True):  # multi-step decode's top-k 50 draw with its record, under PDL
         compiled = compile_sm90(gumbel_kernel._topk_sample, dict(logits_ptr="*bf16", **types, **_RECORD_TYPES),
                                 dict(V=32000, S=16, S_PAD=16, BLOCK_V=2048, C=64, KEY_BITS=16, LIBDEVICE=True,

@@ -225,25 +225,44 @@ if triton is not None:
         return key
 
     @triton.jit
-    def _kth_largest(key, valid, k, KEY_BITS: tl.constexpr):
+    def _bisect(key, valid, k, lo, hi):
+        """One bisection step of `_kth_largest` on [lo, hi]."""
+        mid = lo + (hi - lo + 1) // 2
+        enough = tl.sum((valid & (key >= mid.to(tl.int32))).to(tl.int32), 0) >= k
+        return tl.where(enough, mid, lo), tl.where(enough, hi, mid - 1)
+
+    @triton.jit
+    def _kth_largest(key, valid, k, KEY_BITS: tl.constexpr, SHORT: tl.constexpr = False, lo_bound=None):
         """The k-th largest key among the valid lanes (the smallest one when fewer than k are valid): bisection
         for the largest t with count(key >= t) >= k over [min, max], a range of at most 2**KEY_BITS (int64
-        bounds: the fp32 range has 2**32 keys)."""
+        bounds: the fp32 range has 2**32 keys). SHORT: stop once the range is one key (log2 of the range steps,
+        not KEY_BITS), from lo_bound if given (a key at or below the answer, with k valid lanes at or above it)."""
         lo = tl.min(tl.where(valid, key, 2147483647), 0).to(tl.int64)
         hi = tl.max(tl.where(valid, key, -2147483648), 0).to(tl.int64)
-        for _ in range(KEY_BITS):
-            mid = lo + (hi - lo + 1) // 2
-            enough = tl.sum((valid & (key >= mid.to(tl.int32))).to(tl.int32), 0) >= k
-            lo = tl.where(enough, mid, lo)
-            hi = tl.where(enough, hi, mid - 1)
+        if SHORT:
+            if lo_bound is not None:
+                lo = tl.maximum(lo, lo_bound.to(tl.int64))
+            while lo < hi:
+                lo, hi = _bisect(key, valid, k, lo, hi)
+        else:
+            for _ in range(KEY_BITS):
+                lo, hi = _bisect(key, valid, k, lo, hi)
         return lo.to(tl.int32)
 
     @triton.jit
-    def _keep_first(z, valid, k, KEY_BITS: tl.constexpr):
+    def _keep_first(z, valid, k, KEY_BITS: tl.constexpr, SHORT: tl.constexpr = False, full_S=None,
+                    S_PAD: tl.constexpr = 1, C: tl.constexpr = 1):
         """Mask of the first k valid lanes under (z descending, lane ascending): every lane above the k-th largest
-        value, then the first lanes tied at it. Lanes are in vocab id order, so this is the top-k total order."""
+        value, then the first lanes tied at it. Lanes are in vocab id order, so this is the top-k total order.
+        SHORT: `_kth_largest`'s short bisection; with full_S (the lanes are S_PAD slices of C candidates, full_S
+        marks the slices that kept k), it starts at the largest of those slices' smallest kept key: that slice
+        alone has k candidates at or above it, so the row's k-th largest is not below it."""
         key = _order_key(z, KEY_BITS)
-        kth = _kth_largest(key, valid, k, KEY_BITS)
+        lo_bound = None
+        if full_S is not None:
+            slice_min = tl.min(tl.reshape(tl.where(valid, key, 2147483647), (S_PAD, C)), 1)
+            lo_bound = tl.max(tl.where(full_S, slice_min, -2147483648), 0)
+        kth = _kth_largest(key, valid, k, KEY_BITS, SHORT, lo_bound)
         above = valid & (key > kth)
         tie = valid & (key == kth)
         room = k - tl.sum(above.to(tl.int32), 0)
@@ -260,11 +279,13 @@ if triton is not None:
     @triton.jit
     def _slice_candidates(logits_ptr, m_ptr, l_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, b, s, k, s_lb,
                           V: tl.constexpr, S: tl.constexpr, BLOCK_V: tl.constexpr, C: tl.constexpr,
-                          KEY_BITS: tl.constexpr, l64_ptr=None, TOP_P: tl.constexpr = False):
+                          KEY_BITS: tl.constexpr, l64_ptr=None, TOP_P: tl.constexpr = False,
+                          SHORT: tl.constexpr = False):
         """Phase 1 of program (b, s): the slice's max m and sum of exp(z - m) (the logprob's normaliser) and its
         first min(k, n) tokens under the total order, into cand [B, S, C] in vocab id order. A token of the row's
         top-k has fewer than k tokens ahead of it in its own slice, so the slices' candidates hold the top-k.
-        TOP_P: also the sum of exp(z - m) in fp64 into l64 (the nucleus mass's normaliser, `_pick_token_top_p`)."""
+        TOP_P: also the sum of exp(z - m) in fp64 into l64 (the nucleus mass's normaliser, `_pick_token_top_p`).
+        SHORT: the short bisection (`_kth_largest`)."""
         v = s * BLOCK_V + tl.arange(0, BLOCK_V)
         ok = v < V
         z = tl.load(logits_ptr + b * s_lb + v, mask=ok, other=float("-inf")).to(tl.float32)
@@ -273,7 +294,7 @@ if triton is not None:
         at = b * S + s
         if TOP_P:
             tl.store(l64_ptr + at, tl.sum(tl.exp(z.to(tl.float64) - _finite(m).to(tl.float64)), 0))
-        n = _compact(_keep_first(z, ok, k, KEY_BITS), z, v, cand_z_ptr + at * C, cand_v_ptr + at * C)
+        n = _compact(_keep_first(z, ok, k, KEY_BITS, SHORT), z, v, cand_z_ptr + at * C, cand_v_ptr + at * C)
         tl.store(m_ptr + at, m)
         tl.store(l_ptr + at, l)
         tl.store(cnt_ptr + at, n)
@@ -288,6 +309,16 @@ if triton is not None:
         z = tl.load(cand_z_ptr + b * S * C + j, mask=valid, other=float("-inf"), cache_modifier=".cg")
         v = tl.load(cand_v_ptr + b * S * C + j, mask=valid, other=0, cache_modifier=".cg")
         return j, valid, z, v
+
+    @triton.jit
+    def _row_keep_first(z, valid, k, cnt_ptr, b, S: tl.constexpr, S_PAD: tl.constexpr, C: tl.constexpr,
+                        KEY_BITS: tl.constexpr, SHORT: tl.constexpr):
+        """`_keep_first` over row b's slice candidates (`_row_candidates`); SHORT: from the full slices' bound."""
+        if SHORT:
+            sp = tl.arange(0, S_PAD)
+            full_S = tl.load(cnt_ptr + b * S + sp, mask=sp < S, other=0, cache_modifier=".cg") >= k
+            return _keep_first(z, valid, k, KEY_BITS, True, full_S, S_PAD, C)
+        return _keep_first(z, valid, k, KEY_BITS)
 
     @triton.jit
     def _draw_store(z, v, keep, lane, LANES: tl.constexpr, keys_ptr, temps_ptr, tokens_ptr, logprobs_ptr, b, top_m,
@@ -309,12 +340,12 @@ if triton is not None:
     @triton.jit
     def _pick_token(m_ptr, l_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, keys_ptr, temps_ptr, tokens_ptr, logprobs_ptr,
                     b, k, S: tl.constexpr, S_PAD: tl.constexpr, C: tl.constexpr, KEY_BITS: tl.constexpr,
-                    LIBDEVICE: tl.constexpr):
+                    LIBDEVICE: tl.constexpr, SHORT: tl.constexpr):
         """Phase 2 (row b's last program): the row's top-k among its S * C candidates (already in vocab id order),
         then `_draw_store` with the row's log-softmax normaliser."""
         top_m, log_sum, _ = _row_log_normaliser(m_ptr, l_ptr, b, S, S_PAD)
         j, valid, z, v = _row_candidates(cnt_ptr, cand_z_ptr, cand_v_ptr, b, S, S_PAD, C)
-        keep = _keep_first(z, valid, k, KEY_BITS)
+        keep = _row_keep_first(z, valid, k, cnt_ptr, b, S, S_PAD, C, KEY_BITS, SHORT)
         return _draw_store(z, v, keep, j, S_PAD * C, keys_ptr, temps_ptr, tokens_ptr, logprobs_ptr, b, top_m, log_sum,
                            LIBDEVICE)
 
@@ -329,11 +360,11 @@ if triton is not None:
 
     @triton.jit
     def _compact_first(cnt_ptr, cand_z_ptr, cand_v_ptr, b, k, S: tl.constexpr, S_PAD: tl.constexpr, C: tl.constexpr,
-                       KEY_BITS: tl.constexpr):
+                       KEY_BITS: tl.constexpr, SHORT: tl.constexpr):
         """Row b's first k candidates under the total order, moved into the row's first k slots (still in vocab id
         order; k <= C); returns k or fewer when the row has fewer."""
         _, valid, z, v = _row_candidates(cnt_ptr, cand_z_ptr, cand_v_ptr, b, S, S_PAD, C)
-        keep = _keep_first(z, valid, k, KEY_BITS)
+        keep = _row_keep_first(z, valid, k, cnt_ptr, b, S, S_PAD, C, KEY_BITS, SHORT)
         tl.debug_barrier()  # every lane has its candidates before the kept ones overwrite the first slots
         n = _compact(keep, z, v, cand_z_ptr + b * S * C, cand_v_ptr + b * S * C)
         tl.debug_barrier()
@@ -341,11 +372,12 @@ if triton is not None:
 
     @triton.jit
     def _ranked_first(cnt_ptr, cand_z_ptr, cand_v_ptr, b, k, S: tl.constexpr, S_PAD: tl.constexpr, C: tl.constexpr,
-                      N_PAD: tl.constexpr, J: tl.constexpr, KEY_BITS: tl.constexpr, m64, MASS: tl.constexpr):
+                      N_PAD: tl.constexpr, J: tl.constexpr, KEY_BITS: tl.constexpr, m64, MASS: tl.constexpr,
+                      SHORT: tl.constexpr):
         """Row b's first k candidates, compacted (`_compact_first`), as N_PAD lanes: (lane, how many, their logits
         (-inf past them), vocab ids, each one's rank among them (the kept tokens ahead, J at a time) and, with
         MASS, the fp64 sum of exp(z - m64) over those ahead)."""
-        n = _compact_first(cnt_ptr, cand_z_ptr, cand_v_ptr, b, k, S, S_PAD, C, KEY_BITS)
+        n = _compact_first(cnt_ptr, cand_z_ptr, cand_v_ptr, b, k, S, S_PAD, C, KEY_BITS, SHORT)
         row_z, row_v = cand_z_ptr + b * S * C, cand_v_ptr + b * S * C
         i = tl.arange(0, N_PAD)
         zi = tl.load(row_z + i, mask=i < n, other=float("-inf"))
@@ -363,7 +395,8 @@ if triton is not None:
     @triton.jit
     def _pick_token_top_p(m_ptr, l_ptr, l64_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, keys_ptr, temps_ptr, top_ps_ptr,
                           tokens_ptr, logprobs_ptr, b, k, S: tl.constexpr, S_PAD: tl.constexpr, C: tl.constexpr,
-                          N_PAD: tl.constexpr, J: tl.constexpr, KEY_BITS: tl.constexpr, LIBDEVICE: tl.constexpr):
+                          N_PAD: tl.constexpr, J: tl.constexpr, KEY_BITS: tl.constexpr, LIBDEVICE: tl.constexpr,
+                          SHORT: tl.constexpr):
         """Phase 2 with top-p (row b's last program): among the row's top-k, the tokens whose softmax mass ahead of
         them (under the total order) is at most top_p, plus the first; then `_draw_store`.
         The mass is exp(z - M) summed in fp64 over the tokens ahead, against top_p times the fp64 sum over the
@@ -375,7 +408,7 @@ if triton is not None:
         m64 = top_m.to(tl.float64)
         total = tl.sum(l64_S * tl.exp(m_S.to(tl.float64) - m64), 0)
         i, n, zi, vi, rank, ahead_mass = _ranked_first(cnt_ptr, cand_z_ptr, cand_v_ptr, b, k, S, S_PAD, C, N_PAD, J,
-                                                       KEY_BITS, m64, True)
+                                                       KEY_BITS, m64, True, SHORT)
         kept = (i < n) & ((ahead_mass <= tl.load(top_ps_ptr + b).to(tl.float64) * total) | (rank == 0))
         # (the compacted slots are in vocab id order, as `_draw_store` needs)
         return _draw_store(zi, vi, kept, i, N_PAD, keys_ptr, temps_ptr, tokens_ptr, logprobs_ptr, b, top_m, log_sum,
@@ -389,26 +422,27 @@ if triton is not None:
                      N_PAD: tl.constexpr = 16, J: tl.constexpr = 16, out_ptr=None, s_out=0, rec_k=0,
                      rec_steps=1, ids_ptr=None, pos_ptr=None, slots_ptr=None, lens_ptr=None, tables_ptr=None, s_tb=0,
                      BLOCK_SIZE: tl.constexpr = 1, RECORD: tl.constexpr = False, HAS_LOGPROBS: tl.constexpr = False,
-                     ADVANCE: tl.constexpr = False, EARLY: tl.constexpr = False, PDL: tl.constexpr = False):
+                     ADVANCE: tl.constexpr = False, EARLY: tl.constexpr = False, PDL: tl.constexpr = False,
+                     SHORT: tl.constexpr = False):
         """Program (b, s), s < S: phase 1 over vocab slice s of row b; the row's last program to finish
         (`last_arrival` on done[b], which it resets to 0) runs phase 2. k = clamp(top_k, 1, max_top_k).
         TOP_P: phase 2 also applies each row's top_p (`_pick_token_top_p`; N_PAD >= max_top_k, J per step).
-        RECORD and PDL: as in `_gumbel_sample`."""
+        RECORD and PDL: as in `_gumbel_sample`. SHORT: the short bisections (`_kth_largest`, `_keep_first`)."""
         pdl_launch_next(PDL, EARLY)
         pdl_wait(PDL, EARLY)
         b = tl.program_id(0).to(tl.int64)
         s = tl.program_id(1)
         k = tl.maximum(tl.minimum(tl.load(top_ks_ptr + b), max_top_k), 1).to(tl.int32)
         _slice_candidates(logits_ptr, m_ptr, l_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, b, s, k, s_lb, V, S, BLOCK_V, C,
-                          KEY_BITS, l64_ptr, TOP_P)
+                          KEY_BITS, l64_ptr, TOP_P, SHORT)
         if last_arrival(done_ptr + b, S):
             if TOP_P:
                 token, logprob = _pick_token_top_p(m_ptr, l_ptr, l64_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, keys_ptr,
                                                    temps_ptr, top_ps_ptr, tokens_ptr, logprobs_ptr, b, k, S, S_PAD, C,
-                                                   N_PAD, J, KEY_BITS, LIBDEVICE)
+                                                   N_PAD, J, KEY_BITS, LIBDEVICE, SHORT)
             else:
                 token, logprob = _pick_token(m_ptr, l_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, keys_ptr, temps_ptr,
-                                             tokens_ptr, logprobs_ptr, b, k, S, S_PAD, C, KEY_BITS, LIBDEVICE)
+                                             tokens_ptr, logprobs_ptr, b, k, S, S_PAD, C, KEY_BITS, LIBDEVICE, SHORT)
             if RECORD:
                 record_rows(token, logprob, b, b >= 0, out_ptr, s_out, rec_k, rec_steps, ids_ptr, pos_ptr, slots_ptr,
                             lens_ptr, tables_ptr, s_tb, BLOCK_SIZE, HAS_LOGPROBS, ADVANCE)
@@ -421,7 +455,7 @@ if triton is not None:
         stored in that order into vals / ids [B, n]. The kept candidates are compacted into the row's first C
         slots (n <= C), then each one's rank is the number of kept tokens ahead of it (J of them at a time)."""
         i, _, zi, vi, rank, _ = _ranked_first(cnt_ptr, cand_z_ptr, cand_v_ptr, b, n, S, S_PAD, C, N_PAD, J, KEY_BITS,
-                                              0.0, False)
+                                              0.0, False, False)
         tl.store(vals_ptr + b * n + rank, zi.to(vals_ptr.dtype.element_ty), mask=i < n)
         tl.store(ids_ptr + b * n + rank, vi.to(tl.int64), mask=i < n)
 
@@ -514,6 +548,9 @@ def row_counters(device: torch.device, B: int) -> torch.Tensor:
     return _COUNTERS[key]
 
 
+# session 13, not yet measured on a GPU (off): the top-k draw's bisections stop once their range is one key, and
+# phase 2's starts at the slices' bound (`_keep_first`); MOELOOP_TOPK_SHORT=on turns it on
+TOPK_SHORT = os.environ.get("MOELOOP_TOPK_SHORT", "off").lower() == "on"
 TOPK_SPLITS = 16  # target programs per row of `topk_sample`: at B=1 one per row would leave most SMs idle
 # warps per program of the two-phase top-k kernels; 0: 8 for one row (H200, top-k 50: 14.1 us against 15.2 with 4,
 # session 12's `sampler.py --topk-sweep`; 8 was slower at B=32 and 256) or past 2048 values per phase, else 4
@@ -571,7 +608,7 @@ def topk_sample(logits_BV: torch.Tensor, keys_B: torch.Tensor, temperatures_B: t
     _topk_sample[(B, plan.S)](logits_BV, keys_B.contiguous(), temperatures_B.float().contiguous(),
                               top_ks_B.contiguous(), *plan.scratch(), tokens_B, logprobs_B, logits_BV.stride(0),
                               max_top_k, **plan.consts(logits_BV), LIBDEVICE=not triton_interpreting(),
-                              num_warps=plan.num_warps, **top_p, **_launch_extras(logits_BV, record))
+                              num_warps=plan.num_warps, SHORT=TOPK_SHORT, **top_p, **_launch_extras(logits_BV, record))
     return tokens_B, logprobs_B
 
 
