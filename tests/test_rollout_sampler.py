@@ -332,9 +332,8 @@ def test_row_counters_are_reused_and_left_at_zero():
 
 
 @needs_kernels
-@pytest.mark.parametrize("draw", ["top_k", "top_k_top_p", "no_filter"])
-@pytest.mark.parametrize("advance", [True, False])
-@pytest.mark.parametrize("want_logprobs", [True, False])
+@pytest.mark.parametrize("draw,advance,want_logprobs", [(d, a, a) for d in ("top_k", "top_k_top_p", "no_filter")
+                                                        for a in (True, False)] + [("top_k", True, False)])
 def test_one_launch_draw_writes_the_multistep_record(draw, advance, want_logprobs):
     """With a `StepRecord` the one-launch samplers (multi-step decode's draw) also write the step's tokens and
     logprobs into the output rows and advance the next step's inputs, exactly as `record_and_advance`'s torch ops
