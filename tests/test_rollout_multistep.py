@@ -188,14 +188,18 @@ def test_multistep_leaves_one_token_prompt_chunks_alone(launches, async_scheduli
     assert 4 in launches
 
 
-def test_multistep_equals_single_step_on_random_configurations():
+def test_multistep_equals_single_step_on_random_configurations(monkeypatch):
     """Seeded random mixes of group size, greedy/sampled, stops, max_tokens, KV budget (preemption), max_num_seqs,
-    token budget (chunked prompts), async on/off and K: completions equal one step per launch and every block is
-    returned."""
+    token budget (chunked prompts), async on/off, K and the step counts a launch may run (any up to K, as without
+    CUDA graphs, or only K down to 2, or only K, as with them): completions equal one step per launch and every
+    block is returned."""
     import random
     model = tiny_model()
     rng = random.Random(0)
+    counts = {"any": lambda K: None, "K..2": lambda K: tuple(range(K, 1, -1)), "K": lambda K: (K,)}
     for trial in range(12):
+        kind = rng.choice(sorted(counts))
+        monkeypatch.setattr(ModelRunner, "step_counts", property(lambda self: counts[kind](self.decode_steps)))
         ps = prompts(rng.randint(3, 10), seed=trial, max_len=18)
         stop = make_engine(model).generate(ps[:1], SamplingParams(max_tokens=6, seed=trial))[0].response_ids[
             rng.randint(0, 5)]
