@@ -16,9 +16,10 @@ cached prompt blocks as before.
 
 Multi-step decode (`schedule(max_steps=K)`): a decode-only batch with nothing waiting runs up to K decode steps on
 the device with no host round trip (`ScheduledBatch.num_steps`): as many as every sequence may still sample under
-its max_tokens (for CUDA graphs, the largest of the captured step counts K, K/2, ... 2 that fits; the engine keeps
-prompt + max_tokens within max_model_len), with the KV blocks for those positions taken ahead. The host checks stops afterwards: tokens sampled past a sequence's stop
-token are dropped, as with async scheduling. Otherwise the batch runs one step.
+its max_tokens (with CUDA graphs, the largest of the runner's step counts that fits, a graph per count; the engine
+keeps prompt + max_tokens within max_model_len), with the KV blocks for those positions taken ahead. The host checks
+stops afterwards: tokens sampled past a sequence's stop token are dropped, as with async scheduling. Otherwise the
+batch runs one step.
 
 With async scheduling a sequence may carry pending tokens (sampled by a step still on the device). It is
 scheduled as usual (its next input comes from the device), except when its pending token is its last one
