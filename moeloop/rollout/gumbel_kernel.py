@@ -548,9 +548,10 @@ def row_counters(device: torch.device, B: int) -> torch.Tensor:
     return _COUNTERS[key]
 
 
-# session 13, not yet measured on a GPU (off): the top-k draw's bisections stop once their range is one key, and
-# phase 2's starts at the slices' bound (`_keep_first`); MOELOOP_TOPK_SHORT=on turns it on
-TOPK_SHORT = os.environ.get("MOELOOP_TOPK_SHORT", "off").lower() == "on"
+# the top-k draw's bisections stop once their range is one key, and phase 2's starts at the slices' bound
+# (`_keep_first`). H200, B=1 top-k 50: 12.6 against 13.6 us alone, engine.step 3.038/3.032 against 3.043/3.047 ms
+# per 8 steps (BENCHMARKS.md, session 14); MOELOOP_TOPK_SHORT=off runs the fixed 16/32-step bisections
+TOPK_SHORT = os.environ.get("MOELOOP_TOPK_SHORT", "on").lower() != "off"
 TOPK_SPLITS = 16  # target programs per row of `topk_sample`: at B=1 one per row would leave most SMs idle
 # warps per program of the two-phase top-k kernels; 0: 8 for one row (H200, top-k 50: 14.1 us against 15.2 with 4,
 # session 12's `sampler.py --topk-sweep`; 8 was slower at B=32 and 256) or past 2048 values per phase, else 4
