@@ -141,6 +141,13 @@ def timeline(engine, batch: int, layers: int) -> None:
               f"names the forward graph lacks add {sum(sum(a) for a in rest.values()) / steps:.1f} us per step:")
         for name, a in sorted(rest.items(), key=lambda kv: -sum(kv[1]))[:12]:
             print(f"   {sum(a) / steps:7.1f} us/step added  {len(a) / steps:4.1f} x/step  {name[:80]}")
+        # the first step's hand-over: its last forward kernels, the sampler, the next step's first kernels
+        first = next((i for i, (_, _, n) in enumerate(step_last) if n not in forward_names), None)
+        if first is not None:
+            base = step_last[first - 1][0]
+            print("the first step's lm_head, sampling and the next step's first kernels (us from the lm_head's start):")
+            for start, end, name in step_last[max(first - 2, 0):first + 4]:
+                print(f"   start {start - base:7.2f}  dur {end - start:6.2f}  end {end - base:7.2f}  {name[:70]}")
     per_layer = len(last) // layers
     mid = per_layer * (layers // 2)
     print(f"one layer (kernels {mid}..{mid + per_layer - 1} of the replay; us from the layer's first start):")
