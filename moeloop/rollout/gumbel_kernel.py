@@ -59,22 +59,34 @@ if triton is not None:
     from moeloop.model.kernel_switch import pdl_launch_next, pdl_wait
 
     @triton.jit
-    def record_rows(tok, lp, r, ok, out_ptr, s_out, k, steps, ids_ptr, pos_ptr, slots_ptr, lens_ptr, tables_ptr,
-                    s_tb, BLOCK_SIZE: tl.constexpr, HAS_LOGPROBS: tl.constexpr, ADVANCE: tl.constexpr):
+    def record_next(r, ok, pos_ptr, lens_ptr, tables_ptr, s_tb, BLOCK_SIZE: tl.constexpr, ADVANCE: tl.constexpr):
+        """ADVANCE: (position + 1, length + 1, the slot of position + 1 from the block tables) of rows r (mask ok),
+        the next step's inputs that `record_rows` stores; else zeros. The one-launch samplers load them in every
+        program right after the wait, so that the two dependent loads overlap the draw instead of following it."""
+        p = 0
+        n = 0
+        slot = 0
+        if ADVANCE:
+            p = tl.load(pos_ptr + r, mask=ok, other=0) + 1
+            n = tl.load(lens_ptr + r, mask=ok, other=0) + 1
+            blk = tl.load(tables_ptr + r.to(tl.int64) * s_tb + p // BLOCK_SIZE, mask=ok, other=0)
+            slot = blk.to(tl.int64) * BLOCK_SIZE + p % BLOCK_SIZE
+        return p, n, slot
+
+    @triton.jit
+    def record_rows(tok, lp, r, ok, out_ptr, s_out, k, steps, ids_ptr, pos_ptr, slots_ptr, lens_ptr, p, n, slot,
+                    HAS_LOGPROBS: tl.constexpr, ADVANCE: tl.constexpr):
         """Multi-step decode's record of rows r (mask ok): out[k, r] = tokens, out[steps + k, r] = logprobs (float64);
-        ADVANCE: the next step's inputs in place, ids = tokens, positions and lengths + 1, slots from the block
-        tables (`multistep.record_and_advance`'s torch ops)."""
+        ADVANCE: the next step's inputs in place, ids = tokens, and (p, n, slot) from `record_next` as the positions,
+        lengths and slots (`multistep.record_and_advance`'s torch ops)."""
         tl.store(out_ptr + k * s_out + r, tok.to(tl.float64), mask=ok)
         if HAS_LOGPROBS:
             tl.store(out_ptr + (steps + k) * s_out + r, lp.to(tl.float64), mask=ok)
         if ADVANCE:
             tl.store(ids_ptr + r, tok.to(ids_ptr.dtype.element_ty), mask=ok)
-            p = tl.load(pos_ptr + r, mask=ok, other=0) + 1
             tl.store(pos_ptr + r, p, mask=ok)
-            tl.store(lens_ptr + r, tl.load(lens_ptr + r, mask=ok, other=0) + 1, mask=ok)
-            blk = tl.load(tables_ptr + r.to(tl.int64) * s_tb + p // BLOCK_SIZE, mask=ok, other=0)
-            tl.store(slots_ptr + r, (blk.to(tl.int64) * BLOCK_SIZE + p % BLOCK_SIZE).to(slots_ptr.dtype.element_ty),
-                     mask=ok)
+            tl.store(lens_ptr + r, n, mask=ok)
+            tl.store(slots_ptr + r, slot.to(slots_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
     def last_arrival(counter_ptr, n):
@@ -161,7 +173,8 @@ if triton is not None:
         maxima) and writes its id and raw log-softmax z - M - log(sum_s l_s * exp(m_s - M)).
         LIBDEVICE: logf from libdevice (compiled; the interpreter has no libdevice and uses numpy's log).
         RECORD: that program also writes multi-step decode's record of the row (`record_rows`, `StepRecord`).
-        PDL: launched while the logits' kernel runs; nothing is read before its wait (`kernel_switch`)."""
+        PDL: launched while the logits' kernel runs; nothing is read before its wait (`kernel_switch`). After it,
+        every program also loads the record's next inputs (`record_next`) for the last one."""
         pdl_launch_next(PDL, EARLY)
         pdl_wait(PDL, EARLY)
         b = tl.program_id(0).to(tl.int64)
@@ -170,6 +183,8 @@ if triton is not None:
         temp = tl.load(temps_ptr + b)
         greedy = temp <= 0
         temp = tl.where(greedy, 1.0, temp)
+        if RECORD:
+            p_next, n_next, slot_next = record_next(b, b >= 0, pos_ptr, lens_ptr, tables_ptr, s_tb, BLOCK_SIZE, ADVANCE)
         best = tl.full([BLOCK_V], float("-inf"), tl.float32)
         best_v = tl.zeros([BLOCK_V], tl.int32)
         best_z = tl.zeros([BLOCK_V], tl.float32)
@@ -211,7 +226,7 @@ if triton is not None:
             tl.store(logprobs_ptr + b, logprob)
             if RECORD:
                 record_rows(token, logprob, b, b >= 0, out_ptr, s_out, rec_k, rec_steps, ids_ptr, pos_ptr, slots_ptr,
-                            lens_ptr, tables_ptr, s_tb, BLOCK_SIZE, HAS_LOGPROBS, ADVANCE)
+                            lens_ptr, p_next, n_next, slot_next, HAS_LOGPROBS, ADVANCE)
 
     @triton.jit
     def _order_key(z, KEY_BITS: tl.constexpr):
@@ -321,13 +336,11 @@ if triton is not None:
         return _keep_first(z, valid, k, KEY_BITS)
 
     @triton.jit
-    def _draw_store(z, v, keep, lane, LANES: tl.constexpr, keys_ptr, temps_ptr, tokens_ptr, logprobs_ptr, b, top_m,
-                    log_sum, LIBDEVICE: tl.constexpr):
-        """Row b's draw among the kept lanes (lanes in vocab id order): the max Gumbel score (T = 0: the max logit),
-        the first lane among equal maxima (the smallest id); stores and returns its id and raw log-softmax
-        z - M - log_sum."""
-        temp = tl.load(temps_ptr + b)
-        key = tl.load(keys_ptr + b).to(tl.uint32)
+    def _draw_store(z, v, keep, lane, LANES: tl.constexpr, key, temp, tokens_ptr, logprobs_ptr, b, top_m, log_sum,
+                    LIBDEVICE: tl.constexpr):
+        """Row b's draw among the kept lanes (lanes in vocab id order) with its key (uint32) and temperature: the max
+        Gumbel score (T = 0: the max logit), the first lane among equal maxima (the smallest id); stores and
+        returns its id and raw log-softmax z - M - log_sum."""
         score = tl.where(temp > 0, _gumbel_score(z, v, key, tl.where(temp > 0, temp, 1.0), LIBDEVICE), z)
         score = tl.where(keep, score, float("-inf"))
         first = tl.min(tl.where(score == tl.max(score, 0), lane, LANES), 0)
@@ -338,7 +351,7 @@ if triton is not None:
         return token, logprob
 
     @triton.jit
-    def _pick_token(m_ptr, l_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, keys_ptr, temps_ptr, tokens_ptr, logprobs_ptr,
+    def _pick_token(m_ptr, l_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, key, temp, tokens_ptr, logprobs_ptr,
                     b, k, S: tl.constexpr, S_PAD: tl.constexpr, C: tl.constexpr, KEY_BITS: tl.constexpr,
                     LIBDEVICE: tl.constexpr, SHORT: tl.constexpr):
         """Phase 2 (row b's last program): the row's top-k among its S * C candidates (already in vocab id order),
@@ -346,8 +359,7 @@ if triton is not None:
         top_m, log_sum, _ = _row_log_normaliser(m_ptr, l_ptr, b, S, S_PAD)
         j, valid, z, v = _row_candidates(cnt_ptr, cand_z_ptr, cand_v_ptr, b, S, S_PAD, C)
         keep = _row_keep_first(z, valid, k, cnt_ptr, b, S, S_PAD, C, KEY_BITS, SHORT)
-        return _draw_store(z, v, keep, j, S_PAD * C, keys_ptr, temps_ptr, tokens_ptr, logprobs_ptr, b, top_m, log_sum,
-                           LIBDEVICE)
+        return _draw_store(z, v, keep, j, S_PAD * C, key, temp, tokens_ptr, logprobs_ptr, b, top_m, log_sum, LIBDEVICE)
 
     @triton.jit
     def _ahead_of(row_z, row_v, zi, vi, jj, n):
@@ -393,7 +405,7 @@ if triton is not None:
         return i, n, zi, vi, rank, ahead_mass
 
     @triton.jit
-    def _pick_token_top_p(m_ptr, l_ptr, l64_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, keys_ptr, temps_ptr, top_ps_ptr,
+    def _pick_token_top_p(m_ptr, l_ptr, l64_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, key, temp, top_p,
                           tokens_ptr, logprobs_ptr, b, k, S: tl.constexpr, S_PAD: tl.constexpr, C: tl.constexpr,
                           N_PAD: tl.constexpr, J: tl.constexpr, KEY_BITS: tl.constexpr, LIBDEVICE: tl.constexpr,
                           SHORT: tl.constexpr):
@@ -409,10 +421,9 @@ if triton is not None:
         total = tl.sum(l64_S * tl.exp(m_S.to(tl.float64) - m64), 0)
         i, n, zi, vi, rank, ahead_mass = _ranked_first(cnt_ptr, cand_z_ptr, cand_v_ptr, b, k, S, S_PAD, C, N_PAD, J,
                                                        KEY_BITS, m64, True, SHORT)
-        kept = (i < n) & ((ahead_mass <= tl.load(top_ps_ptr + b).to(tl.float64) * total) | (rank == 0))
+        kept = (i < n) & ((ahead_mass <= top_p.to(tl.float64) * total) | (rank == 0))
         # (the compacted slots are in vocab id order, as `_draw_store` needs)
-        return _draw_store(zi, vi, kept, i, N_PAD, keys_ptr, temps_ptr, tokens_ptr, logprobs_ptr, b, top_m, log_sum,
-                           LIBDEVICE)
+        return _draw_store(zi, vi, kept, i, N_PAD, key, temp, tokens_ptr, logprobs_ptr, b, top_m, log_sum, LIBDEVICE)
 
     @triton.jit
     def _topk_sample(logits_ptr, keys_ptr, temps_ptr, top_ks_ptr, m_ptr, l_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr,
@@ -433,19 +444,27 @@ if triton is not None:
         b = tl.program_id(0).to(tl.int64)
         s = tl.program_id(1)
         k = tl.maximum(tl.minimum(tl.load(top_ks_ptr + b), max_top_k), 1).to(tl.int32)
+        # what only the row's last program uses, loaded by all, so that its latency overlaps phase 1
+        key = tl.load(keys_ptr + b).to(tl.uint32)
+        temp = tl.load(temps_ptr + b)
+        top_p = 1.0
+        if TOP_P:
+            top_p = tl.load(top_ps_ptr + b)
+        if RECORD:
+            p_next, n_next, slot_next = record_next(b, b >= 0, pos_ptr, lens_ptr, tables_ptr, s_tb, BLOCK_SIZE, ADVANCE)
         _slice_candidates(logits_ptr, m_ptr, l_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, b, s, k, s_lb, V, S, BLOCK_V, C,
                           KEY_BITS, l64_ptr, TOP_P, SHORT)
         if last_arrival(done_ptr + b, S):
             if TOP_P:
-                token, logprob = _pick_token_top_p(m_ptr, l_ptr, l64_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, keys_ptr,
-                                                   temps_ptr, top_ps_ptr, tokens_ptr, logprobs_ptr, b, k, S, S_PAD, C,
-                                                   N_PAD, J, KEY_BITS, LIBDEVICE, SHORT)
+                token, logprob = _pick_token_top_p(m_ptr, l_ptr, l64_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, key, temp,
+                                                   top_p, tokens_ptr, logprobs_ptr, b, k, S, S_PAD, C, N_PAD, J,
+                                                   KEY_BITS, LIBDEVICE, SHORT)
             else:
-                token, logprob = _pick_token(m_ptr, l_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, keys_ptr, temps_ptr,
-                                             tokens_ptr, logprobs_ptr, b, k, S, S_PAD, C, KEY_BITS, LIBDEVICE, SHORT)
+                token, logprob = _pick_token(m_ptr, l_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, key, temp, tokens_ptr,
+                                             logprobs_ptr, b, k, S, S_PAD, C, KEY_BITS, LIBDEVICE, SHORT)
             if RECORD:
                 record_rows(token, logprob, b, b >= 0, out_ptr, s_out, rec_k, rec_steps, ids_ptr, pos_ptr, slots_ptr,
-                            lens_ptr, tables_ptr, s_tb, BLOCK_SIZE, HAS_LOGPROBS, ADVANCE)
+                            lens_ptr, p_next, n_next, slot_next, HAS_LOGPROBS, ADVANCE)
 
     @triton.jit
     def _store_ranked(cnt_ptr, cand_z_ptr, cand_v_ptr, vals_ptr, ids_ptr, b, n, S: tl.constexpr,

@@ -22,7 +22,7 @@ from moeloop.rollout.sampler import SamplingTensors
 if triton is not None:
     import triton.language as tl
 
-    from moeloop.rollout.gumbel_kernel import record_rows
+    from moeloop.rollout.gumbel_kernel import record_next, record_rows
 
 _kernel_failed = False  # set when `_record_advance` failed to compile or launch here
 
@@ -90,8 +90,9 @@ if triton is not None:
         lp = tok  # (not stored without logprobs)
         if HAS_LOGPROBS:
             lp = tl.load(logprobs_ptr + r, mask=ok, other=0.0)
-        record_rows(tok, lp, r, ok, out_ptr, s_out, k, steps, ids_ptr, pos_ptr, slots_ptr, lens_ptr, tables_ptr, s_tb,
-                    BLOCK_SIZE, HAS_LOGPROBS, ADVANCE)
+        p, n, slot = record_next(r, ok, pos_ptr, lens_ptr, tables_ptr, s_tb, BLOCK_SIZE, ADVANCE)
+        record_rows(tok, lp, r, ok, out_ptr, s_out, k, steps, ids_ptr, pos_ptr, slots_ptr, lens_ptr, p, n, slot,
+                    HAS_LOGPROBS, ADVANCE)
 
 
 def step_sampler(sampler: Callable, st: SamplingTensors, keys_KB: torch.Tensor,
