@@ -229,6 +229,26 @@ def test_ranked_candidates_kernel_equals_ranked_topk(monkeypatch, dtype):
         assert vals.dtype == logits.dtype and torch.equal(ids, want_ids) and torch.equal(vals, want_vals), n
 
 
+def _spy_plans(monkeypatch, groups: bool) -> list:
+    """Set `TOPK_GROUPS`; return the list that collects each `topk_sample` launch's `_SlicePlan`."""
+    from moeloop.rollout import gumbel_kernel
+    monkeypatch.setattr(gumbel_kernel, "TOPK_GROUPS", groups)
+    plans, plan_cls = [], gumbel_kernel._SlicePlan
+    monkeypatch.setattr(gumbel_kernel, "_SlicePlan", lambda *a, **kw: plans.append(plan_cls(*a, **kw)) or plans[-1])
+    return plans
+
+
+def _assert_both_phase_one_paths(plan, top_ks: torch.Tensor, groups: bool) -> None:
+    """With groups, some slices kept more than their row's top-k (the superset); row 6's first two slices (156 and
+    144 tokens tied at its maximum, past the 128 slots) kept exactly its top-k 50 (the exact fallback). Without,
+    every slice kept exactly k (each holds more than 64 tokens)."""
+    cnt = plan.cnt_BS.cpu()
+    k = top_ks.clamp(1, 64)[:, None].expand_as(cnt)
+    assert bool((cnt > k).any()) == groups and not bool((cnt < k).any())
+    if groups:
+        assert plan.groups == 128 and plan.C == 128 and cnt[6, :2].tolist() == [50, 50]
+
+
 def _tied_logits(B: int, V: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
     """randn * 2 rows (in bf16: many equal values) with runs of equal values across the fused kernel's slices."""
     logits = (torch.randn(B, V, generator=g) * 2).to(dtype)
@@ -240,16 +260,19 @@ def _tied_logits(B: int, V: int, dtype: torch.dtype, g: torch.Generator) -> torc
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype,short", [(torch.bfloat16, False), (torch.float32, False), (torch.bfloat16, True),
-                                         (torch.float32, True)])
-def test_fused_top_p_kernel_equals_the_torch_path(monkeypatch, dtype, short):
+@pytest.mark.parametrize("dtype,short,groups", [(torch.bfloat16, False, False), (torch.float32, False, False),
+                                                (torch.bfloat16, True, False), (torch.float32, True, False),
+                                                (torch.bfloat16, True, True), (torch.float32, True, True)])
+def test_fused_top_p_kernel_equals_the_torch_path(monkeypatch, dtype, short, groups):
     """`topk_sample` with top-p (phase 2 weighs the mass ahead of each top-k token in fp64) picks the torch path's
     tokens: `ranked_topk` candidates, `nucleus_drop`, the Gumbel draw. Rows: ties at the top, a few dominant tokens
     (a small nucleus), flat rows (the top-k limits first), top_p 1 beside top_p < 1, greedy rows, top-k 1. short:
-    `TOPK_SHORT`'s bisections (early stop, phase 2 from the full slices' bound)."""
+    `TOPK_SHORT`'s bisections (early stop, phase 2 from the full slices' bound). groups: `TOPK_GROUPS` (phase 1
+    keeps the group bound's superset; the tied rows 4-6 and 10 send some slices to the exact fallback)."""
     import moeloop.rollout.sampler as sampler
     from moeloop.rollout import gumbel_kernel
     monkeypatch.setattr(gumbel_kernel, "TOPK_SHORT", short)
+    plans = _spy_plans(monkeypatch, groups)
     g = torch.Generator().manual_seed(6)
     B, V = 18, 2500
     logits = _tied_logits(B, V, dtype, g).to(DEVICE)
@@ -268,6 +291,7 @@ def test_fused_top_p_kernel_equals_the_torch_path(monkeypatch, dtype, short):
     want_tokens, want_lp = Sampler()(logits.float(), st, want_logprobs=True)
     tokens, lp = topk_sample(logits, st.keys_B, st.temperatures_B, st.top_ks_B, 64, st.top_ps_B)
     assert torch.equal(tokens, want_tokens) and lp.dtype == torch.float32
+    _assert_both_phase_one_paths(plans[0], top_ks, groups)
     torch.testing.assert_close(lp, want_lp, rtol=0, atol=2e-6)
     greedy = temps == 0
     assert torch.equal(tokens[greedy], logits.argmax(-1)[greedy])
@@ -279,9 +303,10 @@ def test_fused_top_p_kernel_equals_the_torch_path(monkeypatch, dtype, short):
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype,short", [(torch.bfloat16, False), (torch.float32, False), (torch.bfloat16, True),
-                                         (torch.float32, True)])
-def test_fused_topk_kernel_equals_the_torch_path(monkeypatch, dtype, short):
+@pytest.mark.parametrize("dtype,short,groups", [(torch.bfloat16, False, False), (torch.float32, False, False),
+                                                (torch.bfloat16, True, False), (torch.float32, True, False),
+                                                (torch.bfloat16, True, True), (torch.float32, True, True)])
+def test_fused_topk_kernel_equals_the_torch_path(monkeypatch, dtype, short, groups):
     """`topk_sample` (one launch: slice candidates, then the row's last program draws; here the Triton interpreter)
     picks the torch path's tokens bit for bit, greedy rows too, and its logprobs are torch.log_softmax's within 2e-6
     (another fp32 summation order). A row's draw does not depend on the rows beside it. short: as in the top-p
@@ -289,6 +314,7 @@ def test_fused_topk_kernel_equals_the_torch_path(monkeypatch, dtype, short):
     import moeloop.rollout.sampler as sampler
     from moeloop.rollout import gumbel_kernel
     monkeypatch.setattr(gumbel_kernel, "TOPK_SHORT", short)
+    plans = _spy_plans(monkeypatch, groups)
     g = torch.Generator().manual_seed(4)
     B, V = 18, 2500  # slices of 256 ids: 10 programs per row
     logits = _tied_logits(B, V, dtype, g).to(DEVICE)
@@ -302,6 +328,7 @@ def test_fused_topk_kernel_equals_the_torch_path(monkeypatch, dtype, short):
     want_tokens, want_lp = Sampler()(logits.float(), st, want_logprobs=True)
     tokens, lp = topk_sample(logits, st.keys_B, st.temperatures_B, st.top_ks_B, 64)
     assert torch.equal(tokens, want_tokens) and lp.dtype == torch.float32
+    _assert_both_phase_one_paths(plans[0], top_ks, groups)
     torch.testing.assert_close(lp, want_lp, rtol=0, atol=2e-6)
     assert 200 <= tokens[4] < 230 and (tokens[5] < 10 or 250 <= tokens[5] < 257) and 100 <= tokens[6] < 150
     greedy = temps == 0

@@ -188,6 +188,10 @@ def _compile_topk_sample():
         compile_sm90(gumbel_kernel._topk_sample, dict(logits_ptr="*bf16", **types, **top_p),
                      dict(V=32000, S=16, S_PAD=16, BLOCK_V=2048, C=64, KEY_BITS=16, LIBDEVICE=True, SHORT=True,
                           **(dict(TOP_P=True, N_PAD=64, J=16) if top_p else {})), num_warps=8)
+    for top_p, warps in (({}, 8), ({}, 4), (dict(top_ps_ptr="*fp32", l64_ptr="*fp64"), 8)):  # `TOPK_GROUPS`
+        compile_sm90(gumbel_kernel._topk_sample, dict(logits_ptr="*bf16", **types, **top_p),
+                     dict(V=32000, S=16, S_PAD=16, BLOCK_V=2048, C=128, KEY_BITS=16, LIBDEVICE=True, SHORT=True,
+                          GROUPS=128, **(dict(TOP_P=True, N_PAD=64, J=16) if top_p else {})), num_warps=warps)
     for advance in (False, True):  # multi-step decode's top-k 50 draw with its record, under PDL
         compiled = compile_sm90(gumbel_kernel._topk_sample, dict(logits_ptr="*bf16", **types, **_RECORD_TYPES),
                                 dict(V=32000, S=16, S_PAD=16, BLOCK_V=2048, C=64, KEY_BITS=16, LIBDEVICE=True,

@@ -292,15 +292,26 @@ if triton is not None:
         return tl.sum(keep.to(tl.int32), 0)
 
     @triton.jit
+    def _group_bound(z, k, G: tl.constexpr, BLOCK_V: tl.constexpr):
+        """The k-th largest of the maxima of G groups of consecutive lanes of z [BLOCK_V] (-inf when fewer than k
+        are finite): k groups each hold a value at or above it, so it does not exceed the k-th largest of z. Every
+        pair of maxima is compared at once ([G, G], one reduction) where a bisection takes one per key bit."""
+        gm = tl.max(tl.reshape(z, (G, BLOCK_V // G)), 1)
+        at_or_above = tl.sum((gm[None, :] >= gm[:, None]).to(tl.int32), 1)  # per group: the maxima >= its own
+        return tl.max(tl.where(at_or_above >= k, gm, float("-inf")), 0)
+
+    @triton.jit
     def _slice_candidates(logits_ptr, m_ptr, l_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, b, s, k, s_lb,
                           V: tl.constexpr, S: tl.constexpr, BLOCK_V: tl.constexpr, C: tl.constexpr,
                           KEY_BITS: tl.constexpr, l64_ptr=None, TOP_P: tl.constexpr = False,
-                          SHORT: tl.constexpr = False):
+                          SHORT: tl.constexpr = False, GROUPS: tl.constexpr = 0):
         """Phase 1 of program (b, s): the slice's max m and sum of exp(z - m) (the logprob's normaliser) and its
         first min(k, n) tokens under the total order, into cand [B, S, C] in vocab id order. A token of the row's
         top-k has fewer than k tokens ahead of it in its own slice, so the slices' candidates hold the top-k.
         TOP_P: also the sum of exp(z - m) in fp64 into l64 (the nucleus mass's normaliser, `_pick_token_top_p`).
-        SHORT: the short bisection (`_kth_largest`)."""
+        SHORT: the short bisection (`_kth_largest`). GROUPS > 0: the candidates are every token at or above the
+        slice's `_group_bound` instead, a superset of its first k (at least k of them), when at most C are; the
+        first k when more are (ties, flat rows)."""
         v = s * BLOCK_V + tl.arange(0, BLOCK_V)
         ok = v < V
         z = tl.load(logits_ptr + b * s_lb + v, mask=ok, other=float("-inf")).to(tl.float32)
@@ -309,7 +320,13 @@ if triton is not None:
         at = b * S + s
         if TOP_P:
             tl.store(l64_ptr + at, tl.sum(tl.exp(z.to(tl.float64) - _finite(m).to(tl.float64)), 0))
-        n = _compact(_keep_first(z, ok, k, KEY_BITS, SHORT), z, v, cand_z_ptr + at * C, cand_v_ptr + at * C)
+        if GROUPS > 0:
+            keep = ok & (z >= _group_bound(z, k, GROUPS, BLOCK_V))
+            if tl.sum(keep.to(tl.int32), 0) > C:
+                keep = _keep_first(z, ok, k, KEY_BITS, SHORT)
+        else:
+            keep = _keep_first(z, ok, k, KEY_BITS, SHORT)
+        n = _compact(keep, z, v, cand_z_ptr + at * C, cand_v_ptr + at * C)
         tl.store(m_ptr + at, m)
         tl.store(l_ptr + at, l)
         tl.store(cnt_ptr + at, n)
@@ -434,11 +451,12 @@ if triton is not None:
                      rec_steps=1, ids_ptr=None, pos_ptr=None, slots_ptr=None, lens_ptr=None, tables_ptr=None, s_tb=0,
                      BLOCK_SIZE: tl.constexpr = 1, RECORD: tl.constexpr = False, HAS_LOGPROBS: tl.constexpr = False,
                      ADVANCE: tl.constexpr = False, EARLY: tl.constexpr = False, PDL: tl.constexpr = False,
-                     SHORT: tl.constexpr = False):
+                     SHORT: tl.constexpr = False, GROUPS: tl.constexpr = 0):
         """Program (b, s), s < S: phase 1 over vocab slice s of row b; the row's last program to finish
         (`last_arrival` on done[b], which it resets to 0) runs phase 2. k = clamp(top_k, 1, max_top_k).
         TOP_P: phase 2 also applies each row's top_p (`_pick_token_top_p`; N_PAD >= max_top_k, J per step).
-        RECORD and PDL: as in `_gumbel_sample`. SHORT: the short bisections (`_kth_largest`, `_keep_first`)."""
+        RECORD and PDL: as in `_gumbel_sample`. SHORT: the short bisections (`_kth_largest`, `_keep_first`).
+        GROUPS: phase 1's candidates from the group bound (`_slice_candidates`; C holds twice the top-k)."""
         pdl_launch_next(PDL, EARLY)
         pdl_wait(PDL, EARLY)
         b = tl.program_id(0).to(tl.int64)
@@ -453,7 +471,7 @@ if triton is not None:
         if RECORD:
             p_next, n_next, slot_next = record_next(b, b >= 0, pos_ptr, lens_ptr, tables_ptr, s_tb, BLOCK_SIZE, ADVANCE)
         _slice_candidates(logits_ptr, m_ptr, l_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, b, s, k, s_lb, V, S, BLOCK_V, C,
-                          KEY_BITS, l64_ptr, TOP_P, SHORT)
+                          KEY_BITS, l64_ptr, TOP_P, SHORT, GROUPS)
         if last_arrival(done_ptr + b, S):
             if TOP_P:
                 token, logprob = _pick_token_top_p(m_ptr, l_ptr, l64_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, key, temp,
@@ -571,6 +589,9 @@ def row_counters(device: torch.device, B: int) -> torch.Tensor:
 # (`_keep_first`). H200, B=1 top-k 50: 12.6 against 13.6 us alone, engine.step 3.038/3.032 against 3.043/3.047 ms
 # per 8 steps (BENCHMARKS.md, session 14); MOELOOP_TOPK_SHORT=off runs the fixed 16/32-step bisections
 TOPK_SHORT = os.environ.get("MOELOOP_TOPK_SHORT", "on").lower() != "off"
+# phase 1 keeps every token at or above the k-th largest of 128 group maxima (`_group_bound`) rather than bisecting
+# for its exact top-k, in slots for twice the top-k; MOELOOP_TOPK_GROUPS=on (session 14, measured on the H200 below)
+TOPK_GROUPS = os.environ.get("MOELOOP_TOPK_GROUPS", "off").lower() == "on"
 TOPK_SPLITS = 16  # target programs per row of `topk_sample`: at B=1 one per row would leave most SMs idle
 # warps per program of the two-phase top-k kernels; 0: 8 for one row (H200, top-k 50: 14.1 us against 15.2 with 4,
 # session 12's `sampler.py --topk-sweep`; 8 was slower at B=32 and 256) or past 2048 values per phase, else 4
@@ -579,16 +600,19 @@ TOPK_WARPS = 0
 
 class _SlicePlan:
     """The launch shape and scratch of the two-phase top-k kernels for logits [B, V] and up to `max_top_k`
-    candidates per slice: S slices of BLOCK_V, C slots each, the per-slice stats and counts, the row counters
-    (`row_counters`)."""
+    candidates per slice: S slices of BLOCK_V, C slots each (k_pad for the top-k, twice that with `groups`), the
+    per-slice stats and counts, the row counters (`row_counters`). `superset`: phase 1 may keep the group bound's
+    superset (`TOPK_GROUPS`, top-k up to 64)."""
 
-    def __init__(self, logits_BV: torch.Tensor, max_top_k: int):
+    def __init__(self, logits_BV: torch.Tensor, max_top_k: int, superset: bool = False):
         B, V = logits_BV.shape
         dev = logits_BV.device
         self.block_v = min(max(triton.next_power_of_2(triton.cdiv(V, TOPK_SPLITS)), 128), 4096)
         self.S = triton.cdiv(V, self.block_v)
         self.s_pad = max(2, triton.next_power_of_2(self.S))
-        self.C = max(16, triton.next_power_of_2(max_top_k))
+        self.k_pad = max(16, triton.next_power_of_2(max_top_k))
+        self.groups = min(128, self.block_v) if superset and TOPK_GROUPS and max_top_k <= 64 else 0
+        self.C = self.k_pad * (2 if self.groups else 1)
         self.stats_2BS = torch.empty(2, B, self.S, dtype=torch.float32, device=dev)  # slice max, sum of exp
         self.cnt_BS = torch.empty(B, self.S, dtype=torch.int32, device=dev)
         self.cand_z_BSC = torch.empty(B, self.S, self.C, dtype=torch.float32, device=dev)
@@ -620,15 +644,15 @@ def topk_sample(logits_BV: torch.Tensor, keys_B: torch.Tensor, temperatures_B: t
     logprobs_B = torch.empty(B, dtype=torch.float32, device=logits_BV.device)
     if not B:
         return tokens_B, logprobs_B
-    plan = _SlicePlan(logits_BV, max_top_k)
+    plan = _SlicePlan(logits_BV, max_top_k, superset=True)
     top_p = {}
     if top_ps_B is not None:
-        top_p = dict(top_ps_ptr=top_ps_B.float().contiguous(), TOP_P=True, N_PAD=plan.C, J=16,
+        top_p = dict(top_ps_ptr=top_ps_B.float().contiguous(), TOP_P=True, N_PAD=plan.k_pad, J=16,
                      l64_ptr=torch.empty(B, plan.S, dtype=torch.float64, device=logits_BV.device))
     _topk_sample[(B, plan.S)](logits_BV, keys_B.contiguous(), temperatures_B.float().contiguous(),
                               top_ks_B.contiguous(), *plan.scratch(), tokens_B, logprobs_B, logits_BV.stride(0),
                               max_top_k, **plan.consts(logits_BV), LIBDEVICE=not triton_interpreting(),
-                              num_warps=plan.num_warps, SHORT=TOPK_SHORT, **top_p, **_launch_extras(logits_BV, record))
+                              num_warps=plan.num_warps, SHORT=TOPK_SHORT, GROUPS=plan.groups, **top_p, **_launch_extras(logits_BV, record))
     return tokens_B, logprobs_B
 
 
