@@ -590,8 +590,10 @@ def row_counters(device: torch.device, B: int) -> torch.Tensor:
 # per 8 steps (BENCHMARKS.md, session 14); MOELOOP_TOPK_SHORT=off runs the fixed 16/32-step bisections
 TOPK_SHORT = os.environ.get("MOELOOP_TOPK_SHORT", "on").lower() != "off"
 # phase 1 keeps every token at or above the k-th largest of 128 group maxima (`_group_bound`) rather than bisecting
-# for its exact top-k, in slots for twice the top-k; MOELOOP_TOPK_GROUPS=on (session 14, measured on the H200 below)
-TOPK_GROUPS = os.environ.get("MOELOOP_TOPK_GROUPS", "off").lower() == "on"
+# for its exact top-k, in slots for twice the top-k. H200, top-k 50 alone: B=1 10.9 against 12.3 us, B=128 34.0
+# against 48.1, B=256 55.1 against 85.2 (B=8 16.0 against 15.6); BENCHMARKS.md, session 14.
+# MOELOOP_TOPK_GROUPS=off: the exact top-k per slice by bisection
+TOPK_GROUPS = os.environ.get("MOELOOP_TOPK_GROUPS", "on").lower() != "off"
 TOPK_SPLITS = 16  # target programs per row of `topk_sample`: at B=1 one per row would leave most SMs idle
 # warps per program of the two-phase top-k kernels; 0: 8 for one row (H200, top-k 50: 14.1 us against 15.2 with 4,
 # session 12's `sampler.py --topk-sweep`; 8 was slower at B=32 and 256) or past 2048 values per phase, else 4
