@@ -16,7 +16,7 @@ vocab (32000, bf16 logits), temperature 1:
     python benchmarks/sampler.py --topk-sweep    # top-k 50's slices per row and warps per program instead
 
 `--topk-sweep`: `topk_sample` at top-k 50 for each `gumbel_kernel.TOPK_SPLITS` (slices per row: phase 1 ranks
-V / S values per program, phase 2 S * 64 candidates in the row's last program) and `TOPK_WARPS`, with the tokens
+V / S values per program, phase 2 up to S * 128 candidates in the row's last program) and `TOPK_WARPS`, with the tokens
 compared with the defaults' (the slicing must not change them).
 """
 from __future__ import annotations

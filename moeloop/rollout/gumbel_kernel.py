@@ -2,7 +2,9 @@
 among ranked top-k candidates (`topk_gumbel_argmax`, on `ranked_candidates`: for a top-k above FUSED_TOPK_MAX) and
 the whole top-k draw, with or without top-p, with its logprob (`topk_sample`). Each draw is one launch: S programs
 per row work on vocab slices, and the row's last program to finish (`last_arrival`) combines the slices' results
-(the top-k kernels share that shape, `_SlicePlan`: each slice keeps its top-k by bisection on an order key).
+(the top-k kernels share that shape, `_SlicePlan`: each slice keeps the tokens at or above a bound, the k-th
+largest of its group maxima, or its exact top-k by bisection on an order key; the last program bisects for the
+row's top-k among them).
 
 The torch path builds the [B, V] noise in int64 (about 25 elementwise kernels over 8 bytes per entry), takes two
 logs, divides, adds and reduces: some 30 kernels and ~2 GB of memory traffic at B=128, V=32000; log_softmax reads
@@ -654,7 +656,8 @@ def topk_sample(logits_BV: torch.Tensor, keys_B: torch.Tensor, temperatures_B: t
     _topk_sample[(B, plan.S)](logits_BV, keys_B.contiguous(), temperatures_B.float().contiguous(),
                               top_ks_B.contiguous(), *plan.scratch(), tokens_B, logprobs_B, logits_BV.stride(0),
                               max_top_k, **plan.consts(logits_BV), LIBDEVICE=not triton_interpreting(),
-                              num_warps=plan.num_warps, SHORT=TOPK_SHORT, GROUPS=plan.groups, **top_p, **_launch_extras(logits_BV, record))
+                              num_warps=plan.num_warps, SHORT=TOPK_SHORT, GROUPS=plan.groups, **top_p,
+                              **_launch_extras(logits_BV, record))
     return tokens_B, logprobs_B
 
 
