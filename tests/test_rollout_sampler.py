@@ -234,7 +234,12 @@ def _spy_plans(monkeypatch, groups: bool) -> list:
     from moeloop.rollout import gumbel_kernel
     monkeypatch.setattr(gumbel_kernel, "TOPK_GROUPS", groups)
     plans, plan_cls = [], gumbel_kernel._SlicePlan
-    monkeypatch.setattr(gumbel_kernel, "_SlicePlan", lambda *a, **kw: plans.append(plan_cls(*a, **kw)) or plans[-1])
+
+    def recorded_plan(*args, **kwargs):
+        plans.append(plan_cls(*args, **kwargs))
+        return plans[-1]
+
+    monkeypatch.setattr(gumbel_kernel, "_SlicePlan", recorded_plan)
     return plans
 
 
