@@ -606,7 +606,7 @@ class _SlicePlan:
     """The launch shape and scratch of the two-phase top-k kernels for logits [B, V] and up to `max_top_k`
     candidates per slice: S slices of BLOCK_V, C slots each (k_pad for the top-k, twice that with `groups`), the
     per-slice stats and counts, the row counters (`row_counters`). `superset`: phase 1 may keep the group bound's
-    superset (`TOPK_GROUPS`, top-k up to 64)."""
+    superset (`TOPK_GROUPS`, top-k up to 64, at most 2048 slots in phase 2)."""
 
     def __init__(self, logits_BV: torch.Tensor, max_top_k: int, superset: bool = False):
         B, V = logits_BV.shape
@@ -615,7 +615,9 @@ class _SlicePlan:
         self.S = triton.cdiv(V, self.block_v)
         self.s_pad = max(2, triton.next_power_of_2(self.S))
         self.k_pad = max(16, triton.next_power_of_2(max_top_k))
-        self.groups = min(128, self.block_v) if superset and TOPK_GROUPS and max_top_k <= 64 else 0
+        # the group bound where phase 2 has at most 2048 candidate slots, as measured (V = 32000: 16 slices x 128)
+        fits = self.s_pad * 2 * self.k_pad <= 2048
+        self.groups = min(128, self.block_v) if superset and TOPK_GROUPS and max_top_k <= 64 and fits else 0
         self.C = self.k_pad * (2 if self.groups else 1)
         self.stats_2BS = torch.empty(2, B, self.S, dtype=torch.float32, device=dev)  # slice max, sum of exp
         self.cnt_BS = torch.empty(B, self.S, dtype=torch.int32, device=dev)
