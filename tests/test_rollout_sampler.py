@@ -405,3 +405,21 @@ def test_one_launch_draw_writes_the_multistep_record(draw, advance, want_logprob
     for got, want in zip(inputs[:5], inputs_ref[:5]):
         assert torch.equal(got, want)
     assert advance == bool((inputs[0] == tokens).all() and (inputs[1] != torch.tensor([3, 7, 8, 15, 0], device=DEVICE)).all())
+
+
+@needs_kernels
+def test_group_bound_applies_only_where_it_was_measured(monkeypatch):
+    """`TOPK_GROUPS` takes the group bound for `topk_sample` with top-k up to 64 when phase 2 has at most 2048
+    candidate slots (V=32000: 16 slices x 128); a 152k vocabulary (64 slices), a larger top-k and
+    `ranked_candidates` keep the exact per-slice top-k."""
+    from moeloop.rollout import gumbel_kernel
+    monkeypatch.setattr(gumbel_kernel, "TOPK_GROUPS", True)
+
+    def plan(V: int, k: int, superset: bool = True):
+        return gumbel_kernel._SlicePlan(torch.empty(1, V), k, superset=superset)
+
+    assert (plan(32000, 50).groups, plan(32000, 50).C, plan(32000, 50).k_pad) == (128, 128, 64)
+    assert (plan(151936, 50).groups, plan(151936, 50).C) == (0, 64)
+    assert (plan(32000, 100).groups, plan(32000, 50, superset=False).groups) == (0, 0)
+    monkeypatch.setattr(gumbel_kernel, "TOPK_GROUPS", False)
+    assert (plan(32000, 50).groups, plan(32000, 50).C) == (0, 64)
