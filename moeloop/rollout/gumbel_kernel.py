@@ -287,11 +287,10 @@ if triton is not None:
 
     @triton.jit
     def _compact(keep, z, v, vals_ptr, ids_ptr):
-        """Store the kept lanes' (value, vocab id) densely, in lane order; return how many."""
+        """Store the kept lanes' (value, vocab id) densely, in lane order (the caller counts them)."""
         pos = tl.cumsum(keep.to(tl.int32), 0) - 1
         tl.store(vals_ptr + pos, z, mask=keep)
         tl.store(ids_ptr + pos, v, mask=keep)
-        return tl.sum(keep.to(tl.int32), 0)
 
     @triton.jit
     def _group_bound(z, k, G: tl.constexpr, BLOCK_V: tl.constexpr):
@@ -324,11 +323,14 @@ if triton is not None:
             tl.store(l64_ptr + at, tl.sum(tl.exp(z.to(tl.float64) - _finite(m).to(tl.float64)), 0))
         if GROUPS > 0:
             keep = ok & (z >= _group_bound(z, k, GROUPS, BLOCK_V))
-            if tl.sum(keep.to(tl.int32), 0) > C:
+            n = tl.sum(keep.to(tl.int32), 0)  # (the count the slots are checked against is the one stored)
+            if n > C:
                 keep = _keep_first(z, ok, k, KEY_BITS, SHORT)
+                n = tl.sum(keep.to(tl.int32), 0)
         else:
             keep = _keep_first(z, ok, k, KEY_BITS, SHORT)
-        n = _compact(keep, z, v, cand_z_ptr + at * C, cand_v_ptr + at * C)
+            n = tl.sum(keep.to(tl.int32), 0)
+        _compact(keep, z, v, cand_z_ptr + at * C, cand_v_ptr + at * C)
         tl.store(m_ptr + at, m)
         tl.store(l_ptr + at, l)
         tl.store(cnt_ptr + at, n)
@@ -397,9 +399,9 @@ if triton is not None:
         _, valid, z, v = _row_candidates(cnt_ptr, cand_z_ptr, cand_v_ptr, b, S, S_PAD, C)
         keep = _row_keep_first(z, valid, k, cnt_ptr, b, S, S_PAD, C, KEY_BITS, SHORT)
         tl.debug_barrier()  # every lane has its candidates before the kept ones overwrite the first slots
-        n = _compact(keep, z, v, cand_z_ptr + b * S * C, cand_v_ptr + b * S * C)
+        _compact(keep, z, v, cand_z_ptr + b * S * C, cand_v_ptr + b * S * C)
         tl.debug_barrier()
-        return n
+        return tl.sum(keep.to(tl.int32), 0)
 
     @triton.jit
     def _ranked_first(cnt_ptr, cand_z_ptr, cand_v_ptr, b, k, S: tl.constexpr, S_PAD: tl.constexpr, C: tl.constexpr,
