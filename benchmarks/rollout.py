@@ -33,29 +33,30 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def copy_seconds(dst: torch.Tensor, src: torch.Tensor, device: str) -> float:
+    """Seconds of one dst.copy_(src): CUDA events on a GPU, the host timer on a CPU."""
+    if not device.startswith("cuda"):
+        t = time.perf_counter()
+        dst.copy_(src)
+        return time.perf_counter() - t
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
 def copy_bandwidth_bytes_per_s(device: str, trials: int = 20) -> float:
-    """(read + write) bytes per second of a large device-to-device copy, the best of `trials` (CUDA events on a
-    GPU): the ceiling the roofline divides by. A median of 5 moved by up to 4.5% from one process to the next on
-    the H200 (BENCHMARKS.md, session 14), and the roofline percentage with it; the best is the steadier ceiling
-    and never flatters the percentage."""
+    """(read + write) bytes per second of a large device-to-device copy, the best of `trials` (`copy_seconds`):
+    the ceiling the roofline divides by. A median of 5 moved by up to 4.5% from one process to the next on the
+    H200 (BENCHMARKS.md, session 14), and the roofline percentage with it; the best is the steadier ceiling and
+    never flatters the percentage."""
     n = (2 << 30) if device.startswith("cuda") else (256 << 20)
     src = torch.randn(n // 4, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    times = []
-    for _ in range(trials):
-        if device.startswith("cuda"):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            dst.copy_(src)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t = time.perf_counter()
-            dst.copy_(src)
-            times.append(time.perf_counter() - t)
-    return 2 * n / min(times)
+    return 2 * n / min(copy_seconds(dst, src, device) for _ in range(trials))
 
 
 def roofline(model, batch: int, prompt_len: int, new_tokens: int, bw: float) -> tuple[float, float]:
