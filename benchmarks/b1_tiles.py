@@ -51,8 +51,6 @@ KNOBS = {
     "one_launch": (moe_kernel, "ONE_LAUNCH", [False, True]),
     "one_prefetch": (moe_kernel, "ONE_LAUNCH_PREFETCH", [True, False]),
     "one_down_rows": (moe_kernel, "ONE_LAUNCH_DOWN_ROWS", [4, 8, 16]),
-    "one_coop": (moe_kernel, "ONE_LAUNCH_COOP", [True, False]),
-    "one_poll_load": (moe_kernel, "ONE_LAUNCH_POLL_LOAD", [False, True]),
 }
 PROMPT, NEW = 128, 8
 

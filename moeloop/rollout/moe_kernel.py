@@ -258,8 +258,7 @@ if triton is not None:
                             BLOCK_D: tl.constexpr, DOWN_D: tl.constexpr, DOWN_F: tl.constexpr, E: tl.constexpr,
                             E_PAD: tl.constexpr, SCALE: tl.constexpr, NORM: tl.constexpr, PHASE: tl.constexpr,
                             PREFETCH: tl.constexpr, LINE: tl.constexpr, LINES: tl.constexpr,
-                            LIBDEVICE: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
-                            POLL_LOAD: tl.constexpr = False):
+                            LIBDEVICE: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
         """`_gate_up_silu` then `_down_combine` (ROUTED: both rank the router logits) in one launch of G programs
         (a grid of `_gate_up_silu`'s: [T * K, N_FB]; its program ids, not p // N_FB and p % N_FB, which ptxas
         compiled to loads interleaved with the FMAs at 61 registers instead of all loads first at 225):
@@ -282,7 +281,7 @@ if triton is not None:
             _gate_up_rows(x_ptr, w_gu_ptr, logits_ptr, h_ptr, tl.program_id(0), tl.program_id(1), s_gue, s_guf, D, F,
                           K, BLOCK_F, BLOCK_D, LIBDEVICE, True, E, E_PAD)
         if PHASE == 0:
-            _grid_barrier(sync_ptr, G, POLL_LOAD)
+            _grid_barrier(sync_ptr, G)
         if PHASE != 1:
             for i in range(pid, N_B, G):
                 t = i // N_DB
@@ -293,7 +292,7 @@ if triton is not None:
                            PHASE == 0)
 
     @triton.jit
-    def _grid_barrier(counter_ptr, n, POLL_LOAD: tl.constexpr):
+    def _grid_barrier(counter_ptr, n):
         """Every one of the launch's n programs waits here until all have arrived; their stores before it are then
         visible to all (read them from L2: `.cg`). The int64 counter only grows: the arrival that reads `old` waits
         for the next multiple of n, so launches after it need no reset (each adds n, and the next launch's programs
@@ -302,13 +301,8 @@ if triton is not None:
         old = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
         target = (old // n + 1) * n
         seen = old + 1
-        if POLL_LOAD:
-            while seen < target:
-                seen = tl.load(counter_ptr, volatile=True)
-            tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
-        else:
-            while seen < target:
-                seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+        while seen < target:
+            seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
         tl.debug_barrier()
 
     @triton.jit
@@ -373,8 +367,6 @@ def routed_experts(moe: MoE, x_TD: torch.Tensor, logits_TE: torch.Tensor) -> tor
 # GPU, so off by default: MOELOOP_MOE_ONE_LAUNCH=on
 ONE_LAUNCH = os.environ.get("MOELOOP_MOE_ONE_LAUNCH", "off").lower() == "on"
 ONE_LAUNCH_PREFETCH = os.environ.get("MOELOOP_MOE_ONE_PREFETCH", "on").lower() != "off"
-ONE_LAUNCH_COOP = True  # (experiment) a plain launch instead: the grid fits on the H200 (2 programs per SM)
-ONE_LAUNCH_POLL_LOAD = False  # (experiment) the barrier polls with volatile loads instead of atomics
 ONE_LAUNCH_DOWN_ROWS = 8  # output rows per down item (times K experts): 192 items at D=1536, one per program at B=1
 # devices whose cooperative launch refused the one-launch grid (the error), which then run its two halves as two
 # launches
@@ -405,8 +397,7 @@ def _experts_in_one_launch(experts: Experts, x_TD: torch.Tensor, logits_TE: torc
     if not interpreting and x_TD.device not in ONE_LAUNCH_REFUSED:
         try:
             _experts_one_launch[(T * K, n_fb)](*args, PHASE=0, PREFETCH=ONE_LAUNCH_PREFETCH,
-                                               POLL_LOAD=ONE_LAUNCH_POLL_LOAD,
-                                               **({"launch_cooperative_grid": True} if ONE_LAUNCH_COOP else {}), **meta)
+                                               launch_cooperative_grid=True, **meta)
             return y_TD
         except RuntimeError as err:  # (the warm-up before a graph capture meets it first: same shapes)
             ONE_LAUNCH_REFUSED[x_TD.device] = str(err)
