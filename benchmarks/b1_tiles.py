@@ -20,9 +20,6 @@ Knobs (module constants read at each launch, so a fresh engine's graph capture t
   max_splits  decode_kernel.MAX_SPLITS       (1: one program per kv head loops over the context, no merge launch)
   lm_head_fold, lm_head  fused_decode.LM_HEAD_FOLD, LM_HEAD_TILE: the final norm folded into a one-token lm_head
                                                  launch instead of `_add_rmsnorm` then cuBLAS
-  one_launch, one_prefetch, one_down_rows  moe_kernel.ONE_LAUNCH, ONE_LAUNCH_PREFETCH, ONE_LAUNCH_DOWN_ROWS: the
-                                                 routed experts in one launch with a grid barrier, its L2 prefetch of
-                                                 the down weights, and its down items' rows
 
 `--ab name=value[;name=value]` (repeatable) also measures that change against the defaults in alternation, whatever
 the sweep found (e.g. `--ab lm_head_fold=False`: the fold's A/B). `--rounds 0` runs only those.
@@ -48,9 +45,6 @@ KNOBS = {
     "max_splits": (decode_kernel, "MAX_SPLITS", [3, 4, 8, 16]),
     "lm_head_fold": (fused_decode, "LM_HEAD_FOLD", [True, False]),
     "lm_head": (fused_decode, "LM_HEAD_TILE", [(4, 4), (8, 4), (8, 8), (16, 4), (16, 8)]),
-    "one_launch": (moe_kernel, "ONE_LAUNCH", [False, True]),
-    "one_prefetch": (moe_kernel, "ONE_LAUNCH_PREFETCH", [True, False]),
-    "one_down_rows": (moe_kernel, "ONE_LAUNCH_DOWN_ROWS", [4, 8, 16]),
 }
 PROMPT, NEW = 128, 8
 

@@ -168,24 +168,18 @@ def test_row_linear_equals_f_linear(monkeypatch, max_d):
     assert not row_linear_applies(x, [nn.Linear(40, 16).to(DEVICE)], 16)  # a bias: the module path
 
 
-@pytest.mark.parametrize("arch,norm_fold,route_fold,embed_fold,head_fold,one_launch", [
-    ("qwen3_moe", False, False, False, True, False), ("qwen3_moe", True, False, False, False, False),
-    ("qwen3_moe", True, True, True, True, False), ("mixtral", True, True, True, True, False),
-    ("qwen3_moe", True, True, True, True, True)])
+@pytest.mark.parametrize("arch,norm_fold,route_fold,embed_fold,head_fold", [
+    ("qwen3_moe", False, False, False, True), ("qwen3_moe", True, False, False, False),
+    ("qwen3_moe", True, True, True, True), ("mixtral", True, True, True, True)])
 def test_fused_decode_single_sequence_matches_module_path(monkeypatch, arch, norm_fold, route_fold, embed_fold,
-                                                          head_fold, one_launch):
+                                                          head_fold):
     """B=1 decode takes the one-launch projections (with `norm_fold`, the add + RMSNorm folded into the q|k|v and
     router projections, and with `head_fold` the final one into the lm_head; with `route_fold` too, the softmax
-    top-k done inside the expert kernels, with `one_launch` both expert kernels as one; with `embed_fold`, the first
-    q|k|v launch reads the embedding row); same tokens and logprobs as the module forward (Mixtral: top-2 of 8
-    experts, no q/k norm)."""
+    top-k done inside the expert kernels; with `embed_fold`, the first q|k|v launch reads the embedding row); same
+    tokens and logprobs as the module forward (Mixtral: top-2 of 8 experts, no q/k norm)."""
     from moeloop.rollout import fused_decode, moe_kernel
     monkeypatch.setattr(fused_decode, "NORM_FOLD", norm_fold)
     monkeypatch.setattr(moe_kernel, "ROUTE_FOLD", route_fold)
-    monkeypatch.setattr(moe_kernel, "ONE_LAUNCH", one_launch)
-    one_launches = []
-    launch = moe_kernel._experts_in_one_launch
-    monkeypatch.setattr(moe_kernel, "_experts_in_one_launch", lambda *a: one_launches.append(1) or launch(*a))
     monkeypatch.setattr(fused_decode, "EMBED_FOLD", embed_fold)
     monkeypatch.setattr(fused_decode, "LM_HEAD_FOLD", head_fold)
     folds, routed, embedded, heads = [], [], [], []
@@ -209,7 +203,6 @@ def test_fused_decode_single_sequence_matches_module_path(monkeypatch, arch, nor
     # per decode step and layer: q|k|v (3 projections) and the router (1)
     assert (sorted(set(folds)) == [1, 3] and len(folds) == 2 * 4 * len(model.model.layers)) if norm_fold else not folds
     assert len(routed) == (4 * len(model.model.layers) if route_fold else 0)
-    assert len(one_launches) == (len(routed) if one_launch else 0)
     assert sum(embedded) == (4 if embed_fold else 0)  # once per decode step
     assert heads == ([fused_decode.LM_HEAD_TILE] * 4 if head_fold and norm_fold else [])
 
@@ -244,41 +237,6 @@ def test_routed_experts_equal_topk_kernel_then_experts(norm_topk):
         y = routed_experts(moe, x, logits)
         ref = fused_experts(experts, x[:3], ids[:3], wts[:3])
     torch.testing.assert_close(y[:3], ref, rtol=1e-6, atol=1e-6)
-
-
-@pytest.mark.parametrize("dtype,num_tokens,dims", [(torch.float32, 4, (60, 36)), (torch.bfloat16, 1, (64, 32)),
-                                                    (torch.bfloat16, 3, (40, 24))])
-def test_routed_experts_in_one_launch_equal_two_launches(monkeypatch, dtype, num_tokens, dims):
-    """`_experts_one_launch` (gate_up, grid barrier, down; under the interpreter its two halves as two launches, on
-    CUDA one cooperative launch) gives the two PDL-chained kernels' output bit for bit: model dims not a multiple
-    of the down items' rows (60) or of gate_up's rows (36), one token and several."""
-    from types import SimpleNamespace
-    from moeloop.model.experts import Experts
-    from moeloop.rollout import moe_kernel
-    from moeloop.rollout.moe_kernel import routed_experts
-
-    torch.manual_seed(7)
-    (D, F_), E, K = dims, 12, 3
-    experts = Experts(E, D, F_, "grouped_mm").to(DEVICE, dtype)
-    with torch.no_grad():
-        experts.gate_up_proj.normal_(0, 0.1)
-        experts.down_proj.normal_(0, 0.1)
-    gate = SimpleNamespace(top_k=K, routed_scaling_factor=1.5, norm_topk_prob=True, scoring_func="softmax")
-    moe = SimpleNamespace(gate=gate, experts=experts)
-    x = torch.randn(num_tokens, D, device=DEVICE, dtype=dtype)
-    logits = torch.randn(num_tokens, E, device=DEVICE, dtype=dtype)
-    calls = []
-    launch = moe_kernel._experts_in_one_launch
-    monkeypatch.setattr(moe_kernel, "_experts_in_one_launch", lambda *a: calls.append(1) or launch(*a))
-    with torch.no_grad():
-        monkeypatch.setattr(moe_kernel, "ONE_LAUNCH", False)
-        ref = routed_experts(moe, x, logits)
-        monkeypatch.setattr(moe_kernel, "ONE_LAUNCH", True)
-        ys = [routed_experts(moe, x, logits) for _ in range(3)]  # (on CUDA the barrier's counter carries over)
-    assert calls == [1, 1, 1] and ref.abs().sum() > 0
-    for y in ys:
-        assert torch.equal(y, ref)
-    assert x.device not in moe_kernel.ONE_LAUNCH_REFUSED
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -452,22 +410,3 @@ def test_pdl_launches_give_bitwise_the_same_decode(monkeypatch, batch):
         outs[mode] = make_engine(model).generate(ps, params)  # CUDA graphs captured under this mode
     assert [o.response_ids for o in outs["on"]] == [o.response_ids for o in outs["off"]]
     assert [o.logprobs for o in outs["on"]] == [o.logprobs for o in outs["off"]]
-
-
-@pytest.mark.skipif(DEVICE != "cuda", reason="the grid barrier runs only in a cooperative CUDA launch")
-@pytest.mark.parametrize("prefetch", [True, False])
-def test_one_launch_experts_give_bitwise_the_same_decode(monkeypatch, prefetch):
-    """B=1 bf16 decode with the routed experts in one launch (`moe_kernel.ONE_LAUNCH`, PDL on, inside the CUDA
-    graphs) and as two launches: the same tokens and logprobs, bit for bit."""
-    from moeloop.rollout import moe_kernel
-    model = tiny_model("qwen3_moe").to(DEVICE, torch.bfloat16)
-    ps = prompts(1, seed=23)
-    params = SamplingParams(n=1, temperature=1.0, max_tokens=24, seed=6)
-    monkeypatch.setattr(moe_kernel, "ONE_LAUNCH_PREFETCH", prefetch)
-    outs = {}
-    for one in (True, False):
-        monkeypatch.setattr(moe_kernel, "ONE_LAUNCH", one)
-        outs[one] = make_engine(model).generate(ps, params)
-    assert torch.device(DEVICE, torch.cuda.current_device()) not in moe_kernel.ONE_LAUNCH_REFUSED
-    assert [o.response_ids for o in outs[True]] == [o.response_ids for o in outs[False]]
-    assert [o.logprobs for o in outs[True]] == [o.logprobs for o in outs[False]]

@@ -86,16 +86,6 @@ def _compile_align_and_small_batch_experts():
                                                s_we="i64", s_wd="i64"),
                  dict(wts_ptr=None, D=D, F=F, K=K, K_PAD=K, BLOCK_D=4, BLOCK_F=512, EARLY=True, PDL=True, ROUTED=True,
                       E=E, E_PAD=E, SCALE=1.0, NORM=True))
-    # both as one launch with a grid barrier (phase 0, with the down weights' L2 prefetch), or its halves alone
-    for phase in (0, 1, 2):
-        compiled = compile_sm90(moe_kernel._experts_one_launch, dict(
-            x_ptr="*bf16", w_gu_ptr="*bf16", w_d_ptr="*bf16", logits_ptr="*bf16", h_ptr="*bf16", y_ptr="*bf16",
-            sync_ptr="*i64", s_gue="i64", s_guf="i64", s_de="i64", s_dd="i64"),
-            dict(D=D, F=F, K=K, K_PAD=K, N_FB=F // 8, N_DB=D // 8, N_B=D // 8, BLOCK_F=8, BLOCK_D=2048, DOWN_D=8,
-                 DOWN_F=256, E=E, E_PAD=E, SCALE=1.0, NORM=True, PHASE=phase, PREFETCH=phase == 0, LINE=64, LINES=8,
-                 LIBDEVICE=True, EARLY=True, PDL=True))
-        ptx = compiled.asm["ptx"]
-        assert ("prefetch.global.L2" in ptx) == (phase == 0) and ("atom" in ptx) == (phase == 0)
 
 
 def _compile_combine_rows_and_backward():

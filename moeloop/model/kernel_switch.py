@@ -78,24 +78,6 @@ def pdl_args(x: torch.Tensor, rows: int) -> dict:
     return {"PDL": pdl, **pdl_launch(pdl)}
 
 
-_KEPT: dict[tuple, torch.Tensor] = {}
-
-
-def kept_zeros(tag: str, device: torch.device, n: int, dtype: torch.dtype) -> torch.Tensor:
-    """n zeros, made once per (tag, device, n, dtype) and reused by every launch after: for counters that the
-    kernels keep valid themselves (`last_arrival`'s, which the last program sets back to 0; a grid barrier's, which
-    only grow), so no launch zeroes them. Made fresh inside a CUDA graph capture, where a kept tensor would live in
-    the graph's private pool."""
-    device = torch.device(device)
-    key = (tag, device, n, dtype)
-    if key not in _KEPT:
-        zeros = torch.zeros(n, dtype=dtype, device=device)
-        if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-            return zeros
-        _KEPT[key] = zeros
-    return _KEPT[key]
-
-
 def rounds_by_bits(dtype: torch.dtype) -> bool:
     """Kernels round to bf16 with `bf16_rne` instead of a cast: under the interpreter, whose cast truncates."""
     return triton_interpreting() and dtype == torch.bfloat16

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from moeloop.model import kernel_switch
-from moeloop.model.kernel_switch import kept_zeros, pdl_args
+from moeloop.model.kernel_switch import pdl_args
 from moeloop.rollout.decode_kernel import triton, triton_interpreting
 
 SPLITS = 8  # programs per row: one per row left most SMs idle at B <= 128 (~34 us for B=128, V=32000 on the H200)
@@ -572,11 +572,21 @@ def _launch_extras(logits_BV: torch.Tensor, record: StepRecord | None) -> dict:
     return extras
 
 
+_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
 def row_counters(device: torch.device, B: int) -> torch.Tensor:
-    """B int32 zeros for `last_arrival`, kept per (device, B) and reused (`kernel_switch.kept_zeros`): the last
-    program of each row sets its counter back to 0, so no launch zeroes them (a memset kernel before every sampler
-    launch otherwise)."""
-    return kept_zeros("last_arrival", device, B, torch.int32)
+    """B int32 zeros for `last_arrival`, kept per (device, B) and reused: the last program of each row sets its
+    counter back to 0, so no launch zeroes them (a memset kernel before every sampler launch otherwise). Made
+    fresh inside a CUDA graph capture, where a kept tensor would live in the graph's private pool."""
+    device = torch.device(device)
+    key = (device, B)
+    if key not in _COUNTERS:
+        counters = torch.zeros(B, dtype=torch.int32, device=device)
+        if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            return counters
+        _COUNTERS[key] = counters
+    return _COUNTERS[key]
 
 
 # the top-k draw's bisections stop once their range is one key, and phase 2's starts at the slices' bound

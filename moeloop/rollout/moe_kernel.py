@@ -14,7 +14,6 @@ graph. Rounding points follow `Experts`.
 from __future__ import annotations
 
 import os
-import warnings
 from contextlib import contextmanager
 from collections.abc import Iterator
 
@@ -23,7 +22,7 @@ from torch import nn
 
 from moeloop.model.expert_rows import combine
 from moeloop.model import kernel_switch
-from moeloop.model.kernel_switch import kept_zeros, pdl_args
+from moeloop.model.kernel_switch import pdl_args
 from moeloop.model.experts import Experts, expert_counts, register_experts_impl
 from moeloop.model.moe import MoE
 from moeloop.rollout.decode_kernel import triton, triton_interpreting
@@ -88,15 +87,8 @@ if triton is not None:
         the expert ids come from the kernel just before. ROUTED: `ids_ptr` holds the router logits [T, E] instead,
         and the program ranks them itself (`_ranked_experts`: assignment s is token s // K's rank s % K)."""
         pdl_wait(PDL)
-        _gate_up_rows(x_ptr, w_ptr, ids_ptr, h_ptr, tl.program_id(0), tl.program_id(1), s_we, s_wf, D, F, K, BLOCK_F,
-                      BLOCK_D, LIBDEVICE, ROUTED, E, E_PAD)
-
-    @triton.jit
-    def _gate_up_rows(x_ptr, w_ptr, ids_ptr, h_ptr, s, fb, s_we, s_wf, D: tl.constexpr, F: tl.constexpr,
-                      K: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr, LIBDEVICE: tl.constexpr,
-                      ROUTED: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr):
-        """`_gate_up_silu`'s work for assignment s, ffn rows block fb (after the wait)."""
-        f = fb * BLOCK_F + tl.arange(0, BLOCK_F)
+        s = tl.program_id(0)
+        f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
         f_ok = f < F
         if ROUTED:
             ids, _, _ = _ranked_experts(ids_ptr, s // K, tl.zeros([1], tl.int32) + s % K, E, E_PAD)
@@ -192,21 +184,10 @@ if triton is not None:
         too, and the program takes the ids and weights from them (`_ranked_experts`, `_routed_weights` with SCALE
         and NORM); `wts_ptr` is not read (None)."""
         pdl_launch_next(PDL, EARLY)
-        t, j = tl.program_id(0), tl.program_id(1)
-        w, w_rows, ok, s, wts = _down_tile(w_ptr, ids_ptr, t, j, s_we, s_wd, D, F, K, K_PAD, BLOCK_D, BLOCK_F, ROUTED, E,
-                                           E_PAD, SCALE, NORM)
-        pdl_wait(PDL, EARLY)  # (nothing may write the ids between the router's kernel and this one: they are read above)
-        _down_rows(h_ptr, wts_ptr, y_ptr, w, w_rows, ok, s, wts, t, j, D, F, K, K_PAD, BLOCK_D, BLOCK_F, ROUTED)
-
-    @triton.jit
-    def _down_tile(w_ptr, ids_ptr, t, j, s_we, s_wd, D: tl.constexpr, F: tl.constexpr, K: tl.constexpr,
-                   K_PAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr, ROUTED: tl.constexpr,
-                   E: tl.constexpr, E_PAD: tl.constexpr, SCALE: tl.constexpr, NORM: tl.constexpr):
-        """The first half of `_down_combine`'s program (t, j): (its first weight tile, the tile's row pointers, row
-        mask and assignments, and with ROUTED the routing weights; otherwise zeros, `_down_rows` loads them)."""
+        t = tl.program_id(0)
         r = tl.arange(0, K_PAD * BLOCK_D)
         k = r // BLOCK_D
-        d = j * BLOCK_D + r % BLOCK_D
+        d = tl.program_id(1) * BLOCK_D + r % BLOCK_D
         ok = (k < K) & (d < D)
         s = (t * K + k).to(tl.int64)
         if ROUTED:
@@ -215,29 +196,18 @@ if triton is not None:
             wts = _routed_weights(z, rank, ids, SCALE, K, NORM)
         else:
             e = tl.load(ids_ptr + s, mask=ok, other=0).to(tl.int64)
-            wts = tl.zeros([K_PAD * BLOCK_D], tl.float32)
         w_rows = w_ptr + e[:, None] * s_we + d[:, None] * s_wd
         f = tl.arange(0, BLOCK_F)
         w = tl.load(w_rows + f[None, :], mask=ok[:, None] & (f[None, :] < F), other=0.0)
-        return w, w_rows, ok, s, wts
-
-    @triton.jit
-    def _down_rows(h_ptr, wts_ptr, y_ptr, w, w_rows, ok, s, wts, t, j, D: tl.constexpr, F: tl.constexpr,
-                   K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
-                   ROUTED: tl.constexpr, FRESH: tl.constexpr = False):
-        """The second half of `_down_combine`'s program (t, j), from `_down_tile`'s results (after the wait).
-        FRESH: h was written by other programs of this launch (read from L2)."""
-        f = tl.arange(0, BLOCK_F)
+        pdl_wait(PDL, EARLY)  # (nothing may write the ids between the router's kernel and this one: they are read above)
         h_rows = h_ptr + s[:, None] * F
-        h = tl.load(h_rows + f[None, :], mask=ok[:, None] & (f[None, :] < F), other=0.0,
-                    cache_modifier=".cg" if FRESH else "").to(tl.float32)
+        h = tl.load(h_rows + f[None, :], mask=ok[:, None] & (f[None, :] < F), other=0.0).to(tl.float32)
         acc = tl.sum(w.to(tl.float32) * h, 1)
         for f0 in range(BLOCK_F, F, BLOCK_F):
             ff = f0 + tl.arange(0, BLOCK_F)
             fm = ok[:, None] & (ff[None, :] < F)
             ww = tl.load(w_rows + ff[None, :], mask=fm, other=0.0).to(tl.float32)
-            hh = tl.load(h_rows + ff[None, :], mask=fm, other=0.0, cache_modifier=".cg" if FRESH else "")
-            acc += tl.sum(ww * hh.to(tl.float32), 1)
+            acc += tl.sum(ww * tl.load(h_rows + ff[None, :], mask=fm, other=0.0).to(tl.float32), 1)
         dt = y_ptr.dtype.element_ty
         if not ROUTED:
             wts = tl.load(wts_ptr + s, mask=ok, other=0.0)
@@ -248,80 +218,8 @@ if triton is not None:
         out = tl.zeros([BLOCK_D], tl.float32)
         for kk in tl.static_range(K):
             out += tl.sum(tl.where(k_rows == kk, part, 0.0), 0)
-        d_out = j * BLOCK_D + tl.arange(0, BLOCK_D)
+        d_out = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         tl.store(y_ptr + t.to(tl.int64) * D + d_out, out.to(dt), mask=d_out < D)
-
-    @triton.jit
-    def _experts_one_launch(x_ptr, w_gu_ptr, w_d_ptr, logits_ptr, h_ptr, y_ptr, sync_ptr, s_gue, s_guf, s_de, s_dd,
-                            D: tl.constexpr, F: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
-                            N_FB: tl.constexpr, N_DB: tl.constexpr, N_B: tl.constexpr, BLOCK_F: tl.constexpr,
-                            BLOCK_D: tl.constexpr, DOWN_D: tl.constexpr, DOWN_F: tl.constexpr, E: tl.constexpr,
-                            E_PAD: tl.constexpr, SCALE: tl.constexpr, NORM: tl.constexpr, PHASE: tl.constexpr,
-                            PREFETCH: tl.constexpr, LINE: tl.constexpr, LINES: tl.constexpr,
-                            LIBDEVICE: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
-        """`_gate_up_silu` then `_down_combine` (ROUTED: both rank the router logits) in one launch of G programs
-        (a grid of `_gate_up_silu`'s: [T * K, N_FB]; its program ids, not p // N_FB and p % N_FB, which ptxas
-        compiled to loads interleaved with the FMAs at 61 registers instead of all loads first at 225):
-        program p = (s, fb) computes `_gate_up_silu`'s program (s, fb)'s h rows, all programs meet at a
-        grid barrier (`_grid_barrier`: every program must be resident at once, which the cooperative launch
-        guarantees), then program p computes down items p, p + G, ... (item i: token i // N_DB, output rows block
-        i % N_DB of DOWN_D rows). PREFETCH: before its h rows, a program asks L2 for its down items' weight rows,
-        so the down weights stream from HBM with gate_up's rather than after the barrier. PHASE 1 / 2: the first /
-        second half alone, for two launches without the barrier (the interpreter, which runs the programs one at a
-        time; a device that cannot hold the grid)."""
-        pdl_launch_next(PDL, EARLY)
-        pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-        G = tl.num_programs(0) * tl.num_programs(1)
-        pdl_wait(PDL, EARLY)
-        if PHASE != 2:
-            if PREFETCH:
-                for i in range(pid, N_B, G):
-                    _prefetch_down_rows(w_d_ptr, logits_ptr, i // N_DB, i % N_DB, s_de, s_dd, D, F, K, K_PAD, DOWN_D,
-                                        E, E_PAD, LINE, LINES)
-            _gate_up_rows(x_ptr, w_gu_ptr, logits_ptr, h_ptr, tl.program_id(0), tl.program_id(1), s_gue, s_guf, D, F,
-                          K, BLOCK_F, BLOCK_D, LIBDEVICE, True, E, E_PAD)
-        if PHASE == 0:
-            _grid_barrier(sync_ptr, G)
-        if PHASE != 1:
-            for i in range(pid, N_B, G):
-                t = i // N_DB
-                j = i % N_DB
-                w, w_rows, ok, s, wts = _down_tile(w_d_ptr, logits_ptr, t, j, s_de, s_dd, D, F, K, K_PAD, DOWN_D,
-                                                   DOWN_F, True, E, E_PAD, SCALE, NORM)
-                _down_rows(h_ptr, None, y_ptr, w, w_rows, ok, s, wts, t, j, D, F, K, K_PAD, DOWN_D, DOWN_F, True,
-                           PHASE == 0)
-
-    @triton.jit
-    def _grid_barrier(counter_ptr, n):
-        """Every one of the launch's n programs waits here until all have arrived; their stores before it are then
-        visible to all (read them from L2: `.cg`). The int64 counter only grows: the arrival that reads `old` waits
-        for the next multiple of n, so launches after it need no reset (each adds n, and the next launch's programs
-        start only after this launch completed). A CTA barrier orders the program's stores before its release."""
-        tl.debug_barrier()
-        old = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-        target = (old // n + 1) * n
-        seen = old + 1
-        while seen < target:
-            seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
-        tl.debug_barrier()
-
-    @triton.jit
-    def _prefetch_down_rows(w_ptr, logits_ptr, t, j, s_we, s_wd, D: tl.constexpr, F: tl.constexpr, K: tl.constexpr,
-                            K_PAD: tl.constexpr, BLOCK_D: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
-                            LINE: tl.constexpr, LINES: tl.constexpr):
-        """Hint (sm_80+ `prefetch.global.L2`): pull the weight rows of down item (t, j) (`_down_tile`'s rows, the
-        experts ranked from the router logits) into L2, one LINE-element line per prefetch. Nothing waits for
-        them, and they hold no registers. LINES: a power of two >= F / LINE."""
-        r = tl.arange(0, K_PAD * BLOCK_D)
-        k = r // BLOCK_D
-        d = j * BLOCK_D + r % BLOCK_D
-        ok = (k < K) & (d < D)
-        ids, _, _ = _ranked_experts(logits_ptr, t, k, E, E_PAD)
-        c = tl.arange(0, LINES) * LINE
-        ptrs = w_ptr + ids.to(tl.int64)[:, None] * s_we + d[:, None] * s_wd + c[None, :]
-        on = (ok[:, None] & (c[None, :] < F)).to(tl.int32)
-        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-                                  "=r,l,r", [ptrs, on], dtype=tl.int32, is_pure=False, pack=1)
 
 
 def fused_experts(experts: Experts, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
@@ -355,56 +253,8 @@ def routed_experts(moe: MoE, x_TD: torch.Tensor, logits_TE: torch.Tensor) -> tor
     router, E = moe.gate, logits_TE.shape[1]
     routing = dict(ROUTED=True, E=E, E_PAD=max(16, triton.next_power_of_2(E)))
     down = dict(SCALE=float(router.routed_scaling_factor), NORM=bool(router.norm_topk_prob))
-    if ONE_LAUNCH:
-        return _experts_in_one_launch(moe.experts, x_TD.contiguous(), logits_TE.contiguous(), router.top_k,
-                                      routing["E"], routing["E_PAD"], down)
     return _few_token_experts(moe.experts, x_TD.contiguous(), logits_TE.contiguous(), None, router.top_k, routing,
                               down)
-
-
-# `routed_experts` as one launch (`_experts_one_launch`: gate_up, a grid barrier, down) instead of two PDL-chained
-# launches; the down weights' L2 prefetch (ONE_LAUNCH_PREFETCH) streams them with gate_up's. Not yet measured on a
-# GPU, so off by default: MOELOOP_MOE_ONE_LAUNCH=on
-ONE_LAUNCH = os.environ.get("MOELOOP_MOE_ONE_LAUNCH", "off").lower() == "on"
-ONE_LAUNCH_PREFETCH = os.environ.get("MOELOOP_MOE_ONE_PREFETCH", "on").lower() != "off"
-ONE_LAUNCH_DOWN_ROWS = 8  # output rows per down item (times K experts): 192 items at D=1536, one per program at B=1
-# devices whose cooperative launch refused the one-launch grid (the error), which then run its two halves as two
-# launches
-ONE_LAUNCH_REFUSED: dict[torch.device, str] = {}
-
-
-def _experts_in_one_launch(experts: Experts, x_TD: torch.Tensor, logits_TE: torch.Tensor, K: int, E: int, E_PAD: int,
-                           down_routing: dict) -> torch.Tensor:
-    """`routed_experts` through `_experts_one_launch`: one program per `_gate_up_silu` program, a cooperative launch
-    (the driver refuses a grid that cannot be resident at once, rather than the barrier hanging). Under the
-    interpreter, or where the device refused it, its two halves run as two launches."""
-    w_gu, w_d = experts.gate_up_proj, experts.down_proj
-    D, F, T = experts.dim, experts.ffn_dim, x_TD.shape[0]
-    h_SF = x_TD.new_empty(T * K, F)
-    y_TD = torch.empty_like(x_TD)
-    block_f, warps = GATE_UP_FEW_TILE
-    k_pad = triton.next_power_of_2(K)
-    n_fb, n_db = triton.cdiv(F, block_f), triton.cdiv(D, ONE_LAUNCH_DOWN_ROWS)
-    line = 128 // w_d.element_size()  # elements per 128-byte L2 line
-    interpreting = triton_interpreting()
-    args = (x_TD, w_gu, w_d, logits_TE, h_SF, y_TD, kept_zeros("grid_barrier", x_TD.device, 1, torch.int64),
-            w_gu.stride(0), w_gu.stride(1), w_d.stride(0), w_d.stride(1))
-    meta = dict(D=D, F=F, K=K, K_PAD=k_pad, N_FB=n_fb, N_DB=n_db, N_B=T * n_db, BLOCK_F=block_f,
-                BLOCK_D=min(FEW_MAX_WIDTH, triton.next_power_of_2(D)), DOWN_D=ONE_LAUNCH_DOWN_ROWS,
-                DOWN_F=min(triton.next_power_of_2(F), FEW_MAX_WIDTH * 4 // (k_pad * ONE_LAUNCH_DOWN_ROWS)), E=E,
-                E_PAD=E_PAD, **down_routing, LINE=line, LINES=triton.next_power_of_2(triton.cdiv(F, line)),
-                LIBDEVICE=not interpreting, EARLY=kernel_switch.PDL_EARLY, num_warps=warps, **pdl_args(x_TD, T))
-    if not interpreting and x_TD.device not in ONE_LAUNCH_REFUSED:
-        try:
-            _experts_one_launch[(T * K, n_fb)](*args, PHASE=0, PREFETCH=ONE_LAUNCH_PREFETCH,
-                                               launch_cooperative_grid=True, **meta)
-            return y_TD
-        except RuntimeError as err:  # (the warm-up before a graph capture meets it first: same shapes)
-            ONE_LAUNCH_REFUSED[x_TD.device] = str(err)
-            warnings.warn(f"the one-launch MoE grid was refused on {x_TD.device} ({err}); running it as two launches")
-    for phase, grid in ((1, (T * K, n_fb)), (2, (T * n_db, 1))):
-        _experts_one_launch[grid](*args, PHASE=phase, PREFETCH=False, **meta)
-    return y_TD
 
 
 def _few_token_experts(experts: Experts, x_TD: torch.Tensor, route: torch.Tensor, wts_S: torch.Tensor | None, K: int,
