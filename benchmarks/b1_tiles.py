@@ -20,7 +20,6 @@ Knobs (module constants read at each launch, so a fresh engine's graph capture t
   max_splits  decode_kernel.MAX_SPLITS       (1: one program per kv head loops over the context, no merge launch)
   lm_head_fold, lm_head  fused_decode.LM_HEAD_FOLD, LM_HEAD_TILE: the final norm folded into a one-token lm_head
                                                  launch instead of `_add_rmsnorm` then cuBLAS
-  gate_up_thirds  moe_kernel.GATE_UP_THIRDS       gate_up reads D = 1536 as three unmasked 512-wide chunks
 
 `--ab name=value[;name=value]` (repeatable) also measures that change against the defaults in alternation, whatever
 the sweep found (e.g. `--ab lm_head_fold=False`: the fold's A/B). `--rounds 0` runs only those.
@@ -46,7 +45,6 @@ KNOBS = {
     "max_splits": (decode_kernel, "MAX_SPLITS", [3, 4, 8, 16]),
     "lm_head_fold": (fused_decode, "LM_HEAD_FOLD", [True, False]),
     "lm_head": (fused_decode, "LM_HEAD_TILE", [(4, 4), (8, 4), (8, 8), (16, 4), (16, 8)]),
-    "gate_up_thirds": (moe_kernel, "GATE_UP_THIRDS", [False, True]),
 }
 PROMPT, NEW = 128, 8
 

@@ -73,29 +73,24 @@ def test_fused_decode_forward_bf16_logits_and_kv():
     assert (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean() >= 0.8
 
 
-@pytest.mark.parametrize("num_tokens,max_width,dim,thirds", [
-    (1, 2048, 64, False), (3, 2048, 64, False), (2, 32, 64, False), (40, 2048, 64, False), (300, 2048, 64, False),
-    (1, 2048, 48, True), (3, 2048, 48, True)])
-def test_decode_expert_kernels_match_sorted_forward(monkeypatch, num_tokens, max_width, dim, thirds):
+@pytest.mark.parametrize("num_tokens,max_width", [(1, 2048), (3, 2048), (2, 32), (40, 2048), (300, 2048)])
+def test_decode_expert_kernels_match_sorted_forward(monkeypatch, num_tokens, max_width):
     """The small-batch fused kernels and the grouped path (counting sort + grouped_mm + weighted sum) both equal
     `Experts.sorted_forward`; the counting sort gives the stable argsort's order and the grouped_mm offsets.
-    max_width 32: the small-batch kernels hold narrower weight tiles than a row and loop over the rest. `thirds`
-    (dim 48 = 3 x 16): gate_up reads a row as three chunks (`GATE_UP_THIRDS`)."""
+    max_width 32: the small-batch kernels hold narrower weight tiles than a row and loop over the rest."""
     from moeloop.model.experts import Experts, expert_counts
     from moeloop.rollout import moe_kernel
     from moeloop.rollout.moe_kernel import fused_experts, grouped_experts
     monkeypatch.setattr(moe_kernel, "FEW_MAX_WIDTH", max_width)
-    monkeypatch.setattr(moe_kernel, "GATE_UP_THIRDS", thirds)
-    assert moe_kernel.gate_up_thirds(dim) == (16 if thirds else 0)
 
     torch.manual_seed(num_tokens)
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # CUDA grouped_mm takes bf16
     tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
-    experts = Experts(8, dim, 32, "grouped_mm").to(DEVICE, dtype)
+    experts = Experts(8, 64, 32, "grouped_mm").to(DEVICE, dtype)
     with torch.no_grad():
         experts.gate_up_proj.normal_(0, 0.1)
         experts.down_proj.normal_(0, 0.1)
-        x = torch.randn(num_tokens, dim, device=DEVICE, dtype=dtype)
+        x = torch.randn(num_tokens, 64, device=DEVICE, dtype=dtype)
         ids = torch.stack([torch.randperm(8, device=DEVICE)[:3] for _ in range(num_tokens)])
         wts = torch.rand(num_tokens, 3, device=DEVICE)
         ref = experts.sorted_forward(x, ids, wts, expert_counts(ids, 8))

@@ -82,8 +82,7 @@ if triton is not None:
     @triton.jit
     def _gate_up_silu(x_ptr, w_ptr, ids_ptr, h_ptr, s_we, s_wf, D: tl.constexpr, F: tl.constexpr, K: tl.constexpr,
                       BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr,
-                      ROUTED: tl.constexpr = False, E: tl.constexpr = 1, E_PAD: tl.constexpr = 1,
-                      THIRDS: tl.constexpr = 0):
+                      ROUTED: tl.constexpr = False, E: tl.constexpr = 1, E_PAD: tl.constexpr = 1):
         """Program (s, f): gate/up rows f of assignment s's expert against its token, SiLU(gate) * up. Waits first:
         the expert ids come from the kernel just before. ROUTED: `ids_ptr` holds the router logits [T, E] instead,
         and the program ranks them itself (`_ranked_experts`: assignment s is token s // K's rank s % K)."""
@@ -99,31 +98,14 @@ if triton is not None:
         x_row = x_ptr + (s // K).to(tl.int64) * D
         acc_g = tl.zeros([BLOCK_F], tl.float32)
         acc_u = tl.zeros([BLOCK_F], tl.float32)
-        if THIRDS > 0:  # D = 3 * THIRDS: three unmasked column chunks, all six weight loads issued first
-            d = tl.arange(0, THIRDS)
-            g_rows = w_ptr + e * s_we + f[:, None] * s_wf + d[None, :]
-            u_rows = g_rows + F * s_wf
-            ok = f_ok[:, None]
-            g0 = tl.load(g_rows, mask=ok, other=0.0)
-            u0 = tl.load(u_rows, mask=ok, other=0.0)
-            g1 = tl.load(g_rows + THIRDS, mask=ok, other=0.0)
-            u1 = tl.load(u_rows + THIRDS, mask=ok, other=0.0)
-            g2 = tl.load(g_rows + 2 * THIRDS, mask=ok, other=0.0)
-            u2 = tl.load(u_rows + 2 * THIRDS, mask=ok, other=0.0)
-            x0 = tl.load(x_row + d).to(tl.float32)[None, :]
-            x1 = tl.load(x_row + THIRDS + d).to(tl.float32)[None, :]
-            x2 = tl.load(x_row + 2 * THIRDS + d).to(tl.float32)[None, :]
-            acc_g = tl.sum(g0.to(tl.float32) * x0 + g1.to(tl.float32) * x1 + g2.to(tl.float32) * x2, 1)
-            acc_u = tl.sum(u0.to(tl.float32) * x0 + u1.to(tl.float32) * x1 + u2.to(tl.float32) * x2, 1)
-        else:
-            for d0 in range(0, D, BLOCK_D):
-                d = d0 + tl.arange(0, BLOCK_D)
-                ok = f_ok[:, None] & (d[None, :] < D)
-                x = tl.load(x_row + d, mask=d < D, other=0.0).to(tl.float32)
-                wg = tl.load(w_ptr + e * s_we + f[:, None] * s_wf + d[None, :], mask=ok, other=0.0).to(tl.float32)
-                wu = tl.load(w_ptr + e * s_we + (f + F)[:, None] * s_wf + d[None, :], mask=ok, other=0.0).to(tl.float32)
-                acc_g += tl.sum(wg * x[None, :], 1)
-                acc_u += tl.sum(wu * x[None, :], 1)
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            ok = f_ok[:, None] & (d[None, :] < D)
+            x = tl.load(x_row + d, mask=d < D, other=0.0).to(tl.float32)
+            wg = tl.load(w_ptr + e * s_we + f[:, None] * s_wf + d[None, :], mask=ok, other=0.0).to(tl.float32)
+            wu = tl.load(w_ptr + e * s_we + (f + F)[:, None] * s_wf + d[None, :], mask=ok, other=0.0).to(tl.float32)
+            acc_g += tl.sum(wg * x[None, :], 1)
+            acc_u += tl.sum(wu * x[None, :], 1)
         dt = h_ptr.dtype.element_ty
         g = acc_g.to(dt).to(tl.float32)
         u = acc_u.to(dt).to(tl.float32)
@@ -275,20 +257,6 @@ def routed_experts(moe: MoE, x_TD: torch.Tensor, logits_TE: torch.Tensor) -> tor
                               down)
 
 
-# gate_up reads a row of D = 3 * 2^n columns as three unmasked chunks, its six weight loads issued before any FMA
-# (`_gate_up_silu` THIRDS), instead of one 2^(n+2)-wide chunk with a quarter masked. Not yet measured on a GPU:
-# MOELOOP_GATE_UP_THIRDS=on
-GATE_UP_THIRDS = os.environ.get("MOELOOP_GATE_UP_THIRDS", "off").lower() == "on"
-
-
-def gate_up_thirds(D: int) -> int:
-    """`_gate_up_silu`'s THIRDS for model width D: D // 3 where `GATE_UP_THIRDS` is on and that is a power of two
-    (at least 16, at most FEW_MAX_WIDTH); else 0 (masked power-of-two chunks)."""
-    third = D // 3
-    ok = GATE_UP_THIRDS and D % 3 == 0 and 16 <= third <= FEW_MAX_WIDTH and third & (third - 1) == 0
-    return third if ok else 0
-
-
 def _few_token_experts(experts: Experts, x_TD: torch.Tensor, route: torch.Tensor, wts_S: torch.Tensor | None, K: int,
                        routing: dict, down_routing: dict | None = None) -> torch.Tensor:
     """`_gate_up_silu` then `_down_combine` over T * K assignments; `route`: the expert ids [T * K] (weights wts_S),
@@ -308,7 +276,7 @@ def _few_token_experts(experts: Experts, x_TD: torch.Tensor, route: torch.Tensor
                                                      D=D, F=F, K=K, BLOCK_F=block_f,
                                                      BLOCK_D=min(FEW_MAX_WIDTH, triton.next_power_of_2(D)),
                                                      LIBDEVICE=not triton_interpreting(), num_warps=warps_f, **routing,
-                                                     THIRDS=gate_up_thirds(D), **pdl)
+                                                     **pdl)
     _down_combine[(T, triton.cdiv(D, block_d))](h_SF, w_d, route, wts_S, y_TD, w_d.stride(0), w_d.stride(1), D=D, F=F,
                                                  K=K, K_PAD=k_pad, BLOCK_D=block_d, BLOCK_F=down_block_f,
                                                  EARLY=kernel_switch.PDL_EARLY, num_warps=warps_d, **routing,
