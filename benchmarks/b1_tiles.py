@@ -12,7 +12,8 @@ gains looked for, so the sweep's best is then measured against the defaults in a
 each knob's change alone against the defaults the same way.
 
 Knobs (module constants read at each launch, so a fresh engine's graph capture takes them):
-  row_linear  fused_decode.ROW_LINEAR_TILE   (rows per program, warps): q|k|v, o_proj and the router
+  row_linear  fused_decode.ROW_LINEAR_TILE   (rows per program, warps): q|k|v and o_proj
+  router      fused_decode.ROUTER_TILE       (rows per program, warps): the router's norm-folded projection
   gate_up     moe_kernel.GATE_UP_FEW_TILE    (ffn rows per program, warps)
   down        moe_kernel.DOWN_FEW_TILE       (output rows per program, warps)
   paged_block_n  decode_kernel.PAGED_BLOCK_N  (cached positions per step and per split unit: B=1 runs ceil(384 / it)
@@ -45,6 +46,7 @@ KNOBS = {
     "max_splits": (decode_kernel, "MAX_SPLITS", [3, 4, 8, 16]),
     "lm_head_fold": (fused_decode, "LM_HEAD_FOLD", [True, False]),
     "lm_head": (fused_decode, "LM_HEAD_TILE", [(4, 4), (8, 4), (8, 8), (16, 4), (16, 8)]),
+    "router": (fused_decode, "ROUTER_TILE", [(4, 4), (4, 1), (4, 2), (2, 1), (1, 1), (2, 2), (16, 4)]),
 }
 PROMPT, NEW = 128, 8
 

@@ -296,6 +296,7 @@ ROW_LINEAR = True  # a one-token decode (B=1) runs its projections as `_row_line
 # `benchmarks/b1_gemv.py`, then in the engine's B=1 graph by `benchmarks/b1_tiles.py`: 4 warps, session 12)
 ROW_LINEAR_TILE = (4, 4)
 ROW_LINEAR_MAX_D = 2048  # weight columns a program holds at once (the whole row up to this width)
+ROUTER_TILE = (4, 4)  # the router's norm-folded projection (64 rows at the reference shape): a latency-bound hop
 
 
 def row_linear_applies(x_TD: torch.Tensor, linears: list[nn.Module], block_n: int) -> bool:
@@ -546,8 +547,8 @@ def _decode_layers(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Tensor, c
             y_TD, res_TD = add_rmsnorm(*pending)
             pending = (mlp(y_TD), res_TD, norm)
             continue
-        if norm_fold_applies(o_TD, [mlp.gate]):  # the router's projection applies the norm, and stores y
-            (logits_TE,), y_TD, res_TD = normed_row_linear(*pending, [mlp.gate], want_y=True)
+        if norm_fold_applies(o_TD, [mlp.gate], ROUTER_TILE[0]):  # the router's projection applies the norm, stores y
+            (logits_TE,), y_TD, res_TD = normed_row_linear(*pending, [mlp.gate], want_y=True, tile=ROUTER_TILE)
             if routed_experts_apply(y_TD, mlp):  # the expert kernels rank the logits themselves
                 pending = (routed_experts(mlp, y_TD, logits_TE), res_TD, norm)
                 continue
