@@ -296,7 +296,9 @@ ROW_LINEAR = True  # a one-token decode (B=1) runs its projections as `_row_line
 # `benchmarks/b1_gemv.py`, then in the engine's B=1 graph by `benchmarks/b1_tiles.py`: 4 warps, session 12)
 ROW_LINEAR_TILE = (4, 4)
 ROW_LINEAR_MAX_D = 2048  # weight columns a program holds at once (the whole row up to this width)
-ROUTER_TILE = (4, 4)  # the router's norm-folded projection (64 rows at the reference shape): a latency-bound hop
+# the router's norm-folded projection (64 rows at the reference shape), a latency-bound hop: 4 rows and 4 warps per
+# program; (4, 1), (4, 2), (2, 1), (1, 1) and (16, 4) measured 2-12 us per B=1 forward slower (BENCHMARKS.md, session 15)
+ROUTER_TILE = (4, 4)
 
 
 def row_linear_applies(x_TD: torch.Tensor, linears: list[nn.Module], block_n: int) -> bool:
