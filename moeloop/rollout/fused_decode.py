@@ -447,6 +447,8 @@ def project(x_TD: torch.Tensor, linears: list[nn.Module], block_n: int | None = 
 
 
 ROUTER_FUSED_MIN_TOKENS = 16  # from this many tokens the router GEMM runs inside the top-k kernel (tl.dot tiles)
+# `_router_topk`'s (BLOCK_T tokens per program, BLOCK_D columns per step, warps, stages) (`benchmarks/router_topk.py`)
+ROUTER_TOPK_TILE = (16, 128, 4, 3)
 
 
 def route(moe: MoE, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -460,12 +462,13 @@ def route(moe: MoE, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         E, K = w.shape[0], router.top_k
         ids_TK = torch.empty(T, K, dtype=torch.int64, device=x_TD.device)
         wts_TK = torch.empty(T, K, dtype=torch.float32, device=x_TD.device)
-        block_t = 16
+        block_t, block_d, warps, stages = ROUTER_TOPK_TILE
         _router_topk[(triton.cdiv(T, block_t),)](x_TD, w, ids_TK, wts_TK, float(router.routed_scaling_factor), T, D=D,
                                                  E=E, E_PAD=max(16, triton.next_power_of_2(E)), K=K,
-                                                 NORM=bool(router.norm_topk_prob), BLOCK_T=block_t, BLOCK_D=128,
+                                                 NORM=bool(router.norm_topk_prob), BLOCK_T=block_t,
+                                                 BLOCK_D=min(block_d, triton.next_power_of_2(D)),
                                                  PRECISION="ieee" if x_TD.dtype == torch.float32 else "tf32",
-                                                 num_warps=4, **pdl_args(x_TD, T))
+                                                 num_warps=warps, num_stages=stages, **pdl_args(x_TD, T))
         return ids_TK, wts_TK
     (logits_TE,) = project(x_TD, [router])
     return route_softmax_topk(moe, logits_TE)
