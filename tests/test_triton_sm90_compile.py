@@ -117,7 +117,9 @@ def _compile_fused_decode_kernels():
                  dict(E=E, E_PAD=E, K=K, NORM=True, PDL=True), num_warps=1)
     compile_sm90(fused_decode._router_topk, dict(x_ptr="*bf16", w_ptr="*bf16", ids_ptr="*i64", wts_ptr="*fp32",
                                                  scale="fp32", T="i32"),
-                 dict(D=D, E=E, E_PAD=E, K=K, NORM=True, BLOCK_T=16, BLOCK_D=128, PRECISION="tf32", PDL=True))
+                 dict(D=D, E=E, E_PAD=E, K=K, NORM=True, BLOCK_T=fused_decode.ROUTER_TOPK_TILE[0],
+                      BLOCK_D=fused_decode.ROUTER_TOPK_TILE[1], PRECISION="tf32", PDL=True),
+                 num_warps=fused_decode.ROUTER_TOPK_TILE[2], num_stages=fused_decode.ROUTER_TOPK_TILE[3])
 
 
 def _compile_paged_decode():

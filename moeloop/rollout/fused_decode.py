@@ -447,8 +447,10 @@ def project(x_TD: torch.Tensor, linears: list[nn.Module], block_n: int | None = 
 
 
 ROUTER_FUSED_MIN_TOKENS = 16  # from this many tokens the router GEMM runs inside the top-k kernel (tl.dot tiles)
-# `_router_topk`'s (BLOCK_T tokens per program, BLOCK_D columns per step, warps, stages) (`benchmarks/router_topk.py`)
-ROUTER_TOPK_TILE = (16, 128, 4, 3)
+# `_router_topk`'s (BLOCK_T tokens per program, BLOCK_D columns per step, warps, stages): H200, reference shape,
+# one launch 6.02 / 6.07 / 6.12 us at 32 / 128 / 256 tokens against 6.38 / 6.61 / 6.64 with BLOCK_D 128, the same
+# ids and weights (`benchmarks/router_topk.py`, BLOCK_T 16-32, BLOCK_D 128-512, 4-8 warps, 2-4 stages)
+ROUTER_TOPK_TILE = (16, 256, 4, 3)
 
 
 def route(moe: MoE, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
