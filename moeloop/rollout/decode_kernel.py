@@ -137,6 +137,9 @@ def num_splits(device: torch.device, num_programs: int, max_len: int, block_n: i
 
 
 PAGED_BLOCK_N = 64  # cached positions per loop step, and the split programs' chunk unit (`benchmarks/b1_tiles.py`)
+# the paged decode's warps and software-pipeline stages (how many loop steps' K/V loads a one-split program keeps in
+# flight; a split program runs one step): triton's default 3 stages
+PAGED_WARPS, PAGED_STAGES = 4, 3
 
 
 def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SGD: torch.Tensor, v_cache_SGDv: torch.Tensor,
@@ -170,7 +173,7 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SGD: torch.Tensor, v_cac
         QH=qh, QH_PAD=max(16, triton.next_power_of_2(qh)), DK=Dk, DK_PAD=max(16, triton.next_power_of_2(Dk)),
         DV=Dv, DV_PAD=dv_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         PRECISION=precision, NUM_SPLITS=splits, CHUNK=chunk, V_EARLY=V_EARLY and splits > 1,
-        EARLY=kernel_switch.PDL_EARLY, num_warps=4, **pdl,
+        EARLY=kernel_switch.PDL_EARLY, num_warps=PAGED_WARPS, num_stages=PAGED_STAGES, **pdl,
         DYNAMIC_LOOP=splits == 1 and not triton_interpreting())  # the interpreter: static trip counts only
     if splits > 1:
         _merge_splits[(B, H)](dest, m, l, out, out.stride(0), out.stride(1), H=H, DV=Dv, DV_PAD=dv_pad,
