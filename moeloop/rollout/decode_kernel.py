@@ -138,7 +138,9 @@ def num_splits(device: torch.device, num_programs: int, max_len: int, block_n: i
 
 PAGED_BLOCK_N = 64  # cached positions per loop step, and the split programs' chunk unit (`benchmarks/b1_tiles.py`)
 # the paged decode's warps and software-pipeline stages (how many loop steps' K/V loads a one-split program keeps in
-# flight; a split program runs one step): triton's default 3 stages
+# flight; a split program runs one step): triton's default 3 stages. At B=1 one pipelined program per kv head (no
+# merge launch) measured 43-54 us per forward slower than the splits at 3-6 stages and 4-8 warps, two splits 24 us
+# (H200, BENCHMARKS.md, session 15): four SMs cannot stream the context as fast as 24 programs
 PAGED_WARPS, PAGED_STAGES = 4, 3
 
 
