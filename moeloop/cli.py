@@ -17,6 +17,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from moeloop.errors import InputError
+
 COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("moeloop.config.command:main", "show the resolved config: config show FILE [overrides]"),
     "init-model": ("moeloop.model.factory:main", "write a deterministic tiny model + tokenizer"),
@@ -48,7 +50,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module_name, func_name = COMMANDS[name][0].split(":")
     func = getattr(importlib.import_module(module_name), func_name)
-    return int(func(rest) or 0)
+    try:
+        return int(func(rest) or 0)
+    except (InputError, FileNotFoundError) as err:  # the user's input, named in the message: no traceback
+        print(f"moeloop {name}: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

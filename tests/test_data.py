@@ -1,6 +1,7 @@
 """Data layer: JSONL and parquet rows, chat templates, the long-prompt policy, a resumable cursor,
 and a held-out synthetic split disjoint from training."""
 import json
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -8,6 +9,7 @@ import pytest
 
 from moeloop.config.schema import DataSection
 from moeloop.data import ArithTask, EpochCursor, PromptDataset, load_rows
+from moeloop.errors import InputError
 from moeloop.model.tokenizer import build_tokenizer
 
 
@@ -59,6 +61,15 @@ def test_bad_rows_name_the_file_and_line(tmp_path, tokenizer):
                       DataSection(prompt_key="question"))
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
         load_rows([str(tmp_path / "missing.jsonl")])
+    (tmp_path / "list.jsonl").write_text('{"prompt": "a"}\n["a"]\n')
+    with pytest.raises(InputError, match="list.jsonl:2: a row must be a JSON object, got list"):
+        load_rows([str(tmp_path / "list.jsonl")])
+    for prompt, message in ((7, "a prompt must be a string or a non-empty list of chat messages, got int"),
+                            ([{"role": "user", "content": 3}], "message 0 must be an object with string 'role' and "
+                                                               "'content'")):
+        with pytest.raises(InputError, match=f"p.jsonl:2: {re.escape(message)}"):
+            PromptDataset(load_rows([_write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a"}, {"prompt": prompt}])]),
+                          tokenizer, DataSection())
 
 
 def test_cursor_is_deterministic_and_resumable():

@@ -1,5 +1,8 @@
 """`moeloop generate` end to end on a tiny model folder written by the factory (model + tokenizer)."""
 import json
+import re
+
+import pytest
 
 from moeloop.cli import main as cli_main
 from moeloop.model.factory import init_model
@@ -20,3 +23,42 @@ def test_generate_command_writes_completions(tmp_path, capsys):
         assert 1 <= len(r["response_token_ids"]) <= 5 and len(r["logprobs"]) == len(r["response_token_ids"])
         assert r["finish_reason"] in ("stop", "length") and isinstance(r["completion"], str)
     assert "tok/s" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("line,message", [
+    ('{"prompt": 3}', r"p.jsonl:2: 'prompt' must be a string, got int"),
+    ("{not json", r"p.jsonl:2: not valid JSON"),
+    ("[1, 2]", r"p.jsonl:2: a row must be a JSON object, got list"),
+    ('{"text": "x"}', r"p.jsonl:2: needs a 'prompt' or 'messages' field"),
+    ('{"messages": [{"role": "user"}]}', r"p.jsonl:2: 'messages': message 0 must be an object with string 'role'"),
+    ('{"messages": []}', r"p.jsonl:2: 'messages': a prompt must be a string or a non-empty list"),
+])
+def test_generate_names_the_bad_line_and_writes_nothing(tmp_path, capsys, line, message):
+    """A bad prompts line: exit code 2, one line on stderr naming the file, line and problem (no traceback), and no
+    output file."""
+    model_dir = init_model("qwen3_moe", "tiny", tmp_path / "m")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "1+1="}) + "\n" + line + "\n")
+    out = tmp_path / "o.jsonl"
+    assert cli_main(["generate", str(model_dir), "--prompts", str(prompts), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err) and err.startswith("moeloop generate: ") and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_generate_and_rl_report_bad_flags_files_and_fields(tmp_path, capsys):
+    """Bad sampling flags, a missing prompts file, a bad config field and a missing config: exit code 2 and the
+    flag, file or field named on stderr."""
+    model_dir = init_model("qwen3_moe", "tiny", tmp_path / "m")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "1+1="}) + "\n")
+    base = ["generate", str(model_dir), "--out", str(tmp_path / "o.jsonl")]
+    cases = [(base + ["--prompts", str(prompts), "--top-p", "1.5"], r"SamplingParams.top_p must be in \(0, 1\]"),
+             (base + ["--prompts", str(prompts), "--n", "0"], "SamplingParams.n must be >= 1"),
+             (base + ["--prompts", str(tmp_path / "none.jsonl")], "prompts file not found: .*none.jsonl"),
+             (["rl", "examples/tiny.yaml", "rollout.n=0"], "moeloop rl: rollout.n: must be >= 1"),
+             (["rl", str(tmp_path / "none.yaml")], "moeloop rl: config file not found: .*none.yaml")]
+    for argv, message in cases:
+        assert cli_main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert re.search(message, err) and "Traceback" not in err, (argv, err)

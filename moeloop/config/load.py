@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from moeloop.config.schema import RunConfig
+from moeloop.errors import InputError
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:
@@ -24,7 +25,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         base = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
     except OmegaConfBaseException as err:
         where = f" in {path}" if path else ""
-        raise ValueError(f"config{where}: {_explain(err)}") from None
+        raise InputError(f"config{where}: {_explain(err)}") from None
     cfg: RunConfig = OmegaConf.to_object(base)  # type: ignore[assignment]
     validate(cfg)
     return cfg
@@ -47,17 +48,17 @@ def validate(cfg: RunConfig) -> None:
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
     for name, section in (("actor", cfg.actor), ("critic", cfg.critic)):
         if (name == "actor" or cfg.critic.enable) and section.max_tokens_per_micro_batch < longest:
-            raise ValueError(f"{name}.max_tokens_per_micro_batch={section.max_tokens_per_micro_batch} must be >= "
+            raise InputError(f"{name}.max_tokens_per_micro_batch={section.max_tokens_per_micro_batch} must be >= "
                              f"data.max_prompt_length + data.max_response_length = {longest} (one whole sequence)")
     if cfg.algorithm.adv_estimator == "gae" and not cfg.critic.enable:
-        raise ValueError("algorithm.adv_estimator=gae needs critic.enable=true")
+        raise InputError("algorithm.adv_estimator=gae needs critic.enable=true")
     if cfg.trainer.critic_warmup < 0 or (cfg.trainer.critic_warmup and not cfg.critic.enable):
-        raise ValueError(f"trainer.critic_warmup={cfg.trainer.critic_warmup} must be >= 0, and needs critic.enable=true")
+        raise InputError(f"trainer.critic_warmup={cfg.trainer.critic_warmup} must be >= 0, and needs critic.enable=true")
     if cfg.actor.ppo_mini_batch_size > cfg.data.train_batch_size:
-        raise ValueError(
+        raise InputError(
             f"actor.ppo_mini_batch_size={cfg.actor.ppo_mini_batch_size} must be <= data.train_batch_size={cfg.data.train_batch_size}")
     if cfg.data.train_batch_size % cfg.actor.ppo_mini_batch_size:
-        raise ValueError(
+        raise InputError(
             f"data.train_batch_size={cfg.data.train_batch_size} must be a multiple of actor.ppo_mini_batch_size={cfg.actor.ppo_mini_batch_size}")
 
 

@@ -8,10 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from moeloop.errors import InputError
+
 
 def _require(ok: bool, field_name: str, rule: str) -> None:
     if not ok:
-        raise ValueError(f"{field_name}: {rule}")
+        raise InputError(f"{field_name}: {rule}")
 
 
 @dataclass

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from moeloop.errors import InputError
+
 
 @dataclass
 class EpochCursor:
@@ -20,7 +22,7 @@ class EpochCursor:
 
     def __post_init__(self) -> None:
         if self.num_rows <= 0:
-            raise ValueError("dataset is empty: no rows to iterate over")
+            raise InputError("dataset is empty: no rows to iterate over")
 
     def _order(self, epoch: int) -> np.ndarray:
         if not self.shuffle:
@@ -44,5 +46,5 @@ class EpochCursor:
 
     def load_state_dict(self, state: dict) -> None:
         if state["num_rows"] != self.num_rows:
-            raise ValueError(f"data cursor was saved for {state['num_rows']} rows, dataset now has {self.num_rows}")
+            raise InputError(f"data cursor was saved for {state['num_rows']} rows, dataset now has {self.num_rows}")
         self.epoch, self.offset, self.seed = state["epoch"], state["offset"], state["seed"]

@@ -14,6 +14,7 @@ from typing import Any
 
 from moeloop.config.schema import DataSection
 from moeloop.data.synthetic import parse_synthetic_spec
+from moeloop.errors import InputError, chat_messages
 
 
 def load_rows(files: list[str], seed: int = 0) -> list[dict]:
@@ -37,11 +38,19 @@ def _read_file(path: Path) -> list[dict]:
     for i, line in enumerate(path.read_text().splitlines()):
         if not line.strip():
             continue
-        try:
-            rows.append(dict(json.loads(line), _source=f"{path}:{i + 1}"))
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{i + 1}: not valid JSON ({err.msg})") from None
+        rows.append(dict(json_object(line, f"{path}:{i + 1}"), _source=f"{path}:{i + 1}"))
     return rows
+
+
+def json_object(line: str, where: str) -> dict:
+    """One JSONL line as an object; otherwise an InputError naming `where` (file:line)."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise InputError(f"{where}: not valid JSON ({err.msg})") from None
+    if not isinstance(row, dict):
+        raise InputError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
+    return row
 
 
 @dataclass
@@ -67,7 +76,7 @@ class PromptDataset:
             else:
                 self.examples.append(example)
         if not self.examples:
-            raise ValueError(f"no usable rows in data files (dropped {self.num_dropped} over max_prompt_length)")
+            raise InputError(f"no usable rows in data files (dropped {self.num_dropped} over max_prompt_length)")
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -75,8 +84,8 @@ class PromptDataset:
     def __getitem__(self, i: int) -> Example:
         return self.examples[i]
 
-    def render_prompt(self, prompt: str | list[dict]) -> str:
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    def render_prompt(self, prompt: str | list[dict], where: str = "prompt") -> str:
+        messages = chat_messages(prompt, where)
         if self.cfg.apply_chat_template and getattr(self.tokenizer, "chat_template", None):
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return "".join(m["content"] for m in messages)
@@ -84,8 +93,8 @@ class PromptDataset:
     def _encode(self, row: dict) -> Example | None:
         where = row.get("_source", "?")
         if self.cfg.prompt_key not in row:
-            raise ValueError(f"{where}: row has no {self.cfg.prompt_key!r} (data.prompt_key)")
-        text = self.render_prompt(row[self.cfg.prompt_key])
+            raise InputError(f"{where}: row has no {self.cfg.prompt_key!r} (data.prompt_key)")
+        text = self.render_prompt(row[self.cfg.prompt_key], where)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         ids = self._truncate(ids, where)
         if ids is None:
@@ -93,7 +102,7 @@ class PromptDataset:
         example = Example(ids, text, row.get(self.cfg.answer_key), row.get("data_source", "") or "")
         if self.with_response:
             if "response" not in row:
-                raise ValueError(f"{where}: SFT row has no 'response'")
+                raise InputError(f"{where}: SFT row has no 'response'")
             resp = self.tokenizer(str(row["response"]), add_special_tokens=False)["input_ids"]
             example.response_ids = resp[: self.cfg.max_response_length - 1] + [self.tokenizer.eos_token_id]
         return example
@@ -103,7 +112,7 @@ class PromptDataset:
         if len(ids) <= limit:
             return ids
         if policy == "error":
-            raise ValueError(f"{where}: prompt has {len(ids)} tokens > data.max_prompt_length={limit} "
+            raise InputError(f"{where}: prompt has {len(ids)} tokens > data.max_prompt_length={limit} "
                              f"(set data.truncation to left, right or drop)")
         if policy == "drop":
             return None

@@ -9,6 +9,8 @@ import hashlib
 import random
 from dataclasses import dataclass
 
+from moeloop.errors import InputError
+
 
 @dataclass(frozen=True)
 class ArithTask:
@@ -18,7 +20,7 @@ class ArithTask:
 
     def rows(self, split: str, seed: int = 0) -> list[dict]:
         if split not in ("train", "val"):
-            raise ValueError(f"synthetic split must be train or val, got {split!r}")
+            raise InputError(f"synthetic split must be train or val, got {split!r}")
         rng = random.Random(f"arith-{self.num_digits}-{self.ops}-{split}-{seed}")
         lo, hi = 10 ** (self.num_digits - 1), 10 ** self.num_digits - 1
         out: list[dict] = []
@@ -45,5 +47,5 @@ def parse_synthetic_spec(spec: str) -> tuple[ArithTask, str]:
     name = spec.split(":", 1)[1]
     split = "val" if name.endswith("-val") else "train"
     if name.removesuffix("-val") != "arith":
-        raise ValueError(f"unknown synthetic dataset {spec!r} (known: synthetic:arith, synthetic:arith-val)")
+        raise InputError(f"unknown synthetic dataset {spec!r} (known: synthetic:arith, synthetic:arith-val)")
     return ArithTask(), split

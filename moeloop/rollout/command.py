@@ -18,6 +18,8 @@ import torch
 from tqdm import tqdm
 
 from moeloop.config.schema import RolloutSection
+from moeloop.data.dataset import json_object
+from moeloop.errors import InputError, chat_messages
 from moeloop.rollout.engine import Engine
 from moeloop.rollout.sampling_params import SamplingParams
 
@@ -44,17 +46,25 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def read_prompts(path: Path, tokenizer) -> tuple[list[str], list[list[int]]]:
+    """(prompt texts, their token ids) of a prompts file; a bad line is an InputError naming the file and line."""
+    if not path.is_file():
+        raise FileNotFoundError(f"prompts file not found: {path}")
     texts, ids = [], []
     for lineno, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
-        row = json.loads(line)
+        where = f"{path}:{lineno}"
+        row = json_object(line, where)
         if "messages" in row:
-            text = tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=False)
+            messages = chat_messages(row["messages"], f"{where}: 'messages'")
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         elif "prompt" in row:
             text = row["prompt"]
+            if not isinstance(text, str):
+                raise InputError(f"{where}: 'prompt' must be a string, got {type(text).__name__} (chat turns go in "
+                                 f"'messages')")
         else:
-            raise ValueError(f"{path}:{lineno}: needs a 'prompt' or 'messages' field")
+            raise InputError(f"{where}: needs a 'prompt' or 'messages' field")
         texts.append(text)
         ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
     return texts, ids
@@ -68,6 +78,9 @@ def main(argv: list[str]) -> int:
     dtype = DTYPES[args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")]
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     texts, prompt_ids = read_prompts(Path(args.prompts), tokenizer)
+    # the flags checked before the model loads
+    params = [SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                             max_tokens=args.max_tokens, seed=args.seed + i) for i in range(len(prompt_ids))]
     model = load_pretrained(args.model_dir, dtype=dtype, device=args.device)
     cfg_eos = model.cfg.eos_token_id
     eos = {t for t in [tokenizer.eos_token_id, *(cfg_eos if isinstance(cfg_eos, list) else [cfg_eos])] if t is not None}
@@ -75,8 +88,6 @@ def main(argv: list[str]) -> int:
                          kv_cache_bytes=args.kv_cache_bytes)
     engine = Engine(model, cfg, detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                     eos_token_ids=eos, seed=args.seed)
-    params = [SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                             max_tokens=args.max_tokens, seed=args.seed + i) for i in range(len(prompt_ids))]
     start = time.perf_counter()
     with tqdm(total=len(prompt_ids) * args.n, desc="generate", unit="sample", file=sys.stderr) as bar:
         outs = engine.generate(prompt_ids, params, progress=bar.update)

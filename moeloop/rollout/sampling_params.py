@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moeloop.errors import InputError
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -29,15 +31,15 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         if self.n < 1:
-            raise ValueError(f"SamplingParams.n must be >= 1, got {self.n}")
+            raise InputError(f"SamplingParams.n must be >= 1, got {self.n}")
         if self.temperature < 0:
-            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+            raise InputError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
         if not (self.top_k == -1 or self.top_k > 0):
-            raise ValueError(f"SamplingParams.top_k must be -1 (off) or > 0, got {self.top_k}")
+            raise InputError(f"SamplingParams.top_k must be -1 (off) or > 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+            raise InputError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
         if self.max_tokens < 1:
-            raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
+            raise InputError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
 
     @property
     def greedy(self) -> bool:
