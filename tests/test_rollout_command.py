@@ -47,8 +47,9 @@ def test_generate_names_the_bad_line_and_writes_nothing(tmp_path, capsys, line, 
 
 
 def test_generate_and_rl_report_bad_flags_files_and_fields(tmp_path, capsys):
-    """Bad sampling flags, a missing prompts file, a bad config field and a missing config: exit code 2 and the
-    flag, file or field named on stderr."""
+    """Bad sampling flags, a missing prompts file, a bad config field, a missing config and a model.path with no
+    model folder (transformers would take it for a hub id): exit code 2 and the flag, file or field named on
+    stderr."""
     model_dir = init_model("qwen3_moe", "tiny", tmp_path / "m")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "1+1="}) + "\n")
@@ -57,7 +58,9 @@ def test_generate_and_rl_report_bad_flags_files_and_fields(tmp_path, capsys):
              (base + ["--prompts", str(prompts), "--n", "0"], "SamplingParams.n must be >= 1"),
              (base + ["--prompts", str(tmp_path / "none.jsonl")], "prompts file not found: .*none.jsonl"),
              (["rl", "examples/tiny.yaml", "rollout.n=0"], "moeloop rl: rollout.n: must be >= 1"),
-             (["rl", str(tmp_path / "none.yaml")], "moeloop rl: config file not found: .*none.yaml")]
+             (["rl", str(tmp_path / "none.yaml")], "moeloop rl: config file not found: .*none.yaml"),
+             (["sft", "examples/tiny_sft.yaml", f"model.path={tmp_path / 'none'}"],
+              "moeloop sft: model.path=.*none: no model folder there")]
     for argv, message in cases:
         assert cli_main(argv) == 2, argv
         err = capsys.readouterr().err

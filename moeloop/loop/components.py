@@ -12,14 +12,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import AutoTokenizer
 
 from moeloop.algo.kl_control import KLController
 from moeloop.checkpoint import CheckpointManager
 from moeloop.config import RunConfig
 from moeloop.data import EpochCursor, PromptDataset, load_rows
 from moeloop.data.dataset import Example
-from moeloop.loop.env import RunEnv, check_parallel_support, dtype_of, load_policy
+from moeloop.loop.env import RunEnv, check_parallel_support, dtype_of, load_policy, load_tokenizer
 from moeloop.loop.export import export_hf
 from moeloop.loop.generation import RolloutWorker
 from moeloop.loop.metrics import MetricsLogger
@@ -180,7 +179,7 @@ def build_components(cfg: RunConfig, resume: bool) -> Components:
     if cfg.actor.ppo_mini_batch_size % env.world_size:
         raise ValueError(f"actor.ppo_mini_batch_size={cfg.actor.ppo_mini_batch_size} must be divisible by the "
                          f"{env.world_size} data-parallel ranks")
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    tokenizer = load_tokenizer(cfg)
     train = PromptDataset(load_rows(cfg.data.train_files, cfg.data.seed), tokenizer, cfg.data)
     val = PromptDataset(load_rows(cfg.data.val_files, cfg.data.seed), tokenizer, cfg.data) if cfg.data.val_files else None
     dtype = dtype_of(cfg.model.dtype)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from moeloop.config.schema import RunConfig
+from moeloop.errors import InputError
 
 
 @dataclass
@@ -71,6 +72,17 @@ def seed_everything(seed: int) -> None:
 
 def dtype_of(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def load_tokenizer(cfg: RunConfig):
+    """The tokenizer of the model folder at `model.path`. The folder is checked first: without it transformers
+    would take the path for a hub id and fail with a message about repo names."""
+    from transformers import AutoTokenizer
+
+    if not (Path(cfg.model.path) / "config.json").is_file():
+        raise InputError(f"model.path={cfg.model.path}: no model folder there (config.json, safetensors and tokenizer "
+                         f"files, as `moeloop init-model` or an SFT run's HF export writes)")
+    return AutoTokenizer.from_pretrained(cfg.model.path)
 
 
 def load_policy(cfg: RunConfig, device: torch.device | str = "cpu") -> torch.nn.Module:

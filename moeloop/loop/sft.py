@@ -5,12 +5,10 @@ end (`<run_dir>/hf`) is directly an RL `model.path`.
 """
 from __future__ import annotations
 
-from transformers import AutoTokenizer
-
 from moeloop.checkpoint import CheckpointManager
 from moeloop.config import RunConfig
 from moeloop.data import EpochCursor, PromptDataset, load_rows
-from moeloop.loop.env import RunEnv, check_parallel_support, load_policy, run_command
+from moeloop.loop.env import RunEnv, check_parallel_support, load_policy, load_tokenizer, run_command
 from moeloop.loop.export import export_hf
 from moeloop.loop.metrics import MetricsLogger, PhaseTimer, peak_memory_bytes
 from moeloop.train.actor import Actor
@@ -20,7 +18,7 @@ from moeloop.types import Sample
 def run_sft(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
     check_parallel_support(cfg)
     env = RunEnv.create(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    tokenizer = load_tokenizer(cfg)
     data = PromptDataset(load_rows(cfg.data.train_files, cfg.data.seed), tokenizer, cfg.data, with_response=True)
     cursor = EpochCursor(len(data), cfg.data.seed, cfg.data.shuffle)
     model = load_policy(cfg)
