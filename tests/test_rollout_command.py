@@ -47,9 +47,9 @@ def test_generate_names_the_bad_line_and_writes_nothing(tmp_path, capsys, line, 
 
 
 def test_generate_and_rl_report_bad_flags_files_and_fields(tmp_path, capsys):
-    """Bad sampling flags, a missing prompts file, a bad config field, a missing config and a model.path with no
-    model folder (transformers would take it for a hub id): exit code 2 and the flag, file or field named on
-    stderr."""
+    """Bad sampling flags, a missing prompts file, a bad config field, a missing config, a model.path with no
+    model folder (transformers would take it for a hub id) and an unknown reward function: exit code 2 and the
+    flag, file or field named on stderr."""
     model_dir = init_model("qwen3_moe", "tiny", tmp_path / "m")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "1+1="}) + "\n")
@@ -60,7 +60,8 @@ def test_generate_and_rl_report_bad_flags_files_and_fields(tmp_path, capsys):
              (["rl", "examples/tiny.yaml", "rollout.n=0"], "moeloop rl: rollout.n: must be >= 1"),
              (["rl", str(tmp_path / "none.yaml")], "moeloop rl: config file not found: .*none.yaml"),
              (["sft", "examples/tiny_sft.yaml", f"model.path={tmp_path / 'none'}"],
-              "moeloop sft: model.path=.*none: no model folder there")]
+              "moeloop sft: model.path=.*none: no model folder there"),
+             (["reward", "serve", "--fn", "nope"], "moeloop reward: reward.fn='nope' is neither a built-in")]
     for argv, message in cases:
         assert cli_main(argv) == 2, argv
         err = capsys.readouterr().err

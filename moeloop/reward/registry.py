@@ -14,6 +14,7 @@ import importlib
 import inspect
 from typing import Any, Awaitable, Callable, Protocol, Union
 
+from moeloop.errors import InputError
 from moeloop.types import RewardResult, Sample
 
 
@@ -56,13 +57,13 @@ def import_by_path(path: str) -> Any:
     """Import "pkg.module.attr"; errors say which part was not found."""
     module_name, _, attr = path.rpartition(".")
     if not module_name:
-        raise ValueError(f"reward.fn={path!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}) nor a dotted path pkg.module.fn")
+        raise InputError(f"reward.fn={path!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}) nor a dotted path pkg.module.fn")
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise ValueError(f"reward.fn={path!r}: cannot import module {module_name!r}: {err}") from None
+        raise InputError(f"reward.fn={path!r}: cannot import module {module_name!r}: {err}") from None
     if not hasattr(module, attr):
-        raise ValueError(f"reward.fn={path!r}: module {module_name!r} has no attribute {attr!r}")
+        raise InputError(f"reward.fn={path!r}: module {module_name!r} has no attribute {attr!r}")
     return getattr(module, attr)
 
 
