@@ -16,6 +16,7 @@ import torch
 from moeloop.algo.kl_control import KLController
 from moeloop.checkpoint import CheckpointManager
 from moeloop.config import RunConfig
+from moeloop.errors import InputError
 from moeloop.data import EpochCursor, PromptDataset, load_rows
 from moeloop.data.dataset import Example
 from moeloop.loop.env import RunEnv, check_parallel_support, dtype_of, load_policy, load_tokenizer
@@ -167,9 +168,9 @@ def _colocated_transport(cfg: RunConfig, env: RunEnv) -> Transport:
 def check_runtime_support(cfg: RunConfig) -> None:
     """Settings the planner understands but the runtime does not run yet fail here, by name."""
     if cfg.sync.transport == "broadcast":
-        raise ValueError("sync.transport=broadcast needs disaggregated rollout, which the RL loop does not run yet")
+        raise InputError("sync.transport=broadcast needs disaggregated rollout, which the RL loop does not run yet")
     if cfg.rollout.mode != "colocated":
-        raise ValueError(f"rollout.mode={cfg.rollout.mode!r} is not implemented by the RL loop yet (use colocated)")
+        raise InputError(f"rollout.mode={cfg.rollout.mode!r} is not implemented by the RL loop yet (use colocated)")
     check_parallel_support(cfg)
 
 
@@ -177,7 +178,7 @@ def build_components(cfg: RunConfig, resume: bool) -> Components:
     check_runtime_support(cfg)
     env = RunEnv.create(cfg)
     if cfg.actor.ppo_mini_batch_size % env.world_size:
-        raise ValueError(f"actor.ppo_mini_batch_size={cfg.actor.ppo_mini_batch_size} must be divisible by the "
+        raise InputError(f"actor.ppo_mini_batch_size={cfg.actor.ppo_mini_batch_size} must be divisible by the "
                          f"{env.world_size} data-parallel ranks")
     tokenizer = load_tokenizer(cfg)
     train = PromptDataset(load_rows(cfg.data.train_files, cfg.data.seed), tokenizer, cfg.data)

@@ -52,7 +52,7 @@ def _pick_device(choice: str) -> torch.device:
     if choice == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if choice == "cuda" and not torch.cuda.is_available():
-        raise ValueError("trainer.device=cuda but no CUDA device is visible")
+        raise InputError("trainer.device=cuda but no CUDA device is visible")
     return torch.device(choice)
 
 
@@ -60,7 +60,7 @@ def check_parallel_support(cfg: RunConfig) -> None:
     p = cfg.parallel
     for name in ("tp", "pp", "ep", "etp", "cp", "vpp"):
         if getattr(p, name) != 1:
-            raise ValueError(f"parallel.{name}={getattr(p, name)}: the trainer applies data parallelism only so far "
+            raise InputError(f"parallel.{name}={getattr(p, name)}: the trainer applies data parallelism only so far "
                              f"(torchrun --nproc_per_node N gives dp=N); {name} is used by `moeloop plan`")
 
 
