@@ -16,9 +16,9 @@ import torch
 from moeloop.algo.kl_control import KLController
 from moeloop.checkpoint import CheckpointManager
 from moeloop.config import RunConfig
-from moeloop.errors import InputError
 from moeloop.data import EpochCursor, PromptDataset, load_rows
 from moeloop.data.dataset import Example
+from moeloop.errors import InputError
 from moeloop.loop.env import RunEnv, check_parallel_support, dtype_of, load_policy, load_tokenizer
 from moeloop.loop.export import export_hf
 from moeloop.loop.generation import RolloutWorker
