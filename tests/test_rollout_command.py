@@ -47,7 +47,8 @@ def test_generate_names_the_bad_line_and_writes_nothing(tmp_path, capsys, line, 
 
 
 def test_generate_and_rl_report_bad_flags_files_and_fields(tmp_path, capsys):
-    """Bad sampling flags, a missing prompts file, a bad config field, a missing config, a model.path with no
+    """Bad sampling flags, a missing prompts file, a prompt too long for --max-model-len, a bad config field, a
+    missing config, a model.path with no
     model folder (transformers would take it for a hub id) and an unknown reward function: exit code 2 and the
     flag, file or field named on stderr."""
     model_dir = init_model("qwen3_moe", "tiny", tmp_path / "m")
@@ -62,6 +63,10 @@ def test_generate_and_rl_report_bad_flags_files_and_fields(tmp_path, capsys):
              (["sft", "examples/tiny_sft.yaml", f"model.path={tmp_path / 'none'}"],
               "moeloop sft: model.path=.*none: no model folder there"),
              (["reward", "serve", "--fn", "nope"], "moeloop reward: reward.fn='nope' is neither a built-in")]
+    long_prompt = tmp_path / "long.jsonl"
+    long_prompt.write_text(json.dumps({"prompt": "1+1="}) + "\n" + json.dumps({"prompt": "1+1=" * 20}) + "\n")
+    cases.append((base + ["--prompts", str(long_prompt), "--max-model-len", "32", "--max-tokens", "4"],
+                  r"long.jsonl:2: the prompt's \d+ tokens \+ --max-tokens 4 are more than --max-model-len 32"))
     for argv, message in cases:
         assert cli_main(argv) == 2, argv
         err = capsys.readouterr().err

@@ -234,6 +234,25 @@ def test_stops_and_abort():
         make_engine(model).add_request(p, SamplingParams(max_tokens=4, stop="x"))
 
 
+def test_generate_checks_every_prompt_before_queueing_any():
+    """A bad prompt among good ones (empty, too long, ids out of the vocabulary) or a params list of another length:
+    an InputError naming the prompt, and nothing left queued; the engine then generates as before."""
+    from moeloop.errors import InputError
+    model = tiny_model("qwen3_moe")
+    engine = make_engine(model)
+    good, params = prompts(3, seed=4), SamplingParams(temperature=0, max_tokens=4)
+    for bad, message in (([], "prompt 1: empty prompt"), ([5] * 70, "prompt 1: prompt \\(70\\) \\+ max_tokens"),
+                         ([10 ** 6], "prompt 1: prompt token ids must be in")):
+        with pytest.raises(InputError, match=message):
+            engine.generate([good[0], bad, good[1]], params)
+        assert not engine.has_unfinished()
+    with pytest.raises(InputError, match="3 prompts but 2 SamplingParams"):
+        engine.generate(good, [params, params])
+    assert not engine.has_unfinished()
+    assert [o.response_ids for o in engine.generate(good, params)] == \
+        [o.response_ids for o in make_engine(model).generate(good, params)]
+
+
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed (CPU torch wheel)")
 def test_triton_decode_path_keeps_greedy_outputs():
     model = tiny_model("deepseek_v3")  # MLA: Dk != Dv

@@ -45,8 +45,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def read_prompts(path: Path, tokenizer) -> tuple[list[str], list[list[int]]]:
-    """(prompt texts, their token ids) of a prompts file; a bad line is an InputError naming the file and line."""
+def read_prompts(path: Path, tokenizer, max_tokens: int, max_model_len: int) -> tuple[list[str], list[list[int]]]:
+    """(prompt texts, their token ids) of a prompts file; a bad line (its JSON, fields, or a prompt with no tokens
+    or too many for max_model_len with max_tokens more) is an InputError naming the file and line."""
     if not path.is_file():
         raise FileNotFoundError(f"prompts file not found: {path}")
     texts, ids = [], []
@@ -65,8 +66,14 @@ def read_prompts(path: Path, tokenizer) -> tuple[list[str], list[list[int]]]:
                                  f"'messages')")
         else:
             raise InputError(f"{where}: needs a 'prompt' or 'messages' field")
+        tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not tokens:
+            raise InputError(f"{where}: the prompt has no tokens")
+        if len(tokens) + max_tokens > max_model_len:
+            raise InputError(f"{where}: the prompt's {len(tokens)} tokens + --max-tokens {max_tokens} are more than "
+                             f"--max-model-len {max_model_len}")
         texts.append(text)
-        ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+        ids.append(tokens)
     return texts, ids
 
 
@@ -77,7 +84,7 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     dtype = DTYPES[args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")]
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
-    texts, prompt_ids = read_prompts(Path(args.prompts), tokenizer)
+    texts, prompt_ids = read_prompts(Path(args.prompts), tokenizer, args.max_tokens, args.max_model_len)
     # the flags checked before the model loads
     params = [SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                              max_tokens=args.max_tokens, seed=args.seed + i) for i in range(len(prompt_ids))]

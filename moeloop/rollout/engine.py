@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from moeloop.config.schema import RolloutSection
+from moeloop.errors import InputError
 from moeloop.rollout.blocks import BlockManager
 from moeloop.rollout.completion import Completion
 from moeloop.rollout.fused_decode import pack_qkv, qkv_packs_apply
@@ -89,19 +90,19 @@ class Engine:
 
     def _check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
-            raise ValueError("empty prompt: need at least one token id")
+            raise InputError("empty prompt: need at least one token id")
         vocab = self.model.cfg.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+            raise InputError(f"prompt token ids must be in [0, {vocab})")
         total = len(prompt_ids) + params.max_tokens
         if total > self.cfg.max_model_len:
-            raise ValueError(f"prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) = {total} "
+            raise InputError(f"prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) = {total} "
                              f"> rollout.max_model_len={self.cfg.max_model_len}")
         if self.blocks.blocks_for(total) > self.blocks.num_blocks:
-            raise ValueError(f"one sequence of {total} tokens needs {self.blocks.blocks_for(total)} KV blocks; "
+            raise InputError(f"one sequence of {total} tokens needs {self.blocks.blocks_for(total)} KV blocks; "
                              f"the cache has {self.blocks.num_blocks}: raise rollout.kv_cache_bytes")
         if params.stop and self.detokenize is None:
-            raise ValueError("stop strings need a detokenize callback (Engine(..., detokenize=tokenizer.decode))")
+            raise InputError("stop strings need a detokenize callback (Engine(..., detokenize=tokenizer.decode))")
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._in_flight is not None or bool(self._ready)
@@ -194,6 +195,13 @@ class Engine:
         if self.scheduler.paused:
             raise RuntimeError("generate on a paused engine would never finish: call resume() first")
         params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise InputError(f"generate: {len(prompts)} prompts but {len(params_list)} SamplingParams")
+        for i, (p, sp) in enumerate(zip(prompts, params_list)):  # all checked before any is queued
+            try:
+                self._check_prompt(p, sp)
+            except InputError as err:
+                raise InputError(f"prompt {i}: {err}") from None
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
         wanted, results, total = set(ids), {}, sum(sp.n for sp in params_list)
         while self.has_unfinished() and len(results) < total:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from moeloop.errors import InputError
 from moeloop.model.config import ModelConfig
 
 
@@ -31,7 +32,7 @@ class KVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str):
         if num_blocks < 1:
-            raise ValueError(f"KV budget gives {num_blocks} blocks; need at least 1 "
+            raise InputError(f"KV budget gives {num_blocks} blocks; need at least 1 "
                              f"({kv_bytes_per_block(cfg, block_size, dtype)} bytes per block)")
         self.num_layers, self.num_kv_heads = cfg.num_layers, cfg.num_kv_heads
         self.k_dim, self.v_dim = cfg.qk_head_dim, cfg.attn_v_head_dim
