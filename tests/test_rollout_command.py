@@ -48,9 +48,8 @@ def test_generate_names_the_bad_line_and_writes_nothing(tmp_path, capsys, line, 
 
 def test_generate_and_rl_report_bad_flags_files_and_fields(tmp_path, capsys):
     """Bad sampling flags, a missing prompts file, a prompt too long for --max-model-len, a bad config field, a
-    missing config, a model.path with no
-    model folder (transformers would take it for a hub id) and an unknown reward function: exit code 2 and the
-    flag, file or field named on stderr."""
+    missing config, a model.path with no model folder (transformers would take it for a hub id) and an unknown
+    reward function: exit code 2 and the flag, file or field named on stderr."""
     model_dir = init_model("qwen3_moe", "tiny", tmp_path / "m")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "1+1="}) + "\n")
