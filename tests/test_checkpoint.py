@@ -68,6 +68,19 @@ def test_save_is_atomic_and_pruned(tmp_path):
     assert meta["step"] == 3 and meta["cursor"]["num_rows"] == 10
 
 
+def test_resume_takes_the_latest_or_says_it_starts_fresh(tmp_path, capsys):
+    """`--resume` (`resume_from`): the newest complete checkpoint; with none, step 0 and a note on stderr (from
+    the main rank only); without --resume, nothing is read."""
+    from moeloop.loop.env import resume_from
+    ckpt = CheckpointManager(tmp_path / "ckpt")
+    assert resume_from(ckpt, True, is_main=True) is None
+    assert capsys.readouterr().err == f"--resume: no checkpoint in {tmp_path / 'ckpt'}; starting at step 0\n"
+    assert resume_from(ckpt, True, is_main=False) is None and capsys.readouterr().err == ""
+    actor_state_save(ckpt, 3, _actor(), EpochCursor(10))
+    assert resume_from(ckpt, True, is_main=True).name == "step_000003" and capsys.readouterr().err == ""
+    assert resume_from(ckpt, False, is_main=True) is None
+
+
 @pytest.mark.parametrize("resume_world", [1, 4])
 def test_dp2_checkpoint_resumes_at_other_layouts(tmp_path, resume_world):
     straight = run_ranks(_dist_run, 2, str(tmp_path / "a"), 4, None, None)[0][0]

@@ -19,7 +19,7 @@ from moeloop.config import RunConfig
 from moeloop.data import EpochCursor, PromptDataset, load_rows
 from moeloop.data.dataset import Example
 from moeloop.errors import InputError
-from moeloop.loop.env import RunEnv, check_parallel_support, dtype_of, load_policy, load_tokenizer
+from moeloop.loop.env import RunEnv, check_parallel_support, dtype_of, load_policy, load_tokenizer, resume_from
 from moeloop.loop.export import export_hf
 from moeloop.loop.generation import RolloutWorker
 from moeloop.loop.metrics import MetricsLogger
@@ -197,7 +197,7 @@ def build_components(cfg: RunConfig, resume: bool) -> Components:
     if cfg.sync.transport == "inprocess":
         drain_before_step(actor.optimizer, engine)  # weights it shares change at the optimizer step
     ckpt = CheckpointManager(cfg.checkpoint.dir or env.run_dir / "checkpoints", cfg.checkpoint.keep)
-    latest = ckpt.latest() if resume else None
+    latest = resume_from(ckpt, resume, env.is_main)
     c = Components(
         cfg=cfg, env=env, tokenizer=tokenizer, train=train, val=val,
         cursor=EpochCursor(len(train), cfg.data.seed, cfg.data.shuffle), actor=actor, ref=ref, critic=critic, engine=engine,

@@ -94,6 +94,17 @@ def load_policy(cfg: RunConfig, device: torch.device | str = "cpu") -> torch.nn.
     return model
 
 
+def resume_from(ckpt, resume: bool, is_main: bool):
+    """The checkpoint a `--resume` run continues from: the newest in `ckpt`'s directory. With none there, None (the
+    run starts at step 0, as verl's auto resume does) and a note on stderr saying so."""
+    if not resume:
+        return None
+    latest = ckpt.latest()
+    if latest is None and is_main:
+        print(f"--resume: no checkpoint in {ckpt.directory}; starting at step 0", file=sys.stderr)
+    return latest
+
+
 def run_command(argv: list[str], name: str, run) -> int:
     """`moeloop NAME CONFIG [key=value ...] [--resume]`: load the config, call `run(cfg, resume)`."""
     from moeloop.config import load_config

@@ -8,7 +8,7 @@ from __future__ import annotations
 from moeloop.checkpoint import CheckpointManager
 from moeloop.config import RunConfig
 from moeloop.data import EpochCursor, PromptDataset, load_rows
-from moeloop.loop.env import RunEnv, check_parallel_support, load_policy, load_tokenizer, run_command
+from moeloop.loop.env import RunEnv, check_parallel_support, load_policy, load_tokenizer, resume_from, run_command
 from moeloop.loop.export import export_hf
 from moeloop.loop.metrics import MetricsLogger, PhaseTimer, peak_memory_bytes
 from moeloop.train.actor import Actor
@@ -27,7 +27,7 @@ def run_sft(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
     actor = Actor(model, cfg.actor, env.device, cfg.data.max_response_length, cfg.model.logprob_chunk_tokens, steps)
     ckpt = CheckpointManager(cfg.checkpoint.dir or env.run_dir / "checkpoints", cfg.checkpoint.keep)
     start = 0
-    if resume and (latest := ckpt.latest()) is not None:
+    if (latest := resume_from(ckpt, resume, env.is_main)) is not None:
         meta = actor_state_load(ckpt, latest, actor, cursor)
         start = meta["step"]
     logger = MetricsLogger(env.run_dir, cfg.trainer.log, env.is_main, steps - start, append=start > 0)
