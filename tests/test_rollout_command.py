@@ -25,6 +25,32 @@ def test_generate_command_writes_completions(tmp_path, capsys):
     assert "tok/s" in capsys.readouterr().out
 
 
+def test_generate_stops_at_stop_tokens_and_strings(tmp_path):
+    """--stop-token-id ends a greedy sample at that token, --stop once its text holds the string (both kept, as the
+    tokens that made them are): prefixes of the free run, finish_reason "stop"."""
+    model_dir = init_model("qwen3_moe", "tiny", tmp_path / "m")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "12+34="}) + "\n")
+    out = tmp_path / "o.jsonl"
+
+    def run(*flags: str) -> dict:
+        assert cli_main(["generate", str(model_dir), "--prompts", str(prompts), "--out", str(out), "--temperature",
+                         "0", "--max-tokens", "12", "--ignore-eos", *flags]) == 0
+        return json.loads(out.read_text().splitlines()[0])
+
+    free = run()
+    ids, text = free["response_token_ids"], free["completion"]
+    assert len(ids) == 12 and free["finish_reason"] == "length"
+    by_token = run("--stop-token-id", str(ids[3]))
+    assert by_token["response_token_ids"] == ids[:ids.index(ids[3]) + 1] and by_token["finish_reason"] == "stop"
+    stop = text[2:4]
+    by_string = run("--stop", stop, "--stop", "never-seen")
+    assert by_string["finish_reason"] == "stop" and stop in by_string["completion"]
+    assert len(by_string["response_token_ids"]) < len(ids)
+    assert ids[:len(by_string["response_token_ids"])] == by_string["response_token_ids"]
+    assert text.startswith(by_string["completion"])
+
+
 @pytest.mark.parametrize("line,message", [
     ('{"prompt": 3}', r"p.jsonl:2: 'prompt' must be a string, got int"),
     ("{not json", r"p.jsonl:2: not valid JSON"),
@@ -55,6 +81,8 @@ def test_generate_and_rl_report_bad_flags_files_and_fields(tmp_path, capsys):
     prompts.write_text(json.dumps({"prompt": "1+1="}) + "\n")
     base = ["generate", str(model_dir), "--out", str(tmp_path / "o.jsonl")]
     cases = [(base + ["--prompts", str(prompts), "--top-p", "1.5"], r"SamplingParams.top_p must be in \(0, 1\]"),
+             (base + ["--prompts", str(prompts), "--stop", ""], "SamplingParams.stop: an empty stop string"),
+             (base + ["--prompts", str(prompts), "--stop-token-id", "100000"], r"stop_token_ids must be in \[0, 128\)"),
              (base + ["--prompts", str(prompts), "--n", "0"], "SamplingParams.n must be >= 1"),
              (base + ["--prompts", str(tmp_path / "none.jsonl")], "prompts file not found: .*none.jsonl"),
              (["rl", "examples/tiny.yaml", "rollout.n=0"], "moeloop rl: rollout.n: must be >= 1"),

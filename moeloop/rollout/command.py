@@ -1,7 +1,8 @@
 """`moeloop generate`: sample completions for a JSONL file of prompts with the rollout engine.
 
     moeloop generate MODEL_DIR --prompts p.jsonl --out o.jsonl [--temperature T] [--top-p P] [--top-k K]
-                     [--max-tokens N] [--n N] [--seed S] [--device cpu|cuda] [--dtype float32|bfloat16]
+                     [--max-tokens N] [--n N] [--seed S] [--stop STR ...] [--stop-token-id ID ...] [--ignore-eos]
+                     [--device cpu|cuda] [--dtype float32|bfloat16]
 
 Input lines: {"prompt": "..."} or {"messages": [...]} (chat template of MODEL_DIR's tokenizer).
 Output lines: prompt, sample_index, completion (text), response_token_ids, logprobs, finish_reason, policy_version.
@@ -37,6 +38,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--n", type=int, default=1, help="samples per prompt")
     p.add_argument("--seed", type=int, default=0, help="request i uses seed + i")
+    p.add_argument("--stop", action="append", default=[],
+                   help="stop string (repeatable): a sample ends once its text holds one (kept in the completion)")
+    p.add_argument("--stop-token-id", type=int, action="append", default=[],
+                   help="stop token id (repeatable), besides the model's EOS; kept in response_token_ids")
+    p.add_argument("--ignore-eos", action="store_true", help="generate through EOS up to --max-tokens")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -87,7 +93,9 @@ def main(argv: list[str]) -> int:
     texts, prompt_ids = read_prompts(Path(args.prompts), tokenizer, args.max_tokens, args.max_model_len)
     # the flags checked before the model loads
     params = [SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                             max_tokens=args.max_tokens, seed=args.seed + i) for i in range(len(prompt_ids))]
+                             max_tokens=args.max_tokens, seed=args.seed + i, stop=tuple(args.stop),
+                             stop_token_ids=tuple(args.stop_token_id), ignore_eos=args.ignore_eos)
+              for i in range(len(prompt_ids))]
     model = load_pretrained(args.model_dir, dtype=dtype, device=args.device)
     cfg_eos = model.cfg.eos_token_id
     eos = {t for t in [tokenizer.eos_token_id, *(cfg_eos if isinstance(cfg_eos, list) else [cfg_eos])] if t is not None}

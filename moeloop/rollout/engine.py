@@ -94,6 +94,8 @@ class Engine:
         vocab = self.model.cfg.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise InputError(f"prompt token ids must be in [0, {vocab})")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise InputError(f"stop_token_ids must be in [0, {vocab}), got {list(params.stop_token_ids)}")
         total = len(prompt_ids) + params.max_tokens
         if total > self.cfg.max_model_len:
             raise InputError(f"prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) = {total} "

@@ -40,6 +40,10 @@ class SamplingParams:
             raise InputError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
         if self.max_tokens < 1:
             raise InputError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
+        if any(not s for s in self.stop):
+            raise InputError("SamplingParams.stop: an empty stop string would stop every sample at once")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise InputError(f"SamplingParams.stop_token_ids must be token ids (>= 0), got {list(self.stop_token_ids)}")
 
     @property
     def greedy(self) -> bool:
