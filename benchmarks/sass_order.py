@@ -9,24 +9,18 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from moeloop.rollout import moe_kernel
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.test_triton_sm90_compile import compile_sm90  # noqa: E402 (the compile test's helper)
+
 D, F, E, K = 1536, 512, 64, 4  # reference Qwen3-MoE
-
-
-def compiled(kernel, types: dict, consts: dict, warps: int):
-    consts = {**{p.name: p.default for p in kernel.params if p.has_default and p.name not in types}, **consts}
-    signature = {n: types.get(n, "constexpr") for n in kernel.arg_names}
-    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in types}
-    return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
 def registers(ptx: str) -> str:
@@ -68,14 +62,14 @@ def main() -> None:
     print(f"triton {triton.__version__}")
     gate_up = dict(x_ptr="*bf16", w_ptr="*bf16", ids_ptr="*bf16", h_ptr="*bf16", s_we="i64", s_wf="i64")
     for rows, warps in ((8, 4), (8, 8), (4, 4)):
-        c = compiled(moe_kernel._gate_up_silu, gate_up,
-                     dict(D=D, F=F, K=K, BLOCK_F=rows, BLOCK_D=2048, LIBDEVICE=True, PDL=True, ROUTED=True, E=E,
-                          E_PAD=E), warps)
+        c = compile_sm90(moe_kernel._gate_up_silu, gate_up,
+                         dict(D=D, F=F, K=K, BLOCK_F=rows, BLOCK_D=2048, LIBDEVICE=True, PDL=True, ROUTED=True, E=E,
+                              E_PAD=E), num_warps=warps, divisible=True)
         print(f"_gate_up_silu rows={rows} warps={warps}: {registers(c.asm['ptx'])} | {load_order(c.asm['cubin'])}")
     down = dict(h_ptr="*bf16", w_ptr="*bf16", ids_ptr="*bf16", y_ptr="*bf16", s_we="i64", s_wd="i64")
-    c = compiled(moe_kernel._down_combine, down, dict(wts_ptr=None, D=D, F=F, K=K, K_PAD=K, BLOCK_D=4, BLOCK_F=512,
-                                                     EARLY=True, PDL=True, ROUTED=True, E=E, E_PAD=E, SCALE=1.0,
-                                                     NORM=True), 4)
+    c = compile_sm90(moe_kernel._down_combine, down, dict(wts_ptr=None, D=D, F=F, K=K, K_PAD=K, BLOCK_D=4,
+                                                         BLOCK_F=512, EARLY=True, PDL=True, ROUTED=True, E=E,
+                                                         E_PAD=E, SCALE=1.0, NORM=True), divisible=True)
     print(f"_down_combine rows=4 warps=4: {registers(c.asm['ptx'])} | {load_order(c.asm['cubin'])}")
 
 

@@ -39,16 +39,18 @@ def compile_all() -> None:
 
 
 def compile_sm90(kernel, types: dict[str, str], consts: dict, num_warps: int = 4, num_stages: int = 3,
-                 enable_fp_fusion: bool = True, enable_reflect_ftz: bool = True):
+                 enable_fp_fusion: bool = True, enable_reflect_ftz: bool = True, divisible: bool = False):
     """`types`: the non-constexpr arguments' Triton types; `consts`: the constexpr values (defaults where left out).
-    Returns the compiled kernel (its `.asm` holds the PTX)."""
+    `divisible`: every typed argument specialised as divisible by 16, as a launch with aligned pointers and strides
+    is (vectorised loads; `benchmarks/sass_order.py`). Returns the compiled kernel (its `.asm` holds the PTX)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     # defaults: a constexpr's value, or an optional pointer left as None (a constexpr None)
     consts = {**{p.name: p.default for p in kernel.params if p.has_default and p.name not in types}, **consts}
     signature = {name: types.get(name, "constexpr") for name in kernel.arg_names}
     assert set(signature) - set(types) == set(consts), "every argument: typed, a constexpr, or has a default"
-    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts),
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in types} if divisible else None
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages,
                                        "enable_fp_fusion": enable_fp_fusion,

@@ -14,7 +14,7 @@ from typing import Any
 
 from moeloop.config.schema import DataSection
 from moeloop.data.synthetic import parse_synthetic_spec
-from moeloop.errors import InputError, chat_messages
+from moeloop.errors import InputError
 
 
 def load_rows(files: list[str], seed: int = 0) -> list[dict]:
@@ -51,6 +51,20 @@ def json_object(line: str, where: str) -> dict:
     if not isinstance(row, dict):
         raise InputError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
     return row
+
+
+def chat_messages(prompt: Any, where: str) -> list[dict]:
+    """A prompt field as chat messages: a string is one user message; a list must hold {"role": str, "content": str}
+    objects. Anything else is an InputError naming `where` (file:line) and the problem."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    if not isinstance(prompt, list) or not prompt:
+        raise InputError(f"{where}: a prompt must be a string or a non-empty list of chat messages, "
+                         f"got {type(prompt).__name__}")
+    for i, m in enumerate(prompt):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise InputError(f"{where}: message {i} must be an object with string 'role' and 'content', got {m!r:.80}")
+    return prompt
 
 
 @dataclass

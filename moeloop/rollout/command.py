@@ -19,8 +19,8 @@ import torch
 from tqdm import tqdm
 
 from moeloop.config.schema import RolloutSection
-from moeloop.data.dataset import json_object
-from moeloop.errors import InputError, chat_messages
+from moeloop.data.dataset import chat_messages, json_object
+from moeloop.errors import InputError
 from moeloop.rollout.engine import Engine
 from moeloop.rollout.sampling_params import SamplingParams
 

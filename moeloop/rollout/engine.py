@@ -78,8 +78,12 @@ class Engine:
 
     # --- requests ------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
-        request_id = str(next(self._request_ids)) if request_id is None else request_id
         self._check_prompt(prompt_ids, params)
+        return self._queue(prompt_ids, params, request_id)
+
+    def _queue(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        """`add_request` for a prompt `_check_prompt` has passed."""
+        request_id = str(next(self._request_ids)) if request_id is None else request_id
         base_seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         leader = None
         for i in range(params.n):
@@ -204,7 +208,7 @@ class Engine:
                 self._check_prompt(p, sp)
             except InputError as err:
                 raise InputError(f"prompt {i}: {err}") from None
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        ids = [self._queue(p, sp) for p, sp in zip(prompts, params_list)]
         wanted, results, total = set(ids), {}, sum(sp.n for sp in params_list)
         while self.has_unfinished() and len(results) < total:
             for c in self.step():

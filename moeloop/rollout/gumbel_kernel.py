@@ -323,13 +323,11 @@ if triton is not None:
             tl.store(l64_ptr + at, tl.sum(tl.exp(z.to(tl.float64) - _finite(m).to(tl.float64)), 0))
         if GROUPS > 0:
             keep = ok & (z >= _group_bound(z, k, GROUPS, BLOCK_V))
-            n = tl.sum(keep.to(tl.int32), 0)  # (the count the slots are checked against is the one stored)
-            if n > C:
+            if tl.sum(keep.to(tl.int32), 0) > C:
                 keep = _keep_first(z, ok, k, KEY_BITS, SHORT)
-                n = tl.sum(keep.to(tl.int32), 0)
         else:
             keep = _keep_first(z, ok, k, KEY_BITS, SHORT)
-            n = tl.sum(keep.to(tl.int32), 0)
+        n = tl.sum(keep.to(tl.int32), 0)
         _compact(keep, z, v, cand_z_ptr + at * C, cand_v_ptr + at * C)
         tl.store(m_ptr + at, m)
         tl.store(l_ptr + at, l)
