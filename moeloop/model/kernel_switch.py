@@ -46,7 +46,7 @@ def triton_interpreting() -> bool:
 _PDL_DEVICES: dict[torch.device, bool] = {}
 # PDL pays off where a step is many short kernels, not for large batches (H200, reference model, the decode forward's
 # CUDA graph alone: B=1 0.629 -> 0.457 ms, B=128 2.11 -> 2.10 ms, B=256 2.45 -> 2.58 ms; `profile_decode.py`)
-PDL_MAX_ROWS = 8
+PDL_MAX_ROWS = int(os.environ.get("MOELOOP_PDL_MAX_ROWS", "8"))  # (the variable: for A/Bs)
 
 
 def pdl_applies(x: torch.Tensor, rows: int) -> bool:

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Session 16's dense-projection A/B (~6 min on an H200): cuBLAS vs `_dense_gemm` alone (tile sweep), then the
+# decode forward graph at B=32/128/256 with q|k|v and o_proj through each, PDL at <= 8 rows (the default) or all.
+# Run from the repository root with the project importable.
+set -u
+timeout 240 python3 benchmarks/dense_decode_gemm.py --tokens 32,128,256 --sweep 2>&1 | grep -v -i warn
+for round in 1 2; do
+  for gemm in cublas triton; do
+    for rows in 8 256; do
+      echo "MOELOOP_DENSE_GEMM=$gemm MOELOOP_PDL_MAX_ROWS=$rows (round $round)"
+      MOELOOP_DENSE_GEMM=$gemm MOELOOP_PDL_MAX_ROWS=$rows timeout 120 python3 benchmarks/profile_decode.py \
+          --batch 32,128,256 --top 0 --steps 10 2>&1 | grep -E "forward graph|Error|error" | grep -v -i warn
+    done
+  done
+done
