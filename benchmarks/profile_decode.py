@@ -103,8 +103,12 @@ def main() -> None:
                   f"{sum(times) / len(times):7.1f} us  {name[:90]}")
         if args.timeline:
             timeline(engine, B, model.cfg.num_layers)
-        while engine.has_unfinished():
-            engine.step()
+        # the replays above ran graphs out of the engine's order: graphs share one memory pool, so a forward graph
+        # replayed here may overwrite what a step graph keeps for the next step (the sampled tokens it patches in).
+        # Drop this engine instead of finishing its requests (finishing them hit a device-side assert in an index
+        # gather in session 16)
+        del engine
+        torch.cuda.empty_cache()
 
 
 def graph_replay_ms(engine, batch: int, replays: int = 50) -> float:

@@ -410,35 +410,3 @@ def test_pdl_launches_give_bitwise_the_same_decode(monkeypatch, batch):
         outs[mode] = make_engine(model).generate(ps, params)  # CUDA graphs captured under this mode
     assert [o.response_ids for o in outs["on"]] == [o.response_ids for o in outs["off"]]
     assert [o.logprobs for o in outs["on"]] == [o.logprobs for o in outs["off"]]
-
-
-@pytest.mark.parametrize("T,tile", [(2, None), (5, (16, 16, 4, 2)), (33, (16, 32, 4, 3)), (150, (32, 16, 4, 2))])
-def test_dense_gemm_equals_f_linear(monkeypatch, T, tile):
-    """The batched decode's q|k|v / o_proj launch (`dense_gemm`) == F.linear: rows in several BLOCK_M chunks (150),
-    K and N not multiples of the tile (40 columns in 16s or 32s, 48 rows in 32s). And `linear` takes it only with
-    the switch on, 2..DENSE_MAX_ROWS rows and no bias."""
-    from moeloop.rollout import fused_decode
-    torch.manual_seed(T)
-    x = torch.randn(T, 40, device=DEVICE)
-    w = torch.randn(48, 40, device=DEVICE)
-    torch.testing.assert_close(fused_decode.dense_gemm(x, w, tile), F.linear(x, w), rtol=1e-5, atol=1e-5)
-    monkeypatch.setattr(fused_decode, "DENSE_GEMM", True)
-    assert fused_decode.dense_gemm_applies(x, w, None)
-    assert not fused_decode.dense_gemm_applies(x, w, torch.zeros(48, device=DEVICE))
-    assert not fused_decode.dense_gemm_applies(x[:1], w, None)  # one token: `_row_linear`
-    monkeypatch.setattr(fused_decode, "DENSE_GEMM", False)
-    assert not fused_decode.dense_gemm_applies(x, w, None)
-
-
-def test_fused_decode_with_dense_gemm_matches_module_path(monkeypatch):
-    """The batched fused decode with q|k|v and o_proj as `_dense_gemm` launches: the module path's tokens and
-    logprobs (fp32)."""
-    from moeloop.rollout import fused_decode
-    monkeypatch.setattr(fused_decode, "DENSE_GEMM", True)
-    calls = []
-    real = fused_decode.dense_gemm
-    monkeypatch.setattr(fused_decode, "dense_gemm", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
-    model = tiny_model("qwen3_moe").to(DEVICE)
-    assert_kernels_match_module_path(model, prompts(4, seed=13), SamplingParams(n=2, temperature=1.0, max_tokens=5,
-                                                                                seed=6))
-    assert calls and max(calls) == 8  # 4 prompts x 2 samples decode together

@@ -241,34 +241,6 @@ if triton is not None:
         _softmax_topk_store(z, t, t_ok, e, ids_ptr, wts_ptr, scale, K, NORM)
 
 
-    @triton.jit
-    def _dense_gemm(x_ptr, w_ptr, out_ptr, T, N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, EARLY: tl.constexpr,
-                    PDL: tl.constexpr):
-        """out [T, N] = x [T, K] @ W [N, K].T, fp32 accumulation rounded once (F.linear's numbers up to the
-        summation order). Program n owns BLOCK_N output columns for every row, so each weight tile is streamed once
-        (rows in chunks of BLOCK_M); its first [BLOCK_N, BLOCK_K] weight tile is read before the PDL wait."""
-        pdl_launch_next(PDL, EARLY)
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < N
-        w_rows = w_ptr + n.to(tl.int64)[:, None] * K
-        k = tl.arange(0, BLOCK_K)
-        w0 = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k[None, :] < K), other=0.0)
-        pdl_wait(PDL, EARLY)
-        for m0 in range(0, T, BLOCK_M):
-            m = m0 + tl.arange(0, BLOCK_M)
-            m_ok = m < T
-            a_rows = x_ptr + m.to(tl.int64)[:, None] * K
-            a = tl.load(a_rows + k[None, :], mask=m_ok[:, None] & (k[None, :] < K), other=0.0)
-            acc = tl.dot(a, tl.trans(w0), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), input_precision=PRECISION)
-            for k0 in range(BLOCK_K, K, BLOCK_K):
-                kk = k0 + tl.arange(0, BLOCK_K)
-                a = tl.load(a_rows + kk[None, :], mask=m_ok[:, None] & (kk[None, :] < K), other=0.0)
-                w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & (kk[None, :] < K), other=0.0)
-                acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
-            tl.store(out_ptr + m.to(tl.int64)[:, None] * N + n[None, :], acc.to(out_ptr.dtype.element_ty),
-                     mask=m_ok[:, None] & n_ok[None, :])
-
 def fused_supported(model: nn.Module) -> bool:
     """GQA attention with half-split RoPE over the whole head, softmax routers, SiLU experts, no shared experts."""
     cfg = model.cfg
@@ -345,42 +317,6 @@ def row_linear(x_TD: torch.Tensor, linears: list[nn.Module], block_n: int) -> to
                                              **pdl_args(x_TD, 1))
     return out
 
-
-# Batched decode (2 to DENSE_MAX_ROWS tokens): q|k|v and o_proj as `_dense_gemm` launches instead of cuBLAS, so
-# they join the PDL chain (MOELOOP_DENSE_GEMM=triton; off by default until measured in the engine)
-DENSE_GEMM = os.environ.get("MOELOOP_DENSE_GEMM", "cublas").lower() == "triton"
-DENSE_MAX_ROWS = 256
-DENSE_TILE = (16, 128, 4, 4)  # (BLOCK_N, BLOCK_K, warps, stages): many programs, each streaming a thin weight tile
-
-
-def dense_gemm_applies(x_TD: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """The switch on, more than one token and at most DENSE_MAX_ROWS, a bias-free contiguous weight of x's dtype
-    (the fused decode's own check, like `row_linear_applies`: it runs only where its kernels do)."""
-    T = x_TD.shape[0]
-    return (DENSE_GEMM and 1 < T <= DENSE_MAX_ROWS and bias is None and weight.dtype == x_TD.dtype
-            and weight.is_contiguous() and weight.shape[1] == x_TD.shape[1])
-
-
-def dense_gemm(x_TD: torch.Tensor, weight: torch.Tensor, tile: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """x @ W.T [T, N] in one `_dense_gemm` launch (`tile`: default DENSE_TILE)."""
-    block_n, block_k, warps, stages = tile or DENSE_TILE
-    (T, K), N = x_TD.shape, weight.shape[0]
-    x_TD = x_TD.contiguous()
-    out = x_TD.new_empty(T, N)
-    block_m = min(128, max(16, triton.next_power_of_2(T)))
-    _dense_gemm[(triton.cdiv(N, block_n),)](x_TD, weight, out, T, N=N, K=K, BLOCK_M=block_m, BLOCK_N=block_n,
-                                            BLOCK_K=min(block_k, triton.next_power_of_2(K)),
-                                            PRECISION="ieee" if x_TD.dtype == torch.float32 else "tf32",
-                                            EARLY=kernel_switch.PDL_EARLY, num_warps=warps, num_stages=stages,
-                                            **pdl_args(x_TD, T))
-    return out
-
-
-def linear(x_TD: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, as `dense_gemm` where it applies."""
-    if dense_gemm_applies(x_TD, weight, bias):
-        return dense_gemm(x_TD, weight)
-    return F.linear(x_TD, weight, bias)
 
 def _stacked_rows(x_TD: torch.Tensor, linears: list[nn.Module]) -> tuple[torch.Tensor, list, list[int]]:
     """A one-token launch's output [1, N0 + N1 + N2], its three weights (the last repeated when fewer) and the
@@ -498,7 +434,7 @@ def project_qkv(x_TD: torch.Tensor, attn: nn.Module) -> list[torch.Tensor]:
     pack = attn.__dict__.get("_decode_qkv")
     if pack is None or row_linear_applies(x_TD, linears, ROW_LINEAR_TILE[0]):
         return project(x_TD, linears)
-    return list(linear(x_TD, pack.weight, pack.bias).split(pack.sizes, dim=1))
+    return list(F.linear(x_TD, pack.weight, pack.bias).split(pack.sizes, dim=1))
 
 
 def project(x_TD: torch.Tensor, linears: list[nn.Module], block_n: int | None = None) -> list[torch.Tensor]:
@@ -507,7 +443,7 @@ def project(x_TD: torch.Tensor, linears: list[nn.Module], block_n: int | None = 
     block_n = ROW_LINEAR_TILE[0] if block_n is None else block_n
     if row_linear_applies(x_TD, linears, block_n):
         return list(row_linear(x_TD, linears, block_n).split([m.weight.shape[0] for m in linears], dim=1))
-    return [linear(x_TD, m.weight, getattr(m, "bias", None)) for m in linears]
+    return [F.linear(x_TD, m.weight, getattr(m, "bias", None)) for m in linears]
 
 
 ROUTER_FUSED_MIN_TOKENS = 16  # from this many tokens the router GEMM runs inside the top-k kernel (tl.dot tiles)
