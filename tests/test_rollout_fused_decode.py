@@ -356,11 +356,16 @@ def test_update_weights_refreshes_the_packed_copies(monkeypatch):
     assert forced == [True]
 
 
-@pytest.mark.parametrize("num_tokens", [5, 16, 37])
-def test_router_topk_kernel_equals_projection_then_topk(num_tokens):
+@pytest.mark.parametrize("num_tokens,splits", [(5, 1), (16, 1), (37, 1), (37, 2), (16, 3), (37, 5)])
+def test_router_topk_kernel_equals_projection_then_topk(monkeypatch, num_tokens, splits):
     """From ROUTER_FUSED_MIN_TOKENS tokens the router GEMM runs inside the top-k kernel (`_router_topk`); the
-    same experts and weights as the module router (`Router._route_softmax` on F.linear logits)."""
+    same experts and weights as the module router (`Router._route_softmax` on F.linear logits). splits > 1: each
+    token tile's columns over that many programs, summed by the last to finish (16 columns a step over the tiny
+    model's 64: 3 splits take 32, 32 and none; 5 are capped at 4); twice, so the counters are seen back at 0."""
     import moeloop.rollout.fused_decode as fd
+    monkeypatch.setattr(fd, "ROUTER_TOPK_SPLITS", splits)
+    if splits > 1:
+        monkeypatch.setattr(fd, "ROUTER_TOPK_TILE", (16, 16, 4, 2))
     model = tiny_model("qwen3_moe").to(DEVICE)
     moe = next(layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "gate"))
     x = torch.randn(num_tokens, model.cfg.hidden_size, device=DEVICE)
@@ -369,13 +374,16 @@ def test_router_topk_kernel_equals_projection_then_topk(num_tokens):
     fd._router_topk = type("Spy", (), {"__getitem__": lambda self, grid: launches.append(grid) or real[grid]})()
     try:
         with torch.no_grad():
-            ids, wts = fd.route(moe, x)
+            results = [fd.route(moe, x) for _ in range(2)]
             want = moe.gate(x)
     finally:
         fd._router_topk = real
-    assert len(launches) == (num_tokens >= fd.ROUTER_FUSED_MIN_TOKENS)
-    assert torch.equal(ids, want.ids_TK)
-    torch.testing.assert_close(wts, want.weights_TK, rtol=1e-6, atol=1e-6)
+    assert len(launches) == 2 * (num_tokens >= fd.ROUTER_FUSED_MIN_TOKENS)
+    if launches:
+        assert launches[0][1] == min(splits, -(-model.cfg.hidden_size // 16))
+    for ids, wts in results:
+        assert torch.equal(ids, want.ids_TK)
+        torch.testing.assert_close(wts, want.weights_TK, rtol=1e-6, atol=1e-6)
 
 
 def test_softmax_topk_keeps_expert_ids_in_range_on_a_nan_row():

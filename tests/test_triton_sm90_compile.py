@@ -117,11 +117,13 @@ def _compile_fused_decode_kernels():
     assert "fma.rn" not in compiled.asm["ptx"]  # as launched: 12 FMAs with fusion on, each skipping a bf16 rounding
     compile_sm90(fused_decode._softmax_topk, dict(logits_ptr="*bf16", ids_ptr="*i64", wts_ptr="*fp32", scale="fp32"),
                  dict(E=E, E_PAD=E, K=K, NORM=True, PDL=True), num_warps=1)
-    compile_sm90(fused_decode._router_topk, dict(x_ptr="*bf16", w_ptr="*bf16", ids_ptr="*i64", wts_ptr="*fp32",
-                                                 scale="fp32", T="i32"),
-                 dict(D=D, E=E, E_PAD=E, K=K, NORM=True, BLOCK_T=fused_decode.ROUTER_TOPK_TILE[0],
-                      BLOCK_D=fused_decode.ROUTER_TOPK_TILE[1], PRECISION="tf32", PDL=True),
-                 num_warps=fused_decode.ROUTER_TOPK_TILE[2], num_stages=fused_decode.ROUTER_TOPK_TILE[3])
+    for splits in (1, 3):
+        compile_sm90(fused_decode._router_topk, dict(x_ptr="*bf16", w_ptr="*bf16", ids_ptr="*i64", wts_ptr="*fp32",
+                                                     scale="fp32", T="i32", part_ptr="*fp32", done_ptr="*i32"),
+                     dict(D=D, E=E, E_PAD=E, K=K, NORM=True, BLOCK_T=fused_decode.ROUTER_TOPK_TILE[0],
+                          BLOCK_D=fused_decode.ROUTER_TOPK_TILE[1], PRECISION="tf32", SPLITS=splits,
+                          D_SPLIT=D // splits, PDL=True),
+                     num_warps=fused_decode.ROUTER_TOPK_TILE[2], num_stages=fused_decode.ROUTER_TOPK_TILE[3])
 
 
 def _compile_paged_decode():

@@ -32,6 +32,7 @@ from moeloop.model.moe import MoE
 from moeloop.model.norm import RMSNorm
 from moeloop.model.rope import RopeTables
 from moeloop.rollout.decode_kernel import triton, triton_interpreting
+from moeloop.rollout.gumbel_kernel import row_counters
 from moeloop.rollout.moe_kernel import (fused_experts, grouped_expert_rows, routed_experts, routed_experts_apply,
                                         uses_grouped_rows)
 from moeloop.rollout.paged_attention import PagedAttention
@@ -40,6 +41,7 @@ if triton is not None:
     import triton.language as tl
 
     from moeloop.model.kernel_switch import pdl_launch_next, pdl_wait
+    from moeloop.rollout.gumbel_kernel import last_arrival
 
     @triton.jit
     def _add_rmsnorm(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, dest_ptr, wts_ptr, eps, D: tl.constexpr,
@@ -222,24 +224,42 @@ if triton is not None:
         _softmax_topk_store(z, t, t >= 0, e, ids_ptr, wts_ptr, scale, K, NORM)
 
     @triton.jit
-    def _router_topk(x_ptr, w_ptr, ids_ptr, wts_ptr, scale, T, D: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
-                     K: tl.constexpr, NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-                     PRECISION: tl.constexpr, PDL: tl.constexpr):
+    def _router_topk(x_ptr, w_ptr, ids_ptr, wts_ptr, scale, T, part_ptr, done_ptr, D: tl.constexpr, E: tl.constexpr,
+                     E_PAD: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr, BLOCK_T: tl.constexpr,
+                     BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr, D_SPLIT: tl.constexpr,
+                     PDL: tl.constexpr):
         """Tokens [p * BLOCK_T, (p + 1) * BLOCK_T): router logits x @ W.T (fp32 accumulation, rounded to x's dtype
-        as the module's F.linear output), then `_softmax_topk`'s routing (one launch, not two)."""
+        as the module's F.linear output), then `_softmax_topk`'s routing (one launch, not two).
+        SPLITS > 1: program (p, s) sums columns [s * D_SPLIT, (s + 1) * D_SPLIT) only (a 1/SPLITS share of the
+        router's weight: a few programs streaming all of it are latency-bound), stores its fp32 partial logits in
+        part [SPLITS, tiles, BLOCK_T, E_PAD], and the tile's last program to finish (`last_arrival` on done[p]) adds
+        the SPLITS partials in split order and routes."""
         pdl_wait(PDL)
-        t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+        p = tl.program_id(0)
+        t = p.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
         t_ok = t < T
         e = tl.arange(0, E_PAD)
+        split = tl.program_id(1)
         acc = tl.zeros([BLOCK_T, E_PAD], tl.float32)
-        for d0 in range(0, D, BLOCK_D):
-            d = d0 + tl.arange(0, BLOCK_D)
-            x = tl.load(x_ptr + t[:, None] * D + d[None, :], mask=t_ok[:, None] & (d[None, :] < D), other=0.0)
-            w = tl.load(w_ptr + e[:, None] * D + d[None, :], mask=(e[:, None] < E) & (d[None, :] < D), other=0.0)
+        for d0 in range(0, D_SPLIT, BLOCK_D):  # (from 0: the interpreter cannot start a loop at a program id)
+            d = split * D_SPLIT + d0 + tl.arange(0, BLOCK_D)
+            d_ok = (d < D) & (d < (split + 1) * D_SPLIT)
+            x = tl.load(x_ptr + t[:, None] * D + d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+            w = tl.load(w_ptr + e[:, None] * D + d[None, :], mask=(e[:, None] < E) & d_ok[None, :], other=0.0)
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-        z = tl.where(e[None, :] < E, acc.to(x_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
-        _softmax_topk_store(z, t, t_ok, e, ids_ptr, wts_ptr, scale, K, NORM)
-
+        if SPLITS > 1:
+            tile = part_ptr + (p.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T))[:, None] * E_PAD + e[None, :]
+            stride = tl.num_programs(0).to(tl.int64) * BLOCK_T * E_PAD
+            tl.store(tile + split * stride, acc)
+            if last_arrival(done_ptr + p, SPLITS):
+                acc = tl.load(tile, cache_modifier=".cg")
+                for j in tl.static_range(1, SPLITS):
+                    acc += tl.load(tile + j * stride, cache_modifier=".cg")
+                z = tl.where(e[None, :] < E, acc.to(x_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
+                _softmax_topk_store(z, t, t_ok, e, ids_ptr, wts_ptr, scale, K, NORM)
+        else:
+            z = tl.where(e[None, :] < E, acc.to(x_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
+            _softmax_topk_store(z, t, t_ok, e, ids_ptr, wts_ptr, scale, K, NORM)
 
 def fused_supported(model: nn.Module) -> bool:
     """GQA attention with half-split RoPE over the whole head, softmax routers, SiLU experts, no shared experts."""
@@ -451,7 +471,9 @@ ROUTER_FUSED_MIN_TOKENS = 16  # from this many tokens the router GEMM runs insid
 # one launch 6.02 / 6.07 / 6.12 us at 32 / 128 / 256 tokens against 6.38 / 6.61 / 6.64 with BLOCK_D 128, the same
 # ids and weights (`benchmarks/router_topk.py`, BLOCK_T 16-32, BLOCK_D 128-512, 4-8 warps, 2-4 stages)
 ROUTER_TOPK_TILE = (16, 256, 4, 3)
-
+# programs per token tile, each summing 1/ROUTER_TOPK_SPLITS of the hidden dim (`_router_topk`); 1: one program
+# streams the whole router weight per tile. Not yet measured on a GPU: 1 until it is.
+ROUTER_TOPK_SPLITS = 1
 
 def route(moe: MoE, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids [T, K], weights [T, K]) of x's tokens: one `_router_topk` launch for a batch of at least
@@ -465,12 +487,19 @@ def route(moe: MoE, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ids_TK = torch.empty(T, K, dtype=torch.int64, device=x_TD.device)
         wts_TK = torch.empty(T, K, dtype=torch.float32, device=x_TD.device)
         block_t, block_d, warps, stages = ROUTER_TOPK_TILE
-        _router_topk[(triton.cdiv(T, block_t),)](x_TD, w, ids_TK, wts_TK, float(router.routed_scaling_factor), T, D=D,
-                                                 E=E, E_PAD=max(16, triton.next_power_of_2(E)), K=K,
-                                                 NORM=bool(router.norm_topk_prob), BLOCK_T=block_t,
-                                                 BLOCK_D=min(block_d, triton.next_power_of_2(D)),
-                                                 PRECISION="ieee" if x_TD.dtype == torch.float32 else "tf32",
-                                                 num_warps=warps, num_stages=stages, **pdl_args(x_TD, T))
+        block_d = min(block_d, triton.next_power_of_2(D))
+        tiles, e_pad = triton.cdiv(T, block_t), max(16, triton.next_power_of_2(E))
+        splits = max(1, min(ROUTER_TOPK_SPLITS, triton.cdiv(D, block_d)))
+        d_split = triton.cdiv(triton.cdiv(D, splits), block_d) * block_d
+        if splits > 1:
+            part, done = x_TD.new_empty(splits * tiles * block_t * e_pad, dtype=torch.float32), row_counters(x_TD.device, tiles)
+        else:
+            part = done = wts_TK  # (unused)
+        _router_topk[(tiles, splits)](x_TD, w, ids_TK, wts_TK, float(router.routed_scaling_factor), T, part, done, D=D,
+                                      E=E, E_PAD=e_pad, K=K, NORM=bool(router.norm_topk_prob), BLOCK_T=block_t,
+                                      BLOCK_D=block_d, PRECISION="ieee" if x_TD.dtype == torch.float32 else "tf32",
+                                      SPLITS=splits, D_SPLIT=d_split, num_warps=warps, num_stages=stages,
+                                      **pdl_args(x_TD, T))
         return ids_TK, wts_TK
     (logits_TE,) = project(x_TD, [router])
     return route_softmax_topk(moe, logits_TE)
