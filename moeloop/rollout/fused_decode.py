@@ -472,8 +472,8 @@ ROUTER_FUSED_MIN_TOKENS = 16  # from this many tokens the router GEMM runs insid
 # ids and weights (`benchmarks/router_topk.py`, BLOCK_T 16-32, BLOCK_D 128-512, 4-8 warps, 2-4 stages)
 ROUTER_TOPK_TILE = (16, 256, 4, 3)
 # programs per token tile, each summing 1/ROUTER_TOPK_SPLITS of the hidden dim (`_router_topk`); 1: one program
-# streams the whole router weight per tile. Not yet measured on a GPU: 1 until it is.
-ROUTER_TOPK_SPLITS = 1
+# streams the whole router weight per tile. Not yet measured on a GPU: 1 until it is (MOELOOP_ROUTER_SPLITS for A/Bs).
+ROUTER_TOPK_SPLITS = int(os.environ.get("MOELOOP_ROUTER_SPLITS", "1"))
 
 def route(moe: MoE, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids [T, K], weights [T, K]) of x's tokens: one `_router_topk` launch for a batch of at least
