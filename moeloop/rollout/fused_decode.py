@@ -471,9 +471,11 @@ ROUTER_FUSED_MIN_TOKENS = 16  # from this many tokens the router GEMM runs insid
 # one launch 6.02 / 6.07 / 6.12 us at 32 / 128 / 256 tokens against 6.38 / 6.61 / 6.64 with BLOCK_D 128, the same
 # ids and weights (`benchmarks/router_topk.py`, BLOCK_T 16-32, BLOCK_D 128-512, 4-8 warps, 2-4 stages)
 ROUTER_TOPK_TILE = (16, 256, 4, 3)
-# programs per token tile, each summing 1/ROUTER_TOPK_SPLITS of the hidden dim (`_router_topk`); 1: one program
-# streams the whole router weight per tile. Not yet measured on a GPU: 1 until it is (MOELOOP_ROUTER_SPLITS for A/Bs).
-ROUTER_TOPK_SPLITS = int(os.environ.get("MOELOOP_ROUTER_SPLITS", "1"))
+# programs per token tile, each summing 1/ROUTER_TOPK_SPLITS of the hidden dim (`_router_topk`; 1: one program
+# streams the whole router weight per tile). H200, reference shape, alone: 4.39-4.53 us against 5.98-6.19 with one,
+# the same ids; the decode forward graph B=128 2.214 against 2.248 ms, B=256 2.728 against 2.756-2.761 (two rounds,
+# BENCHMARKS.md session 16). MOELOOP_ROUTER_SPLITS for A/Bs
+ROUTER_TOPK_SPLITS = int(os.environ.get("MOELOOP_ROUTER_SPLITS", "6"))
 
 def route(moe: MoE, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids [T, K], weights [T, K]) of x's tokens: one `_router_topk` launch for a batch of at least
