@@ -381,7 +381,7 @@ def test_router_topk_kernel_equals_projection_then_topk(monkeypatch, num_tokens,
     assert len(launches) == 2 * (num_tokens >= fd.ROUTER_FUSED_MIN_TOKENS)
     if launches:
         assert launches[0][1] == min(splits, -(-model.cfg.hidden_size // 16))
-    for ids, wts in results:
+    for ids, wts, *_ in results:
         assert torch.equal(ids, want.ids_TK)
         torch.testing.assert_close(wts, want.weights_TK, rtol=1e-6, atol=1e-6)
 
@@ -418,3 +418,50 @@ def test_pdl_launches_give_bitwise_the_same_decode(monkeypatch, batch):
         outs[mode] = make_engine(model).generate(ps, params)  # CUDA graphs captured under this mode
     assert [o.response_ids for o in outs["on"]] == [o.response_ids for o in outs["off"]]
     assert [o.logprobs for o in outs["on"]] == [o.logprobs for o in outs["off"]]
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_router_norm_fold_equals_add_rmsnorm_then_router(monkeypatch, splits):
+    """`route` with the add + RMSNorm folded into `_router_topk` (ROUTER_NORM_FOLD) == `add_rmsnorm` then `route`:
+    the same experts, weights, normalised input and residual sum (fp32; the sum of squares in another order)."""
+    import moeloop.rollout.fused_decode as fd
+    monkeypatch.setattr(fd, "ROUTER_TOPK_SPLITS", splits)
+    monkeypatch.setattr(fd, "ROUTER_TOPK_TILE", (16, 16, 4, 2))
+    model = tiny_model("qwen3_moe").to(DEVICE)
+    layer = next(layer for layer in model.model.layers if hasattr(layer.mlp, "gate"))
+    torch.manual_seed(splits)
+    x, res = (torch.randn(21, model.cfg.hidden_size, device=DEVICE) for _ in range(2))
+    with torch.no_grad():
+        monkeypatch.setattr(fd, "ROUTER_NORM_FOLD", False)
+        want = fd.route(layer.mlp, x, res, layer.post_attention_layernorm)
+        monkeypatch.setattr(fd, "ROUTER_NORM_FOLD", True)
+        launches = []
+        real = fd.add_rmsnorm
+        monkeypatch.setattr(fd, "add_rmsnorm", lambda *a, **kw: launches.append(1) or real(*a, **kw))
+        got = fd.route(layer.mlp, x, res, layer.post_attention_layernorm)
+    assert not launches  # folded: no add + RMSNorm launch of its own
+    assert torch.equal(got[0], want[0])
+    for g, w in zip(got[1:], want[1:]):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[3], x + res, rtol=0, atol=0)
+
+
+def test_fused_decode_with_router_norm_fold_matches_module_path(monkeypatch):
+    """16 sequences decoding together (the one-launch router) with the add + RMSNorm folded into it, over 3 column
+    splits: the module path's tokens and logprobs (fp32)."""
+    import moeloop.rollout.fused_decode as fd
+    monkeypatch.setattr(fd, "ROUTER_NORM_FOLD", True)
+    monkeypatch.setattr(fd, "ROUTER_TOPK_SPLITS", 3)
+    monkeypatch.setattr(fd, "ROUTER_TOPK_TILE", (16, 16, 4, 2))
+    folded = []
+    real = fd._router_topk
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: folded.append(kw["NORM_IN"]) or real[grid](*a, **kw)
+
+    monkeypatch.setattr(fd, "_router_topk", Spy())
+    model = tiny_model("qwen3_moe").to(DEVICE)
+    assert_kernels_match_module_path(model, prompts(8, seed=14), SamplingParams(n=2, temperature=1.0, max_tokens=4,
+                                                                                seed=7))
+    assert folded and all(folded)
