@@ -4,8 +4,9 @@
 Per layer: residual add + RMSNorm (one kernel), the q/k/v projections (one `_row_linear` launch for a single
 token, else one cuBLAS GEMM on the packed q|k|v copy), q/k head RMSNorm + RoPE + the K/V cache write (one
 kernel), paged attention, o_proj, add + RMSNorm, the router projection, softmax + top-k + renormalisation (one
-kernel with the projection inside from 16 tokens on), and the experts (`moe_kernel`: two kernels for a few
-tokens; for more, a sort and two grouped GEMMs whose rows' weighted sum is fused into the next add + RMSNorm).
+kernel with the projection inside from 16 tokens on, its hidden dim split over six programs per 16 tokens), and
+the experts (`moe_kernel`: two kernels for a few tokens; for more, a sort and two grouped GEMMs whose rows'
+weighted sum is fused into the next add + RMSNorm).
 Every bf16 rounding of the module path is kept (norm output, weight product, each RoPE product and sum, residual
 sums), so outputs match it up to fp32 summation order inside a norm. On Hopper the kernels are launched with
 programmatic dependent launch (`kernel_switch.pdl_args`): the one-token projections and expert kernels read
@@ -286,6 +287,7 @@ if triton is not None:
             z = tl.where(e[None, :] < E, acc.to(dt).to(tl.float32), float("-inf"))
             _softmax_topk_store(z, t, t_ok, e, ids_ptr, wts_ptr, scale, K, NORM)
 
+
 def fused_supported(model: nn.Module) -> bool:
     """GQA attention with half-split RoPE over the whole head, softmax routers, SiLU experts, no shared experts."""
     cfg = model.cfg
@@ -539,7 +541,8 @@ def route(moe: MoE, x_TD: torch.Tensor, res_TD: torch.Tensor | None = None, norm
     splits = max(1, min(ROUTER_TOPK_SPLITS, triton.cdiv(D, block_d)))
     d_split = triton.cdiv(triton.cdiv(D, splits), block_d) * block_d
     if splits > 1:
-        part, done = x_TD.new_empty(splits * tiles * block_t * e_pad, dtype=torch.float32), row_counters(x_TD.device, tiles)
+        part = x_TD.new_empty(splits * tiles * block_t * e_pad, dtype=torch.float32)
+        done = row_counters(x_TD.device, tiles)
     else:
         part = done = wts_TK  # (unused)
     if fold:
