@@ -10,6 +10,10 @@ Multi-step decode (`run_steps`): one graph runs K decode steps with sampling and
 `multistep.decode_steps`, so the host launches (and waits) once per K tokens; its sampling parameters and row keys
 sit in static buffers of that graph, filled before each replay.
 Graphs hold KV and parameter addresses: weights must be updated in place and graphs dropped before sleep.
+All graphs share one memory pool, so a graph's outputs may sit where another graph keeps its temporaries: the
+engine reads a step's outputs (the host copy, the next step's input patch) before it replays another graph. A
+replay outside that order (a benchmark timing one graph mid-generation) can change them; such a caller drops the
+engine afterwards (`benchmarks/profile_decode.py`).
 """
 from __future__ import annotations
 
