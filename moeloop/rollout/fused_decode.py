@@ -72,8 +72,18 @@ if triton is not None:
         """RMSNorm of one row x (dt values, padding 0) with weight w (fp32) -> dt, rounded where the module path
         rounds (the normed row, then the weight product)."""
         x = x.to(tl.float32)
-        normed = (x * tl.rsqrt(tl.sum(x * x, 0) / D + eps)).to(dt).to(tl.float32)
-        return (w * normed).to(dt)
+        return _scaled_row(x, tl.rsqrt(tl.sum(x * x, 0) / D + eps), w, dt)
+
+    @triton.jit
+    def _scaled_row(x, rstd, w, dt: tl.constexpr):
+        """RMSNorm's output from x (fp32) and its 1 / rms: x * rstd rounded to dt, times w (fp32), rounded again."""
+        return (w * (x * rstd).to(dt).to(tl.float32)).to(dt)
+
+    @triton.jit
+    def _added(x_ptr, res_ptr, offs, mask, dt: tl.constexpr):
+        """x + res at offs, summed in fp32 and rounded to dt (the residual sum before a norm)."""
+        return (tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(dt)
 
     @triton.jit
     def _norm_rope_half(x_ptr, w_ptr, cos_ptr, sin_ptr, t, eps, HALF: tl.constexpr, QK_NORM: tl.constexpr,
@@ -249,10 +259,8 @@ if triton is not None:
             sq = tl.zeros([BLOCK_T], tl.float32)
             for d0 in range(0, D, BLOCK_D):
                 d = d0 + tl.arange(0, BLOCK_D)
-                m = t_ok[:, None] & (d[None, :] < D)
-                rows = t[:, None] * D + d[None, :]
-                h = (tl.load(x_ptr + rows, mask=m, other=0.0).to(tl.float32)
-                     + tl.load(res_ptr + rows, mask=m, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
+                h = _added(x_ptr, res_ptr, t[:, None] * D + d[None, :], t_ok[:, None] & (d[None, :] < D),
+                           dt).to(tl.float32)
                 sq += tl.sum(h * h, 1)
             rstd = tl.rsqrt(sq / D + eps)
         acc = tl.zeros([BLOCK_T, E_PAD], tl.float32)
@@ -262,31 +270,28 @@ if triton is not None:
             m = t_ok[:, None] & d_ok[None, :]
             rows = t[:, None] * D + d[None, :]
             if NORM_IN:
-                h = (tl.load(x_ptr + rows, mask=m, other=0.0).to(tl.float32)
-                     + tl.load(res_ptr + rows, mask=m, other=0.0).to(tl.float32)).to(dt)
+                h = _added(x_ptr, res_ptr, rows, m, dt)
                 tl.store(res_out_ptr + rows, h, mask=m)
                 nw = tl.load(nw_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
-                normed = (h.to(tl.float32) * rstd[:, None]).to(dt).to(tl.float32)
-                x = (nw[None, :] * normed).to(dt)
+                x = _scaled_row(h.to(tl.float32), rstd[:, None], nw[None, :], dt)
                 tl.store(y_ptr + rows, x, mask=m)
             else:
                 x = tl.load(x_ptr + rows, mask=m, other=0.0)
             w = tl.load(w_ptr + e[:, None] * D + d[None, :], mask=(e[:, None] < E) & d_ok[None, :], other=0.0)
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        routes = True  # this program routes its tokens: the only one, or the tile's last to finish
         if SPLITS > 1:
-            tile = part_ptr + (p.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T))[:, None] * E_PAD + e[None, :]
+            tile = part_ptr + t[:, None] * E_PAD + e[None, :]
             stride = tl.num_programs(0).to(tl.int64) * BLOCK_T * E_PAD
             tl.store(tile + split * stride, acc)
-            if last_arrival(done_ptr + p, SPLITS):
+            routes = last_arrival(done_ptr + p, SPLITS)
+            if routes:
                 acc = tl.load(tile, cache_modifier=".cg")
                 for j in tl.static_range(1, SPLITS):
                     acc += tl.load(tile + j * stride, cache_modifier=".cg")
-                z = tl.where(e[None, :] < E, acc.to(dt).to(tl.float32), float("-inf"))
-                _softmax_topk_store(z, t, t_ok, e, ids_ptr, wts_ptr, scale, K, NORM)
-        else:
+        if routes:
             z = tl.where(e[None, :] < E, acc.to(dt).to(tl.float32), float("-inf"))
             _softmax_topk_store(z, t, t_ok, e, ids_ptr, wts_ptr, scale, K, NORM)
-
 
 def fused_supported(model: nn.Module) -> bool:
     """GQA attention with half-split RoPE over the whole head, softmax routers, SiLU experts, no shared experts."""
