@@ -117,14 +117,12 @@ def _compile_fused_decode_kernels():
     assert "fma.rn" not in compiled.asm["ptx"]  # as launched: 12 FMAs with fusion on, each skipping a bf16 rounding
     compile_sm90(fused_decode._softmax_topk, dict(logits_ptr="*bf16", ids_ptr="*i64", wts_ptr="*fp32", scale="fp32"),
                  dict(E=E, E_PAD=E, K=K, NORM=True, PDL=True), num_warps=1)
-    for splits, norm_in in ((1, False), (3, False), (6, True)):
+    for splits in (1, 3, 6):
         compile_sm90(fused_decode._router_topk, dict(x_ptr="*bf16", w_ptr="*bf16", ids_ptr="*i64", wts_ptr="*fp32",
-                                                     scale="fp32", T="i32", part_ptr="*fp32", done_ptr="*i32",
-                                                     res_ptr="*bf16", nw_ptr="*bf16", y_ptr="*bf16",
-                                                     res_out_ptr="*bf16", eps="fp32"),
+                                                     scale="fp32", T="i32", part_ptr="*fp32", done_ptr="*i32"),
                      dict(D=D, E=E, E_PAD=E, K=K, NORM=True, BLOCK_T=fused_decode.ROUTER_TOPK_TILE[0],
                           BLOCK_D=fused_decode.ROUTER_TOPK_TILE[1], PRECISION="tf32", SPLITS=splits,
-                          D_SPLIT=D // splits, NORM_IN=norm_in, PDL=True),
+                          D_SPLIT=D // splits, PDL=True),
                      num_warps=fused_decode.ROUTER_TOPK_TILE[2], num_stages=fused_decode.ROUTER_TOPK_TILE[3])
 
 

@@ -80,12 +80,6 @@ if triton is not None:
         return (w * (x * rstd).to(dt).to(tl.float32)).to(dt)
 
     @triton.jit
-    def _added(x_ptr, res_ptr, offs, mask, dt: tl.constexpr):
-        """x + res at offs, summed in fp32 and rounded to dt (the residual sum before a norm)."""
-        return (tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(dt)
-
-    @triton.jit
     def _norm_rope_half(x_ptr, w_ptr, cos_ptr, sin_ptr, t, eps, HALF: tl.constexpr, QK_NORM: tl.constexpr,
                         dt: tl.constexpr):
         """One head [2 * HALF] at x_ptr: optional RMSNorm (weight w_ptr), then half-split RoPE with row t of the
@@ -235,48 +229,29 @@ if triton is not None:
         _softmax_topk_store(z, t, t >= 0, e, ids_ptr, wts_ptr, scale, K, NORM)
 
     @triton.jit
-    def _router_topk(x_ptr, w_ptr, ids_ptr, wts_ptr, scale, T, part_ptr, done_ptr, res_ptr, nw_ptr, y_ptr,
-                     res_out_ptr, eps, D: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr,
-                     NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-                     SPLITS: tl.constexpr, D_SPLIT: tl.constexpr, NORM_IN: tl.constexpr, PDL: tl.constexpr):
+    def _router_topk(x_ptr, w_ptr, ids_ptr, wts_ptr, scale, T, part_ptr, done_ptr, D: tl.constexpr,
+                     E: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr, BLOCK_T: tl.constexpr,
+                     BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr, D_SPLIT: tl.constexpr,
+                     PDL: tl.constexpr):
         """Tokens [p * BLOCK_T, (p + 1) * BLOCK_T): router logits x @ W.T (fp32 accumulation, rounded to x's dtype
         as the module's F.linear output), then `_softmax_topk`'s routing (one launch, not two).
         SPLITS > 1: program (p, s) sums columns [s * D_SPLIT, (s + 1) * D_SPLIT) only (a 1/SPLITS share of the
         router's weight: a few programs streaming all of it are latency-bound), stores its fp32 partial logits in
         part [SPLITS, tiles, BLOCK_T, E_PAD], and the tile's last program to finish (`last_arrival` on done[p]) adds
-        the SPLITS partials in split order and routes.
-        NORM_IN: the router's input is y = RMSNorm(res + x) (`_add_rmsnorm`'s rounding points; each program sums the
-        squares of its rows itself, in one fixed order), and each program stores its columns of res + x and y for
-        the kernels after: the add + RMSNorm launch before the router, folded in."""
+        the SPLITS partials in split order and routes. (The add + RMSNorm before it folded in here, each program
+        summing its rows' squares itself, measured 2.3 us per layer slower on the H200: BENCHMARKS.md, session 17.)"""
         pdl_wait(PDL)
         p = tl.program_id(0)
         t = p.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
         t_ok = t < T
         e = tl.arange(0, E_PAD)
         split = tl.program_id(1)
-        dt = x_ptr.dtype.element_ty
-        if NORM_IN:
-            sq = tl.zeros([BLOCK_T], tl.float32)
-            for d0 in range(0, D, BLOCK_D):
-                d = d0 + tl.arange(0, BLOCK_D)
-                h = _added(x_ptr, res_ptr, t[:, None] * D + d[None, :], t_ok[:, None] & (d[None, :] < D),
-                           dt).to(tl.float32)
-                sq += tl.sum(h * h, 1)
-            rstd = tl.rsqrt(sq / D + eps)
         acc = tl.zeros([BLOCK_T, E_PAD], tl.float32)
         for d0 in range(0, D_SPLIT, BLOCK_D):  # (from 0: the interpreter cannot start a loop at a program id)
             d = split * D_SPLIT + d0 + tl.arange(0, BLOCK_D)
             d_ok = (d < D) & (d < (split + 1) * D_SPLIT)
             m = t_ok[:, None] & d_ok[None, :]
-            rows = t[:, None] * D + d[None, :]
-            if NORM_IN:
-                h = _added(x_ptr, res_ptr, rows, m, dt)
-                tl.store(res_out_ptr + rows, h, mask=m)
-                nw = tl.load(nw_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
-                x = _scaled_row(h.to(tl.float32), rstd[:, None], nw[None, :], dt)
-                tl.store(y_ptr + rows, x, mask=m)
-            else:
-                x = tl.load(x_ptr + rows, mask=m, other=0.0)
+            x = tl.load(x_ptr + t[:, None] * D + d[None, :], mask=m, other=0.0)
             w = tl.load(w_ptr + e[:, None] * D + d[None, :], mask=(e[:, None] < E) & d_ok[None, :], other=0.0)
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
         routes = True  # this program routes its tokens: the only one, or the tile's last to finish
@@ -290,7 +265,7 @@ if triton is not None:
                 for j in tl.static_range(1, SPLITS):
                     acc += tl.load(tile + j * stride, cache_modifier=".cg")
         if routes:
-            z = tl.where(e[None, :] < E, acc.to(dt).to(tl.float32), float("-inf"))
+            z = tl.where(e[None, :] < E, acc.to(x_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
             _softmax_topk_store(z, t, t_ok, e, ids_ptr, wts_ptr, scale, K, NORM)
 
 def fused_supported(model: nn.Module) -> bool:
@@ -509,10 +484,6 @@ ROUTER_TOPK_TILE = (16, 256, 4, 3)
 # BENCHMARKS.md session 16). MOELOOP_ROUTER_SPLITS for A/Bs
 ROUTER_TOPK_SPLITS = int(os.environ.get("MOELOOP_ROUTER_SPLITS", "6"))
 
-# from ROUTER_FUSED_MIN_TOKENS tokens, the add + RMSNorm before the router runs inside `_router_topk` (`route` with a
-# norm), one launch fewer per layer; MOELOOP_ROUTER_NORM_FOLD=on. Not yet measured on a GPU: off until it is
-ROUTER_NORM_FOLD = os.environ.get("MOELOOP_ROUTER_NORM_FOLD", "off").lower() == "on"
-
 
 def route_applies(moe: MoE, x_TD: torch.Tensor) -> bool:
     """The one-launch router (`_router_topk`): at least ROUTER_FUSED_MIN_TOKENS tokens, a bias-free contiguous
@@ -526,12 +497,10 @@ def route(moe: MoE, x_TD: torch.Tensor, res_TD: torch.Tensor | None = None, norm
           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(ids [T, K], weights [T, K], y, res) of x's tokens: one `_router_topk` launch for a batch of at least
     ROUTER_FUSED_MIN_TOKENS tokens (`route_applies`), else the projection (`project`) and `_softmax_topk`.
-    With `norm` (and res): the router's input is y = RMSNorm(res + x), res becomes res + x (`add_rmsnorm`), inside
-    the launch when ROUTER_NORM_FOLD is on and it applies; without: y = x, res as given."""
+    With `norm` (and res): the router's input is y = RMSNorm(res + x) and res becomes res + x (`add_rmsnorm`, its
+    own launch); without: y = x, res as given."""
     router, (T, D) = moe.gate, x_TD.shape
-    fold = norm is not None and res_TD is not None and ROUTER_NORM_FOLD and route_applies(moe, x_TD) \
-        and res_TD.is_contiguous() and norm.weight.dtype == x_TD.dtype
-    if norm is not None and not fold:
+    if norm is not None:
         x_TD, res_TD = add_rmsnorm(x_TD, res_TD, norm)
     if not route_applies(moe, x_TD):
         (logits_TE,) = project(x_TD, [router])
@@ -550,19 +519,12 @@ def route(moe: MoE, x_TD: torch.Tensor, res_TD: torch.Tensor | None = None, norm
         done = row_counters(x_TD.device, tiles)
     else:
         part = done = wts_TK  # (unused)
-    if fold:
-        y_TD, res_out = torch.empty_like(x_TD), torch.empty_like(x_TD)
-        norm_args = (res_TD, norm.weight, y_TD, res_out, norm.eps)
-    else:
-        y_TD, res_out = x_TD, res_TD
-        norm_args = (x_TD, x_TD, x_TD, x_TD, 0.0)  # (unused)
     _router_topk[(tiles, splits)](x_TD, w, ids_TK, wts_TK, float(router.routed_scaling_factor), T, part, done,
-                                  *norm_args, D=D, E=E, E_PAD=e_pad, K=K, NORM=bool(router.norm_topk_prob),
-                                  BLOCK_T=block_t, BLOCK_D=block_d,
-                                  PRECISION="ieee" if x_TD.dtype == torch.float32 else "tf32", SPLITS=splits,
-                                  D_SPLIT=d_split, NORM_IN=fold, num_warps=warps, num_stages=stages,
+                                  D=D, E=E, E_PAD=e_pad, K=K, NORM=bool(router.norm_topk_prob), BLOCK_T=block_t,
+                                  BLOCK_D=block_d, PRECISION="ieee" if x_TD.dtype == torch.float32 else "tf32",
+                                  SPLITS=splits, D_SPLIT=d_split, num_warps=warps, num_stages=stages,
                                   **pdl_args(x_TD, T))
-    return ids_TK, wts_TK, y_TD, res_out
+    return ids_TK, wts_TK, x_TD, res_TD
 
 
 def route_softmax_topk(moe: MoE, logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
