@@ -70,6 +70,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gen-profile", action="store_true",
                    help="moeloop: profile the third step's generation (wall, engine steps, GPU busy, top kernels); "
                         "that step's time then includes the profiler's")
+    p.add_argument("--op-profile", action="store_true",
+                   help="CPU: profile steps 3-6 of each run (torch.profiler, ops by self time) and print per step "
+                        "the time in GEMMs and attention, the floor that no op-level overhead cut can go under; "
+                        "those steps' times then include the profiler's")
     p.add_argument("--only", choices=["moeloop", "trl"], help=argparse.SUPPRESS)
     p.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -157,9 +161,12 @@ def run_moeloop(args: argparse.Namespace, run_dir: Path) -> list[dict]:
         marks.append(time.perf_counter())
         return c
 
+    ops = OpProfile(args)
+
     def timed_log(self: MetricsLogger, step: int, metrics: dict, file: str = "metrics.jsonl") -> None:
         if file == "metrics.jsonl":
             marks.append(time.perf_counter())  # the phase timer already synchronised
+            ops.step_ended()
         log(self, step, metrics, file)
 
     def recorded_generate(self: RolloutWorker, examples: list, *a: Any, **kw: Any) -> list:
@@ -220,6 +227,8 @@ def run_trl(args: argparse.Namespace, run_dir: Path) -> list[dict]:
         use_cpu=args.device == "cpu", generation_kwargs=gen_kwargs, dataloader_num_workers=0)
     assert config.steps_per_generation == 1 and config.generation_batch_size == job.prompts * job.n
 
+    ops = OpProfile(args)
+
     class StepClock(TrainerCallback):
         def on_train_begin(self, *a: Any, **kw: Any) -> None:
             sync(args.device)
@@ -236,6 +245,7 @@ def run_trl(args: argparse.Namespace, run_dir: Path) -> list[dict]:
                             completion_tokens=now["completion_tokens"], prompt_tokens=prompt_tokens(tok, rows, job.n),
                             prompts=now["prompts"], phases=ph))
             now.update(t=t, phases={})
+            ops.step_ended()
 
     trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=config, train_dataset=data,
                           processing_class=tok, callbacks=[StepClock()])
@@ -283,6 +293,47 @@ def profiled_generate(worker: Any, run: Callable, out: Path, device: str) -> Any
     return result
 
 
+GEMM_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::_grouped_mm")
+
+
+class OpProfile:
+    """`--op-profile`: torch.profiler (CPU ops) from the end of step FIRST to the end of step LAST (or the run's
+    last), driven by the step-end hooks of either side; writes {steps, wall, ops, gemm, attention, optimizer} in
+    seconds per step next to the run's result. GEMM self time barely moves under the profiler (tens of us a
+    call); the small ops' does."""
+    FIRST, LAST = 2, 6
+
+    def __init__(self, args: argparse.Namespace):
+        self.on = bool(args.op_profile) and args.steps > self.FIRST
+        self.stop = min(self.LAST, args.steps)
+        self.out = args.result.with_suffix(".ops.json") if args.result else None
+        self.ended, self.prof, self.t = 0, None, 0.0
+
+    def step_ended(self) -> None:
+        if not self.on:
+            return
+        self.ended += 1
+        if self.ended == self.FIRST:
+            from torch.profiler import ProfilerActivity, profile
+            self.prof = profile(activities=[ProfilerActivity.CPU])
+            self.prof.__enter__()
+            self.t = time.perf_counter()
+        elif self.prof is not None and self.ended == self.stop:
+            wall = time.perf_counter() - self.t
+            self.prof.__exit__(None, None, None)
+            n = self.ended - self.FIRST
+            events = self.prof.key_averages()
+
+            def self_s(pick: Callable[[str], bool]) -> float:
+                return sum(e.self_cpu_time_total for e in events if pick(e.key)) / 1e6 / n
+
+            self.out.write_text(json.dumps(dict(
+                steps=n, wall=wall / n, ops=self_s(lambda k: True), gemm=self_s(lambda k: k in GEMM_OPS),
+                attention=self_s(lambda k: "scaled_dot_product" in k or "flash_attention" in k),
+                optimizer=self_s(lambda k: "adam" in k.lower()))))
+            self.prof = None
+
+
 def _timed(fn: Callable, phase: str, now: dict, device: str) -> Callable:
     def wrapper(*a: Any, **kw: Any) -> Any:
         sync(device)
@@ -304,7 +355,8 @@ def run_child(args: argparse.Namespace, framework: str, repeat: int) -> list[dic
            "--run-dir", str(run_dir),           "--size", args.size, "--steps", str(args.steps), "--device", args.device,
            "--prompts", str(args.job.prompts), "--new-tokens", str(args.job.new_tokens), "--dtype", args.job.dtype,
            "--micro-batch-tokens", str(args.micro_batch_tokens), "--threads", str(args.threads), "--workdir", str(args.workdir),
-           "--decode-steps", str(args.decode_steps), "--job", "reference" if args.job.exact_length else "cpu"] + (["--gen-profile"] if args.gen_profile else [])
+           "--decode-steps", str(args.decode_steps), "--job", "reference" if args.job.exact_length else "cpu"] + (["--gen-profile"] if args.gen_profile else []) \
+        + (["--op-profile"] if args.op_profile else [])
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         sys.exit(f"{framework} repeat {repeat} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
@@ -312,17 +364,24 @@ def run_child(args: argparse.Namespace, framework: str, repeat: int) -> list[dic
     if args.gen_profile and profile_txt.exists():
         print(f"{framework} repeat {repeat}, step 3 " + profile_txt.read_text(), end="")
         profile_txt.unlink()
-    return json.loads(result.read_text())
+    steps = json.loads(result.read_text())
+    ops = result.with_suffix(".ops.json")
+    if ops.exists():
+        steps[-1]["op_profile"] = json.loads(ops.read_text())
+        ops.unlink()
+    return steps
 
 
 def summarise(steps: list[dict]) -> dict:
     timed = steps[1:] or steps  # step 1 is warm-up
+    if steps[-1].get("op_profile"):  # the profiled steps' times include the profiler's
+        timed = [s for i, s in enumerate(steps) if i and not OpProfile.FIRST <= i < OpProfile.LAST] or timed
     step_s = statistics.median(s["step_s"] for s in timed)
     phases = {k: statistics.median(s["phases"].get(k, 0.0) for s in timed) for k in timed[-1]["phases"]}
     return dict(step_s=step_s, first_s=steps[0]["step_s"], samples_per_s=timed[0]["samples"] / step_s,
                 tokens_per_s=statistics.median((s["prompt_tokens"] + s["completion_tokens"]) / s["step_s"] for s in timed),
                 completion_len=statistics.fmean(s["completion_tokens"] / s["samples"] for s in steps),
-                rewards=[s["reward"] for s in steps], phases=phases,
+                rewards=[s["reward"] for s in steps], phases=phases, op_profile=steps[-1].get("op_profile"),
                 save_last_s=steps[-1]["phases"].get("save_checkpoint", 0.0))
 
 
@@ -360,6 +419,18 @@ def report(args: argparse.Namespace, runs: dict[str, list[dict]]) -> None:
         keys = list(summaries[0]["phases"])
         parts = [f"{k} {statistics.median(s['phases'].get(k, 0.0) for s in summaries):.4f}" for k in keys]
         print(f"  {fw:>8}: " + ", ".join(parts))
+    profiled = {fw: [s["op_profile"] for s in ss if s.get("op_profile")] for fw, ss in runs.items()}
+    if any(profiled.values()):
+        print("op profile (s/step under torch.profiler, steps 3-6, left out of the step medians above; median over "
+              "repeats; gemm = mm/bmm/addmm/grouped_mm self time, attention = SDPA self time):")
+        for fw, profs in profiled.items():
+            if profs:
+                print(f"  {fw:>8}: " + ", ".join(f"{k} {statistics.median(p[k] for p in profs):.4f}"
+                                                  for k in ("wall", "ops", "gemm", "attention", "optimizer")))
+        if len(med) == 2 and profiled["moeloop"]:
+            floor = statistics.median(p["gemm"] + p["attention"] for p in profiled["moeloop"])
+            print(f"  moeloop's GEMMs + attention alone: {floor:.4f} s/step = TRL's step / "
+                  f"{med['trl']['step_s'] / floor:.2f}: the ratio if every other op and all Python took no time")
     if "moeloop" in runs:
         last = statistics.median(s["save_last_s"] for s in runs["moeloop"])
         print(f"  moeloop final-step save_checkpoint (DCP + HF export, not in the medians): {last:.3f} s")
