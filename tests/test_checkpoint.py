@@ -81,6 +81,21 @@ def test_resume_takes_the_latest_or_says_it_starts_fresh(tmp_path, capsys):
     assert resume_from(ckpt, False, is_main=True) is None
 
 
+@pytest.mark.parametrize("initialised", [False, True])
+def test_rng_state_touches_cuda_only_once_the_run_has(monkeypatch, initialised):
+    """A CPU run on a GPU machine saves and restores no CUDA RNG state, so CUDA stays uninitialised (a rank forked
+    from a parent that initialised it could not); a run that uses CUDA saves and restores its device's state."""
+    from moeloop.checkpoint import rng_state, set_rng_state
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: initialised)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: calls.append("get") or torch.zeros(16, dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s: calls.append("set"))
+    state = rng_state()
+    set_rng_state({**state, "cuda": torch.zeros(16, dtype=torch.uint8)})
+    assert ("cuda" in state) == initialised
+    assert calls == (["get", "set"] if initialised else [])
+
+
 @pytest.mark.parametrize("resume_world", [1, 4])
 def test_dp2_checkpoint_resumes_at_other_layouts(tmp_path, resume_world):
     straight = run_ranks(_dist_run, 2, str(tmp_path / "a"), 4, None, None)[0][0]

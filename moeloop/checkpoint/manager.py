@@ -33,9 +33,15 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _uses_cuda() -> bool:
+    """Whether this process has initialised CUDA. A run on the CPU of a GPU machine never does, and must not start
+    now: that costs a context per rank, and a rank forked after its parent initialised CUDA cannot initialise it."""
+    return torch.cuda.is_initialized()  # (False without CUDA, and in a child forked from a process that had it)
+
+
 def rng_state() -> dict[str, Any]:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():  # this rank's device only: a resume may see another number of GPUs per process
+    if _uses_cuda():  # this rank's device only: a resume may see another number of GPUs per process
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
@@ -44,7 +50,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
+    if "cuda" in state and _uses_cuda():  # a GPU run has its model on the device by now
         cuda = state["cuda"]
         if isinstance(cuda, (list, tuple)):  # older checkpoints: every visible device's state
             cuda = cuda[min(torch.cuda.current_device(), len(cuda) - 1)]

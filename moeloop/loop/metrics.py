@@ -26,13 +26,16 @@ class PhaseTimer:
 
     @contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
-        if torch.cuda.is_available():
+        """Times the phase, waiting for the GPU's queued work at both ends if this process uses CUDA (a CPU run on
+        a GPU machine does not, and a synchronize would initialise it: a context per rank, and an error in a
+        rank forked from a process that had one)."""
+        if torch.cuda.is_initialized():
             torch.cuda.synchronize()
         start = time.perf_counter()
         try:
             yield
         finally:
-            if torch.cuda.is_available():
+            if torch.cuda.is_initialized():
                 torch.cuda.synchronize()
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
 
