@@ -3,6 +3,9 @@
     results = run_ranks(fn, world_size=2, *args)   # fn(rank, world_size, *args) -> picklable
 Ranks rendezvous through a file:// store in a temp dir; a rank's exception fails the test with its
 traceback. Each rank uses one thread so N ranks share the CI's 2 cores politely.
+On a machine with CUDA the ranks are spawned instead (a few seconds more each; MOELOOP_TEST_START_METHOD
+overrides): there the parent's first backward starts autograd's device threads, and a forked child's backward
+then fails ("Unable to handle autograd's threading in combination with fork-based multiprocessing").
 """
 from __future__ import annotations
 
@@ -37,7 +40,8 @@ def _entry(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple
 
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300) -> list[Any]:
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context(os.environ.get("MOELOOP_TEST_START_METHOD") or ("spawn" if torch.cuda.is_available()
+                                                                        else "fork"))
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
