@@ -15,7 +15,7 @@ vocab (32000, bf16 logits), temperature 1:
     python benchmarks/sampler.py                 # CUDA only
     python benchmarks/sampler.py --topk-sweep    # top-k 50's slices per row and warps per program instead
 
-`--topk-sweep`: `topk_sample` at top-k 50 for each `gumbel_kernel.TOPK_SPLITS` (slices per row: phase 1 ranks
+`--topk-sweep`: `topk_sample` at top-k 50 for each `topk_kernel.TOPK_SPLITS` (slices per row: phase 1 ranks
 V / S values per program, phase 2 up to S * 128 candidates in the row's last program) and `TOPK_WARPS`, with the tokens
 compared with the defaults' (the slicing must not change them).
 """
@@ -123,10 +123,10 @@ def agreement(batches: int = 300) -> int:
 
 
 def topk_sweep() -> None:
-    from moeloop.rollout import gumbel_kernel
+    from moeloop.rollout import topk_kernel
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; top-k 50 `topk_sample`, us per sampling step "
           f"in a CUDA graph, V={V}")
-    defaults = gumbel_kernel.TOPK_SPLITS, gumbel_kernel.TOPK_WARPS
+    defaults = topk_kernel.TOPK_SPLITS, topk_kernel.TOPK_WARPS
     for B in (1, 32, 256):
         logits = (torch.randn(B, V, device="cuda") * 3).to(torch.bfloat16)
         st = tensors(B)
@@ -134,12 +134,12 @@ def topk_sweep() -> None:
         row = []
         for splits in (8, 16, 32, 64):
             for warps in (0, 2, 4, 8):
-                gumbel_kernel.TOPK_SPLITS, gumbel_kernel.TOPK_WARPS = splits, warps
+                topk_kernel.TOPK_SPLITS, topk_kernel.TOPK_WARPS = splits, warps
                 us, _ = graph_us(now, logits, st)
                 tokens, lp = now(logits, st)
                 same = torch.equal(tokens, want[0]) and (lp - want[1]).abs().max().item() <= 4e-6
                 row.append(f"S{splits}/w{warps or 'auto'} {us:5.1f}{'' if same else ' (DIFFERS)'}")
-        gumbel_kernel.TOPK_SPLITS, gumbel_kernel.TOPK_WARPS = defaults
+        topk_kernel.TOPK_SPLITS, topk_kernel.TOPK_WARPS = defaults
         print(f"B={B:3d}: " + ", ".join(row))
 
 

@@ -4,7 +4,8 @@ import torch
 
 from moeloop.rollout.sampler import (Sampler, SamplingTensors, _mix32, filter_logits, noise_at, ranked_topk, row_key,
                                      uniform_noise)
-from moeloop.rollout.gumbel_kernel import topk_gumbel_argmax, topk_sample
+from moeloop.rollout.gumbel_kernel import topk_gumbel_argmax
+from moeloop.rollout.topk_kernel import topk_sample
 from tests.kernels import DEVICE, needs_kernels
 
 
@@ -217,7 +218,7 @@ def test_ranked_candidates_kernel_equals_ranked_topk(monkeypatch, dtype):
     returns the torch path's values and ids in the same order, on rows with runs of ties across slice borders,
     for n from 1 to 256."""
     import moeloop.rollout.sampler as sampler
-    from moeloop.rollout.gumbel_kernel import ranked_candidates
+    from moeloop.rollout.topk_kernel import ranked_candidates
     g = torch.Generator().manual_seed(6)
     logits = _tied_logits(9, 2500, dtype, g).to(DEVICE)
     logits[0, 7] = -0.0  # equal to +0.0 in the order
@@ -231,15 +232,15 @@ def test_ranked_candidates_kernel_equals_ranked_topk(monkeypatch, dtype):
 
 def _spy_plans(monkeypatch, groups: bool) -> list:
     """Set `TOPK_GROUPS`; return the list that collects each `topk_sample` launch's `_SlicePlan`."""
-    from moeloop.rollout import gumbel_kernel
-    monkeypatch.setattr(gumbel_kernel, "TOPK_GROUPS", groups)
-    plans, plan_cls = [], gumbel_kernel._SlicePlan
+    from moeloop.rollout import topk_kernel
+    monkeypatch.setattr(topk_kernel, "TOPK_GROUPS", groups)
+    plans, plan_cls = [], topk_kernel._SlicePlan
 
     def recorded_plan(*args, **kwargs):
         plans.append(plan_cls(*args, **kwargs))
         return plans[-1]
 
-    monkeypatch.setattr(gumbel_kernel, "_SlicePlan", recorded_plan)
+    monkeypatch.setattr(topk_kernel, "_SlicePlan", recorded_plan)
     return plans
 
 
@@ -275,8 +276,8 @@ def test_fused_top_p_kernel_equals_the_torch_path(monkeypatch, dtype, short, gro
     `TOPK_SHORT`'s bisections (early stop, phase 2 from the full slices' bound). groups: `TOPK_GROUPS` (phase 1
     keeps the group bound's superset; the tied rows 4-6 and 10 send some slices to the exact fallback)."""
     import moeloop.rollout.sampler as sampler
-    from moeloop.rollout import gumbel_kernel
-    monkeypatch.setattr(gumbel_kernel, "TOPK_SHORT", short)
+    from moeloop.rollout import topk_kernel
+    monkeypatch.setattr(topk_kernel, "TOPK_SHORT", short)
     plans = _spy_plans(monkeypatch, groups)
     g = torch.Generator().manual_seed(6)
     B, V = 18, 2500
@@ -317,8 +318,8 @@ def test_fused_topk_kernel_equals_the_torch_path(monkeypatch, dtype, short, grou
     (another fp32 summation order). A row's draw does not depend on the rows beside it. short: as in the top-p
     test."""
     import moeloop.rollout.sampler as sampler
-    from moeloop.rollout import gumbel_kernel
-    monkeypatch.setattr(gumbel_kernel, "TOPK_SHORT", short)
+    from moeloop.rollout import topk_kernel
+    monkeypatch.setattr(topk_kernel, "TOPK_SHORT", short)
     plans = _spy_plans(monkeypatch, groups)
     g = torch.Generator().manual_seed(4)
     B, V = 18, 2500  # slices of 256 ids: 10 programs per row
@@ -412,14 +413,14 @@ def test_group_bound_applies_only_where_it_was_measured(monkeypatch):
     """`TOPK_GROUPS` takes the group bound for `topk_sample` with top-k up to 64 when phase 2 has at most 2048
     candidate slots (V=32000: 16 slices x 128); a 152k vocabulary (64 slices), a larger top-k and
     `ranked_candidates` keep the exact per-slice top-k."""
-    from moeloop.rollout import gumbel_kernel
-    monkeypatch.setattr(gumbel_kernel, "TOPK_GROUPS", True)
+    from moeloop.rollout import topk_kernel
+    monkeypatch.setattr(topk_kernel, "TOPK_GROUPS", True)
 
     def plan(V: int, k: int, superset: bool = True):
-        return gumbel_kernel._SlicePlan(torch.empty(1, V), k, superset=superset)
+        return topk_kernel._SlicePlan(torch.empty(1, V), k, superset=superset)
 
     assert (plan(32000, 50).groups, plan(32000, 50).C, plan(32000, 50).k_pad) == (128, 128, 64)
     assert (plan(151936, 50).groups, plan(151936, 50).C) == (0, 64)
     assert (plan(32000, 100).groups, plan(32000, 50, superset=False).groups) == (0, 0)
-    monkeypatch.setattr(gumbel_kernel, "TOPK_GROUPS", False)
+    monkeypatch.setattr(topk_kernel, "TOPK_GROUPS", False)
     assert (plan(32000, 50).groups, plan(32000, 50).C) == (0, 64)

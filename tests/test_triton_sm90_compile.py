@@ -170,7 +170,7 @@ def _compile_gumbel_kernels():
 
 
 def _compile_topk_sample():
-    from moeloop.rollout import gumbel_kernel
+    from moeloop.rollout import topk_kernel
     types = dict(keys_ptr="*i64", temps_ptr="*fp32", top_ks_ptr="*i64", m_ptr="*fp32", l_ptr="*fp32", cnt_ptr="*i32",
                  cand_z_ptr="*fp32", cand_v_ptr="*i32", done_ptr="*i32", tokens_ptr="*i64", logprobs_ptr="*fp32",
                  s_lb="i64", max_top_k="i32")
@@ -178,35 +178,35 @@ def _compile_topk_sample():
     # top-k (256 slots)
     for dtype, key_bits, slots, warps in (("bf16", 16, 64, 4), ("bf16", 16, 64, 8), ("fp32", 32, 64, 4),
                                           ("bf16", 16, 256, 8)):
-        compiled = compile_sm90(gumbel_kernel._topk_sample, dict(logits_ptr=f"*{dtype}", **types),
+        compiled = compile_sm90(topk_kernel._topk_sample, dict(logits_ptr=f"*{dtype}", **types),
                                 dict(V=32000, S=16, S_PAD=16, BLOCK_V=2048, C=slots, KEY_BITS=key_bits,
                                      LIBDEVICE=True), num_warps=warps)
         assert "atom.global.gpu.acq_rel.add" in compiled.asm["ptx"]  # the row's ticket, after a bar.sync
     # with top-p: the fp64 slice sums and the nucleus mass (top-k 50 and the largest, 256)
     for dtype, slots, warps in (("bf16", 64, 4), ("bf16", 256, 8), ("fp32", 64, 4)):
-        compiled = compile_sm90(gumbel_kernel._topk_sample, dict(logits_ptr=f"*{dtype}", top_ps_ptr="*fp32",
+        compiled = compile_sm90(topk_kernel._topk_sample, dict(logits_ptr=f"*{dtype}", top_ps_ptr="*fp32",
                                                                  l64_ptr="*fp64", **types),
                                 dict(V=32000, S=16, S_PAD=16, BLOCK_V=2048, C=slots,
                                      KEY_BITS=16 if dtype == "bf16" else 32, LIBDEVICE=True, TOP_P=True, N_PAD=slots,
                                      J=16), num_warps=warps)
         assert ".f64" in compiled.asm["ptx"]
     for top_p in ({}, dict(top_ps_ptr="*fp32", l64_ptr="*fp64")):  # `TOPK_SHORT`: while-loop bisections
-        compile_sm90(gumbel_kernel._topk_sample, dict(logits_ptr="*bf16", **types, **top_p),
+        compile_sm90(topk_kernel._topk_sample, dict(logits_ptr="*bf16", **types, **top_p),
                      dict(V=32000, S=16, S_PAD=16, BLOCK_V=2048, C=64, KEY_BITS=16, LIBDEVICE=True, SHORT=True,
                           **(dict(TOP_P=True, N_PAD=64, J=16) if top_p else {})), num_warps=8)
     for top_p, warps in (({}, 8), ({}, 4), (dict(top_ps_ptr="*fp32", l64_ptr="*fp64"), 8)):  # `TOPK_GROUPS`
-        compile_sm90(gumbel_kernel._topk_sample, dict(logits_ptr="*bf16", **types, **top_p),
+        compile_sm90(topk_kernel._topk_sample, dict(logits_ptr="*bf16", **types, **top_p),
                      dict(V=32000, S=16, S_PAD=16, BLOCK_V=2048, C=128, KEY_BITS=16, LIBDEVICE=True, SHORT=True,
                           GROUPS=128, **(dict(TOP_P=True, N_PAD=64, J=16) if top_p else {})), num_warps=warps)
     for advance in (False, True):  # multi-step decode's top-k 50 draw with its record, under PDL
-        compiled = compile_sm90(gumbel_kernel._topk_sample, dict(logits_ptr="*bf16", **types, **_RECORD_TYPES),
+        compiled = compile_sm90(topk_kernel._topk_sample, dict(logits_ptr="*bf16", **types, **_RECORD_TYPES),
                                 dict(V=32000, S=16, S_PAD=16, BLOCK_V=2048, C=64, KEY_BITS=16, LIBDEVICE=True,
                                      **_record_consts(advance)))
         assert "griddepcontrol.launch_dependents" in compiled.asm["ptx"]
     ranked = {k: v for k, v in types.items() if k not in ("keys_ptr", "temps_ptr", "top_ks_ptr", "tokens_ptr",
                                                           "logprobs_ptr", "max_top_k")}
     for n_pad, slots, warps in ((64, 64, 4), (256, 256, 8)):  # the top-p path's ranked candidates
-        compile_sm90(gumbel_kernel._ranked_candidates, dict(logits_ptr="*bf16", vals_ptr="*bf16", ids_ptr="*i64",
+        compile_sm90(topk_kernel._ranked_candidates, dict(logits_ptr="*bf16", vals_ptr="*bf16", ids_ptr="*i64",
                                                             n="i32", **ranked),
                      dict(V=32000, S=16, S_PAD=16, BLOCK_V=2048, C=slots, N_PAD=n_pad, J=64, KEY_BITS=16),
                      num_warps=warps)

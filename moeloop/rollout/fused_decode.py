@@ -32,7 +32,7 @@ from moeloop.model.kernel_switch import kernels_apply, pdl_args
 from moeloop.model.moe import MoE
 from moeloop.model.norm import RMSNorm
 from moeloop.model.rope import RopeTables
-from moeloop.rollout.decode_kernel import triton, triton_interpreting
+from moeloop.rollout.decode_kernel import triton
 from moeloop.rollout.gumbel_kernel import row_counters
 from moeloop.rollout.moe_kernel import (fused_experts, grouped_expert_rows, routed_experts, routed_experts_apply,
                                         uses_grouped_rows)

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from moeloop.model.kernel_switch import kernels_apply
-from moeloop.rollout.gumbel_kernel import StepRecord, gumbel_sample, ranked_candidates, topk_gumbel_argmax, topk_sample
+from moeloop.rollout.gumbel_kernel import StepRecord, gumbel_sample, topk_gumbel_argmax
+from moeloop.rollout.topk_kernel import ranked_candidates, topk_sample
 
 _M32 = 0xFFFFFFFF
 
