@@ -124,7 +124,10 @@ def _broadcast_rank(rank, world_size):
     return {n: t for n, t in engine.weights.items()}, engine.version
 
 
-def test_broadcast_transport_over_gloo():
+@pytest.mark.parametrize("start_method", ["", "spawn"])
+def test_broadcast_transport_over_gloo(monkeypatch, start_method):
+    """Also with the ranks spawned, as `run_ranks` starts them on a machine with CUDA (this CPU forks by default)."""
+    monkeypatch.setenv("MOELOOP_TEST_START_METHOD", start_method)
     results = run_ranks(_broadcast_rank, 3)
     assert results[0] == 4
     for weights, version in results[1:]:
