@@ -100,19 +100,19 @@ if triton is not None:
         return last
 
     @triton.jit
-    def _finite(m):
+    def safe_offset(m):
         """m with -inf (a max over nothing but -inf) as 0: a safe offset for exp(x - m)."""
         return tl.where(m == float("-inf"), 0.0, m)
 
     @triton.jit
-    def _row_log_normaliser(m_ptr, l_ptr, b, S: tl.constexpr, S_PAD: tl.constexpr):
+    def row_log_normaliser(m_ptr, l_ptr, b, S: tl.constexpr, S_PAD: tl.constexpr):
         """(M, log sum_s l_s * exp(m_s - M), the slices' m [S_PAD]) of row b from its S slices' max logit m and sum
         of exp(z - m) (written by other programs of the launch: .cg loads); the raw log-softmax of logit z is
         (z - M) - the second."""
         sp = tl.arange(0, S_PAD)
         m_S = tl.load(m_ptr + b * S + sp, mask=sp < S, other=float("-inf"), cache_modifier=".cg")
         l_S = tl.load(l_ptr + b * S + sp, mask=sp < S, other=0.0, cache_modifier=".cg")
-        top_m = _finite(tl.max(m_S, 0))
+        top_m = safe_offset(tl.max(m_S, 0))
         return top_m, tl.log(tl.sum(l_S * tl.exp(m_S - top_m), 0)), m_S
 
     @triton.jit
@@ -125,7 +125,7 @@ if triton is not None:
         return x ^ (x >> 16)
 
     @triton.jit
-    def _gumbel_score(z, v, key, temp, LIBDEVICE: tl.constexpr):
+    def gumbel_score(z, v, key, temp, LIBDEVICE: tl.constexpr):
         """z / T - log(-log(u(key, v))) in fp32 for logits z at vocab ids v (the torch path's bits)."""
         h = _mix32(_mix32(key ^ v.to(tl.uint32)) ^ key)
         u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
@@ -153,7 +153,7 @@ if triton is not None:
         key = tl.load(keys_ptr + b).to(tl.uint32)
         temp = tl.load(temps_ptr + b)
         temp = tl.where(temp > 0, temp, 1.0)
-        score = tl.where(keep, _gumbel_score(z, v, key, temp, LIBDEVICE), float("-inf"))
+        score = tl.where(keep, gumbel_score(z, v, key, temp, LIBDEVICE), float("-inf"))
         top = tl.max(score, 0)
         tl.store(out_ptr + b, tl.min(tl.where(score == top, v, 2**62), 0))
 
@@ -192,13 +192,13 @@ if triton is not None:
             v = split * SPLIT_V + v0 + tl.arange(0, BLOCK_V)
             ok = v < V
             z = tl.load(logits_ptr + b * s_lb + v, mask=ok, other=float("-inf")).to(tl.float32)
-            score = tl.where(ok, tl.where(greedy, z, _gumbel_score(z, v, key, temp, LIBDEVICE)), float("-inf"))
+            score = tl.where(ok, tl.where(greedy, z, gumbel_score(z, v, key, temp, LIBDEVICE)), float("-inf"))
             better = score > best  # strict: within a lane the earlier vocab id keeps a tie
             best_v = tl.where(better, v, best_v)
             best_z = tl.where(better, z, best_z)
             best = tl.where(better, score, best)
             m_new = tl.maximum(m, z)
-            l = l * tl.exp(m - _finite(m_new)) + tl.exp(z - _finite(m_new))
+            l = l * tl.exp(m - safe_offset(m_new)) + tl.exp(z - safe_offset(m_new))
             m = m_new
         top = tl.max(best, 0)
         first = tl.min(tl.where(best == top, best_v, 2147483647), 0)
@@ -208,7 +208,7 @@ if triton is not None:
         tl.store(zs_ptr + at, tl.sum(tl.where(best_v == first, best_z, 0.0), 0))  # (each lane holds other ids)
         tl.store(idx_ptr + at, first)
         tl.store(m_ptr + at, m_s)
-        tl.store(l_ptr + at, tl.sum(l * tl.exp(m - _finite(m_s)), 0))
+        tl.store(l_ptr + at, tl.sum(l * tl.exp(m - safe_offset(m_s)), 0))
         if last_arrival(done_ptr + b, S):
             sp = tl.arange(0, S_PAD)
             ok = sp < S
@@ -218,7 +218,7 @@ if triton is not None:
                                                         cache_modifier=".cg"), 0), 0)
             z_tok = tl.sum(tl.where(sp == pick, tl.load(zs_ptr + b * S + sp, mask=ok, other=0.0,
                                                         cache_modifier=".cg"), 0.0), 0)
-            top_m, log_sum, _ = _row_log_normaliser(m_ptr, l_ptr, b, S, S_PAD)
+            top_m, log_sum, _ = row_log_normaliser(m_ptr, l_ptr, b, S, S_PAD)
             logprob = (z_tok - top_m) - log_sum
             tl.store(tokens_ptr + b, token.to(tl.int64))
             tl.store(logprobs_ptr + b, logprob)
@@ -249,7 +249,7 @@ def gumbel_sample(logits_BV: torch.Tensor, keys_B: torch.Tensor, temperatures_B:
     _gumbel_sample[(B, S)](logits_BV, keys_B.contiguous(), temperatures_B.float().contiguous(), *stats_4BS, idx_BS,
                            row_counters(dev, B), tokens_B, logprobs_B, logits_BV.stride(0),
                            V=V, SPLIT_V=split_v, BLOCK_V=block_v, S=S, S_PAD=max(2, triton.next_power_of_2(S)),
-                           LIBDEVICE=not triton_interpreting(), num_warps=4, **_launch_extras(logits_BV, record))
+                           LIBDEVICE=not triton_interpreting(), num_warps=4, **launch_extras(logits_BV, record))
     return tokens_B, logprobs_B
 
 
@@ -274,7 +274,7 @@ FUSED_RECORD = os.environ.get("MOELOOP_FUSED_RECORD", "on").lower() != "off"
 SAMPLER_PDL = os.environ.get("MOELOOP_SAMPLER_PDL", "on").lower() != "off"
 
 
-def _launch_extras(logits_BV: torch.Tensor, record: StepRecord | None) -> dict:
+def launch_extras(logits_BV: torch.Tensor, record: StepRecord | None) -> dict:
     """A one-launch sampler's PDL keywords (it may start while the logits' kernel runs, and lets the next kernel
     start at once: it reads nothing before its wait, and the next step's first kernel reads only weights before
     its own) and, with `record`, the record keywords (marked written: the launch follows)."""

@@ -15,14 +15,14 @@ import os
 import torch
 
 from moeloop.rollout.decode_kernel import triton, triton_interpreting
-from moeloop.rollout.gumbel_kernel import StepRecord, _launch_extras, row_counters
+from moeloop.rollout.gumbel_kernel import StepRecord, launch_extras, row_counters
 
 if triton is not None:
     import triton.language as tl
 
     from moeloop.model.kernel_switch import pdl_launch_next, pdl_wait
-    from moeloop.rollout.gumbel_kernel import (_finite, _gumbel_score, _row_log_normaliser, last_arrival,
-                                               record_next, record_rows)
+    from moeloop.rollout.gumbel_kernel import (gumbel_score, last_arrival, record_next, record_rows,
+                                               row_log_normaliser, safe_offset)
 
     @triton.jit
     def _order_key(z, KEY_BITS: tl.constexpr):
@@ -111,10 +111,10 @@ if triton is not None:
         ok = v < V
         z = tl.load(logits_ptr + b * s_lb + v, mask=ok, other=float("-inf")).to(tl.float32)
         m = tl.max(z, 0)
-        l = tl.sum(tl.exp(z - _finite(m)), 0)
+        l = tl.sum(tl.exp(z - safe_offset(m)), 0)
         at = b * S + s
         if TOP_P:
-            tl.store(l64_ptr + at, tl.sum(tl.exp(z.to(tl.float64) - _finite(m).to(tl.float64)), 0))
+            tl.store(l64_ptr + at, tl.sum(tl.exp(z.to(tl.float64) - safe_offset(m).to(tl.float64)), 0))
         if GROUPS > 0:
             keep = ok & (z >= _group_bound(z, k, GROUPS, BLOCK_V))
             if tl.sum(keep.to(tl.int32), 0) > C:
@@ -154,7 +154,7 @@ if triton is not None:
         """Row b's draw among the kept lanes (lanes in vocab id order) with its key (uint32) and temperature: the max
         Gumbel score (T = 0: the max logit), the first lane among equal maxima (the smallest id); stores and
         returns its id and raw log-softmax z - M - log_sum."""
-        score = tl.where(temp > 0, _gumbel_score(z, v, key, tl.where(temp > 0, temp, 1.0), LIBDEVICE), z)
+        score = tl.where(temp > 0, gumbel_score(z, v, key, tl.where(temp > 0, temp, 1.0), LIBDEVICE), z)
         score = tl.where(keep, score, float("-inf"))
         first = tl.min(tl.where(score == tl.max(score, 0), lane, LANES), 0)
         token = tl.sum(tl.where(lane == first, v, 0), 0).to(tl.int64)
@@ -169,7 +169,7 @@ if triton is not None:
                     LIBDEVICE: tl.constexpr, SHORT: tl.constexpr):
         """Phase 2 (row b's last program): the row's top-k among its S * C candidates (already in vocab id order),
         then `_draw_store` with the row's log-softmax normaliser."""
-        top_m, log_sum, _ = _row_log_normaliser(m_ptr, l_ptr, b, S, S_PAD)
+        top_m, log_sum, _ = row_log_normaliser(m_ptr, l_ptr, b, S, S_PAD)
         j, valid, z, v = _row_candidates(cnt_ptr, cand_z_ptr, cand_v_ptr, b, S, S_PAD, C)
         keep = _row_keep_first(z, valid, k, cnt_ptr, b, S, S_PAD, C, KEY_BITS, SHORT)
         return _draw_store(z, v, keep, j, S_PAD * C, key, temp, tokens_ptr, logprobs_ptr, b, top_m, log_sum, LIBDEVICE)
@@ -227,7 +227,7 @@ if triton is not None:
         The mass is exp(z - M) summed in fp64 over the tokens ahead, against top_p times the fp64 sum over the
         whole row (the slices' l64): the sampler's torch path computes the same sums in fp64, so the two keep the
         same nucleus up to fp64 rounding."""
-        top_m, log_sum, m_S = _row_log_normaliser(m_ptr, l_ptr, b, S, S_PAD)
+        top_m, log_sum, m_S = row_log_normaliser(m_ptr, l_ptr, b, S, S_PAD)
         sp = tl.arange(0, S_PAD)
         l64_S = tl.load(l64_ptr + b * S + sp, mask=sp < S, other=0.0, cache_modifier=".cg")
         m64 = top_m.to(tl.float64)
@@ -378,7 +378,7 @@ def topk_sample(logits_BV: torch.Tensor, keys_B: torch.Tensor, temperatures_B: t
                               top_ks_B.contiguous(), *plan.scratch(), tokens_B, logprobs_B, logits_BV.stride(0),
                               max_top_k, **plan.consts(logits_BV), LIBDEVICE=not triton_interpreting(),
                               num_warps=plan.num_warps, SHORT=TOPK_SHORT, GROUPS=plan.groups, **top_p,
-                              **_launch_extras(logits_BV, record))
+                              **launch_extras(logits_BV, record))
     return tokens_B, logprobs_B
 
 
