@@ -381,7 +381,7 @@ def test_router_topk_kernel_equals_projection_then_topk(monkeypatch, num_tokens,
     assert len(launches) == 2 * (num_tokens >= fd.ROUTER_FUSED_MIN_TOKENS)
     if launches:
         assert launches[0][1] == min(splits, -(-model.cfg.hidden_size // 16))
-    for ids, wts, *_ in results:
+    for ids, wts in results:
         assert torch.equal(ids, want.ids_TK)
         torch.testing.assert_close(wts, want.weights_TK, rtol=1e-6, atol=1e-6)
 

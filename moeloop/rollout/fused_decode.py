@@ -72,12 +72,8 @@ if triton is not None:
         """RMSNorm of one row x (dt values, padding 0) with weight w (fp32) -> dt, rounded where the module path
         rounds (the normed row, then the weight product)."""
         x = x.to(tl.float32)
-        return _scaled_row(x, tl.rsqrt(tl.sum(x * x, 0) / D + eps), w, dt)
-
-    @triton.jit
-    def _scaled_row(x, rstd, w, dt: tl.constexpr):
-        """RMSNorm's output from x (fp32) and its 1 / rms: x * rstd rounded to dt, times w (fp32), rounded again."""
-        return (w * (x * rstd).to(dt).to(tl.float32)).to(dt)
+        normed = (x * tl.rsqrt(tl.sum(x * x, 0) / D + eps)).to(dt).to(tl.float32)
+        return (w * normed).to(dt)
 
     @triton.jit
     def _norm_rope_half(x_ptr, w_ptr, cos_ptr, sin_ptr, t, eps, HALF: tl.constexpr, QK_NORM: tl.constexpr,
@@ -493,18 +489,13 @@ def route_applies(moe: MoE, x_TD: torch.Tensor) -> bool:
             and w.is_contiguous() and x_TD.is_contiguous())
 
 
-def route(moe: MoE, x_TD: torch.Tensor, res_TD: torch.Tensor | None = None, norm: RMSNorm | None = None
-          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(ids [T, K], weights [T, K], y, res) of x's tokens: one `_router_topk` launch for a batch of at least
-    ROUTER_FUSED_MIN_TOKENS tokens (`route_applies`), else the projection (`project`) and `_softmax_topk`.
-    With `norm` (and res): the router's input is y = RMSNorm(res + x) and res becomes res + x (`add_rmsnorm`, its
-    own launch); without: y = x, res as given."""
+def route(moe: MoE, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [T, K], weights [T, K]) of x's tokens: one `_router_topk` launch for a batch of at least
+    ROUTER_FUSED_MIN_TOKENS tokens (`route_applies`), else the projection (`project`) and `_softmax_topk`."""
     router, (T, D) = moe.gate, x_TD.shape
-    if norm is not None:
-        x_TD, res_TD = add_rmsnorm(x_TD, res_TD, norm)
     if not route_applies(moe, x_TD):
         (logits_TE,) = project(x_TD, [router])
-        return (*route_softmax_topk(moe, logits_TE), x_TD, res_TD)
+        return route_softmax_topk(moe, logits_TE)
     w = router.weight
     E, K = w.shape[0], router.top_k
     ids_TK = torch.empty(T, K, dtype=torch.int64, device=x_TD.device)
@@ -524,7 +515,7 @@ def route(moe: MoE, x_TD: torch.Tensor, res_TD: torch.Tensor | None = None, norm
                                   BLOCK_D=block_d, PRECISION="ieee" if x_TD.dtype == torch.float32 else "tf32",
                                   SPLITS=splits, D_SPLIT=d_split, num_warps=warps, num_stages=stages,
                                   **pdl_args(x_TD, T))
-    return ids_TK, wts_TK, x_TD, res_TD
+    return ids_TK, wts_TK
 
 
 def route_softmax_topk(moe: MoE, logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -612,7 +603,8 @@ def _decode_layers(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Tensor, c
                 continue
             ids_TK, wts_TK = route_softmax_topk(mlp, logits_TE)
         else:
-            ids_TK, wts_TK, y_TD, res_TD = route(mlp, *pending)
+            y_TD, res_TD = add_rmsnorm(*pending)
+            ids_TK, wts_TK = route(mlp, y_TD)
         if uses_grouped_rows(y_TD, ids_TK):  # the weighted sum of the expert rows happens in the add + norm
             rows_SD, dest_S = grouped_expert_rows(mlp.experts, y_TD, ids_TK)
             y_TD, res_TD = add_rmsnorm(rows_SD, res_TD, norm, (dest_S.view(ids_TK.shape), wts_TK))
