@@ -255,13 +255,15 @@ def test_generate_checks_every_prompt_before_queueing_any():
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed (CPU torch wheel)")
 def test_triton_decode_path_keeps_greedy_outputs():
-    model = tiny_model("deepseek_v3")  # MLA: Dk != Dv
+    """The Triton decode kernels (compiled on CUDA, the interpreter without) against the torch ops path."""
+    model = tiny_model("deepseek_v3").to("cuda" if torch.cuda.is_available() else "cpu")  # MLA: Dk != Dv
     ps = prompts(4, seed=10)
-    ref = make_engine(model).generate(ps, GREEDY)
-    engine = make_engine(model)
-    engine.runner.use_kernel = True
-    outs = engine.generate(ps, GREEDY)
-    assert [o.response_ids for o in outs] == [o.response_ids for o in ref]
+    outs = {}
+    for use_kernel in (False, True):
+        engine = make_engine(model, enforce_eager=True)
+        engine.runner.use_kernel = use_kernel
+        outs[use_kernel] = [o.response_ids for o in engine.generate(ps, GREEDY)]
+    assert outs[True] == outs[False]
 
 
 def test_flat_graph_inputs_layout():
