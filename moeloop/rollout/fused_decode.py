@@ -22,13 +22,14 @@ Shapes: T tokens, D model dim, H/G query/kv heads, Dh head dim, E experts, K exp
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moeloop.model import kernel_switch
-from moeloop.model.kernel_switch import kernels_apply, pdl_args
+from moeloop.model.kernel_switch import kernels_apply, pdl_args, triton_interpreting
 from moeloop.model.moe import MoE
 from moeloop.model.norm import RMSNorm
 from moeloop.model.rope import RopeTables
@@ -97,15 +98,11 @@ if triton is not None:
         return o1.to(dt), o2.to(dt)
 
     @triton.jit
-    def _qk_norm_rope_store(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, qo_ptr,
-                            kc_ptr, vc_ptr, eps, s_q, s_k, s_v, s_kc, s_vc, H: tl.constexpr, G: tl.constexpr,
-                            HALF: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr):
-        """Row strides s_q/s_k/s_v: q, k, v may be column slices of one packed q|k|v projection. cos/sin: RoPE
-        tables by position, row pos[t] for token t."""
-        pdl_wait(PDL)
-        t = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
-        p = tl.load(pos_ptr + t).to(tl.int64)
+    def _qk_head(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, slots_ptr, qo_ptr, kc_ptr, vc_ptr, eps, s_q,
+                 s_k, s_v, s_kc, s_vc, t, h, p, H: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr,
+                 QK_NORM: tl.constexpr):
+        """Head h < H + G of token t at position p: a query head into qo, or a kv head's k and v into their cache
+        slot."""
         DH = 2 * HALF
         i = tl.arange(0, HALF)
         dt = qo_ptr.dtype.element_ty
@@ -123,6 +120,63 @@ if triton is not None:
             vc = vc_ptr + slot * s_vc + g * DH
             tl.store(vc + i, tl.load(v_ptr + t * s_v + g * DH + i).to(vc_ptr.dtype.element_ty))
             tl.store(vc + HALF + i, tl.load(v_ptr + t * s_v + g * DH + HALF + i).to(vc_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _prefetch_lanes(spec_ptr, j, E: tl.constexpr, E_PAD: tl.constexpr, S: tl.constexpr, CHUNKS: tl.constexpr,
+                        LANES: tl.constexpr):
+        """Prefetch program j's LANES chunks: (expert, chunk within the expert, in use) per lane. The chunks are
+        numbered rank-major over the S experts ranked first by the speculative logits spec [E] (logit descending,
+        expert id ascending), CHUNKS per expert; program j owns numbers j * LANES + lane."""
+        e = tl.arange(0, E_PAD)
+        z = tl.load(spec_ptr + e, mask=e < E, other=float("-inf")).to(tl.float32)
+        ahead = tl.sum(((z[None, :] > z[:, None]) | ((z[None, :] == z[:, None]) & (e[None, :] < e[:, None])))
+                       .to(tl.int32), 1)  # per expert: those ranked before it
+        flat = j * LANES + tl.arange(0, LANES)
+        rank = flat // CHUNKS
+        expert = tl.sum(tl.where(ahead[None, :] == rank[:, None], e[None, :], 0), 1)
+        # (a NaN logit can tie ranks and sum two ids: clamped, so every address stays inside the weights)
+        return tl.minimum(expert, E - 1), flat % CHUNKS, rank < S
+
+    @triton.jit
+    def _prefetch_experts(spec_ptr, gu_addr, s_gu, d_addr, s_d, j, E: tl.constexpr, E_PAD: tl.constexpr,
+                          S: tl.constexpr, GU_CHUNKS: tl.constexpr, D_CHUNKS: tl.constexpr, CHUNK: tl.constexpr,
+                          LANES: tl.constexpr):
+        """L2 prefetches (`cp.async.bulk.prefetch.L2`, CHUNK bytes each) of program j's share of the speculated
+        experts' weights: an expert's gate_up rows in GU_CHUNKS chunks from gu_addr + expert * s_gu, then (D_CHUNKS
+        > 0) its down rows from d_addr + expert * s_d (addresses in bytes)."""
+        expert, c, ok = _prefetch_lanes(spec_ptr, j, E, E_PAD, S, GU_CHUNKS + D_CHUNKS, LANES)
+        expert = expert.to(tl.int64)
+        addr = tl.where(c < GU_CHUNKS, gu_addr + expert * s_gu + c.to(tl.int64) * CHUNK,
+                        d_addr + expert * s_d + (c - GU_CHUNKS).to(tl.int64) * CHUNK)
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r,r", [addr, tl.full([LANES], CHUNK, tl.int32), ok.to(tl.int32)], dtype=tl.int32, is_pure=False,
+            pack=1)
+
+    @triton.jit
+    def _qk_norm_rope_store(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, qo_ptr,
+                            kc_ptr, vc_ptr, eps, s_q, s_k, s_v, s_kc, s_vc, H: tl.constexpr, G: tl.constexpr,
+                            HALF: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr, spec_ptr=None, gu_addr=0,
+                            s_gu=0, d_addr=0, s_d=0, E: tl.constexpr = 1, E_PAD: tl.constexpr = 1,
+                            S: tl.constexpr = 0, GU_CHUNKS: tl.constexpr = 1, D_CHUNKS: tl.constexpr = 0,
+                            CHUNK: tl.constexpr = 16, LANES: tl.constexpr = 32):
+        """Row strides s_q/s_k/s_v: q, k, v may be column slices of one packed q|k|v projection. cos/sin: RoPE
+        tables by position, row pos[t] for token t.
+        S > 0 (one token, `EXPERT_PREFETCH`): programs H + G and on are `_prefetch_experts` programs instead."""
+        pdl_wait(PDL)
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        p = tl.load(pos_ptr + t).to(tl.int64)
+        if S > 0:
+            if h < H + G:
+                _qk_head(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, slots_ptr, qo_ptr, kc_ptr, vc_ptr, eps,
+                         s_q, s_k, s_v, s_kc, s_vc, t, h, p, H, G, HALF, QK_NORM)
+            else:
+                _prefetch_experts(spec_ptr, gu_addr, s_gu, d_addr, s_d, h - H - G, E, E_PAD, S, GU_CHUNKS, D_CHUNKS,
+                                  CHUNK, LANES)
+        else:
+            _qk_head(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, slots_ptr, qo_ptr, kc_ptr, vc_ptr, eps,
+                     s_q, s_k, s_v, s_kc, s_vc, t, h, p, H, G, HALF, QK_NORM)
 
     @triton.jit
     def _weight_rows(w0_ptr, w1_ptr, w2_ptr, start, r, N0: tl.constexpr, N1: tl.constexpr, D: tl.constexpr):
@@ -293,9 +347,10 @@ def add_rmsnorm(x_TD: torch.Tensor, res_TD: torch.Tensor | None, norm: RMSNorm,
 
 def qk_norm_rope_store(attn: nn.Module, q_TX: torch.Tensor, k_TX: torch.Tensor, v_TX: torch.Tensor,
                        rope: RopeTables, pos_T: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slots_T: torch.Tensor) -> torch.Tensor:
+                       slots_T: torch.Tensor, prefetch: tuple[torch.Tensor, nn.Module] | None = None) -> torch.Tensor:
     """Normalised, rotated q [T, H, Dh]; k (normalised, rotated) and v written to their cache slots. `rope`: tables
-    by position (`RotaryEmbedding.table`), read at rows pos_T."""
+    by position (`RotaryEmbedding.table`), read at rows pos_T. `prefetch` = (speculative router logits [1, E],
+    the layer's experts): the same launch prefetches EXPERT_PREFETCH of them into L2 (`expert_prefetch_pack`)."""
     T = q_TX.shape[0]
     H, G, Dh = attn.num_heads, attn.num_kv_heads, attn.head_dim
     q_out = q_TX.new_empty(T, H, Dh)
@@ -304,14 +359,31 @@ def qk_norm_rope_store(attn: nn.Module, q_TX: torch.Tensor, k_TX: torch.Tensor, 
     eps = attn.q_norm.eps if qk_norm else 0.0
     q_TX, k_TX, v_TX = (x if x.stride(1) == 1 else x.contiguous() for x in (q_TX, k_TX, v_TX))
     cos_PR, sin_PR = rope.cos_TR.contiguous(), rope.sin_TR.contiguous()
-    _qk_norm_rope_store[(T, H + G)](q_TX, k_TX, v_TX, qw, kw, cos_PR, sin_PR, pos_T, slots_T, q_out,
-                                    k_cache, v_cache, eps, q_TX.stride(0), k_TX.stride(0), v_TX.stride(0),
-                                    k_cache.stride(0), v_cache.stride(0), H=H, G=G, HALF=Dh // 2,
-                                    QK_NORM=qk_norm, num_warps=1, enable_fp_fusion=False,
-                                    **pdl_args(q_TX, T))
+    programs, extra = H + G, {}
+    if prefetch is not None:
+        spec_TE, experts = prefetch
+        programs, extra = _prefetch_launch(spec_TE, experts, programs)
+    _qk_norm_rope_store[(T, programs)](q_TX, k_TX, v_TX, qw, kw, cos_PR, sin_PR, pos_T, slots_T, q_out,
+                                       k_cache, v_cache, eps, q_TX.stride(0), k_TX.stride(0), v_TX.stride(0),
+                                       k_cache.stride(0), v_cache.stride(0), H=H, G=G, HALF=Dh // 2,
+                                       QK_NORM=qk_norm, num_warps=1, enable_fp_fusion=False,
+                                       **pdl_args(q_TX, T), **extra)
     # (no FMA: LLVM lowers each bf16 round trip to a bf16 mul and add, and fusing them would skip the rounding of
     # the RoPE products that the module path and the trainer's rope kernel keep)
     return q_out
+
+
+def _prefetch_launch(spec_TE: torch.Tensor, experts: nn.Module, programs: int) -> tuple[int, dict]:
+    """(programs, keywords) of a `_qk_norm_rope_store` launch whose programs from `programs` on prefetch experts."""
+    gu, down = experts.gate_up_proj, experts.down_proj
+    E, S = spec_TE.shape[1], min(EXPERT_PREFETCH, spec_TE.shape[1])
+    gu_chunks = gu.stride(0) * gu.element_size() // PREFETCH_CHUNK
+    d_chunks = down.stride(0) * down.element_size() // PREFETCH_CHUNK if EXPERT_PREFETCH_DOWN else 0
+    extra = dict(spec_ptr=spec_TE, gu_addr=gu.data_ptr(), s_gu=gu.stride(0) * gu.element_size(),
+                 d_addr=down.data_ptr(), s_d=down.stride(0) * down.element_size(), E=E,
+                 E_PAD=triton.next_power_of_2(E), S=S, GU_CHUNKS=gu_chunks, D_CHUNKS=d_chunks, CHUNK=PREFETCH_CHUNK,
+                 LANES=PREFETCH_LANES)
+    return programs + triton.cdiv(S * (gu_chunks + d_chunks), PREFETCH_LANES), extra
 
 
 ROW_LINEAR = True  # a one-token decode (B=1) runs its projections as `_row_linear` launches instead of cuBLAS GEMVs
@@ -401,13 +473,18 @@ class QKVPack:
     graphs keep its pointer): `refresh()` re-copies when a source's autograd version counter moved (an optimizer
     step or a no-grad copy into the engine's own parameters; the engine checks when it starts work from idle, not
     every decode step), `refresh(force=True)` from `Engine.update_weights` (a parameter shared with the trainer
-    changes under the trainer's tensor's counter, not the engine's)."""
+    changes under the trainer's tensor's counter, not the engine's).
+    `spec` = (router, input norm, post-attention norm) of the layer's MoE (`EXPERT_PREFETCH`): the buffer also
+    holds E speculative router rows after q|k|v, `spec_rows`, and `weight` is a view of its q|k|v rows."""
 
-    def __init__(self, attn: nn.Module):
+    def __init__(self, attn: nn.Module, spec: tuple[nn.Module, RMSNorm, RMSNorm] | None = None):
         self.linears = [attn.q_proj, attn.k_proj, attn.v_proj]
         self.sizes = [m.weight.shape[0] for m in self.linears]
+        self.spec = spec
         w = self.linears[0].weight
-        self.weight = torch.empty(sum(self.sizes), w.shape[1], dtype=w.dtype, device=w.device)
+        n_spec = spec[0].weight.shape[0] if spec else 0
+        self.buffer = torch.empty(sum(self.sizes) + n_spec, w.shape[1], dtype=w.dtype, device=w.device)
+        self.weight = self.buffer[:sum(self.sizes)]
         biases = [m.bias for m in self.linears]
         self.bias = None if any(b is None for b in biases) else self.weight.new_empty(sum(self.sizes))
         self.refresh(force=True)
@@ -426,12 +503,29 @@ class QKVPack:
         # re-read the modules' tensors: a forced refresh also follows a replaced Parameter object
         weights = [m.weight for m in self.linears]
         biases = [m.bias for m in self.linears] if self.bias is not None else []
-        self._sources = weights + biases
+        spec = [m.weight for m in self.spec] if self.spec else []
+        self._sources = weights + biases + spec
         with torch.no_grad():
             torch.cat(weights, out=self.weight)
             if biases:
                 torch.cat(biases, out=self.bias)
+            if spec:
+                self.buffer[self.weight.shape[0]:] = spec_router_rows(*spec)
         self._seen = self._versions()
+
+    def spec_linear(self) -> SimpleNamespace:
+        """The whole buffer as a bias-free linear for `normed_row_linear`: q | k | v | speculative router logits."""
+        return SimpleNamespace(weight=self.buffer, bias=None)
+
+
+def spec_router_rows(router_w: torch.Tensor, in_norm_w: torch.Tensor, post_norm_w: torch.Tensor) -> torch.Tensor:
+    """Router rows [E, D] that, applied to the layer's input after its input norm (w_in * n(x)), give the router's
+    logits of the post-attention norm of that same input (w_post * n(x)): W_r * w_post / w_in by column (0 where
+    w_in is 0). The residual stream moves little across one attention block, so these rank the experts that the
+    router will pick after attention (`EXPERT_PREFETCH`; BENCHMARKS.md, session 18)."""
+    w_in, w_post = in_norm_w.float(), post_norm_w.float()
+    scale = torch.where(w_in != 0, w_post / torch.where(w_in != 0, w_in, 1.0), 0.0)
+    return (router_w.float() * scale[None, :]).to(router_w.dtype)
 
 
 def qkv_packs_apply(model: nn.Module) -> bool:
@@ -441,13 +535,43 @@ def qkv_packs_apply(model: nn.Module) -> bool:
 
 def pack_qkv(model: nn.Module) -> list[QKVPack]:
     """A `QKVPack` on every attention layer (kept in the module's __dict__: not a parameter, not in the state
-    dict); the fused forward uses them for more than one token."""
+    dict); the fused forward uses them for more than one token, and with `EXPERT_PREFETCH` for one."""
     packs = []
     for layer in model.model.layers:
-        attn = layer.self_attn
-        attn.__dict__["_decode_qkv"] = pack = QKVPack(attn)
+        attn, mlp = layer.self_attn, layer.mlp
+        spec = None
+        if EXPERT_PREFETCH > 0 and isinstance(mlp, MoE) and mlp.gate.scoring_func == "softmax":
+            spec = (mlp.gate, layer.input_layernorm, layer.post_attention_layernorm)
+        attn.__dict__["_decode_qkv"] = pack = QKVPack(attn, spec)
         packs.append(pack)
     return packs
+
+
+# B=1, experimental, off by default (0): the q|k|v launch also computes speculative router logits from the layer's
+# input (`spec_router_rows`), and EXPERT_PREFETCH extra programs of the q/k norm + RoPE launch issue L2 prefetches of
+# the EXPERT_PREFETCH experts they rank first (gate_up rows; with MOELOOP_EXPERT_PREFETCH_DOWN=on the down rows too),
+# so that gate_up, which cannot read a weight before the router's logits exist, finds them in L2. Not yet measured
+# on a GPU (BENCHMARKS.md, session 18).
+EXPERT_PREFETCH = int(os.environ.get("MOELOOP_EXPERT_PREFETCH", "0"))
+EXPERT_PREFETCH_DOWN = os.environ.get("MOELOOP_EXPERT_PREFETCH_DOWN", "off").lower() == "on"
+PREFETCH_CHUNK = 16384  # bytes per bulk prefetch
+PREFETCH_LANES = 32  # chunks per prefetch program (one warp)
+
+
+def expert_prefetch_pack(layer: nn.Module, x_TD: torch.Tensor) -> QKVPack | None:
+    """The layer's `QKVPack` with speculative router rows when its one-token decode prefetches experts: one token,
+    compiled on a CUDA device of compute capability 9 or more (bulk prefetch), every expert's gate_up and down
+    rows whole chunks apart, the routed expert kernels taking the layer."""
+    pack = layer.self_attn.__dict__.get("_decode_qkv")
+    if pack is None or pack.spec is None or x_TD.shape[0] != 1 or not x_TD.is_cuda or triton_interpreting():
+        return None
+    experts = layer.mlp.experts
+    gu, down = experts.gate_up_proj, experts.down_proj
+    whole = all(w.is_contiguous() and w.data_ptr() % 16 == 0 and (w.stride(0) * w.element_size()) % PREFETCH_CHUNK == 0
+                for w in (gu, down))
+    if not (whole and torch.cuda.get_device_capability(x_TD.device)[0] >= 9 and routed_experts_apply(x_TD, layer.mlp)):
+        return None
+    return pack
 
 
 def project_qkv(x_TD: torch.Tensor, attn: nn.Module) -> list[torch.Tensor]:
@@ -578,15 +702,23 @@ def _decode_layers(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Tensor, c
     for i, layer in enumerate(layers):
         attn = layer.self_attn
         linears = [attn.q_proj, attn.k_proj, attn.v_proj]
+        spec = expert_prefetch_pack(layer, ids_T)
+        if spec is not None:  # one launch: q | k | v | the speculative router logits
+            linears = [spec.spec_linear()]
         if i == 0 and embed_fold:
-            (q_TX, k_TX, v_TX), _, res_TD = normed_row_linear(table, None, pending[2], linears, ids_T=ids_T)
+            outs, _, res_TD = normed_row_linear(table, None, pending[2], linears, ids_T=ids_T)
         elif pending[2] is not None and norm_fold_applies(pending[0], linears):
-            (q_TX, k_TX, v_TX), _, res_TD = normed_row_linear(*pending, linears)
+            outs, _, res_TD = normed_row_linear(*pending, linears)
         else:
             y_TD, res_TD = _settle(pending)
-            q_TX, k_TX, v_TX = project_qkv(y_TD, attn)
+            outs, spec = project_qkv(y_TD, attn), None
+        prefetch = None
+        if spec is not None:
+            *outs, spec_TE = outs[0].split(spec.sizes + [spec.buffer.shape[0] - spec.weight.shape[0]], dim=1)
+            prefetch = (spec_TE, layer.mlp.experts)
+        q_TX, k_TX, v_TX = outs
         q_THD = qk_norm_rope_store(attn, q_TX, k_TX, v_TX, rope, pos_T, ctx.cache.k[i], ctx.cache.v[i],
-                                   slots_T)
+                                   slots_T, prefetch)
         o_THD = ctx.attend_cached(i, q_THD, attn.scale)
         (o_TD,) = project(o_THD.reshape(T, -1), [attn.o_proj])
         pending = (o_TD, res_TD, layer.post_attention_layernorm)
