@@ -569,9 +569,19 @@ def expert_prefetch_pack(layer: nn.Module, x_TD: torch.Tensor) -> QKVPack | None
     gu, down = experts.gate_up_proj, experts.down_proj
     whole = all(w.is_contiguous() and w.data_ptr() % 16 == 0 and (w.stride(0) * w.element_size()) % PREFETCH_CHUNK == 0
                 for w in (gu, down))
-    if not (whole and torch.cuda.get_device_capability(x_TD.device)[0] >= 9 and routed_experts_apply(x_TD, layer.mlp)):
+    if not (whole and _bulk_prefetch_device(x_TD.device) and routed_experts_apply(x_TD, layer.mlp)):
         return None
     return pack
+
+
+_BULK_PREFETCH: dict[torch.device, bool] = {}
+
+
+def _bulk_prefetch_device(device: torch.device) -> bool:
+    """`cp.async.bulk.prefetch.L2` needs compute capability 9 or more (looked up once per device)."""
+    if device not in _BULK_PREFETCH:
+        _BULK_PREFETCH[device] = torch.cuda.get_device_capability(device)[0] >= 9
+    return _BULK_PREFETCH[device]
 
 
 def project_qkv(x_TD: torch.Tensor, attn: nn.Module) -> list[torch.Tensor]:
