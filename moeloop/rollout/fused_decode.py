@@ -475,15 +475,16 @@ class QKVPack:
     every decode step), `refresh(force=True)` from `Engine.update_weights` (a parameter shared with the trainer
     changes under the trainer's tensor's counter, not the engine's).
     `spec` = (router, input norm, post-attention norm) of the layer's MoE (`EXPERT_PREFETCH`): the buffer also
-    holds E speculative router rows after q|k|v, `spec_rows`, and `weight` is a view of its q|k|v rows."""
+    holds the router's n_spec = E speculative rows (`spec_router_rows`) after q|k|v, and `weight` is a view of
+    its q|k|v rows."""
 
     def __init__(self, attn: nn.Module, spec: tuple[nn.Module, RMSNorm, RMSNorm] | None = None):
         self.linears = [attn.q_proj, attn.k_proj, attn.v_proj]
         self.sizes = [m.weight.shape[0] for m in self.linears]
         self.spec = spec
         w = self.linears[0].weight
-        n_spec = spec[0].weight.shape[0] if spec else 0
-        self.buffer = torch.empty(sum(self.sizes) + n_spec, w.shape[1], dtype=w.dtype, device=w.device)
+        self.n_spec = spec[0].weight.shape[0] if spec else 0
+        self.buffer = torch.empty(sum(self.sizes) + self.n_spec, w.shape[1], dtype=w.dtype, device=w.device)
         self.weight = self.buffer[:sum(self.sizes)]
         biases = [m.bias for m in self.linears]
         self.bias = None if any(b is None for b in biases) else self.weight.new_empty(sum(self.sizes))
@@ -548,10 +549,10 @@ def pack_qkv(model: nn.Module) -> list[QKVPack]:
 
 
 # B=1, experimental, off by default (0): the q|k|v launch also computes speculative router logits from the layer's
-# input (`spec_router_rows`), and EXPERT_PREFETCH extra programs of the q/k norm + RoPE launch issue L2 prefetches of
-# the EXPERT_PREFETCH experts they rank first (gate_up rows; with MOELOOP_EXPERT_PREFETCH_DOWN=on the down rows too),
-# so that gate_up, which cannot read a weight before the router's logits exist, finds them in L2. Not yet measured
-# on a GPU (BENCHMARKS.md, session 18).
+# input (`spec_router_rows`), and extra programs of the q/k norm + RoPE launch issue L2 prefetches of the
+# EXPERT_PREFETCH experts those logits rank first (gate_up rows; with MOELOOP_EXPERT_PREFETCH_DOWN=on the down rows
+# too), so that gate_up, which cannot read a weight before the router's logits exist, finds them in L2. Not yet
+# measured on a GPU (BENCHMARKS.md, session 18).
 EXPERT_PREFETCH = int(os.environ.get("MOELOOP_EXPERT_PREFETCH", "0"))
 EXPERT_PREFETCH_DOWN = os.environ.get("MOELOOP_EXPERT_PREFETCH_DOWN", "off").lower() == "on"
 PREFETCH_CHUNK = 16384  # bytes per bulk prefetch
@@ -724,7 +725,7 @@ def _decode_layers(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Tensor, c
             outs, spec = project_qkv(y_TD, attn), None
         prefetch = None
         if spec is not None:
-            *outs, spec_TE = outs[0].split(spec.sizes + [spec.buffer.shape[0] - spec.weight.shape[0]], dim=1)
+            *outs, spec_TE = outs[0].split(spec.sizes + [spec.n_spec], dim=1)
             prefetch = (spec_TE, layer.mlp.experts)
         q_TX, k_TX, v_TX = outs
         q_THD = qk_norm_rope_store(attn, q_TX, k_TX, v_TX, rope, pos_T, ctx.cache.k[i], ctx.cache.v[i],
