@@ -1,5 +1,5 @@
 """How well a layer's input predicts the experts its router will pick: the speculation behind the B=1 expert
-prefetch (`fused_decode.EXPERT_PREFETCH`). Per MoE layer, the share of the routed experts (the top-k of the
+prefetch (`rollout.expert_prefetch`). Per MoE layer, the share of the routed experts (the top-k of the
 router on the post-attention norm of h + attn(h)) found among the top S of the router on the post-attention norm
 of h alone, for one random-token sequence through a random-init model (as `rollout.py` decodes it).
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call (~8 min on an H200): the speculative expert prefetch at B=1 (`fused_decode.EXPERT_PREFETCH`,
+# One device call (~8 min on an H200): the speculative expert prefetch at B=1 (`rollout.expert_prefetch`,
 # MOELOOP_EXPERT_PREFETCH=S experts per layer, MOELOOP_EXPERT_PREFETCH_DOWN=on for their down rows too) against
 # none. First its tests (the CUDA one checks that outputs do not change), then B=1 decode (`rollout.py`, walls in
 # alternation: 0, 6, 8, 6 + down, twice), then the decode graph's timeline with 6 and with none.

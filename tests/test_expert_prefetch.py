@@ -1,4 +1,4 @@
-"""The B=1 speculative expert prefetch (`fused_decode.EXPERT_PREFETCH`, off by default): the speculative router rows,
+"""The B=1 speculative expert prefetch (`rollout.expert_prefetch`, off by default): the speculative router rows,
 their place in the packed q|k|v copy, the one-launch projection that computes them, and which chunks of which
 experts each prefetch program covers (interpreter on CPU). The prefetch instruction itself runs only compiled on
 sm_90 (`test_triton_sm90_compile.py` builds it); on a CUDA machine the last test checks that it changes no output."""
@@ -7,9 +7,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from moeloop.rollout import SamplingParams
+from moeloop.rollout import SamplingParams, expert_prefetch
 from moeloop.rollout.decode_kernel import triton_available
-from moeloop.rollout.fused_decode import QKVPack, spec_router_rows
+from moeloop.rollout.expert_prefetch import spec_router_rows
+from moeloop.rollout.fused_decode import QKVPack
 from tests.test_rollout_engine import make_engine, prompts, tiny_model
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not installed (CPU torch wheel)")
@@ -81,13 +82,11 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from moeloop.rollout import fused_decode
-
     @triton.jit
     def _lanes_probe(spec_ptr, expert_ptr, chunk_ptr, ok_ptr, E: tl.constexpr, E_PAD: tl.constexpr, S: tl.constexpr,
                      CHUNKS: tl.constexpr, LANES: tl.constexpr):
         j = tl.program_id(0)
-        expert, c, ok = fused_decode._prefetch_lanes(spec_ptr, j, E, E_PAD, S, CHUNKS, LANES)
+        expert, c, ok = expert_prefetch._prefetch_lanes(spec_ptr, j, E, E_PAD, S, CHUNKS, LANES)
         lane = j * LANES + tl.arange(0, LANES)
         tl.store(expert_ptr + lane, expert)
         tl.store(chunk_ptr + lane, c)
@@ -137,12 +136,12 @@ def test_expert_prefetch_changes_no_token_or_logprob(monkeypatch, down):
     params = SamplingParams(temperature=1.0, top_k=20, max_tokens=12, seed=3)
     ps = prompts(1, seed=5)
     ref = make_engine(model).generate(ps, params)
-    monkeypatch.setattr(fused_decode, "EXPERT_PREFETCH", 3)
-    monkeypatch.setattr(fused_decode, "EXPERT_PREFETCH_DOWN", down)
-    monkeypatch.setattr(fused_decode, "PREFETCH_CHUNK", 256)  # the tiny model's experts: a few KB each
+    monkeypatch.setattr(expert_prefetch, "EXPERT_PREFETCH", 3)
+    monkeypatch.setattr(expert_prefetch, "EXPERT_PREFETCH_DOWN", down)
+    monkeypatch.setattr(expert_prefetch, "PREFETCH_CHUNK", 256)  # the tiny model's experts: a few KB each
     calls = []
-    launch = fused_decode._prefetch_launch
-    monkeypatch.setattr(fused_decode, "_prefetch_launch", lambda *a: calls.append(1) or launch(*a))
+    launch = expert_prefetch.prefetch_launch
+    monkeypatch.setattr(expert_prefetch, "prefetch_launch", lambda *a: calls.append(1) or launch(*a))
     engine = make_engine(model)
     assert all(p.spec is not None for p in engine.runner.qkv_packs)
     outs = engine.generate(ps, params)

@@ -115,7 +115,7 @@ def _compile_fused_decode_kernels():
                       eps="fp32", s_q="i64", s_k="i64", s_v="i64", s_kc="i64", s_vc="i64"),
                  dict(H=H, G=G, HALF=DH // 2, QK_NORM=True, PDL=True), num_warps=1, enable_fp_fusion=False)
     assert "fma.rn" not in compiled.asm["ptx"]  # as launched: 12 FMAs with fusion on, each skipping a bf16 rounding
-    # with the expert prefetch programs (EXPERT_PREFETCH): 6 experts, gate_up and down rows in 16 KB chunks
+    # with the expert prefetch programs (`expert_prefetch`): 6 experts, gate_up and down rows in 16 KB chunks
     compiled = compile_sm90(fused_decode._qk_norm_rope_store,
                  dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", qw_ptr="*bf16", kw_ptr="*bf16", cos_ptr="*bf16",
                       sin_ptr="*bf16", pos_ptr="*i64", slots_ptr="*i64", qo_ptr="*bf16", kc_ptr="*bf16",

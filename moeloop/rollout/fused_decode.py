@@ -29,11 +29,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeloop.model import kernel_switch
-from moeloop.model.kernel_switch import kernels_apply, pdl_args, triton_interpreting
+from moeloop.model.kernel_switch import kernels_apply, pdl_args
 from moeloop.model.moe import MoE
 from moeloop.model.norm import RMSNorm
 from moeloop.model.rope import RopeTables
+from moeloop.rollout import expert_prefetch
 from moeloop.rollout.decode_kernel import triton
+from moeloop.rollout.expert_prefetch import spec_router_rows
 from moeloop.rollout.gumbel_kernel import row_counters
 from moeloop.rollout.moe_kernel import (fused_experts, grouped_expert_rows, routed_experts, routed_experts_apply,
                                         uses_grouped_rows)
@@ -43,6 +45,7 @@ if triton is not None:
     import triton.language as tl
 
     from moeloop.model.kernel_switch import pdl_launch_next, pdl_wait
+    from moeloop.rollout.expert_prefetch import prefetch_experts
     from moeloop.rollout.gumbel_kernel import last_arrival
 
     @triton.jit
@@ -122,38 +125,6 @@ if triton is not None:
             tl.store(vc + HALF + i, tl.load(v_ptr + t * s_v + g * DH + HALF + i).to(vc_ptr.dtype.element_ty))
 
     @triton.jit
-    def _prefetch_lanes(spec_ptr, j, E: tl.constexpr, E_PAD: tl.constexpr, S: tl.constexpr, CHUNKS: tl.constexpr,
-                        LANES: tl.constexpr):
-        """Prefetch program j's LANES chunks: (expert, chunk within the expert, in use) per lane. The chunks are
-        numbered rank-major over the S experts ranked first by the speculative logits spec [E] (logit descending,
-        expert id ascending), CHUNKS per expert; program j owns numbers j * LANES + lane."""
-        e = tl.arange(0, E_PAD)
-        z = tl.load(spec_ptr + e, mask=e < E, other=float("-inf")).to(tl.float32)
-        ahead = tl.sum(((z[None, :] > z[:, None]) | ((z[None, :] == z[:, None]) & (e[None, :] < e[:, None])))
-                       .to(tl.int32), 1)  # per expert: those ranked before it
-        flat = j * LANES + tl.arange(0, LANES)
-        rank = flat // CHUNKS
-        expert = tl.sum(tl.where(ahead[None, :] == rank[:, None], e[None, :], 0), 1)
-        # (a NaN logit can tie ranks and sum two ids: clamped, so every address stays inside the weights)
-        return tl.minimum(expert, E - 1), flat % CHUNKS, rank < S
-
-    @triton.jit
-    def _prefetch_experts(spec_ptr, gu_addr, s_gu, d_addr, s_d, j, E: tl.constexpr, E_PAD: tl.constexpr,
-                          S: tl.constexpr, GU_CHUNKS: tl.constexpr, D_CHUNKS: tl.constexpr, CHUNK: tl.constexpr,
-                          LANES: tl.constexpr):
-        """L2 prefetches (`cp.async.bulk.prefetch.L2`, CHUNK bytes each) of program j's share of the speculated
-        experts' weights: an expert's gate_up rows in GU_CHUNKS chunks from gu_addr + expert * s_gu, then (D_CHUNKS
-        > 0) its down rows from d_addr + expert * s_d (addresses in bytes)."""
-        expert, c, ok = _prefetch_lanes(spec_ptr, j, E, E_PAD, S, GU_CHUNKS + D_CHUNKS, LANES)
-        expert = expert.to(tl.int64)
-        addr = tl.where(c < GU_CHUNKS, gu_addr + expert * s_gu + c.to(tl.int64) * CHUNK,
-                        d_addr + expert * s_d + (c - GU_CHUNKS).to(tl.int64) * CHUNK)
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r,r", [addr, tl.full([LANES], CHUNK, tl.int32), ok.to(tl.int32)], dtype=tl.int32, is_pure=False,
-            pack=1)
-
-    @triton.jit
     def _qk_norm_rope_store(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, qo_ptr,
                             kc_ptr, vc_ptr, eps, s_q, s_k, s_v, s_kc, s_vc, H: tl.constexpr, G: tl.constexpr,
                             HALF: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr, spec_ptr=None, gu_addr=0,
@@ -162,7 +133,7 @@ if triton is not None:
                             CHUNK: tl.constexpr = 16, LANES: tl.constexpr = 32):
         """Row strides s_q/s_k/s_v: q, k, v may be column slices of one packed q|k|v projection. cos/sin: RoPE
         tables by position, row pos[t] for token t.
-        S > 0 (one token, `EXPERT_PREFETCH`): programs H + G and on are `_prefetch_experts` programs instead."""
+        S > 0 (one token, `expert_prefetch`): programs H + G and on are `prefetch_experts` programs instead."""
         pdl_wait(PDL)
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
@@ -172,8 +143,8 @@ if triton is not None:
                 _qk_head(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, slots_ptr, qo_ptr, kc_ptr, vc_ptr, eps,
                          s_q, s_k, s_v, s_kc, s_vc, t, h, p, H, G, HALF, QK_NORM)
             else:
-                _prefetch_experts(spec_ptr, gu_addr, s_gu, d_addr, s_d, h - H - G, E, E_PAD, S, GU_CHUNKS, D_CHUNKS,
-                                  CHUNK, LANES)
+                prefetch_experts(spec_ptr, gu_addr, s_gu, d_addr, s_d, h - H - G, E, E_PAD, S, GU_CHUNKS, D_CHUNKS,
+                                 CHUNK, LANES)
         else:
             _qk_head(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, slots_ptr, qo_ptr, kc_ptr, vc_ptr, eps,
                      s_q, s_k, s_v, s_kc, s_vc, t, h, p, H, G, HALF, QK_NORM)
@@ -350,7 +321,7 @@ def qk_norm_rope_store(attn: nn.Module, q_TX: torch.Tensor, k_TX: torch.Tensor, 
                        slots_T: torch.Tensor, prefetch: tuple[torch.Tensor, nn.Module] | None = None) -> torch.Tensor:
     """Normalised, rotated q [T, H, Dh]; k (normalised, rotated) and v written to their cache slots. `rope`: tables
     by position (`RotaryEmbedding.table`), read at rows pos_T. `prefetch` = (speculative router logits [1, E],
-    the layer's experts): the same launch prefetches EXPERT_PREFETCH of them into L2 (`expert_prefetch_pack`)."""
+    the layer's experts): the same launch prefetches the most likely of them into L2 (`expert_prefetch`)."""
     T = q_TX.shape[0]
     H, G, Dh = attn.num_heads, attn.num_kv_heads, attn.head_dim
     q_out = q_TX.new_empty(T, H, Dh)
@@ -362,7 +333,7 @@ def qk_norm_rope_store(attn: nn.Module, q_TX: torch.Tensor, k_TX: torch.Tensor, 
     programs, extra = H + G, {}
     if prefetch is not None:
         spec_TE, experts = prefetch
-        programs, extra = _prefetch_launch(spec_TE, experts, programs)
+        programs, extra = expert_prefetch.prefetch_launch(spec_TE, experts, programs)
     _qk_norm_rope_store[(T, programs)](q_TX, k_TX, v_TX, qw, kw, cos_PR, sin_PR, pos_T, slots_T, q_out,
                                        k_cache, v_cache, eps, q_TX.stride(0), k_TX.stride(0), v_TX.stride(0),
                                        k_cache.stride(0), v_cache.stride(0), H=H, G=G, HALF=Dh // 2,
@@ -371,19 +342,6 @@ def qk_norm_rope_store(attn: nn.Module, q_TX: torch.Tensor, k_TX: torch.Tensor, 
     # (no FMA: LLVM lowers each bf16 round trip to a bf16 mul and add, and fusing them would skip the rounding of
     # the RoPE products that the module path and the trainer's rope kernel keep)
     return q_out
-
-
-def _prefetch_launch(spec_TE: torch.Tensor, experts: nn.Module, programs: int) -> tuple[int, dict]:
-    """(programs, keywords) of a `_qk_norm_rope_store` launch whose programs from `programs` on prefetch experts."""
-    gu, down = experts.gate_up_proj, experts.down_proj
-    E, S = spec_TE.shape[1], min(EXPERT_PREFETCH, spec_TE.shape[1])
-    gu_chunks = gu.stride(0) * gu.element_size() // PREFETCH_CHUNK
-    d_chunks = down.stride(0) * down.element_size() // PREFETCH_CHUNK if EXPERT_PREFETCH_DOWN else 0
-    extra = dict(spec_ptr=spec_TE, gu_addr=gu.data_ptr(), s_gu=gu.stride(0) * gu.element_size(),
-                 d_addr=down.data_ptr(), s_d=down.stride(0) * down.element_size(), E=E,
-                 E_PAD=triton.next_power_of_2(E), S=S, GU_CHUNKS=gu_chunks, D_CHUNKS=d_chunks, CHUNK=PREFETCH_CHUNK,
-                 LANES=PREFETCH_LANES)
-    return programs + triton.cdiv(S * (gu_chunks + d_chunks), PREFETCH_LANES), extra
 
 
 ROW_LINEAR = True  # a one-token decode (B=1) runs its projections as `_row_linear` launches instead of cuBLAS GEMVs
@@ -474,7 +432,7 @@ class QKVPack:
     step or a no-grad copy into the engine's own parameters; the engine checks when it starts work from idle, not
     every decode step), `refresh(force=True)` from `Engine.update_weights` (a parameter shared with the trainer
     changes under the trainer's tensor's counter, not the engine's).
-    `spec` = (router, input norm, post-attention norm) of the layer's MoE (`EXPERT_PREFETCH`): the buffer also
+    `spec` = (router, input norm, post-attention norm) of the layer's MoE (`expert_prefetch`): the buffer also
     holds the router's n_spec = E speculative rows (`spec_router_rows`) after q|k|v, and `weight` is a view of
     its q|k|v rows."""
 
@@ -519,16 +477,6 @@ class QKVPack:
         return SimpleNamespace(weight=self.buffer, bias=None)
 
 
-def spec_router_rows(router_w: torch.Tensor, in_norm_w: torch.Tensor, post_norm_w: torch.Tensor) -> torch.Tensor:
-    """Router rows [E, D] that, applied to the layer's input after its input norm (w_in * n(x)), give the router's
-    logits of the post-attention norm of that same input (w_post * n(x)): W_r * w_post / w_in by column (0 where
-    w_in is 0). The residual stream moves little across one attention block, so these rank the experts that the
-    router will pick after attention (`EXPERT_PREFETCH`; BENCHMARKS.md, session 18)."""
-    w_in, w_post = in_norm_w.float(), post_norm_w.float()
-    scale = torch.where(w_in != 0, w_post / torch.where(w_in != 0, w_in, 1.0), 0.0)
-    return (router_w.float() * scale[None, :]).to(router_w.dtype)
-
-
 def qkv_packs_apply(model: nn.Module) -> bool:
     """The engine's CUDA decode takes the fused forward here (so `pack_qkv` pays off)."""
     return kernels_apply(next(model.parameters())) and fused_supported(model)
@@ -536,53 +484,16 @@ def qkv_packs_apply(model: nn.Module) -> bool:
 
 def pack_qkv(model: nn.Module) -> list[QKVPack]:
     """A `QKVPack` on every attention layer (kept in the module's __dict__: not a parameter, not in the state
-    dict); the fused forward uses them for more than one token, and with `EXPERT_PREFETCH` for one."""
+    dict); the fused forward uses them for more than one token, and with `expert_prefetch` on for one."""
     packs = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         spec = None
-        if EXPERT_PREFETCH > 0 and isinstance(mlp, MoE) and mlp.gate.scoring_func == "softmax":
+        if expert_prefetch.EXPERT_PREFETCH > 0 and isinstance(mlp, MoE) and mlp.gate.scoring_func == "softmax":
             spec = (mlp.gate, layer.input_layernorm, layer.post_attention_layernorm)
         attn.__dict__["_decode_qkv"] = pack = QKVPack(attn, spec)
         packs.append(pack)
     return packs
-
-
-# B=1, experimental, off by default (0): the q|k|v launch also computes speculative router logits from the layer's
-# input (`spec_router_rows`), and extra programs of the q/k norm + RoPE launch issue L2 prefetches of the
-# EXPERT_PREFETCH experts those logits rank first (gate_up rows; with MOELOOP_EXPERT_PREFETCH_DOWN=on the down rows
-# too), so that gate_up, which cannot read a weight before the router's logits exist, finds them in L2. Not yet
-# measured on a GPU (BENCHMARKS.md, session 18).
-EXPERT_PREFETCH = int(os.environ.get("MOELOOP_EXPERT_PREFETCH", "0"))
-EXPERT_PREFETCH_DOWN = os.environ.get("MOELOOP_EXPERT_PREFETCH_DOWN", "off").lower() == "on"
-PREFETCH_CHUNK = 16384  # bytes per bulk prefetch
-PREFETCH_LANES = 32  # chunks per prefetch program (one warp)
-
-
-def expert_prefetch_pack(layer: nn.Module, x_TD: torch.Tensor) -> QKVPack | None:
-    """The layer's `QKVPack` with speculative router rows when its one-token decode prefetches experts: one token,
-    compiled on a CUDA device of compute capability 9 or more (bulk prefetch), every expert's gate_up and down
-    rows whole chunks apart, the routed expert kernels taking the layer."""
-    pack = layer.self_attn.__dict__.get("_decode_qkv")
-    if pack is None or pack.spec is None or x_TD.shape[0] != 1 or not x_TD.is_cuda or triton_interpreting():
-        return None
-    experts = layer.mlp.experts
-    gu, down = experts.gate_up_proj, experts.down_proj
-    whole = all(w.is_contiguous() and w.data_ptr() % 16 == 0 and (w.stride(0) * w.element_size()) % PREFETCH_CHUNK == 0
-                for w in (gu, down))
-    if not (whole and _bulk_prefetch_device(x_TD.device) and routed_experts_apply(x_TD, layer.mlp)):
-        return None
-    return pack
-
-
-_BULK_PREFETCH: dict[torch.device, bool] = {}
-
-
-def _bulk_prefetch_device(device: torch.device) -> bool:
-    """`cp.async.bulk.prefetch.L2` needs compute capability 9 or more (looked up once per device)."""
-    if device not in _BULK_PREFETCH:
-        _BULK_PREFETCH[device] = torch.cuda.get_device_capability(device)[0] >= 9
-    return _BULK_PREFETCH[device]
 
 
 def project_qkv(x_TD: torch.Tensor, attn: nn.Module) -> list[torch.Tensor]:
@@ -713,7 +624,7 @@ def _decode_layers(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Tensor, c
     for i, layer in enumerate(layers):
         attn = layer.self_attn
         linears = [attn.q_proj, attn.k_proj, attn.v_proj]
-        spec = expert_prefetch_pack(layer, ids_T)
+        spec = expert_prefetch.pack_for(layer, ids_T)
         if spec is not None:  # one launch: q | k | v | the speculative router logits
             linears = [spec.spec_linear()]
         if i == 0 and embed_fold:
