@@ -8,7 +8,8 @@ decode tok/s = B * (N - 1) / (wall(N new tokens) - wall(1 new token)), each wall
 the N-token and 1-token runs in alternation (so that a slow phase of the host hits both): the decode steps only, as in
 shared/notes/gpu-anchors.md. Roofline bytes per decode step = dense weights without the embedding
 + E * (1 - (1 - k/E)^B) distinct experts per MoE layer + the mean KV cache read; over the measured
-device copy bandwidth (read + write bytes / time). Sampling: temperature 1, top-k 50 for both engines.
+device copy bandwidth (read + write bytes / time). Sampling: temperature 1, top-k 50 for both engines (transformers'
+default; `--top-k 0`: no filter, the RL rollout's own distribution).
 """
 from __future__ import annotations
 
@@ -92,12 +93,12 @@ def walls(run, n: int, device: str, repeats: int) -> tuple[list[float], list[flo
 
 
 def bench_moeloop(model, prompts: list[list[int]], new_tokens: int, device: str, repeats: int,
-                  step_times: bool = False, decode_steps: int = 0) -> tuple[float, float]:
+                  step_times: bool = False, decode_steps: int = 0, top_k: int = 50) -> tuple[float, float]:
     B, P = len(prompts), len(prompts[0])
     engine = sized_engine(model, B, P, new_tokens, decode_steps=decode_steps)
 
     def run(n: int):
-        outs = engine.generate(prompts, SamplingParams(temperature=1.0, top_k=50, max_tokens=n, seed=0))
+        outs = engine.generate(prompts, SamplingParams(temperature=1.0, top_k=top_k or -1, max_tokens=n, seed=0))
         assert all(len(o.response_ids) == n for o in outs)
         engine.blocks.reset_prefix_cache()  # the next call prefills again, like the first
 
@@ -130,13 +131,14 @@ def bench_moeloop(model, prompts: list[list[int]], new_tokens: int, device: str,
     return min(full), min(one)
 
 
-def bench_transformers(hf, prompts: list[list[int]], new_tokens: int, device: str, repeats: int) -> tuple[float, float]:
+def bench_transformers(hf, prompts: list[list[int]], new_tokens: int, device: str, repeats: int,
+                       top_k: int = 50) -> tuple[float, float]:
     ids = torch.tensor(prompts, device=device)
     mask = torch.ones_like(ids)
 
     def run(n: int):
         out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=True,
-                          top_k=50, temperature=1.0, pad_token_id=0)
+                          top_k=top_k, temperature=1.0, pad_token_id=0)
         assert out.shape[1] == ids.shape[1] + n
 
     run(4)
@@ -156,6 +158,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3,
                     help="timed runs per length, the fastest kept (host stalls only add time: `walls`)")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--top-k", type=int, default=50, help="both engines' top-k (0: none, as RL samples)")
     ap.add_argument("--step-times", action="store_true", help="also print the spread of engine.step host times")
     ap.add_argument("--decode-steps", type=int, default=0, help="rollout.decode_steps (0: auto, 8 on CUDA; 1: one "
                     "decode step per launch)")
@@ -173,7 +176,7 @@ def main() -> None:
     bw = copy_bandwidth_bytes_per_s(args.device)
     nparams = sum(p.numel() for p in model.parameters())
     print(f"# {args.arch}/{args.size} ({nparams / 1e6:.1f}M params, {dtype}) on {args.device}; prompt {args.prompt_len}, "
-          f"{args.new_tokens} new tokens, top-k 50 sampling; copy bandwidth {bw / 1e9:.1f} GB/s (read+write)")
+          f"{args.new_tokens} new tokens, {f'top-k {args.top_k}' if args.top_k else 'unfiltered'} sampling; copy bandwidth {bw / 1e9:.1f} GB/s (read+write)")
     print("| B | moeloop gen tok/s | moeloop decode tok/s | ms/step | HF decode tok/s | moeloop/HF | "
           "bytes/step | roofline tok/s | moeloop/roofline |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -182,12 +185,12 @@ def main() -> None:
     for B in [int(b) for b in args.batch.split(",")]:
         prompts = torch.randint(3, model.cfg.vocab_size, (B, args.prompt_len), generator=g).tolist()
         full, one = bench_moeloop(model, prompts, args.new_tokens, args.device, args.repeats, args.step_times,
-                                  args.decode_steps)
+                                  args.decode_steps, args.top_k)
         decode = B * (args.new_tokens - 1) / (full - one)
         hf_decode = float("nan")
         if hf is not None:
             n = hf_tokens.get(B, args.new_tokens)
-            hf_full, hf_one = bench_transformers(hf, prompts, n, args.device, args.repeats)
+            hf_full, hf_one = bench_transformers(hf, prompts, n, args.device, args.repeats, args.top_k)
             hf_decode = B * (n - 1) / (hf_full - hf_one)
         step_bytes, roof = roofline(model, B, args.prompt_len, args.new_tokens, bw)
         ms_step = 1e3 * (full - one) / (args.new_tokens - 1)
