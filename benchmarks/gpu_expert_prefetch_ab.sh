@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# One device call (~8 min on an H200): the speculative expert prefetch at B=1 (`rollout.expert_prefetch`,
+# One device call (about 8 min on an H200, by the earlier A/B scripts' timings): the speculative expert prefetch at B=1 (`rollout.expert_prefetch`,
 # MOELOOP_EXPERT_PREFETCH=S experts per layer, MOELOOP_EXPERT_PREFETCH_DOWN=on for their down rows too) against
 # none. First its tests (the CUDA one checks that outputs do not change), then B=1 decode (`rollout.py`, walls in
-# alternation: 0, 6, 8, 6 + down, twice), one B=1 run with RL's unfiltered sampling (`--top-k 0`) for reference,
+# alternation: 0, 6, 8, 6 + down; ROUNDS=2 repeats them, too long for one call), one B=1 run with RL's unfiltered sampling (`--top-k 0`) for reference,
 # then the decode graph's timeline with 6 and with none.
 # Run from the repository root with the project importable; logs under $OUT (or /tmp).
 set -u
@@ -17,7 +17,7 @@ b1() {  # label, then env assignments
     env "$@" timeout 100 python3 benchmarks/rollout.py --device cuda --size reference --batch 1 --repeats 3 --skip-hf \
         --step-times 2>&1 | grep -v -i warn | grep -E "engine.step|^\| 1 "
 }
-for round in 1 2; do
+for round in $(seq "${ROUNDS:-1}"); do
     b1 "no prefetch" MOELOOP_EXPERT_PREFETCH=0
     b1 "prefetch 6 experts (gate_up)" MOELOOP_EXPERT_PREFETCH=6
     b1 "prefetch 8 experts (gate_up)" MOELOOP_EXPERT_PREFETCH=8
