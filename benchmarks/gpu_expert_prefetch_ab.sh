@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# One device call (about 8 min on an H200, by the earlier A/B scripts' timings): the speculative expert prefetch at B=1 (`rollout.expert_prefetch`,
-# MOELOOP_EXPERT_PREFETCH=S experts per layer, MOELOOP_EXPERT_PREFETCH_DOWN=on for their down rows too) against
-# none. First its tests (the CUDA one checks that outputs do not change), then B=1 decode (`rollout.py`, walls in
-# alternation: 0, 6, 8, 6 + down; ROUNDS=2 repeats them, too long for one call), one B=1 run with RL's unfiltered sampling (`--top-k 0`) for reference,
-# then the decode graph's timeline with 6 and with none.
+# One device call (about 8 min on an H200, by the earlier A/B scripts' timings): the speculative expert prefetch at
+# B=1 (`rollout.expert_prefetch`: MOELOOP_EXPERT_PREFETCH=S experts per layer, MOELOOP_EXPERT_PREFETCH_DOWN=on for
+# their down rows too) against none. First its tests (the CUDA one checks that outputs do not change), then B=1
+# decode (`rollout.py`, walls in alternation: 0, 6, 8, 6 + down; ROUNDS=2 repeats them, too long for one call), one
+# B=1 run with RL's unfiltered sampling (`--top-k 0`) for reference, then the decode graph's timeline with 6 and
+# with none.
 # Run from the repository root with the project importable; logs under $OUT (or /tmp).
 set -u
 out=${OUT:-/tmp}
