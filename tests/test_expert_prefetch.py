@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from moeloop.model.norm import rmsnorm_reference
 from moeloop.rollout import SamplingParams, expert_prefetch
 from moeloop.rollout.decode_kernel import triton_available
 from moeloop.rollout.expert_prefetch import spec_router_rows
@@ -17,10 +18,6 @@ pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not in
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _rms(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
-
-
 def test_spec_router_rows_give_the_router_logits_of_the_post_attention_norm():
     """spec rows . (w_in * n(x)) == router . (w_post * n(x)); a column whose input-norm weight is 0 is dropped."""
     torch.manual_seed(0)
@@ -28,7 +25,7 @@ def test_spec_router_rows_give_the_router_logits_of_the_post_attention_norm():
     router_w, x = torch.randn(E, D, dtype=torch.float64), torch.randn(3, D, dtype=torch.float64)
     w_in, w_post = torch.rand(D, dtype=torch.float64) + 0.5, torch.rand(D, dtype=torch.float64) + 0.5
     spec = spec_router_rows(router_w, w_in, w_post)
-    torch.testing.assert_close((w_in * _rms(x)) @ spec.T, (w_post * _rms(x)) @ router_w.T, rtol=1e-5, atol=1e-6)  # fp32
+    torch.testing.assert_close(rmsnorm_reference(x, w_in, 1e-6) @ spec.T, rmsnorm_reference(x, w_post, 1e-6) @ router_w.T, rtol=1e-5, atol=1e-6)  # fp32
     w_in[5] = 0.0
     spec = spec_router_rows(router_w, w_in, w_post)
     assert torch.equal(spec[:, 5], torch.zeros(E, dtype=torch.float64)) and torch.isfinite(spec).all()

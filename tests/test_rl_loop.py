@@ -55,10 +55,8 @@ def test_loop_runs_and_pushes_versions(model_dir, tmp_path):
 
 
 def test_resume_equals_straight_run(model_dir, tmp_path):
-    run_rl(_cfg(model_dir, tmp_path / "a"))
-    run_rl(_cfg(model_dir, tmp_path / "b", f"trainer.steps={STEPS // 2}"))
-    run_rl(_cfg(model_dir, tmp_path / "b"), resume=True)
-    assert _metrics(tmp_path / "a") == _metrics(tmp_path / "b")
+    ma, mb = _straight_and_resumed(model_dir, tmp_path, "cpu")
+    assert ma == mb
     wa, wb = _weights(tmp_path / "a"), _weights(tmp_path / "b")
     for name in wa:
         assert torch.equal(wa[name], wb[name]), name

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from moeloop.model.kernel_switch import triton_interpreting
+from moeloop.model.moe import MoE
 from moeloop.rollout.decode_kernel import triton
 from moeloop.rollout.moe_kernel import routed_experts_apply
 
@@ -76,6 +77,15 @@ def spec_router_rows(router_w: torch.Tensor, in_norm_w: torch.Tensor, post_norm_
     w_in, w_post = in_norm_w.float(), post_norm_w.float()
     scale = torch.where(w_in != 0, w_post / torch.where(w_in != 0, w_in, 1.0), 0.0)
     return (router_w.float() * scale[None, :]).to(router_w.dtype)
+
+
+def spec_sources(layer: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module] | None:
+    """(router, input norm, post-attention norm) whose `spec_router_rows` the layer's `QKVPack` holds when the
+    prefetch is on and the layer's MoE has a softmax router; else None."""
+    mlp = layer.mlp
+    if EXPERT_PREFETCH > 0 and isinstance(mlp, MoE) and mlp.gate.scoring_func == "softmax":
+        return mlp.gate, layer.input_layernorm, layer.post_attention_layernorm
+    return None
 
 
 def pack_for(layer: nn.Module, x_TD: torch.Tensor) -> QKVPack | None:

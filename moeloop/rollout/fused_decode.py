@@ -138,7 +138,7 @@ if triton is not None:
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         p = tl.load(pos_ptr + t).to(tl.int64)
-        if S > 0:
+        if S > 0:  # (the head call twice, not `S == 0 or h < H + G`: without prefetch the PTX stays as it was)
             if h < H + G:
                 _qk_head(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, slots_ptr, qo_ptr, kc_ptr, vc_ptr, eps,
                          s_q, s_k, s_v, s_kc, s_vc, t, h, p, H, G, HALF, QK_NORM)
@@ -487,11 +487,8 @@ def pack_qkv(model: nn.Module) -> list[QKVPack]:
     dict); the fused forward uses them for more than one token, and with `expert_prefetch` on for one."""
     packs = []
     for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        spec = None
-        if expert_prefetch.EXPERT_PREFETCH > 0 and isinstance(mlp, MoE) and mlp.gate.scoring_func == "softmax":
-            spec = (mlp.gate, layer.input_layernorm, layer.post_attention_layernorm)
-        attn.__dict__["_decode_qkv"] = pack = QKVPack(attn, spec)
+        attn = layer.self_attn
+        attn.__dict__["_decode_qkv"] = pack = QKVPack(attn, expert_prefetch.spec_sources(layer))
         packs.append(pack)
     return packs
 
