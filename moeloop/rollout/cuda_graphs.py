@@ -27,7 +27,6 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from moeloop.rollout import l2_residency
 from moeloop.rollout.fused_decode import fused_decode_logits
 from moeloop.rollout.multistep import decode_steps, step_sampler
 from moeloop.rollout.sampler import SamplingTensors
@@ -51,7 +50,6 @@ class DecodeGraphs:
         self.step_graphs: dict[tuple, tuple] = {}  # (size, steps, sampling flags) -> multi-step decode graph
         self.capture_s: dict[str, float] = {}  # seconds each capture took ("ladder", "steps=K size=S"), for benchmarks
         self.failed = False
-        self.l2_window = l2_residency.window_for(model)  # MOELOOP_L2_PERSIST (off by default)
         rotary = getattr(model, "rotary", None)  # keep RoPE tables on the device: no host copy inside a graph
         if rotary is not None and hasattr(rotary, "inv_freq_R2"):
             rotary.inv_freq_R2 = rotary.inv_freq_R2.to(next(model.parameters()).device)
@@ -63,8 +61,6 @@ class DecodeGraphs:
         self.graphs.clear()
         self.step_graphs.clear()
         self.pool = None
-        if self.l2_window is not None:
-            self.l2_window.release()
 
     def _views(self, size: int) -> tuple[torch.Tensor, ...]:
         """(ids, pos, slots, lens [size], tables [size, N]) inside the flat buffer, laid out for `size` rows."""
@@ -114,10 +110,8 @@ class DecodeGraphs:
             run()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        if self.l2_window is not None:  # capture copies the stream's window into every kernel node
-            self.l2_window.apply(stream)
         try:
-            with torch.cuda.graph(graph, pool=self.pool, stream=stream if self.l2_window is not None else None):
+            with torch.cuda.graph(graph, pool=self.pool):
                 out = run()
         except Exception as err:
             raise RuntimeError(f"{err!r}; host-touching ops in the decode forward: {host_ops(run)}") from err

@@ -22,7 +22,6 @@ Shapes: T tokens, D model dim, H/G query/kv heads, Dh head dim, E experts, K exp
 from __future__ import annotations
 
 import os
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -33,9 +32,7 @@ from moeloop.model.kernel_switch import kernels_apply, pdl_args
 from moeloop.model.moe import MoE
 from moeloop.model.norm import RMSNorm
 from moeloop.model.rope import RopeTables
-from moeloop.rollout import expert_prefetch
 from moeloop.rollout.decode_kernel import triton
-from moeloop.rollout.expert_prefetch import spec_router_rows
 from moeloop.rollout.gumbel_kernel import row_counters
 from moeloop.rollout.moe_kernel import (fused_experts, grouped_expert_rows, routed_experts, routed_experts_apply,
                                         uses_grouped_rows)
@@ -45,7 +42,6 @@ if triton is not None:
     import triton.language as tl
 
     from moeloop.model.kernel_switch import pdl_launch_next, pdl_wait
-    from moeloop.rollout.expert_prefetch import prefetch_experts
     from moeloop.rollout.gumbel_kernel import last_arrival
 
     @triton.jit
@@ -101,11 +97,15 @@ if triton is not None:
         return o1.to(dt), o2.to(dt)
 
     @triton.jit
-    def _qk_head(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, slots_ptr, qo_ptr, kc_ptr, vc_ptr, eps, s_q,
-                 s_k, s_v, s_kc, s_vc, t, h, p, H: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr,
-                 QK_NORM: tl.constexpr):
-        """Head h < H + G of token t at position p: a query head into qo, or a kv head's k and v into their cache
-        slot."""
+    def _qk_norm_rope_store(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, qo_ptr,
+                            kc_ptr, vc_ptr, eps, s_q, s_k, s_v, s_kc, s_vc, H: tl.constexpr, G: tl.constexpr,
+                            HALF: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr):
+        """Row strides s_q/s_k/s_v: q, k, v may be column slices of one packed q|k|v projection. cos/sin: RoPE
+        tables by position, row pos[t] for token t."""
+        pdl_wait(PDL)
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        p = tl.load(pos_ptr + t).to(tl.int64)
         DH = 2 * HALF
         i = tl.arange(0, HALF)
         dt = qo_ptr.dtype.element_ty
@@ -123,31 +123,6 @@ if triton is not None:
             vc = vc_ptr + slot * s_vc + g * DH
             tl.store(vc + i, tl.load(v_ptr + t * s_v + g * DH + i).to(vc_ptr.dtype.element_ty))
             tl.store(vc + HALF + i, tl.load(v_ptr + t * s_v + g * DH + HALF + i).to(vc_ptr.dtype.element_ty))
-
-    @triton.jit
-    def _qk_norm_rope_store(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, qo_ptr,
-                            kc_ptr, vc_ptr, eps, s_q, s_k, s_v, s_kc, s_vc, H: tl.constexpr, G: tl.constexpr,
-                            HALF: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr, spec_ptr=None, gu_addr=0,
-                            s_gu=0, d_addr=0, s_d=0, E: tl.constexpr = 1, E_PAD: tl.constexpr = 1,
-                            S: tl.constexpr = 0, GU_CHUNKS: tl.constexpr = 1, D_CHUNKS: tl.constexpr = 0,
-                            CHUNK: tl.constexpr = 16, LANES: tl.constexpr = 32):
-        """Row strides s_q/s_k/s_v: q, k, v may be column slices of one packed q|k|v projection. cos/sin: RoPE
-        tables by position, row pos[t] for token t.
-        S > 0 (one token, `expert_prefetch`): programs H + G and on are `prefetch_experts` programs instead."""
-        pdl_wait(PDL)
-        t = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
-        p = tl.load(pos_ptr + t).to(tl.int64)
-        if S > 0:  # (the head call twice, not `S == 0 or h < H + G`: without prefetch the PTX stays as it was)
-            if h < H + G:
-                _qk_head(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, slots_ptr, qo_ptr, kc_ptr, vc_ptr, eps,
-                         s_q, s_k, s_v, s_kc, s_vc, t, h, p, H, G, HALF, QK_NORM)
-            else:
-                prefetch_experts(spec_ptr, gu_addr, s_gu, d_addr, s_d, h - H - G, E, E_PAD, S, GU_CHUNKS, D_CHUNKS,
-                                 CHUNK, LANES)
-        else:
-            _qk_head(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, slots_ptr, qo_ptr, kc_ptr, vc_ptr, eps,
-                     s_q, s_k, s_v, s_kc, s_vc, t, h, p, H, G, HALF, QK_NORM)
 
     @triton.jit
     def _weight_rows(w0_ptr, w1_ptr, w2_ptr, start, r, N0: tl.constexpr, N1: tl.constexpr, D: tl.constexpr):
@@ -318,10 +293,9 @@ def add_rmsnorm(x_TD: torch.Tensor, res_TD: torch.Tensor | None, norm: RMSNorm,
 
 def qk_norm_rope_store(attn: nn.Module, q_TX: torch.Tensor, k_TX: torch.Tensor, v_TX: torch.Tensor,
                        rope: RopeTables, pos_T: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slots_T: torch.Tensor, prefetch: tuple[torch.Tensor, nn.Module] | None = None) -> torch.Tensor:
+                       slots_T: torch.Tensor) -> torch.Tensor:
     """Normalised, rotated q [T, H, Dh]; k (normalised, rotated) and v written to their cache slots. `rope`: tables
-    by position (`RotaryEmbedding.table`), read at rows pos_T. `prefetch` = (speculative router logits [1, E],
-    the layer's experts): the same launch prefetches the most likely of them into L2 (`expert_prefetch`)."""
+    by position (`RotaryEmbedding.table`), read at rows pos_T."""
     T = q_TX.shape[0]
     H, G, Dh = attn.num_heads, attn.num_kv_heads, attn.head_dim
     q_out = q_TX.new_empty(T, H, Dh)
@@ -330,15 +304,11 @@ def qk_norm_rope_store(attn: nn.Module, q_TX: torch.Tensor, k_TX: torch.Tensor, 
     eps = attn.q_norm.eps if qk_norm else 0.0
     q_TX, k_TX, v_TX = (x if x.stride(1) == 1 else x.contiguous() for x in (q_TX, k_TX, v_TX))
     cos_PR, sin_PR = rope.cos_TR.contiguous(), rope.sin_TR.contiguous()
-    programs, extra = H + G, {}
-    if prefetch is not None:
-        spec_TE, experts = prefetch
-        programs, extra = expert_prefetch.prefetch_launch(spec_TE, experts, programs)
-    _qk_norm_rope_store[(T, programs)](q_TX, k_TX, v_TX, qw, kw, cos_PR, sin_PR, pos_T, slots_T, q_out,
-                                       k_cache, v_cache, eps, q_TX.stride(0), k_TX.stride(0), v_TX.stride(0),
-                                       k_cache.stride(0), v_cache.stride(0), H=H, G=G, HALF=Dh // 2,
-                                       QK_NORM=qk_norm, num_warps=1, enable_fp_fusion=False,
-                                       **pdl_args(q_TX, T), **extra)
+    _qk_norm_rope_store[(T, H + G)](q_TX, k_TX, v_TX, qw, kw, cos_PR, sin_PR, pos_T, slots_T, q_out,
+                                    k_cache, v_cache, eps, q_TX.stride(0), k_TX.stride(0), v_TX.stride(0),
+                                    k_cache.stride(0), v_cache.stride(0), H=H, G=G, HALF=Dh // 2,
+                                    QK_NORM=qk_norm, num_warps=1, enable_fp_fusion=False,
+                                    **pdl_args(q_TX, T))
     # (no FMA: LLVM lowers each bf16 round trip to a bf16 mul and add, and fusing them would skip the rounding of
     # the RoPE products that the module path and the trainer's rope kernel keep)
     return q_out
@@ -431,19 +401,13 @@ class QKVPack:
     graphs keep its pointer): `refresh()` re-copies when a source's autograd version counter moved (an optimizer
     step or a no-grad copy into the engine's own parameters; the engine checks when it starts work from idle, not
     every decode step), `refresh(force=True)` from `Engine.update_weights` (a parameter shared with the trainer
-    changes under the trainer's tensor's counter, not the engine's).
-    `spec` = (router, input norm, post-attention norm) of the layer's MoE (`expert_prefetch`): the buffer also
-    holds the router's n_spec = E speculative rows (`spec_router_rows`) after q|k|v, and `weight` is a view of
-    its q|k|v rows."""
+    changes under the trainer's tensor's counter, not the engine's)."""
 
-    def __init__(self, attn: nn.Module, spec: tuple[nn.Module, RMSNorm, RMSNorm] | None = None):
+    def __init__(self, attn: nn.Module):
         self.linears = [attn.q_proj, attn.k_proj, attn.v_proj]
         self.sizes = [m.weight.shape[0] for m in self.linears]
-        self.spec = spec
         w = self.linears[0].weight
-        self.n_spec = spec[0].weight.shape[0] if spec else 0
-        self.buffer = torch.empty(sum(self.sizes) + self.n_spec, w.shape[1], dtype=w.dtype, device=w.device)
-        self.weight = self.buffer[:sum(self.sizes)]
+        self.weight = torch.empty(sum(self.sizes), w.shape[1], dtype=w.dtype, device=w.device)
         biases = [m.bias for m in self.linears]
         self.bias = None if any(b is None for b in biases) else self.weight.new_empty(sum(self.sizes))
         self.refresh(force=True)
@@ -462,19 +426,12 @@ class QKVPack:
         # re-read the modules' tensors: a forced refresh also follows a replaced Parameter object
         weights = [m.weight for m in self.linears]
         biases = [m.bias for m in self.linears] if self.bias is not None else []
-        spec = [m.weight for m in self.spec] if self.spec else []
-        self._sources = weights + biases + spec
+        self._sources = weights + biases
         with torch.no_grad():
             torch.cat(weights, out=self.weight)
             if biases:
                 torch.cat(biases, out=self.bias)
-            if spec:
-                self.buffer[self.weight.shape[0]:] = spec_router_rows(*spec)
         self._seen = self._versions()
-
-    def spec_linear(self) -> SimpleNamespace:
-        """The whole buffer as a bias-free linear for `normed_row_linear`: q | k | v | speculative router logits."""
-        return SimpleNamespace(weight=self.buffer, bias=None)
 
 
 def qkv_packs_apply(model: nn.Module) -> bool:
@@ -484,11 +441,11 @@ def qkv_packs_apply(model: nn.Module) -> bool:
 
 def pack_qkv(model: nn.Module) -> list[QKVPack]:
     """A `QKVPack` on every attention layer (kept in the module's __dict__: not a parameter, not in the state
-    dict); the fused forward uses them for more than one token, and with `expert_prefetch` on for one."""
+    dict); the fused forward uses them for more than one token."""
     packs = []
     for layer in model.model.layers:
         attn = layer.self_attn
-        attn.__dict__["_decode_qkv"] = pack = QKVPack(attn, expert_prefetch.spec_sources(layer))
+        attn.__dict__["_decode_qkv"] = pack = QKVPack(attn)
         packs.append(pack)
     return packs
 
@@ -621,23 +578,15 @@ def _decode_layers(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Tensor, c
     for i, layer in enumerate(layers):
         attn = layer.self_attn
         linears = [attn.q_proj, attn.k_proj, attn.v_proj]
-        spec = expert_prefetch.pack_for(layer, ids_T)
-        if spec is not None:  # one launch: q | k | v | the speculative router logits
-            linears = [spec.spec_linear()]
         if i == 0 and embed_fold:
-            outs, _, res_TD = normed_row_linear(table, None, pending[2], linears, ids_T=ids_T)
+            (q_TX, k_TX, v_TX), _, res_TD = normed_row_linear(table, None, pending[2], linears, ids_T=ids_T)
         elif pending[2] is not None and norm_fold_applies(pending[0], linears):
-            outs, _, res_TD = normed_row_linear(*pending, linears)
+            (q_TX, k_TX, v_TX), _, res_TD = normed_row_linear(*pending, linears)
         else:
             y_TD, res_TD = _settle(pending)
-            outs, spec = project_qkv(y_TD, attn), None
-        prefetch = None
-        if spec is not None:
-            *outs, spec_TE = outs[0].split(spec.sizes + [spec.n_spec], dim=1)
-            prefetch = (spec_TE, layer.mlp.experts)
-        q_TX, k_TX, v_TX = outs
+            q_TX, k_TX, v_TX = project_qkv(y_TD, attn)
         q_THD = qk_norm_rope_store(attn, q_TX, k_TX, v_TX, rope, pos_T, ctx.cache.k[i], ctx.cache.v[i],
-                                   slots_T, prefetch)
+                                   slots_T)
         o_THD = ctx.attend_cached(i, q_THD, attn.scale)
         (o_TD,) = project(o_THD.reshape(T, -1), [attn.o_proj])
         pending = (o_TD, res_TD, layer.post_attention_layernorm)
