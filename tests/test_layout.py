@@ -1,5 +1,4 @@
 """Layout: every divisibility rule named, Megatron-style expert-DP, uneven pipeline stages."""
-import pytest
 
 from moeloop.model.config import ModelConfig
 from moeloop.parallel import BatchInfo, Layout

@@ -45,7 +45,7 @@ def test_mixed_stream_over_scattered_blocks_matches_dense():
     for (L, n), (q, k, v), table in zip(seqs, full, tables):  # earlier steps wrote the cached prefix
         old = slots_of(torch.tensor(table), torch.arange(L - n), BS)
         kv.k[0][old], kv.v[0][old] = k[:L - n], v[:L - n]
-    rows, slots, decode_rows, prefills, start = [], [], [], [], 0
+    slots, decode_rows, prefills, start = [], [], [], 0
     for (L, n), table in zip(seqs, tables):
         new = slots_of(torch.tensor(table), torch.arange(L - n, L), BS)
         slots.append(new)

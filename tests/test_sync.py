@@ -2,7 +2,6 @@
 and every transport (in-process, disk, gloo broadcast) delivers the same tensors."""
 import pytest
 import torch
-import torch.distributed as dist
 
 from moeloop.sync import (BroadcastTransport, DiskTransport, InProcessTransport, WeightSyncer, WeightSyncError,
                           fingerprint, pack_buckets, unpack_bucket)

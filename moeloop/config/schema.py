@@ -6,7 +6,7 @@ section live in that section's `check()`; cross-section rules live in `moeloop.c
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from moeloop.errors import InputError
 
