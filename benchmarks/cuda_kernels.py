@@ -1,5 +1,5 @@
 """CUDA timing helpers shared by the profiling benchmarks: the kernels a torch profiler recorded, grouped by name,
-and the GPU time of a captured graph replayed back to back."""
+a CUDA graph of a function (after warm-up runs), and the GPU time of a captured graph replayed back to back."""
 from __future__ import annotations
 
 import torch
@@ -23,3 +23,18 @@ def replay_seconds(graph: torch.cuda.CUDAGraph, replays: int) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / 1e3 / replays
+
+
+def captured(run, warmups: int = 1) -> tuple[torch.cuda.CUDAGraph, object]:
+    """(graph, its outputs) of `run` captured once, after `warmups` eager runs on a side stream (Triton compiles,
+    the allocator's first allocations)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    return graph, out

@@ -19,7 +19,7 @@ import argparse
 
 import torch
 
-from cuda_kernels import replay_seconds
+from cuda_kernels import captured, replay_seconds
 from moeloop.model.kernel_switch import pdl_launch, triton
 
 if triton is not None:
@@ -48,21 +48,9 @@ if triton is not None:
                 seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
 
 
-def _graph(run) -> torch.cuda.CUDAGraph:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    return graph
-
-
 def per_round_us(make_run, rounds: int, trials: int, replays: int = 50) -> float:
     """us per round: the replay time of `rounds` rounds minus that of one, over rounds - 1 (best of `trials`)."""
-    many, one = _graph(make_run(rounds)), _graph(make_run(1))
+    (many, _), (one, _) = captured(make_run(rounds)), captured(make_run(1))
     best_many = min(replay_seconds(many, replays) for _ in range(trials))
     best_one = min(replay_seconds(one, replays) for _ in range(trials))
     return 1e6 * (best_many - best_one) / (rounds - 1)

@@ -14,7 +14,7 @@ import itertools
 
 import torch
 
-from cuda_kernels import replay_seconds
+from cuda_kernels import captured, replay_seconds
 from moeloop.model.experts import Experts
 from moeloop.rollout import moe_kernel
 
@@ -35,16 +35,7 @@ def copy_bandwidth() -> float:
 
 def graph_time(fn, calls: int = 20, replays: int = 10) -> float:
     """Seconds per call from CUDA-graph replays."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
+    g, _ = captured(lambda: [fn() for _ in range(calls)], warmups=1)
     g.replay()
     torch.cuda.synchronize()
     return replay_seconds(g, replays) / calls

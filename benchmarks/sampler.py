@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from cuda_kernels import captured
 from moeloop.rollout import sampler as sampler_mod
 from moeloop.rollout.gumbel_kernel import topk_gumbel_argmax
 from moeloop.rollout.sampler import Sampler, SamplingTensors, row_key
@@ -81,15 +82,7 @@ def torch_ops(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, 
 def graph_us(fn, logits: torch.Tensor, st: SamplingTensors, calls: int = 20) -> tuple[float, bool]:
     """Microseconds per call of fn captured `calls` times in one CUDA graph, and whether the replayed outputs
     equal an eager call's."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn(logits, st)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = [fn(logits, st) for _ in range(calls)]
+    graph, outs = captured(lambda: [fn(logits, st) for _ in range(calls)])
     for _ in range(3):
         graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
