@@ -119,9 +119,14 @@ class Components:
             out.update({f"{key}/{source}": acc[i] for i, source in enumerate(sources)})
         return out
 
-    def maybe_save(self, step: int) -> None:
+    def saves_at(self, step: int) -> bool:
+        """Whether `maybe_save(step)` writes a checkpoint."""
         every, last = self.cfg.checkpoint.save_every, step == self.cfg.trainer.steps
-        if (every and step % every == 0) or (last and self.cfg.checkpoint.save_final):
+        return bool((every and step % every == 0) or (last and self.cfg.checkpoint.save_final))
+
+    def maybe_save(self, step: int) -> None:
+        last = step == self.cfg.trainer.steps
+        if self.saves_at(step):
             actor_state_save(self.ckpt, step, self.actor, self.cursor, version=step, world_size=self.env.world_size,
                              kl_ctrl=self.kl_ctrl.state_dict())
             if self.critic is not None:
@@ -152,11 +157,16 @@ def build_engine(cfg: RunConfig, model: torch.nn.Module, tokenizer: Any) -> Engi
 
 
 def engine_model(cfg: RunConfig, env: RunEnv, actor: Actor) -> torch.nn.Module:
-    """The engine's model; in process, its parameters alias the actor's where device and dtype match."""
+    """The engine's model; colocated in process, its parameters alias the actor's where device and dtype match
+    (async rollout keeps its own copy: it generates while the actor's weights change)."""
     model = load_pretrained(cfg.model.path, dtype=dtype_of(cfg.model.dtype), device=env.device)
-    if cfg.sync.transport == "inprocess":
+    if shares_weights(cfg):
         share_parameters(actor.model, model)
     return model
+
+
+def shares_weights(cfg: RunConfig) -> bool:
+    return cfg.sync.transport == "inprocess" and cfg.rollout.mode == "colocated"
 
 
 def _colocated_transport(cfg: RunConfig, env: RunEnv) -> Transport:
@@ -169,8 +179,15 @@ def check_runtime_support(cfg: RunConfig) -> None:
     """Settings the planner understands but the runtime does not run yet fail here, by name."""
     if cfg.sync.transport == "broadcast":
         raise InputError("sync.transport=broadcast needs disaggregated rollout, which the RL loop does not run yet")
-    if cfg.rollout.mode != "colocated":
-        raise InputError(f"rollout.mode={cfg.rollout.mode!r} is not implemented by the RL loop yet (use colocated)")
+    if cfg.rollout.mode == "disaggregated":
+        raise InputError("rollout.mode='disaggregated' is not implemented by the RL loop yet (use colocated or async)")
+    if cfg.rollout.mode == "async":
+        if cfg.rollout.max_staleness < 1:
+            raise InputError("rollout.max_staleness must be >= 1 with rollout.mode=async (the next batch is generated "
+                             "with the weights of before this step's update: samples are 1 version old)")
+        if cfg.algorithm.dynamic_sampling:
+            raise InputError("algorithm.dynamic_sampling is not supported with rollout.mode=async (its refill rounds "
+                             "gather across ranks, which the rollout thread must not do)")
     check_parallel_support(cfg)
 
 
@@ -194,7 +211,7 @@ def build_components(cfg: RunConfig, resume: bool) -> Components:
     critic = Critic(load_policy(cfg), cfg.critic, env.device, cfg.data.max_response_length,
                     cfg.trainer.steps) if cfg.critic.enable else None
     engine = build_engine(cfg, engine_model(cfg, env, actor), tokenizer)
-    if cfg.sync.transport == "inprocess":
+    if shares_weights(cfg):
         drain_before_step(actor.optimizer, engine)  # weights it shares change at the optimizer step
     ckpt = CheckpointManager(cfg.checkpoint.dir or env.run_dir / "checkpoints", cfg.checkpoint.keep)
     latest = resume_from(ckpt, resume, env.is_main)

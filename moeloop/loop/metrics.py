@@ -21,21 +21,25 @@ PHASES = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_criti
 
 
 class PhaseTimer:
-    def __init__(self) -> None:
+    def __init__(self, sync_cuda: bool = True) -> None:
+        """`sync_cuda=False`: wall time only, no device-wide synchronize (a background thread's phases, whose
+        results reach the host anyway, must not wait for the main thread's kernels)."""
         self.seconds: dict[str, float] = {}
+        self.sync_cuda = sync_cuda
 
     @contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
         """Times the phase, waiting for the GPU's queued work at both ends if this process uses CUDA (a CPU run on
         a GPU machine does not, and a synchronize would initialise it: a context per rank, and an error in a
         rank forked from a process that had one)."""
-        if torch.cuda.is_initialized():
+        sync = self.sync_cuda and torch.cuda.is_initialized()
+        if sync:
             torch.cuda.synchronize()
         start = time.perf_counter()
         try:
             yield
         finally:
-            if torch.cuda.is_initialized():
+            if sync:
                 torch.cuda.synchronize()
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
 

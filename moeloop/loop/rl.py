@@ -5,9 +5,14 @@
             -> metrics -> checkpoint
 Under torchrun every rank colocates its own engine and generates its share of the prompts; the
 trainer makes N ranks equal to one (see moeloop.train.actor).
+rollout.mode=async (`RolloutAhead`): step t+1's batch is generated on a thread while the actor updates on step t's,
+with the weights of before that update, so generation and training overlap and each batch is one version old.
 """
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
 import torch.distributed as dist
 
 from moeloop.algo.advantages import compute_advantages
@@ -27,41 +32,119 @@ def run_rl(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
     last: dict[str, float] = {}
     if c.start_step == 0 and cfg.trainer.val_every:
         c.logger.log(0, c.evaluate(), "val.jsonl")
-    for step in range(c.start_step, cfg.trainer.steps):
-        timer = PhaseTimer()
-        samples, reward_metrics = collect_batch(c, cfg, timer, step)
-        reward_metrics = global_reward_metrics(reward_metrics)
-        with timer("old_log_prob"):
-            fill_old_logprobs(c, cfg, samples)
-        with timer("ref"):
-            if c.ref is not None:
-                c.ref.compute_logprobs(samples, "ref_logprobs")
-        with timer("values"):
-            if c.critic is not None:
-                c.critic.compute_values(samples)
-        with timer("adv"):
-            kl_metrics = kl_in_reward(c, cfg, samples) if cfg.algorithm.use_kl_in_reward else {}
-            compute_advantages(samples, cfg.algorithm)
-        with timer("update_critic"):
-            critic_metrics = c.critic.update(samples) if c.critic is not None else {}
-        warming_up = c.critic is not None and step < cfg.trainer.critic_warmup  # the critic learns the policy's
-        with timer("update_actor"):  # values first; the policy (and so the engine's weights) stays as it is
-            update_metrics = {} if warming_up else c.actor.update(samples)
-        with timer("update_weights"):
-            sync = c.syncer.push(c.actor.named_weights(), c.engine, version=step + 1)
-        val_metrics = c.evaluate() if cfg.trainer.val_every and (step + 1) % cfg.trainer.val_every == 0 else {}
-        with timer("save_checkpoint"):
-            c.maybe_save(step + 1)
-        last = {**batch_metrics(samples, timer.seconds), **logprob_mismatch(samples), **reward_metrics,
-                **update_metrics, **critic_metrics, **val_metrics, **timer.pop(), "sync/gb_per_s": sync.gb_per_s, "sync/bytes": sync.num_bytes,
-                "policy/version": sync.version, "memory/peak_bytes": peak_memory_bytes(c.env.device),
-                "memory/planned_peak_bytes": c.planned_peak_bytes}
-        last.update(kl_metrics)
-        c.logger.log(step + 1, last)
-        if val_metrics:
-            c.logger.log(step + 1, val_metrics, "val.jsonl")
+    ahead = RolloutAhead(c, cfg) if cfg.rollout.mode == "async" else None
+    try:
+        for step in range(c.start_step, cfg.trainer.steps):
+            last = _rl_step(c, cfg, step, ahead)
+    finally:
+        if ahead is not None:
+            ahead.close()
     c.finish()
     return last
+
+
+def _rl_step(c: Components, cfg: RunConfig, step: int, ahead: RolloutAhead | None) -> dict[str, float]:
+    """One step: batch -> ... -> weight push -> metrics -> checkpoint; the step's metrics."""
+    timer = PhaseTimer()
+    if ahead is None:
+        samples, reward_metrics = collect_batch(c, cfg, timer, step)
+    else:
+        samples, reward_metrics = ahead.take(step, timer)
+        ahead.start(step + 1)  # on the engine's current weights, while this step trains
+    reward_metrics = global_reward_metrics(reward_metrics)
+    with timer("old_log_prob"):
+        fill_old_logprobs(c, cfg, samples)
+    with timer("ref"):
+        if c.ref is not None:
+            c.ref.compute_logprobs(samples, "ref_logprobs")
+    with timer("values"):
+        if c.critic is not None:
+            c.critic.compute_values(samples)
+    with timer("adv"):
+        kl_metrics = kl_in_reward(c, cfg, samples) if cfg.algorithm.use_kl_in_reward else {}
+        compute_advantages(samples, cfg.algorithm)
+    with timer("update_critic"):
+        critic_metrics = c.critic.update(samples) if c.critic is not None else {}
+    warming_up = c.critic is not None and step < cfg.trainer.critic_warmup  # the critic learns the policy's
+    with timer("update_actor"):  # values first; the policy (and so the engine's weights) stays as it is
+        update_metrics = {} if warming_up else c.actor.update(samples)
+    if ahead is not None:
+        ahead.join(timer)  # the engine finishes the next batch on its weights before they change
+    with timer("update_weights"):
+        sync = c.syncer.push(c.actor.named_weights(), c.engine, version=step + 1)
+    val_metrics = c.evaluate() if cfg.trainer.val_every and (step + 1) % cfg.trainer.val_every == 0 else {}
+    with timer("save_checkpoint"):
+        c.maybe_save(step + 1)
+    beside = ahead.seconds_beside(step) if ahead is not None else {}
+    last = {**batch_metrics(samples, timer.seconds, beside.get("gen")), **logprob_mismatch(samples),
+            **reward_metrics, **update_metrics, **critic_metrics, **val_metrics, **timer.pop(),
+            **{f"time/{k}_beside": v for k, v in beside.items()},
+            "sync/gb_per_s": sync.gb_per_s, "sync/bytes": sync.num_bytes, "policy/version": sync.version,
+            "policy/sample_lag": step - min((s.policy_version for s in samples), default=step),
+            "memory/peak_bytes": peak_memory_bytes(c.env.device), "memory/planned_peak_bytes": c.planned_peak_bytes}
+    last.update(kl_metrics)
+    c.logger.log(step + 1, last)
+    if val_metrics:
+        c.logger.log(step + 1, val_metrics, "val.jsonl")
+    return last
+
+
+class RolloutAhead:
+    """rollout.mode=async: while the actor trains on step t's batch, a thread generates and scores step t+1's on the
+    engine's own copy of the weights (those of before step t's update), so each batch is one version older than the
+    actor that trains on it; the PPO ratio then uses the rollout's logprobs as the old policy's (the policy that
+    sampled them: the importance correction). The weight push waits for that batch (`join`).
+    No batch is generated ahead across a checkpoint, so a run resumed from one does what the straight run did, and
+    none past the last step. The thread's phases are timed without CUDA synchronisation (it must not wait for the
+    trainer's kernels) and, on CUDA, on their own stream."""
+
+    def __init__(self, c: Components, cfg: RunConfig):
+        self.c, self.cfg = c, cfg
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeloop-rollout")
+        self.pending: tuple[int, Future] | None = None
+        self.ready: tuple[int, list[Sample], dict[str, float], dict[str, float]] | None = None
+        self.beside: dict[int, dict[str, float]] = {}
+        self.stream = torch.cuda.Stream(c.env.device) if c.env.device.type == "cuda" else None
+
+    def start(self, step: int) -> None:
+        """Generate step `step`'s batch on the thread, unless there is no such step or a checkpoint comes first."""
+        if step >= self.cfg.trainer.steps or self.c.saves_at(step):
+            return
+        self.pending = (step, self.pool.submit(self._collect, step))
+
+    def _collect(self, step: int) -> tuple[list[Sample], dict[str, float], dict[str, float]]:
+        timer = PhaseTimer(sync_cuda=False)
+        if self.stream is None:
+            samples, metrics = collect_batch(self.c, self.cfg, timer, step)
+        else:
+            with torch.cuda.stream(self.stream):
+                samples, metrics = collect_batch(self.c, self.cfg, timer, step)
+        return samples, metrics, timer.seconds
+
+    def join(self, timer: PhaseTimer) -> None:
+        """Wait for the batch in flight (phase "wait_rollout"), keeping it for `take`."""
+        if self.pending is None:
+            return
+        step, future = self.pending
+        self.pending = None
+        with timer("wait_rollout"):
+            self.ready = (step, *future.result())
+
+    def take(self, step: int, timer: PhaseTimer) -> tuple[list[Sample], dict[str, float]]:
+        """Step `step`'s batch: the one generated ahead, or generated now (the first step, after a checkpoint)."""
+        if self.ready is not None and self.ready[0] == step:
+            _, samples, metrics, seconds = self.ready
+            self.ready = None
+            self.beside[step] = seconds
+            return samples, metrics
+        return collect_batch(self.c, self.cfg, timer, step)
+
+    def seconds_beside(self, step: int) -> dict[str, float]:
+        """The phases of step `step`'s batch that ran beside the previous step (empty if it was generated in line)."""
+        return self.beside.pop(step, {})
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
 
 
 def kl_in_reward(c: Components, cfg: RunConfig, samples: list[Sample]) -> dict[str, float]:
@@ -78,7 +161,7 @@ def fill_old_logprobs(c: Components, cfg: RunConfig, samples: list[Sample]) -> N
     """Old-policy logprobs: from the rollout (bypass), recomputed, or — when the update is exactly
     on-policy (one epoch, one mini-batch, no KL-in-reward) — left unset: the actor then uses its own
     detached logprobs, which is the same gradient without a second forward pass."""
-    if not cfg.actor.recompute_old_logprobs:
+    if not cfg.actor.recompute_old_logprobs or cfg.rollout.mode == "async":  # async: the sampling policy's
         for s in samples:
             s.old_logprobs = list(s.response_logprobs)
         return

@@ -8,8 +8,10 @@ from moeloop.parallel.collectives import global_values
 from moeloop.types import Sample
 
 
-def batch_metrics(samples: list[Sample], phase_seconds: dict[str, float]) -> dict[str, float]:
-    """Collective under DP (every rank calls it)."""
+def batch_metrics(samples: list[Sample], phase_seconds: dict[str, float],
+                  gen_seconds: float | None = None) -> dict[str, float]:
+    """Collective under DP (every rank calls it). `phase_seconds`: the step's phases, one after another (their sum
+    is the step); `gen_seconds`: the generation's time when it ran beside them (async rollout), else phase "gen"."""
     in_loss = [s for s in samples if s.in_loss]
     lengths = [len(s.response_ids) for s in samples]
     n, n_loss, reward_sum, correct, len_sum, num_tokens, truncated = global_values([
@@ -18,7 +20,7 @@ def batch_metrics(samples: list[Sample], phase_seconds: dict[str, float]) -> dic
     versions = [s.policy_version for s in samples] or [0]
     len_max, staleness = global_values([max(lengths, default=0), max(versions) - min(versions)], dist.ReduceOp.MAX)
     step_s = max(sum(phase_seconds.values()), 1e-9)
-    gen_s = max(phase_seconds.get("gen", 0.0), 1e-9)
+    gen_s = max(phase_seconds.get("gen", 0.0) if gen_seconds is None else gen_seconds, 1e-9)
     return {
         "reward/mean": reward_sum / max(n_loss, 1), "acc/train": correct / max(n_loss, 1),
         "response/len_mean": len_sum / max(n, 1), "response/len_max": len_max,
