@@ -63,6 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="moeloop actor.max_tokens_per_micro_batch; 0 = the whole batch (as TRL's one forward), "
                         "on CPU at most 16384 tokens")
     p.add_argument("--decode-steps", type=int, default=0, help="moeloop's rollout.decode_steps (0: its auto)")
+    p.add_argument("--rollout-mode", choices=["colocated", "async"], default="colocated",
+                   help="moeloop's rollout.mode; async generates the next batch while this one trains (one step "
+                        "off-policy: not the same job as TRL's on-policy step)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads in each run; 0 = torch's default")
     p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "moeloop_e2e_vs_trl")
     p.add_argument("--frameworks", default="moeloop,trl",
@@ -149,7 +152,8 @@ def run_moeloop(args: argparse.Namespace, run_dir: Path) -> list[dict]:
         f"actor.max_tokens_per_micro_batch={args.micro_batch_tokens or whole_batch}",
         "checkpoint.save_every=0", "algorithm.adv_estimator=grpo", "actor.use_kl_loss=false",
         "checkpoint.save_final=false", "checkpoint.export_hf_final=false", f"rollout.ignore_eos={job.exact_length}",
-        f"rollout.decode_steps={args.decode_steps}",
+        f"rollout.decode_steps={args.decode_steps}", f"rollout.mode={args.rollout_mode}",
+        f"rollout.max_staleness={int(args.rollout_mode == 'async')}",
     ])
     marks: list[float] = []
     prompts_seen: list[list[str]] = []
@@ -355,7 +359,7 @@ def run_child(args: argparse.Namespace, framework: str, repeat: int) -> list[dic
            "--run-dir", str(run_dir),           "--size", args.size, "--steps", str(args.steps), "--device", args.device,
            "--prompts", str(args.job.prompts), "--new-tokens", str(args.job.new_tokens), "--dtype", args.job.dtype,
            "--micro-batch-tokens", str(args.micro_batch_tokens), "--threads", str(args.threads), "--workdir", str(args.workdir),
-           "--decode-steps", str(args.decode_steps), "--job", "reference" if args.job.exact_length else "cpu"] + (["--gen-profile"] if args.gen_profile else []) \
+           "--decode-steps", str(args.decode_steps), "--rollout-mode", args.rollout_mode, "--job", "reference" if args.job.exact_length else "cpu"] + (["--gen-profile"] if args.gen_profile else []) \
         + (["--op-profile"] if args.op_profile else [])
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
@@ -394,7 +398,7 @@ def report(args: argparse.Namespace, runs: dict[str, list[dict]]) -> None:
     print(f"model: hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, {cfg['num_local_experts']} experts "
           f"top-{cfg['num_experts_per_tok']}, expert ffn {cfg['moe_intermediate_size']}, heads "
           f"{cfg['num_attention_heads']}/{cfg['num_key_value_heads']}x{cfg['head_dim']}, vocab {cfg['vocab_size']}")
-    print(f"threads per run: {args.threads or 'torch default'}")
+    print(f"threads per run: {args.threads or 'torch default'}; moeloop rollout.mode={args.rollout_mode}")
     print(f"job: {job.prompts} prompts x {job.n} = {job.prompts * job.n} completions, "
           f"{'exactly' if job.exact_length else 'at most'} {job.new_tokens} new tokens, lr {job.lr:g}, no KL")
     print(f"{'repeat':>6} {'framework':>9} {'step_s':>8} {'first_s':>8} {'samples/s':>10} {'tokens/s':>9} {'len':>5}")
