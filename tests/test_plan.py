@@ -113,3 +113,21 @@ def test_predict_peak_bytes_is_the_ledger_peak_without_reserve():
 def test_given_entries_must_exist():
     with pytest.raises(ValueError, match="unknown entries"):
         build_plan(load_config(SEED002, ["plan.given_gb.weightz=1"]))
+
+
+def test_async_keeps_the_engine_beside_the_trainer_in_every_phase():
+    """rollout.mode=async runs the engine on the training GPUs while the trainer works (the RL loop's
+    RolloutAhead): its weights and KV join every phase, so the peak is the colocated training phase plus both, and
+    no GPUs are asked for beyond the training ones."""
+    col = load_config(DSV3, ["rollout.mode=colocated"])
+    asy = load_config(DSV3, ["rollout.mode=async", "rollout.max_staleness=1"])
+    layout = Layout.from_section(col.parallel)
+    stats = model_stats(ModelConfig.from_hf_dict(dict(col.plan.hf_config)))
+    a, c = memory_ledger(asy, stats, layout), memory_ledger(col, stats, layout)
+    engine = a.entries["rollout_weights"] + a.entries["rollout_kv"]
+    assert engine > 0 and engine == c.entries["rollout_weights"] + c.entries["rollout_kv"]
+    for phase in ("train", "optimizer_step", "sync", "rollout"):
+        assert {"rollout_weights", "rollout_kv"} <= set(a.phases[phase])
+    assert a.phase_bytes("train") == pytest.approx(c.phase_bytes("train") + engine)
+    plan = build_plan(asy)
+    assert not any("GPUs for rollout" in p for p in plan.problems) and plan.offload_s == 0.0

@@ -17,7 +17,8 @@ from moeloop.parallel.layout import BatchInfo, Layout
 from moeloop.plan.accounting import ModelStats, model_stats, stats_from_counts
 from moeloop.plan.decode import DecodeEstimate, decode_roofline
 from moeloop.plan.interval import expected_overhead, young_daly_interval_s
-from moeloop.plan.memory import GB, Ledger, avg_seq_tokens, memory_ledger, num_micro_batches, state_bytes
+from moeloop.plan.memory import (GB, Ledger, avg_seq_tokens, memory_ledger, num_micro_batches, on_training_gpus,
+                                 state_bytes)
 from moeloop.plan.split import DEDICATED_FRACTION, SplitRow, split_rows, verdict
 from moeloop.plan.step_time import phase_shares, step_phases, step_seconds
 from moeloop.plan.sync_cost import offload_round_trip_s, sync_costs
@@ -74,7 +75,7 @@ def build_plan(cfg: RunConfig, stats: Optional[ModelStats] = None) -> Plan:
     stats = stats or load_stats(cfg)
     layout = Layout.from_section(cfg.parallel)
     pool = cfg.plan.total_gpus or layout.world_size
-    colocated = cfg.rollout.mode == "colocated"
+    colocated = on_training_gpus(cfg)  # (async too: the engine runs beside the trainer on its GPUs)
     problems = _problems(cfg, stats, layout, pool, colocated)
     ledger = memory_ledger(cfg, stats, layout) if not problems else None
     gpu_v = verdict(ledger.peak_bytes, cfg.hardware.gpu_memory_gb, cfg.plan.tight_fraction) if ledger else "invalid"
@@ -82,7 +83,8 @@ def build_plan(cfg: RunConfig, stats: Optional[ModelStats] = None) -> Plan:
     decode = _decode(cfg, stats, layout, pool, colocated)
     sync_bytes = BF16 * stats.total_params
     sync_s = sync_costs(sync_bytes, cfg.hardware)
-    offload_s = offload_round_trip_s(ledger.cpu_bytes_per_rank, cfg.hardware.pcie_gbps) if (ledger and colocated) else 0.0
+    time_sliced = cfg.rollout.mode == "colocated"  # only then does offloaded state go out and back each step
+    offload_s = offload_round_trip_s(ledger.cpu_bytes_per_rank, cfg.hardware.pcie_gbps) if (ledger and time_sliced) else 0.0
     phases = step_phases(cfg, stats, layout.world_size, decode.tokens_per_s if decode else 0.0,
                          sync_s[cfg.sync.transport], offload_s)
     step_s = step_seconds(phases, cfg.rollout.mode)
@@ -155,7 +157,9 @@ def _assumptions(cfg: RunConfig, stats: ModelStats, colocated: bool) -> list[str
         f"token budget {cfg.actor.max_tokens_per_micro_batch} tokens per micro-batch per rank; activation checkpointing "
         f"{'on (full, every layer)' if cfg.model.gradient_checkpointing else 'off'}; logits {cfg.plan.logits}",
         f"sequences of {avg_seq_tokens(cfg)} tokens (prompt + response) for FLOPs and micro-batch counts",
-        "rollout weights and KV in bf16; the engine sleeps (frees both) while training"
+        "rollout weights and KV in bf16; "
+        + ("the engine keeps both beside the trainer (async)" if cfg.rollout.mode == "async" else
+           "the engine sleeps (frees both) while training")
         + (f"; colocated engine uses {cfg.rollout.gpu_memory_utilization:.2f} of each GPU" if colocated else
            f"; dedicated rollout GPUs use {DEDICATED_FRACTION:.2f}"),
         f"decode at {cfg.plan.decode_efficiency:.0%} of the HBM roofline; training at MFU {cfg.plan.mfu:.0%} of "

@@ -8,6 +8,8 @@ Phases are the moments an entry set is live at once:
     optimizer_step  weights + grads + optimizer (unless the step runs on CPU) + comm_buffers
     sync            resident state + sync_buffers (+ rollout_weights when colocated)
     rollout         resident state not offloaded + rollout_weights + rollout_kv          (colocated only)
+rollout.mode=async runs the engine on the training GPUs beside the trainer (the RL loop's `RolloutAhead`): its
+weights and KV are live in every phase.
 The peak is the largest phase; offload (verl-style: state moves to pinned CPU buffers allocated once, and
 comes back for the phase that needs it) only removes entries from the phases outside its use.
 """
@@ -122,7 +124,7 @@ def memory_ledger(cfg: RunConfig, stats: ModelStats, layout: Layout, colocated: 
 
 def stage_ledgers(cfg: RunConfig, stats: ModelStats, layout: Layout, colocated: bool | None = None) -> list[Ledger]:
     """One ledger per pipeline stage."""
-    colocated = cfg.rollout.mode == "colocated" if colocated is None else colocated
+    colocated = on_training_gpus(cfg) if colocated is None else colocated
     return [_stage_ledger(cfg, stats, layout, s, colocated) for s in range(layout.pp)]
 
 
@@ -141,13 +143,18 @@ def predict_peak_bytes(cfg: RunConfig, model_cfg: ModelConfig | None = None, lay
     return int(ledger.peak_bytes - (0 if include_reserve else ledger.entries["reserve"]))
 
 
+def on_training_gpus(cfg: RunConfig) -> bool:
+    """The engine runs on the training GPUs: time-sliced (colocated) or beside the trainer (async)."""
+    return cfg.rollout.mode in ("colocated", "async")
+
+
 def _stage_ledger(cfg: RunConfig, stats: ModelStats, layout: Layout, stage: int, colocated: bool) -> Ledger:
     entries = _state_entries(cfg, stats, layout, stage)
     entries.update(_work_entries(cfg, stats, layout, stage))
     entries.update(_rollout_entries(cfg, stats, layout, colocated))
     entries["reserve"] = cfg.plan.reserve_gb * GB
     given = _apply_given(cfg, entries)
-    ledger = Ledger(stage, entries, _phases(cfg, colocated), given)
+    ledger = Ledger(stage, entries, _phases(cfg, colocated, colocated and cfg.rollout.mode == "async"), given)
     _add_cpu(cfg, layout, ledger)
     return ledger
 
@@ -206,7 +213,8 @@ def _apply_given(cfg: RunConfig, entries: dict[str, float]) -> tuple[str, ...]:
     return tuple(sorted(cfg.plan.given_gb))
 
 
-def _phases(cfg: RunConfig, colocated: bool) -> dict[str, tuple[str, ...]]:
+def _phases(cfg: RunConfig, colocated: bool, beside: bool = False) -> dict[str, tuple[str, ...]]:
+    """`beside`: the engine runs during training (async), so its weights and KV join every phase."""
     off = cfg.actor.offload
     cpu_step = cfg.plan.cpu_optimizer_step
     opt_fwd = () if (off.optimizer or cpu_step) else ("optimizer",)
@@ -220,6 +228,9 @@ def _phases(cfg: RunConfig, colocated: bool) -> dict[str, tuple[str, ...]]:
     }
     if colocated:
         phases["rollout"] = idle + ("rollout_weights", "rollout_kv", "reserve")
+    if beside:
+        engine = ("rollout_weights", "rollout_kv")
+        phases = {name: tuple(e for e in members if e not in engine) + engine for name, members in phases.items()}
     return phases
 
 
