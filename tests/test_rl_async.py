@@ -103,3 +103,19 @@ def test_dp2_matches_dp1(model_dir, tmp_path):
     w1, w2 = _weights(tmp_path / "one"), _weights(tmp_path / "two")
     for name in w1:
         torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=5e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_async_on_cuda_runs_one_version_behind(model_dir, tmp_path):
+    """On CUDA the rollout thread generates on its own stream (CUDA graphs and all) while the trainer updates."""
+    rl.run_rl(_cfg(model_dir, tmp_path / "run", *ASYNC, device="cuda"))
+    rows = _rows(tmp_path / "run")
+    assert [r["policy/sample_lag"] for r in rows] == [0, 1, 1, 1]
+    assert all(torch.isfinite(torch.tensor([r["pg_loss"], r["grad_norm"]])).all() for r in rows)
+    before, after = _weights_before(model_dir), _weights(tmp_path / "run")
+    assert any(not torch.equal(before[n], after[n].cpu()) for n in before)
+
+
+def _weights_before(model_dir):
+    from moeloop.model.hf_io import load_pretrained
+    return load_pretrained(model_dir).state_dict()
