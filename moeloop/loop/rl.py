@@ -137,12 +137,14 @@ class RolloutAhead:
 
     def take(self, step: int, timer: PhaseTimer) -> tuple[list[Sample], dict[str, float]]:
         """Step `step`'s batch: the one generated ahead, or generated now (the first step, after a checkpoint)."""
-        if self.ready is not None and self.ready[0] == step:
-            _, samples, metrics, seconds = self.ready
-            self.ready = None
-            self.beside[step] = seconds
-            return samples, metrics
-        return collect_batch(self.c, self.cfg, timer, step)
+        if self.ready is None:
+            return collect_batch(self.c, self.cfg, timer, step)
+        ahead_step, samples, metrics, seconds = self.ready
+        if ahead_step != step:
+            raise RuntimeError(f"async rollout: holding step {ahead_step}'s batch at step {step}")
+        self.ready = None
+        self.beside[step] = seconds
+        return samples, metrics
 
     def seconds_beside(self, step: int) -> dict[str, float]:
         """The phases of step `step`'s batch that ran beside the previous step (empty if it was generated in line)."""
