@@ -10,9 +10,15 @@ from moeloop.errors import InputError
 from moeloop.loop import rl
 from moeloop.loop.components import build_components
 from moeloop.loop.generation import RolloutWorker
-from tests.test_rl_loop import STEPS, _cfg, _metrics, _weights, model_dir  # noqa: F401 (the fixture)
+from moeloop.model.factory import init_model
+from tests.test_rl_loop import STEPS, _cfg, _metrics, _weights
 
 ASYNC = ("rollout.mode=async", "rollout.max_staleness=1")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return init_model("qwen3_moe", "tiny", tmp_path_factory.mktemp("model") / "m", seed=3)
 
 
 def _rows(run_dir):
@@ -23,8 +29,10 @@ def _rows(run_dir):
 def test_batches_after_the_first_are_generated_on_the_thread_one_version_old(model_dir, tmp_path, monkeypatch):
     threads = []
     generate = RolloutWorker.generate
-    monkeypatch.setattr(RolloutWorker, "generate",
-                        lambda self, *a, **kw: threads.append(threading.current_thread().name) or generate(self, *a, **kw))
+    def recorded(self, *a, **kw):
+        threads.append(threading.current_thread().name)
+        return generate(self, *a, **kw)
+    monkeypatch.setattr(RolloutWorker, "generate", recorded)
     rl.run_rl(_cfg(model_dir, tmp_path / "async", *ASYNC))
     rows = _rows(tmp_path / "async")
     assert [r["policy/sample_lag"] for r in rows] == [0, 1, 1, 1]
@@ -45,7 +53,8 @@ def test_batches_after_the_first_are_generated_on_the_thread_one_version_old(mod
 def test_old_logprobs_are_the_sampling_policy_s(model_dir, tmp_path, monkeypatch):
     seen = []
     fill = rl.fill_old_logprobs
-    monkeypatch.setattr(rl, "fill_old_logprobs", lambda c, cfg, samples: fill(c, cfg, samples) or seen.append(samples))
+    monkeypatch.setattr(rl, "fill_old_logprobs",
+                        lambda c, cfg, samples, off: fill(c, cfg, samples, off) or seen.append(samples))
     rl.run_rl(_cfg(model_dir, tmp_path / "run", *ASYNC, "trainer.steps=2"))
     assert len(seen) == 2 and all(s.old_logprobs == s.response_logprobs for batch in seen for s in batch)
 

@@ -32,28 +32,24 @@ def run_rl(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
     last: dict[str, float] = {}
     if c.start_step == 0 and cfg.trainer.val_every:
         c.logger.log(0, c.evaluate(), "val.jsonl")
-    ahead = RolloutAhead(c, cfg) if cfg.rollout.mode == "async" else None
+    batches = RolloutAhead(c, cfg) if cfg.rollout.mode == "async" else RolloutInLine(c, cfg)
     try:
         for step in range(c.start_step, cfg.trainer.steps):
-            last = _rl_step(c, cfg, step, ahead)
+            last = _rl_step(c, cfg, step, batches)
     finally:
-        if ahead is not None:
-            ahead.close()
+        batches.close()
     c.finish()
     return last
 
 
-def _rl_step(c: Components, cfg: RunConfig, step: int, ahead: RolloutAhead | None) -> dict[str, float]:
+def _rl_step(c: Components, cfg: RunConfig, step: int, batches: RolloutInLine) -> dict[str, float]:
     """One step: batch -> ... -> weight push -> metrics -> checkpoint; the step's metrics."""
     timer = PhaseTimer()
-    if ahead is None:
-        samples, reward_metrics = collect_batch(c, cfg, timer, step)
-    else:
-        samples, reward_metrics = ahead.take(step, timer)
-        ahead.start(step + 1)  # on the engine's current weights, while this step trains
+    samples, reward_metrics = batches.take(step, timer)
+    batches.start(step + 1)  # async: on the engine's current weights, while this step trains
     reward_metrics = global_reward_metrics(reward_metrics)
     with timer("old_log_prob"):
-        fill_old_logprobs(c, cfg, samples)
+        fill_old_logprobs(c, cfg, samples, batches.off_policy)
     with timer("ref"):
         if c.ref is not None:
             c.ref.compute_logprobs(samples, "ref_logprobs")
@@ -68,14 +64,13 @@ def _rl_step(c: Components, cfg: RunConfig, step: int, ahead: RolloutAhead | Non
     warming_up = c.critic is not None and step < cfg.trainer.critic_warmup  # the critic learns the policy's
     with timer("update_actor"):  # values first; the policy (and so the engine's weights) stays as it is
         update_metrics = {} if warming_up else c.actor.update(samples)
-    if ahead is not None:
-        ahead.join(timer)  # the engine finishes the next batch on its weights before they change
+    batches.join(timer)  # async: the engine finishes the next batch on its weights before they change
     with timer("update_weights"):
         sync = c.syncer.push(c.actor.named_weights(), c.engine, version=step + 1)
     val_metrics = c.evaluate() if cfg.trainer.val_every and (step + 1) % cfg.trainer.val_every == 0 else {}
     with timer("save_checkpoint"):
         c.maybe_save(step + 1)
-    beside = ahead.seconds_beside(step) if ahead is not None else {}
+    beside = batches.seconds_beside(step)
     last = {**batch_metrics(samples, timer.seconds, beside.get("gen")), **logprob_mismatch(samples),
             **reward_metrics, **update_metrics, **critic_metrics, **val_metrics, **timer.pop(),
             **{f"time/{k}_beside": v for k, v in beside.items()},
@@ -89,7 +84,33 @@ def _rl_step(c: Components, cfg: RunConfig, step: int, ahead: RolloutAhead | Non
     return last
 
 
-class RolloutAhead:
+class RolloutInLine:
+    """rollout.mode=colocated: each step's batch is generated when the step starts, on the weights it trains."""
+
+    off_policy = False  # the batch comes from the policy it trains
+
+    def __init__(self, c: Components, cfg: RunConfig):
+        self.c, self.cfg = c, cfg
+
+    def take(self, step: int, timer: PhaseTimer) -> tuple[list[Sample], dict[str, float]]:
+        """Step `step`'s batch and its reward metrics."""
+        return collect_batch(self.c, self.cfg, timer, step)
+
+    def start(self, step: int) -> None:
+        """(Nothing runs ahead.)"""
+
+    def join(self, timer: PhaseTimer) -> None:
+        """(Nothing is in flight.)"""
+
+    def seconds_beside(self, step: int) -> dict[str, float]:
+        """The phases of step `step`'s batch that ran beside the previous step: none."""
+        return {}
+
+    def close(self) -> None:
+        """(No thread to stop.)"""
+
+
+class RolloutAhead(RolloutInLine):
     """rollout.mode=async: while the actor trains on step t's batch, a thread generates and scores step t+1's on the
     engine's own copy of the weights (those of before step t's update), so each batch is one version older than the
     actor that trains on it; the PPO ratio then uses the rollout's logprobs as the old policy's (the policy that
@@ -98,8 +119,10 @@ class RolloutAhead:
     none past the last step. The thread's phases are timed without CUDA synchronisation (it must not wait for the
     trainer's kernels) and, on CUDA, on their own stream."""
 
+    off_policy = True  # one version behind the actor
+
     def __init__(self, c: Components, cfg: RunConfig):
-        self.c, self.cfg = c, cfg
+        super().__init__(c, cfg)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeloop-rollout")
         self.pending: tuple[int, Future] | None = None
         self.ready: tuple[int, list[Sample], dict[str, float], dict[str, float]] | None = None
@@ -138,7 +161,7 @@ class RolloutAhead:
     def take(self, step: int, timer: PhaseTimer) -> tuple[list[Sample], dict[str, float]]:
         """Step `step`'s batch: the one generated ahead, or generated now (the first step, after a checkpoint)."""
         if self.ready is None:
-            return collect_batch(self.c, self.cfg, timer, step)
+            return super().take(step, timer)
         ahead_step, samples, metrics, seconds = self.ready
         if ahead_step != step:
             raise RuntimeError(f"async rollout: holding step {ahead_step}'s batch at step {step}")
@@ -165,11 +188,12 @@ def kl_in_reward(c: Components, cfg: RunConfig, samples: list[Sample]) -> dict[s
     return {"kl_in_reward": kl, "kl_in_reward/coef": coef}
 
 
-def fill_old_logprobs(c: Components, cfg: RunConfig, samples: list[Sample]) -> None:
-    """Old-policy logprobs: from the rollout (bypass), recomputed, or — when the update is exactly
-    on-policy (one epoch, one mini-batch, no KL-in-reward) — left unset: the actor then uses its own
-    detached logprobs, which is the same gradient without a second forward pass."""
-    if not cfg.actor.recompute_old_logprobs or cfg.rollout.mode == "async":  # async: the sampling policy's
+def fill_old_logprobs(c: Components, cfg: RunConfig, samples: list[Sample], off_policy: bool = False) -> None:
+    """Old-policy logprobs: from the rollout (bypass, and always for an `off_policy` batch: the policy that
+    sampled it is the old one), recomputed, or — when the update is exactly on-policy (one epoch, one mini-batch,
+    no KL-in-reward) — left unset: the actor then uses its own detached logprobs, which is the same gradient
+    without a second forward pass."""
+    if not cfg.actor.recompute_old_logprobs or off_policy:
         for s in samples:
             s.old_logprobs = list(s.response_logprobs)
         return

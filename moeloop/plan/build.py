@@ -84,7 +84,8 @@ def build_plan(cfg: RunConfig, stats: Optional[ModelStats] = None) -> Plan:
     sync_bytes = BF16 * stats.total_params
     sync_s = sync_costs(sync_bytes, cfg.hardware)
     time_sliced = cfg.rollout.mode == "colocated"  # only then does offloaded state go out and back each step
-    offload_s = offload_round_trip_s(ledger.cpu_bytes_per_rank, cfg.hardware.pcie_gbps) if (ledger and time_sliced) else 0.0
+    offload_s = (offload_round_trip_s(ledger.cpu_bytes_per_rank, cfg.hardware.pcie_gbps) if (ledger and time_sliced)
+                 else 0.0)
     phases = step_phases(cfg, stats, layout.world_size, decode.tokens_per_s if decode else 0.0,
                          sync_s[cfg.sync.transport], offload_s)
     step_s = step_seconds(phases, cfg.rollout.mode)
