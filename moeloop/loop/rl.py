@@ -128,8 +128,9 @@ class RolloutAhead(RolloutInLine):
         self.ready: tuple[int, list[Sample], dict[str, float], dict[str, float]] | None = None
         self.beside: dict[int, dict[str, float]] = {}
         self.stream = torch.cuda.Stream(c.env.device) if c.env.device.type == "cuda" else None
-        # on CPU the two threads' ops share the cores: each gets half the intra-op threads (with all of them each,
-        # a 2-core machine ran the demo's steps 1.6x slower than without the thread: 0.125 against 0.076 s)
+        # on CPU the two threads' ops share the cores: each gets half the intra-op threads. (The demo on 2 cores:
+        # 0.125 s a step with all threads each, 0.098 s with half, 0.076 s synchronous; where each phase runs on one
+        # thread anyway, async pays: e2e_vs_trl.py --threads 1, 0.041 against 0.052-0.060 s; BENCHMARKS.md)
         self.threads = torch.get_num_threads()
         if self.stream is None and self.threads > 1:
             torch.set_num_threads(self.threads // 2)
