@@ -21,26 +21,24 @@ PHASES = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_criti
 
 
 class PhaseTimer:
-    def __init__(self, sync_cuda: bool = True) -> None:
-        """`sync_cuda=False`: wall time only, no device-wide synchronize (a background thread's phases, whose
-        results reach the host anyway, must not wait for the main thread's kernels)."""
+    def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
-        self.sync_cuda = sync_cuda
 
     @contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
-        """Times the phase, waiting for the GPU's queued work at both ends if this process uses CUDA (a CPU run on
-        a GPU machine does not, and a synchronize would initialise it: a context per rank, and an error in a
-        rank forked from a process that had one)."""
-        sync = self.sync_cuda and torch.cuda.is_initialized()
+        """Times the phase, waiting for the calling thread's CUDA stream at both ends if this process uses CUDA (a
+        CPU run on a GPU machine does not, and a synchronize would initialise it: a context per rank, and an error in
+        a rank forked from a process that had one). The stream, not the device: the async rollout thread's kernels
+        on its own stream must not stall the trainer's phases, nor the trainer's the thread's."""
+        sync = torch.cuda.is_initialized()
         if sync:
-            torch.cuda.synchronize()
+            torch.cuda.current_stream().synchronize()
         start = time.perf_counter()
         try:
             yield
         finally:
             if sync:
-                torch.cuda.synchronize()
+                torch.cuda.current_stream().synchronize()
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
 
     def pop(self) -> dict[str, float]:

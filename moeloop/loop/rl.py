@@ -11,6 +11,7 @@ with the weights of before that update, so generation and training overlap and e
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -45,7 +46,7 @@ def run_rl(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
 def _rl_step(c: Components, cfg: RunConfig, step: int, batches: RolloutInLine) -> dict[str, float]:
     """One step: batch -> ... -> weight push -> metrics -> checkpoint; the step's metrics."""
     timer = PhaseTimer()
-    samples, reward_metrics = batches.take(step, timer)
+    samples, reward_metrics, beside = batches.take(step, timer)
     batches.start(step + 1)  # async: on the engine's current weights, while this step trains
     reward_metrics = global_reward_metrics(reward_metrics)
     with timer("old_log_prob"):
@@ -70,7 +71,6 @@ def _rl_step(c: Components, cfg: RunConfig, step: int, batches: RolloutInLine) -
     val_metrics = c.evaluate() if cfg.trainer.val_every and (step + 1) % cfg.trainer.val_every == 0 else {}
     with timer("save_checkpoint"):
         c.maybe_save(step + 1)
-    beside = batches.seconds_beside(step)
     last = {**batch_metrics(samples, timer.seconds, beside.get("gen")), **logprob_mismatch(samples),
             **reward_metrics, **update_metrics, **critic_metrics, **val_metrics, **timer.pop(),
             **{f"time/{k}_beside": v for k, v in beside.items()},
@@ -92,19 +92,17 @@ class RolloutInLine:
     def __init__(self, c: Components, cfg: RunConfig):
         self.c, self.cfg = c, cfg
 
-    def take(self, step: int, timer: PhaseTimer) -> tuple[list[Sample], dict[str, float]]:
-        """Step `step`'s batch and its reward metrics."""
-        return collect_batch(self.c, self.cfg, timer, step)
+    def take(self, step: int, timer: PhaseTimer) -> tuple[list[Sample], dict[str, float], dict[str, float]]:
+        """Step `step`'s batch, its reward metrics, and the phases of it that ran beside the previous step (none:
+        its phases are in `timer`)."""
+        samples, metrics = collect_batch(self.c, self.cfg, timer, step)
+        return samples, metrics, {}
 
     def start(self, step: int) -> None:
         """(Nothing runs ahead.)"""
 
     def join(self, timer: PhaseTimer) -> None:
         """(Nothing is in flight.)"""
-
-    def seconds_beside(self, step: int) -> dict[str, float]:
-        """The phases of step `step`'s batch that ran beside the previous step: none."""
-        return {}
 
     def close(self) -> None:
         """(No thread to stop.)"""
@@ -116,8 +114,7 @@ class RolloutAhead(RolloutInLine):
     actor that trains on it; the PPO ratio then uses the rollout's logprobs as the old policy's (the policy that
     sampled them: the importance correction). The weight push waits for that batch (`join`).
     No batch is generated ahead across a checkpoint, so a run resumed from one does what the straight run did, and
-    none past the last step. The thread's phases are timed without CUDA synchronisation (it must not wait for the
-    trainer's kernels) and, on CUDA, on their own stream."""
+    none past the last step. On CUDA the thread runs on its own stream (`PhaseTimer` waits for one stream only)."""
 
     off_policy = True  # one version behind the actor
 
@@ -126,7 +123,6 @@ class RolloutAhead(RolloutInLine):
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeloop-rollout")
         self.pending: tuple[int, Future] | None = None
         self.ready: tuple[int, list[Sample], dict[str, float], dict[str, float]] | None = None
-        self.beside: dict[int, dict[str, float]] = {}
         self.stream = torch.cuda.Stream(c.env.device) if c.env.device.type == "cuda" else None
         # on CPU the two threads' ops share the cores: each gets half the intra-op threads. (The demo on 2 cores:
         # 0.125 s a step with all threads each, 0.098 s with half, 0.076 s synchronous; where each phase runs on one
@@ -142,12 +138,9 @@ class RolloutAhead(RolloutInLine):
         self.pending = (step, self.pool.submit(self._collect, step))
 
     def _collect(self, step: int) -> tuple[list[Sample], dict[str, float], dict[str, float]]:
-        timer = PhaseTimer(sync_cuda=False)
-        if self.stream is None:
+        timer = PhaseTimer()
+        with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
             samples, metrics = collect_batch(self.c, self.cfg, timer, step)
-        else:
-            with torch.cuda.stream(self.stream):
-                samples, metrics = collect_batch(self.c, self.cfg, timer, step)
         return samples, metrics, timer.seconds
 
     def join(self, timer: PhaseTimer) -> None:
@@ -159,20 +152,16 @@ class RolloutAhead(RolloutInLine):
         with timer("wait_rollout"):
             self.ready = (step, *future.result())
 
-    def take(self, step: int, timer: PhaseTimer) -> tuple[list[Sample], dict[str, float]]:
-        """Step `step`'s batch: the one generated ahead, or generated now (the first step, after a checkpoint)."""
+    def take(self, step: int, timer: PhaseTimer) -> tuple[list[Sample], dict[str, float], dict[str, float]]:
+        """Step `step`'s batch: the one generated ahead (with its thread's phases), or generated now (the first
+        step, after a checkpoint)."""
         if self.ready is None:
             return super().take(step, timer)
         ahead_step, samples, metrics, seconds = self.ready
         if ahead_step != step:
             raise RuntimeError(f"async rollout: holding step {ahead_step}'s batch at step {step}")
         self.ready = None
-        self.beside[step] = seconds
-        return samples, metrics
-
-    def seconds_beside(self, step: int) -> dict[str, float]:
-        """The phases of step `step`'s batch that ran beside the previous step (empty if it was generated in line)."""
-        return self.beside.pop(step, {})
+        return samples, metrics, seconds
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

@@ -154,7 +154,7 @@ def _stage_ledger(cfg: RunConfig, stats: ModelStats, layout: Layout, stage: int,
     entries.update(_rollout_entries(cfg, stats, layout, colocated))
     entries["reserve"] = cfg.plan.reserve_gb * GB
     given = _apply_given(cfg, entries)
-    ledger = Ledger(stage, entries, _phases(cfg, colocated, colocated and cfg.rollout.mode == "async"), given)
+    ledger = Ledger(stage, entries, _phases(cfg, colocated), given)
     _add_cpu(cfg, layout, ledger)
     return ledger
 
@@ -213,8 +213,9 @@ def _apply_given(cfg: RunConfig, entries: dict[str, float]) -> tuple[str, ...]:
     return tuple(sorted(cfg.plan.given_gb))
 
 
-def _phases(cfg: RunConfig, colocated: bool, beside: bool = False) -> dict[str, tuple[str, ...]]:
-    """`beside`: the engine runs during training (async), so its weights and KV join every phase."""
+def _phases(cfg: RunConfig, colocated: bool) -> dict[str, tuple[str, ...]]:
+    """The live entries of each phase; with an async engine on the training GPUs (it runs during training), its
+    weights and KV join every phase."""
     off = cfg.actor.offload
     cpu_step = cfg.plan.cpu_optimizer_step
     opt_fwd = () if (off.optimizer or cpu_step) else ("optimizer",)
@@ -228,7 +229,7 @@ def _phases(cfg: RunConfig, colocated: bool, beside: bool = False) -> dict[str, 
     }
     if colocated:
         phases["rollout"] = idle + ("rollout_weights", "rollout_kv", "reserve")
-    if beside:
+    if colocated and cfg.rollout.mode == "async":
         engine = ("rollout_weights", "rollout_kv")
         phases = {name: tuple(e for e in members if e not in engine) + engine for name, members in phases.items()}
     return phases
