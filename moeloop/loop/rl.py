@@ -10,6 +10,8 @@ with the weights of before that update, so generation and training overlap and e
 """
 from __future__ import annotations
 
+import os
+
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 
@@ -123,7 +125,9 @@ class RolloutAhead(RolloutInLine):
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeloop-rollout")
         self.pending: tuple[int, Future] | None = None
         self.ready: tuple[int, list[Sample], dict[str, float], dict[str, float]] | None = None
-        self.stream = torch.cuda.Stream(c.env.device) if c.env.device.type == "cuda" else None
+        # (experiment, session 20: MOELOOP_ROLLOUT_PRIORITY=-1 gives the rollout's stream priority over the trainer's)
+        priority = int(os.environ.get("MOELOOP_ROLLOUT_PRIORITY", "0"))
+        self.stream = torch.cuda.Stream(c.env.device, priority=priority) if c.env.device.type == "cuda" else None
         # on CPU the two threads' ops share the cores: each gets half the intra-op threads. (The demo on 2 cores:
         # 0.125 s a step with all threads each, 0.098 s with half, 0.076 s synchronous; where each phase runs on one
         # thread anyway, async pays: e2e_vs_trl.py --threads 1, 0.041 against 0.052-0.060 s; BENCHMARKS.md)
