@@ -4,6 +4,7 @@
 #           layer's timeline (`profile_decode.py --timeline`)
 #   e2e:    e2e against TRL on the H200, moeloop colocated and async (one version behind) in one run each
 #   priority: the async rollout's CUDA stream at high priority (-1) against the default (0)
+#   switch: the GIL switch interval while async (5 ms default) against shorter ones
 set -u
 case "${1:-}" in
 tests)
@@ -23,5 +24,12 @@ priority)  # the async rollout's stream at high priority against the default, mo
             --steps 6 --repeats 1 --frameworks moeloop --rollout-mode async 2>&1 | grep -E "moeloop: (step|old)"
     done
     ;;
-*) echo "usage: $0 tests|e2e|priority" >&2; exit 2 ;;
+switch)  # the interpreter's GIL switch interval while async (default 5 ms), moeloop only, in alternation
+    for sw in 0.0002 0.005 0.00005 0.0002 0.005 0.00005; do
+        echo "== MOELOOP_SWITCH_INTERVAL=$sw"
+        MOELOOP_SWITCH_INTERVAL=$sw timeout 140 python3 benchmarks/e2e_vs_trl.py --size reference --device cuda \
+            --steps 6 --repeats 1 --frameworks moeloop --rollout-mode async 2>&1 | grep -E "moeloop: (step|old)"
+    done
+    ;;
+*) echo "usage: $0 tests|e2e|priority|switch" >&2; exit 2 ;;
 esac

@@ -11,6 +11,7 @@ with the weights of before that update, so generation and training overlap and e
 from __future__ import annotations
 
 import os
+import sys
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
@@ -132,6 +133,9 @@ class RolloutAhead(RolloutInLine):
         # 0.125 s a step with all threads each, 0.098 s with half, 0.076 s synchronous; where each phase runs on one
         # thread anyway, async pays: e2e_vs_trl.py --threads 1, 0.041 against 0.052-0.060 s; BENCHMARKS.md)
         self.threads = torch.get_num_threads()
+        # (experiment, session 20: MOELOOP_SWITCH_INTERVAL=seconds, the interpreter's GIL switch interval while async)
+        self.switch = sys.getswitchinterval()
+        sys.setswitchinterval(float(os.environ.get("MOELOOP_SWITCH_INTERVAL", self.switch)))
         if self.stream is None and self.threads > 1:
             torch.set_num_threads(self.threads // 2)
 
@@ -170,6 +174,7 @@ class RolloutAhead(RolloutInLine):
     def close(self) -> None:
         self.pool.shutdown(wait=True)
         torch.set_num_threads(self.threads)
+        sys.setswitchinterval(self.switch)
 
 
 def kl_in_reward(c: Components, cfg: RunConfig, samples: list[Sample]) -> dict[str, float]:
