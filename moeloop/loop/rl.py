@@ -10,9 +10,6 @@ with the weights of before that update, so generation and training overlap and e
 """
 from __future__ import annotations
 
-import os
-import sys
-
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 
@@ -126,16 +123,11 @@ class RolloutAhead(RolloutInLine):
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeloop-rollout")
         self.pending: tuple[int, Future] | None = None
         self.ready: tuple[int, list[Sample], dict[str, float], dict[str, float]] | None = None
-        # (experiment, session 20: MOELOOP_ROLLOUT_PRIORITY=-1 gives the rollout's stream priority over the trainer's)
-        priority = int(os.environ.get("MOELOOP_ROLLOUT_PRIORITY", "0"))
-        self.stream = torch.cuda.Stream(c.env.device, priority=priority) if c.env.device.type == "cuda" else None
+        self.stream = torch.cuda.Stream(c.env.device) if c.env.device.type == "cuda" else None
         # on CPU the two threads' ops share the cores: each gets half the intra-op threads. (The demo on 2 cores:
         # 0.125 s a step with all threads each, 0.098 s with half, 0.076 s synchronous; where each phase runs on one
         # thread anyway, async pays: e2e_vs_trl.py --threads 1, 0.041 against 0.052-0.060 s; BENCHMARKS.md)
         self.threads = torch.get_num_threads()
-        # (experiment, session 20: MOELOOP_SWITCH_INTERVAL=seconds, the interpreter's GIL switch interval while async)
-        self.switch = sys.getswitchinterval()
-        sys.setswitchinterval(float(os.environ.get("MOELOOP_SWITCH_INTERVAL", self.switch)))
         if self.stream is None and self.threads > 1:
             torch.set_num_threads(self.threads // 2)
 
@@ -174,7 +166,6 @@ class RolloutAhead(RolloutInLine):
     def close(self) -> None:
         self.pool.shutdown(wait=True)
         torch.set_num_threads(self.threads)
-        sys.setswitchinterval(self.switch)
 
 
 def kl_in_reward(c: Components, cfg: RunConfig, samples: list[Sample]) -> dict[str, float]:
