@@ -63,9 +63,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="moeloop actor.max_tokens_per_micro_batch; 0 = the whole batch (as TRL's one forward), "
                         "on CPU at most 16384 tokens")
     p.add_argument("--decode-steps", type=int, default=0, help="moeloop's rollout.decode_steps (0: its auto)")
-    p.add_argument("--rollout-mode", choices=["colocated", "async"], default="colocated",
+    p.add_argument("--rollout-mode", choices=["colocated", "async", "disaggregated"], default="colocated",
                    help="moeloop's rollout.mode; async generates the next batch while this one trains (one step "
-                        "off-policy: not the same job as TRL's on-policy step)")
+                        "off-policy: not the same job as TRL's on-policy step), disaggregated does so in an engine "
+                        "process of its own (max_staleness 1), on --rollout-device")
+    p.add_argument("--rollout-device", default="", help="moeloop's rollout.device with --rollout-mode disaggregated "
+                                                        "('' = its default: cpu, or the next GPU)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads in each run; 0 = torch's default")
     p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "moeloop_e2e_vs_trl")
     p.add_argument("--frameworks", default="moeloop,trl",
@@ -153,8 +156,8 @@ def run_moeloop(args: argparse.Namespace, run_dir: Path) -> list[dict]:
         "checkpoint.save_every=0", "algorithm.adv_estimator=grpo", "actor.use_kl_loss=false",
         "checkpoint.save_final=false", "checkpoint.export_hf_final=false", f"rollout.ignore_eos={job.exact_length}",
         f"rollout.decode_steps={args.decode_steps}", f"rollout.mode={args.rollout_mode}",
-        f"rollout.max_staleness={int(args.rollout_mode == 'async')}",
-    ])
+        f"rollout.max_staleness={int(args.rollout_mode != 'colocated')}",
+    ] + ([f"rollout.device={args.rollout_device}"] if args.rollout_device else []))
     marks: list[float] = []
     prompts_seen: list[list[str]] = []
     build, log, generate = rl.build_components, MetricsLogger.log, RolloutWorker.generate
@@ -359,7 +362,8 @@ def run_child(args: argparse.Namespace, framework: str, repeat: int) -> list[dic
            "--run-dir", str(run_dir),           "--size", args.size, "--steps", str(args.steps), "--device", args.device,
            "--prompts", str(args.job.prompts), "--new-tokens", str(args.job.new_tokens), "--dtype", args.job.dtype,
            "--micro-batch-tokens", str(args.micro_batch_tokens), "--threads", str(args.threads), "--workdir", str(args.workdir),
-           "--decode-steps", str(args.decode_steps), "--rollout-mode", args.rollout_mode, "--job", "reference" if args.job.exact_length else "cpu"] + (["--gen-profile"] if args.gen_profile else []) \
+           "--decode-steps", str(args.decode_steps), "--rollout-mode", args.rollout_mode,
+           "--rollout-device", args.rollout_device, "--job", "reference" if args.job.exact_length else "cpu"] + (["--gen-profile"] if args.gen_profile else []) \
         + (["--op-profile"] if args.op_profile else [])
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:

@@ -63,7 +63,10 @@ class RolloutSection:
     kv_cache_bytes: int = 0  # 0 = use gpu_memory_utilization (GPU) or a default budget (CPU)
     gpu_memory_utilization: float = 0.4
     mode: str = "colocated"  # colocated | disaggregated | async
-    max_staleness: int = 0
+    max_staleness: int = 0  # async: >= 1; disaggregated: 0 = on-policy, >= 1 = the next batch generated ahead
+    device: str = ""  # disaggregated: the engine process's device ("" = cpu for a CPU trainer, else the GPU after
+    #                   this node's training GPUs: LOCAL_WORLD_SIZE + LOCAL_RANK)
+    threads: int = 0  # disaggregated on CPU: the engine process's intra-op threads (0 = the trainer's; half when ahead)
     enforce_eager: bool = False  # no CUDA graphs
     max_model_len: int = 4096  # prompt + response tokens of one sequence (sizes block tables and CUDA graphs)
     ignore_eos: bool = False  # generate exactly data.max_response_length tokens (benchmarks)
@@ -83,6 +86,10 @@ class RolloutSection:
         _require(self.max_model_len > 0, "rollout.max_model_len", "must be > 0")
         _require(self.async_scheduling in ("on", "off", "auto"), "rollout.async_scheduling", "must be on|off|auto")
         _require(self.decode_steps >= 0, "rollout.decode_steps", "must be >= 0 (0 = auto)")
+        _require(self.max_staleness >= 0, "rollout.max_staleness", "must be >= 0")
+        _require(self.threads >= 0, "rollout.threads", "must be >= 0 (0 = the trainer's)")
+        _require(self.device == "" or self.device == "cpu" or self.device.startswith("cuda"), "rollout.device",
+                 f"must be empty (auto), cpu, cuda or cuda:N, got {self.device!r}")
 
 
 @dataclass

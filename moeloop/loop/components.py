@@ -1,9 +1,10 @@
 """`Components`: everything one RL run holds — built once from the config, saved and resumed as one.
 
 `build_components(cfg, resume)` makes the tokenizer, datasets and cursor, the actor (and a frozen
-reference when a KL term needs it), the colocated rollout engine (sharing the actor's parameters
-in process), the reward pool, the weight syncer, checkpoints and the logger, and restores them
-from the latest checkpoint on `--resume`.
+reference when a KL term needs it), the rollout engine (colocated: sharing the actor's parameters
+in process; async: its own copy in process; disaggregated: a process of its own, `RemoteEngine`),
+the reward pool, the weight syncer, checkpoints and the logger, and restores them from the latest
+checkpoint on `--resume`.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from moeloop.loop.env import RunEnv, check_parallel_support, dtype_of, load_poli
 from moeloop.loop.export import export_hf
 from moeloop.loop.generation import RolloutWorker
 from moeloop.loop.metrics import MetricsLogger
+from moeloop.loop.remote_rollout import RemoteEngine, rollout_device, rollout_threads
 from moeloop.loop.sft import actor_state_load, actor_state_save
 from moeloop.model.hf_io import load_pretrained
 from moeloop.parallel.collectives import global_values
@@ -30,8 +32,8 @@ from moeloop.plan import predict_peak_bytes
 from moeloop.reward import RewardPool
 from moeloop.rollout import Engine
 from moeloop.rollout.sampling_params import SamplingParams
-from moeloop.sync import (DiskTransport, InProcessTransport, Transport, WeightSyncer, drain_before_step,
-                           share_parameters)
+from moeloop.sync import (DiskTransport, InProcessTransport, ProcessTransport, Transport, WeightSyncer,
+                           drain_before_step, share_parameters)
 from moeloop.train.actor import Actor, PolicyForward
 from moeloop.train.critic import Critic
 from moeloop.train.host_memory import retain_freed_host_memory
@@ -143,6 +145,8 @@ class Components:
     def finish(self) -> None:
         self.logger.close()
         self.rewards.close()
+        if isinstance(self.engine, RemoteEngine):
+            self.engine.close()
 
 
 def _seed(*parts: int) -> int:
@@ -165,6 +169,11 @@ def engine_model(cfg: RunConfig, env: RunEnv, actor: Actor) -> torch.nn.Module:
     return model
 
 
+def generates_ahead(cfg: RunConfig) -> bool:
+    """Whether the next step's batch is generated while this one trains (`loop.rl.RolloutAhead`)."""
+    return cfg.rollout.mode == "async" or (cfg.rollout.mode == "disaggregated" and cfg.rollout.max_staleness >= 1)
+
+
 def shares_weights(cfg: RunConfig) -> bool:
     return cfg.sync.transport == "inprocess" and cfg.rollout.mode == "colocated"
 
@@ -179,15 +188,16 @@ def check_runtime_support(cfg: RunConfig) -> None:
     """Settings the planner understands but the runtime does not run yet fail here, by name."""
     if cfg.sync.transport == "broadcast":
         raise InputError("sync.transport=broadcast needs disaggregated rollout, which the RL loop does not run yet")
-    if cfg.rollout.mode == "disaggregated":
-        raise InputError("rollout.mode='disaggregated' is not implemented by the RL loop yet (use colocated or async)")
-    if cfg.rollout.mode == "async":
-        if cfg.rollout.max_staleness < 1:
-            raise InputError("rollout.max_staleness must be >= 1 with rollout.mode=async (the next batch is generated "
-                             "with the weights of before this step's update: samples are 1 version old)")
-        if cfg.algorithm.dynamic_sampling:
-            raise InputError("algorithm.dynamic_sampling is not supported with rollout.mode=async (its refill rounds "
-                             "gather across ranks, which the rollout thread must not do)")
+    if cfg.rollout.mode == "disaggregated" and cfg.sync.transport != "inprocess":
+        raise InputError(f"sync.transport={cfg.sync.transport} with rollout.mode=disaggregated: the weights go through "
+                         f"the engine process's pipe (leave sync.transport at inprocess)")
+    if cfg.rollout.mode == "async" and cfg.rollout.max_staleness < 1:
+        raise InputError("rollout.max_staleness must be >= 1 with rollout.mode=async (the next batch is generated "
+                         "with the weights of before this step's update: samples are 1 version old)")
+    if generates_ahead(cfg) and cfg.algorithm.dynamic_sampling:
+        raise InputError(f"algorithm.dynamic_sampling is not supported with rollout.mode={cfg.rollout.mode} and "
+                         f"rollout.max_staleness >= 1 (its refill rounds gather across ranks, which the rollout thread "
+                         f"must not do)")
     check_parallel_support(cfg)
 
 
@@ -210,7 +220,12 @@ def build_components(cfg: RunConfig, resume: bool) -> Components:
                         cfg.model.logprob_chunk_tokens) if needs_ref else None
     critic = Critic(load_policy(cfg), cfg.critic, env.device, cfg.data.max_response_length,
                     cfg.trainer.steps) if cfg.critic.enable else None
-    engine = build_engine(cfg, engine_model(cfg, env, actor), tokenizer)
+    if cfg.rollout.mode == "disaggregated":
+        engine = RemoteEngine(cfg, rollout_device(cfg, env.device), rollout_threads(cfg))
+        transport = ProcessTransport(engine.send_bucket)
+    else:
+        engine = build_engine(cfg, engine_model(cfg, env, actor), tokenizer)
+        transport = _colocated_transport(cfg, env)
     if shares_weights(cfg):
         drain_before_step(actor.optimizer, engine)  # weights it shares change at the optimizer step
     ckpt = CheckpointManager(cfg.checkpoint.dir or env.run_dir / "checkpoints", cfg.checkpoint.keep)
@@ -220,7 +235,7 @@ def build_components(cfg: RunConfig, resume: bool) -> Components:
         cursor=EpochCursor(len(train), cfg.data.seed, cfg.data.shuffle), actor=actor, ref=ref, critic=critic, engine=engine,
         rollout=RolloutWorker(engine, tokenizer, cfg.data.max_response_length, env.rank),
         rewards=RewardPool.from_config(cfg.reward),
-        syncer=WeightSyncer(_colocated_transport(cfg, env), cfg.sync.bucket_bytes, cfg.sync.verify),
+        syncer=WeightSyncer(transport, cfg.sync.bucket_bytes, cfg.sync.verify),
         ckpt=ckpt,
         logger=MetricsLogger(env.run_dir, cfg.trainer.log, env.is_main, cfg.trainer.steps, append=latest is not None),
         kl_ctrl=KLController(cfg.algorithm),

@@ -7,6 +7,8 @@ Under torchrun every rank colocates its own engine and generates its share of th
 trainer makes N ranks equal to one (see moeloop.train.actor).
 rollout.mode=async (`RolloutAhead`): step t+1's batch is generated on a thread while the actor updates on step t's,
 with the weights of before that update, so generation and training overlap and each batch is one version old.
+rollout.mode=disaggregated: the engine runs in a process of its own on its own device (`loop.remote_rollout`); with
+rollout.max_staleness >= 1 the thread only waits for it, so the two really run at once.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from moeloop.algo.advantages import compute_advantages
 from moeloop.algo.dapo import filter_uniform_groups, mask_truncated, overlong_penalty
 from moeloop.algo.token_rewards import kl_in_reward_sums
 from moeloop.config import RunConfig
-from moeloop.loop.components import Components, build_components
+from moeloop.loop.components import Components, build_components, generates_ahead
 from moeloop.loop.env import run_command
 from moeloop.loop.metrics import PhaseTimer, peak_memory_bytes
 from moeloop.loop.step_metrics import batch_metrics, logprob_mismatch
@@ -33,7 +35,7 @@ def run_rl(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
     last: dict[str, float] = {}
     if c.start_step == 0 and cfg.trainer.val_every:
         c.logger.log(0, c.evaluate(), "val.jsonl")
-    batches = RolloutAhead(c, cfg) if cfg.rollout.mode == "async" else RolloutInLine(c, cfg)
+    batches = RolloutAhead(c, cfg) if generates_ahead(cfg) else RolloutInLine(c, cfg)
     try:
         for step in range(c.start_step, cfg.trainer.steps):
             last = _rl_step(c, cfg, step, batches)
@@ -85,7 +87,8 @@ def _rl_step(c: Components, cfg: RunConfig, step: int, batches: RolloutInLine) -
 
 
 class RolloutInLine:
-    """rollout.mode=colocated: each step's batch is generated when the step starts, on the weights it trains."""
+    """rollout.mode=colocated (and disaggregated at max_staleness 0): each step's batch is generated when the step
+    starts, on the weights it trains."""
 
     off_policy = False  # the batch comes from the policy it trains
 
@@ -114,7 +117,8 @@ class RolloutAhead(RolloutInLine):
     actor that trains on it; the PPO ratio then uses the rollout's logprobs as the old policy's (the policy that
     sampled them: the importance correction). The weight push waits for that batch (`join`).
     No batch is generated ahead across a checkpoint, so a run resumed from one does what the straight run did, and
-    none past the last step. On CUDA the thread runs on its own stream (`PhaseTimer` waits for one stream only)."""
+    none past the last step. On CUDA the thread runs on its own stream (`PhaseTimer` waits for one stream only).
+    rollout.mode=disaggregated: the engine is another process's (`RemoteEngine`), which the thread waits for."""
 
     off_policy = True  # one version behind the actor
 
@@ -123,12 +127,14 @@ class RolloutAhead(RolloutInLine):
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeloop-rollout")
         self.pending: tuple[int, Future] | None = None
         self.ready: tuple[int, list[Sample], dict[str, float], dict[str, float]] | None = None
-        self.stream = torch.cuda.Stream(c.env.device) if c.env.device.type == "cuda" else None
-        # on CPU the two threads' ops share the cores: each gets half the intra-op threads. (The demo on 2 cores:
-        # 0.125 s a step with all threads each, 0.098 s with half, 0.076 s synchronous; where each phase runs on one
-        # thread anyway, async pays: e2e_vs_trl.py --threads 1, 0.041 against 0.052-0.060 s; BENCHMARKS.md)
+        local = cfg.rollout.mode == "async"  # the engine is in this process
+        self.stream = torch.cuda.Stream(c.env.device) if local and c.env.device.type == "cuda" else None
+        # on CPU the two threads' ops (or this process's and the engine process's) share the cores: each gets half
+        # the intra-op threads (`remote_rollout.rollout_threads`). (The demo on 2 cores: 0.125 s a step with all
+        # threads each, 0.098 s with half, 0.076 s synchronous; where each phase runs on one thread anyway, async
+        # pays: e2e_vs_trl.py --threads 1, 0.041 against 0.052-0.060 s; BENCHMARKS.md)
         self.threads = torch.get_num_threads()
-        if self.stream is None and self.threads > 1:
+        if c.env.device.type == "cpu" and self.threads > 1:
             torch.set_num_threads(self.threads // 2)
 
     def start(self, step: int) -> None:

@@ -1,8 +1,8 @@
 """Weight sync: named tensor stream -> fingerprinted buckets -> transport -> verified, versioned apply."""
 from moeloop.sync.bucket import Bucket, fingerprint, pack_buckets, unpack_bucket
 from moeloop.sync.shared import drain_before_step, share_parameters
-from moeloop.sync.syncer import SyncReport, WeightSyncer, WeightSyncError
-from moeloop.sync.transport import BroadcastTransport, DiskTransport, InProcessTransport, Transport
+from moeloop.sync.syncer import SyncReport, WeightSyncer, WeightSyncError, verified_tensors
+from moeloop.sync.transport import BroadcastTransport, DiskTransport, InProcessTransport, ProcessTransport, Transport
 
 
 def build_transport(kind: str, **kwargs) -> Transport:
@@ -16,6 +16,6 @@ def build_transport(kind: str, **kwargs) -> Transport:
     raise ValueError(f"sync.transport={kind!r} is not available (use inprocess, disk or broadcast)")
 
 
-__all__ = ["Bucket", "BroadcastTransport", "DiskTransport", "InProcessTransport", "SyncReport", "Transport",
+__all__ = ["Bucket", "BroadcastTransport", "DiskTransport", "InProcessTransport", "ProcessTransport", "SyncReport", "Transport",
            "WeightSyncError", "WeightSyncer", "build_transport", "drain_before_step", "fingerprint", "pack_buckets",
-           "share_parameters", "unpack_bucket"]
+           "share_parameters", "unpack_bucket", "verified_tensors"]

@@ -9,13 +9,15 @@
         # 4. engine.resume()                     -> new samples carry `version`
 A bucket that fails verification raises `WeightSyncError` and leaves the engine paused at its old
 version: it never generates from a half-updated model. Push again to recover.
+A receiver in another process (`update_from_buckets`, rollout.mode=disaggregated) gets the buckets themselves and
+verifies them where they arrive (`verified_tensors`), after they crossed the process boundary.
 """
 from __future__ import annotations
 
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Protocol
+from typing import Callable, Iterable, Iterator, Protocol
 
 import torch
 
@@ -48,6 +50,18 @@ class SyncReport:
         return self.num_bytes / max(self.seconds, 1e-9) / 1e9
 
 
+def verified_tensors(buckets: Iterable[Bucket], verify: bool,
+                     on_bucket: Callable[[Bucket], None] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The named tensors of `buckets`, each moved bucket's fingerprint checked first (when `verify`)."""
+    for bucket in buckets:
+        if verify and bucket.moved and fingerprint(bucket.buffer, bucket.fingerprint_kind) != bucket.fingerprint:
+            raise WeightSyncError(f"bucket {bucket.index} ({bucket.metas[0].name} ...) failed its checksum; "
+                                  f"engine left paused at its previous version")
+        if on_bucket is not None:
+            on_bucket(bucket)
+        yield from unpack_bucket(bucket)
+
+
 class WeightSyncer:
     def __init__(self, transport: Transport, bucket_bytes: int = 64 << 20, verify: bool = True):
         self.transport, self.bucket_bytes, self.verify = transport, bucket_bytes, verify
@@ -68,18 +82,20 @@ class WeightSyncer:
         else:
             receiver.pause()
             receiver.drain()
-            receiver.update_weights(self._verified(buckets, report), version)
+            remote = getattr(receiver, "update_from_buckets", None)  # another process: it verifies on arrival
+            if remote is not None:
+                remote(self._recorded(buckets, report), version, self.verify)
+            else:
+                receiver.update_weights(verified_tensors(buckets, self.verify, lambda b: self._record(b, report)),
+                                        version)
             receiver.resume()
         report.seconds = time.perf_counter() - start
         return report
 
-    def _verified(self, buckets: Iterable[Bucket], report: SyncReport) -> Iterator[tuple[str, torch.Tensor]]:
+    def _recorded(self, buckets: Iterable[Bucket], report: SyncReport) -> Iterator[Bucket]:
         for bucket in buckets:
-            if self.verify and bucket.moved and fingerprint(bucket.buffer, bucket.fingerprint_kind) != bucket.fingerprint:
-                raise WeightSyncError(f"bucket {bucket.index} ({bucket.metas[0].name} ...) failed its checksum; "
-                                      f"engine left paused at its previous version")
             self._record(bucket, report)
-            yield from unpack_bucket(bucket)
+            yield bucket
 
     @staticmethod
     def _record(bucket: Bucket, report: SyncReport) -> None:

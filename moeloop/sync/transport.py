@@ -5,14 +5,17 @@
 - `DiskTransport`: one safetensors file per bucket plus a JSON manifest; the fallback that works
   across anything with a shared filesystem.
 - `BroadcastTransport`: torch.distributed broadcast (gloo on CPU, NCCL on GPU) from a source rank
-  to every rank of a group (disaggregated rollout).
+  to every rank of a group.
+- `ProcessTransport`: to a rollout engine in a process of its own on this node (rollout.mode=disaggregated),
+  through its pipe: torch.multiprocessing puts host buffers in shared memory and sends device buffers as CUDA IPC
+  handles. That process verifies each bucket as it arrives (the syncer's `update_from_buckets` path).
 Every transport yields the buckets exactly as sent; verification happens in the receiver.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterable, Iterator, Protocol
+from typing import Callable, Iterable, Iterator, Protocol
 
 import torch
 import torch.distributed as dist
@@ -110,3 +113,18 @@ class BroadcastTransport:
                 header[0]["num_bytes"], dtype=torch.uint8, device=self.device)
             dist.broadcast(buffer, src=self.src, group=self.group)
             yield _meta_from_json(header[0], buffer)
+
+
+class ProcessTransport:
+    """Buckets to another process through `send` (`loop.remote_rollout.RemoteEngine.send_bucket`)."""
+
+    def __init__(self, send: Callable[[Bucket], None]):
+        self.send = send
+
+    def moves_bytes(self, device: torch.device) -> bool:
+        return True
+
+    def transfer(self, buckets: Iterable[Bucket]) -> Iterator[Bucket]:
+        for bucket in buckets:
+            self.send(bucket)
+            yield bucket  # as sent: the receiving process verifies its copy
