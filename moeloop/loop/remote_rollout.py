@@ -7,6 +7,9 @@ rollout worker, the rewards and the weight syncer are the same code. Weights cro
 CUDA IPC handles, and the engine process verifies every bucket's fingerprint on its side before applying it
 (`sync.verified_tensors`), then bumps its policy version. A bad bucket leaves that engine at its old version.
 
+The engine process is spawned, so a script that starts a disaggregated run must do so under
+`if __name__ == "__main__":` (Python re-imports the main script in a spawned process; the `moeloop` command does).
+
 Why a process and not a thread (rollout.mode=async): on one GPU, generation beside training only shares the same
 HBM and SMs (the H200: 0.72 s a step async against 0.75 s colocated, BENCHMARKS.md session 20), and on a CPU the
 two threads share one interpreter lock. A process on its own device or cores has neither.
@@ -158,6 +161,7 @@ def serve(cfg: RunConfig, device: str, threads: int, conn) -> None:
         _send_error(conn, err)
         return
     conn.send(("ok", engine.policy_version))
+    kept: dict[int, torch.Tensor] = {}  # the shared host buffers of the last update, so the next maps none anew
     while True:
         try:
             method, args = conn.recv()
@@ -169,7 +173,7 @@ def serve(cfg: RunConfig, device: str, threads: int, conn) -> None:
         try:
             if method == "update_weights":
                 version, verify = args
-                arrivals = _Arrivals(conn, dev)
+                arrivals = _Arrivals(conn, dev, kept)
                 try:
                     engine.update_weights(verified_tensors(arrivals, verify), version)
                 finally:
@@ -187,8 +191,8 @@ def serve(cfg: RunConfig, device: str, threads: int, conn) -> None:
 class _Arrivals:
     """The buckets of one update as they arrive, on the engine's device (a copy that moved: verified)."""
 
-    def __init__(self, conn, device: torch.device):
-        self.conn, self.device, self.done = conn, device, False
+    def __init__(self, conn, device: torch.device, kept: dict[int, torch.Tensor]):
+        self.conn, self.device, self.kept, self.done = conn, device, kept, False
 
     def __iter__(self) -> Iterator[Bucket]:
         while not self.done:
@@ -196,6 +200,8 @@ class _Arrivals:
             if kind == "end":
                 self.done = True
                 return
+            if bucket.buffer.device.type == "cpu":
+                self.kept[bucket.index] = bucket.buffer
             if bucket.buffer.device != self.device:
                 bucket.buffer = bucket.buffer.to(self.device)
             bucket.moved = True  # it crossed the process boundary (shared memory or CUDA IPC)

@@ -14,6 +14,7 @@ Every transport yields the buckets exactly as sent; verification happens in the 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Protocol
 
@@ -116,15 +117,27 @@ class BroadcastTransport:
 
 
 class ProcessTransport:
-    """Buckets to another process through `send` (`loop.remote_rollout.RemoteEngine.send_bucket`)."""
+    """Buckets to another process through `send` (`loop.remote_rollout.RemoteEngine.send_bucket`). A host bucket
+    goes through a shared-memory buffer kept per bucket index from one push to the next: a fresh shared segment for
+    every push costs more than the copy into it (BENCHMARKS.md, session 20). Device buckets go as they are (their
+    CUDA IPC handles); keeping them would hold a second copy of the weights on the trainer's GPU."""
 
     def __init__(self, send: Callable[[Bucket], None]):
         self.send = send
+        self.staging: dict[int, torch.Tensor] = {}
 
     def moves_bytes(self, device: torch.device) -> bool:
         return True
 
     def transfer(self, buckets: Iterable[Bucket]) -> Iterator[Bucket]:
         for bucket in buckets:
-            self.send(bucket)
+            self.send(replace(bucket, buffer=self._staged(bucket)) if bucket.buffer.device.type == "cpu" else bucket)
             yield bucket  # as sent: the receiving process verifies its copy
+
+    def _staged(self, bucket: Bucket) -> torch.Tensor:
+        staged = self.staging.get(bucket.index)
+        if staged is None or staged.numel() != bucket.buffer.numel():
+            staged = self.staging[bucket.index] = bucket.buffer.share_memory_()  # (moves it: no copy this time)
+        else:
+            staged.copy_(bucket.buffer)
+        return staged
