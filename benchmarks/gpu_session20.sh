@@ -3,6 +3,7 @@
 #   tests:  the async rollout's CUDA and DP=2 tests (re-run after session 19's refactor), then one B=1 decode
 #           layer's timeline (`profile_decode.py --timeline`)
 #   e2e:    e2e against TRL on the H200, moeloop colocated and async (one version behind) in one run each
+#   apart:  (nvidia-h200-x2) rollout.mode=disaggregated, the engine process on the second GPU: its CUDA test and e2e
 # (Its `priority` and `switch` sections, A/Bs of the async rollout's stream priority and of the GIL switch interval,
 # ran at e3bf73c and cf7070c and were removed with their knobs: neither moved the step. BENCHMARKS.md, session 20.)
 set -u
@@ -17,5 +18,10 @@ e2e)
     timeout 200 python3 benchmarks/e2e_vs_trl.py --size reference --device cuda --steps 6 --repeats 2 \
         --frameworks moeloop 2>&1 | grep -v -i warn | tail -8
     ;;
-*) echo "usage: $0 tests|e2e" >&2; exit 2 ;;
+apart)  # two GPUs: the disaggregated engine's CUDA test, then e2e against TRL with the engine on the second GPU
+    timeout 200 python3 -m pytest -q -x tests/test_rl_disaggregated.py -k cuda 2>&1 | tail -3
+    timeout 380 python3 benchmarks/e2e_vs_trl.py --size reference --device cuda --steps 6 --repeats 2 \
+        --rollout-mode disaggregated --rollout-device cuda:1 2>&1 | grep -v -i warn | tail -14
+    ;;
+*) echo "usage: $0 tests|e2e|apart" >&2; exit 2 ;;
 esac
