@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -365,7 +366,10 @@ def run_child(args: argparse.Namespace, framework: str, repeat: int) -> list[dic
            "--decode-steps", str(args.decode_steps), "--rollout-mode", args.rollout_mode,
            "--rollout-device", args.rollout_device, "--job", "reference" if args.job.exact_length else "cpu"] + (["--gen-profile"] if args.gen_profile else []) \
         + (["--op-profile"] if args.op_profile else [])
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    env = dict(os.environ)
+    if framework == "trl" and args.device == "cuda":  # TRL's trainer refuses a process that sees several GPUs
+        env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode:
         sys.exit(f"{framework} repeat {repeat} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     profile_txt = args.workdir / "gen-profile.txt"
