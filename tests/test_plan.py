@@ -11,6 +11,7 @@ from moeloop.plan import (build_plan, decode_tokens_per_s, memory_ledger, model_
                           predict_peak_bytes, save_every_steps, stats_from_counts, transfer_s, young_daly_interval_s)
 from moeloop.plan.command import main as plan_main
 from moeloop.plan.memory import GB
+from moeloop.plan.step_time import step_seconds
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 SEED002 = EXAMPLES / "plan_seed002.yaml"
@@ -131,3 +132,19 @@ def test_async_keeps_the_engine_beside_the_trainer_in_every_phase():
     assert a.phase_bytes("train") == pytest.approx(c.phase_bytes("train") + engine)
     plan = build_plan(asy)
     assert not any("GPUs for rollout" in p for p in plan.problems) and plan.offload_s == 0.0
+
+
+def test_step_time_overlaps_generation_only_when_generated_ahead():
+    """Generated ahead (async, or disaggregated with max_staleness >= 1), gen + reward overlap the trainer side
+    and the push waits for both; otherwise every phase runs in turn."""
+    phases = {"gen": 5.0, "reward": 1.0, "old_log_prob": 0.5, "ref": 0.0, "update_actor": 3.0, "update_weights": 0.25,
+              "offload": 0.0}
+    assert step_seconds(phases, ahead=True) == 6.0 + 0.25
+    assert step_seconds({**phases, "update_actor": 8.0}, ahead=True) == 8.5 + 0.25
+    assert step_seconds(phases, ahead=False) == sum(phases.values())
+    modes = {("async", 1): True, ("disaggregated", 1): True, ("disaggregated", 0): False, ("colocated", 0): False}
+    for (mode, staleness), ahead in modes.items():
+        cfg = load_config(DSV3, [f"rollout.mode={mode}", f"rollout.max_staleness={staleness}"])
+        assert cfg.rollout.generates_ahead == ahead, mode
+        plan = build_plan(cfg)
+        assert plan.step_s == pytest.approx(step_seconds(plan.phases_s, ahead)), mode

@@ -73,6 +73,11 @@ class RolloutSection:
     async_scheduling: str = "auto"  # on | off | auto (on for CUDA): host work of step t+1 overlaps step t
     decode_steps: int = 0  # decode steps per host round trip (multi-step decode); 0 = auto: 8 on CUDA, else 1
 
+    @property
+    def generates_ahead(self) -> bool:
+        """Whether the next step's batch is generated while this one trains (the RL loop's `RolloutAhead`)."""
+        return self.mode == "async" or (self.mode == "disaggregated" and self.max_staleness >= 1)
+
     def check(self) -> None:
         _require(self.n >= 1, "rollout.n", "must be >= 1")
         _require(self.temperature >= 0, "rollout.temperature", "must be >= 0")

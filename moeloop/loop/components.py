@@ -169,11 +169,6 @@ def engine_model(cfg: RunConfig, env: RunEnv, actor: Actor) -> torch.nn.Module:
     return model
 
 
-def generates_ahead(cfg: RunConfig) -> bool:
-    """Whether the next step's batch is generated while this one trains (`loop.rl.RolloutAhead`)."""
-    return cfg.rollout.mode == "async" or (cfg.rollout.mode == "disaggregated" and cfg.rollout.max_staleness >= 1)
-
-
 def shares_weights(cfg: RunConfig) -> bool:
     return cfg.sync.transport == "inprocess" and cfg.rollout.mode == "colocated"
 
@@ -194,7 +189,7 @@ def check_runtime_support(cfg: RunConfig) -> None:
     if cfg.rollout.mode == "async" and cfg.rollout.max_staleness < 1:
         raise InputError("rollout.max_staleness must be >= 1 with rollout.mode=async (the next batch is generated "
                          "with the weights of before this step's update: samples are 1 version old)")
-    if generates_ahead(cfg) and cfg.algorithm.dynamic_sampling:
+    if cfg.rollout.generates_ahead and cfg.algorithm.dynamic_sampling:
         raise InputError(f"algorithm.dynamic_sampling is not supported with rollout.mode={cfg.rollout.mode} and "
                          f"rollout.max_staleness >= 1 (its refill rounds gather across ranks, which the rollout thread "
                          f"must not do)")

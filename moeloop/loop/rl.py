@@ -22,7 +22,7 @@ from moeloop.algo.advantages import compute_advantages
 from moeloop.algo.dapo import filter_uniform_groups, mask_truncated, overlong_penalty
 from moeloop.algo.token_rewards import kl_in_reward_sums
 from moeloop.config import RunConfig
-from moeloop.loop.components import Components, build_components, generates_ahead
+from moeloop.loop.components import Components, build_components
 from moeloop.loop.env import run_command
 from moeloop.loop.metrics import PhaseTimer, peak_memory_bytes
 from moeloop.loop.step_metrics import batch_metrics, logprob_mismatch
@@ -35,7 +35,7 @@ def run_rl(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
     last: dict[str, float] = {}
     if c.start_step == 0 and cfg.trainer.val_every:
         c.logger.log(0, c.evaluate(), "val.jsonl")
-    batches = RolloutAhead(c, cfg) if generates_ahead(cfg) else RolloutInLine(c, cfg)
+    batches = RolloutAhead(c, cfg) if cfg.rollout.generates_ahead else RolloutInLine(c, cfg)
     try:
         for step in range(c.start_step, cfg.trainer.steps):
             last = _rl_step(c, cfg, step, batches)

@@ -7,7 +7,9 @@
     update_actor   train FLOPs * ppo_epochs          / same
     update_weights sync bytes / the configured transport
     offload        colocated only: training state to host and back over PCIe
-Phases run one after another, except rollout.mode=async, where generation overlaps the trainer side.
+Phases run one after another, except where the next batch is generated ahead (rollout.mode=async, and
+disaggregated with max_staleness >= 1): generation + reward overlap the trainer side, and the weight push waits for
+both (the RL loop joins the rollout before it pushes).
 Prefill, the long tail of generation lengths and pipeline bubbles are not modelled.
 """
 from __future__ import annotations
@@ -41,10 +43,11 @@ def step_phases(cfg: RunConfig, stats: ModelStats, train_gpus: int, decode_token
     }
 
 
-def step_seconds(phases: dict[str, float], mode: str) -> float:
-    if mode == "async":
+def step_seconds(phases: dict[str, float], ahead: bool) -> float:
+    if ahead:
         rollout_side = phases["gen"] + phases["reward"]
-        return max(rollout_side, sum(phases.values()) - rollout_side)
+        trainer_side = sum(phases.values()) - rollout_side - phases["update_weights"]
+        return max(rollout_side, trainer_side) + phases["update_weights"]
     return sum(phases.values())
 
 
