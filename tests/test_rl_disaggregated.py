@@ -50,6 +50,37 @@ def test_ahead_equals_async(model_dir, tmp_path):
         assert torch.equal(wa[name], wt[name]), name
 
 
+def test_resume_equals_straight_run(model_dir, tmp_path):
+    """Generated ahead, with a checkpoint every 2 steps: nothing is generated across a checkpoint, so the resumed
+    run (a new engine process, given the checkpoint's weights) repeats the straight one bit for bit."""
+    ahead, every = (*APART, "rollout.max_staleness=1"), "checkpoint.save_every=2"
+    rl.run_rl(_cfg(model_dir, tmp_path / "a", *ahead, every))
+    rl.run_rl(_cfg(model_dir, tmp_path / "b", *ahead, every, "trainer.steps=2"))
+    rl.run_rl(_cfg(model_dir, tmp_path / "b", *ahead, every), resume=True)
+    assert _metrics(tmp_path / "a") == _metrics(tmp_path / "b")
+    wa, wb = _weights(tmp_path / "a"), _weights(tmp_path / "b")
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+
+
+def _apart_rank(rank, world, model_dir, run_dir):
+    rl.run_rl(_cfg(model_dir, run_dir, "actor.optim.lr=1e-4", *APART, "rollout.max_staleness=1"))
+
+
+def test_dp2_matches_dp1(model_dir, tmp_path):
+    """Two gloo ranks, each with an engine process of its own, train as one rank with one does (the DP tolerance
+    of tests/test_rl_loop.py)."""
+    from tests.dist import run_ranks
+    rl.run_rl(_cfg(model_dir, tmp_path / "one", "actor.optim.lr=1e-4", *APART, "rollout.max_staleness=1"))
+    run_ranks(_apart_rank, 2, model_dir, tmp_path / "two")
+    one, two = _rows(tmp_path / "one"), _rows(tmp_path / "two")
+    assert [r["policy/sample_lag"] for r in two] == [0, 1, 1, 1]
+    assert [r["reward/mean"] for r in one] == pytest.approx([r["reward/mean"] for r in two])
+    w1, w2 = _weights(tmp_path / "one"), _weights(tmp_path / "two")
+    for name in w1:
+        torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=5e-5)
+
+
 def _version_of_next_sample(c) -> int:
     examples, positions = c.next_prompts(1)
     return c.rollout.generate(examples, c.train_params(0, 0, positions), 0)[0].policy_version
