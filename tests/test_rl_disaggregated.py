@@ -124,6 +124,7 @@ def test_a_dead_engine_process_is_named(model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("extra, field", [(("sync.transport=disk",), "sync.transport"),
+                                          (("sync.transport=broadcast",), "sync.transport"),
                                           (("rollout.device=cuda:7",), "rollout.device"),
                                           (("rollout.max_staleness=1", "algorithm.dynamic_sampling=true"),
                                            "algorithm.dynamic_sampling"),

@@ -182,7 +182,9 @@ def _colocated_transport(cfg: RunConfig, env: RunEnv) -> Transport:
 def check_runtime_support(cfg: RunConfig) -> None:
     """Settings the planner understands but the runtime does not run yet fail here, by name."""
     if cfg.sync.transport == "broadcast":
-        raise InputError("sync.transport=broadcast needs disaggregated rollout, which the RL loop does not run yet")
+        raise InputError("sync.transport=broadcast (to engines on other nodes) is not run by the RL loop yet: "
+                         "rollout.mode=disaggregated runs each rank's engine on this node and sends it the weights "
+                         "through its pipe")
     if cfg.rollout.mode == "disaggregated" and cfg.sync.transport != "inprocess":
         raise InputError(f"sync.transport={cfg.sync.transport} with rollout.mode=disaggregated: the weights go through "
                          f"the engine process's pipe (leave sync.transport at inprocess)")
