@@ -364,7 +364,8 @@ def run_child(args: argparse.Namespace, framework: str, repeat: int) -> list[dic
            "--prompts", str(args.job.prompts), "--new-tokens", str(args.job.new_tokens), "--dtype", args.job.dtype,
            "--micro-batch-tokens", str(args.micro_batch_tokens), "--threads", str(args.threads), "--workdir", str(args.workdir),
            "--decode-steps", str(args.decode_steps), "--rollout-mode", args.rollout_mode,
-           "--rollout-device", args.rollout_device, "--job", "reference" if args.job.exact_length else "cpu"] + (["--gen-profile"] if args.gen_profile else []) \
+           "--rollout-device", args.rollout_device, "--job", "reference" if args.job.exact_length else "cpu"] \
+        + (["--gen-profile"] if args.gen_profile else []) \
         + (["--op-profile"] if args.op_profile else [])
     env = dict(os.environ)
     if framework == "trl" and args.device == "cuda":  # TRL's trainer refuses a process that sees several GPUs

@@ -5,7 +5,8 @@ The proxy answers what the loop asks of a colocated engine — `generate`, `paus
 rollout worker, the rewards and the weight syncer are the same code. Weights cross as the syncer's buckets
 (`sync.ProcessTransport`): torch.multiprocessing puts host buffers in shared memory and sends device buffers as
 CUDA IPC handles, and the engine process verifies every bucket's fingerprint on its side before applying it
-(`sync.verified_tensors`), then bumps its policy version. A bad bucket leaves that engine at its old version.
+(`sync.verified_tensors`), then bumps its policy version. After a bad bucket the engine stays at its old version
+and refuses to generate until a push succeeds (as an in-process engine does).
 
 The engine process is spawned, so a script that starts a disaggregated run must do so under
 `if __name__ == "__main__":` (Python re-imports the main script in a spawned process; the `moeloop` command does).
@@ -45,6 +46,8 @@ def rollout_device(cfg: RunConfig, trainer_device: torch.device) -> torch.device
     else:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         device = torch.device("cuda", local + int(os.environ.get("LOCAL_RANK", "0")))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", 0)
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         raise InputError(f"rollout.device: {device} for rollout.mode=disaggregated, but {torch.cuda.device_count()} "
                          f"CUDA devices are visible (set rollout.device, or give each training rank a second GPU)")
@@ -69,7 +72,6 @@ class RemoteEngine:
                                 name="moeloop-rollout")
         self.proc.start()
         child.close()
-        self.device = device
         self.lock = threading.Lock()
         with self.lock:
             self.policy_version = self._reply("start")
@@ -98,8 +100,8 @@ class RemoteEngine:
             try:
                 for _ in buckets:
                     pass
-            finally:
-                self._send(("end", None), "update_weights")  # (after a failure here, the engine sees an incomplete set and refuses it)
+            finally:  # (after a failure on this side, the engine sees an incomplete set and refuses it)
+                self._send(("end", None), "update_weights")
             self._reply("update_weights")
             self.policy_version = version
 

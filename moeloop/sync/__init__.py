@@ -16,6 +16,6 @@ def build_transport(kind: str, **kwargs) -> Transport:
     raise ValueError(f"sync.transport={kind!r} is not available (use inprocess, disk or broadcast)")
 
 
-__all__ = ["Bucket", "BroadcastTransport", "DiskTransport", "InProcessTransport", "ProcessTransport", "SyncReport", "Transport",
-           "WeightSyncError", "WeightSyncer", "build_transport", "drain_before_step", "fingerprint", "pack_buckets",
+__all__ = ["Bucket", "BroadcastTransport", "DiskTransport", "InProcessTransport", "ProcessTransport", "SyncReport",
+           "Transport", "WeightSyncError", "WeightSyncer", "build_transport", "drain_before_step", "fingerprint", "pack_buckets",
            "share_parameters", "unpack_bucket", "verified_tensors"]
