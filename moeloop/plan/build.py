@@ -88,7 +88,7 @@ def build_plan(cfg: RunConfig, stats: Optional[ModelStats] = None) -> Plan:
                  else 0.0)
     phases = step_phases(cfg, stats, layout.world_size, decode.tokens_per_s if decode else 0.0,
                          sync_s[cfg.sync.transport], offload_s)
-    step_s = step_seconds(phases, cfg.rollout.generates_ahead)
+    step_s = step_seconds(phases, cfg.rollout.generates_ahead and not colocated)
     return Plan(stats, layout, pool, problems, ledger, gpu_v, cpu_v,
                 _alternatives(cfg, stats, layout) if ledger else {},
                 split_rows(cfg, stats, layout, pool, _decode_context(cfg)), decode, sync_bytes, sync_s, offload_s,

@@ -7,9 +7,11 @@
     update_actor   train FLOPs * ppo_epochs          / same
     update_weights sync bytes / the configured transport
     offload        colocated only: training state to host and back over PCIe
-Phases run one after another, except where the next batch is generated ahead (rollout.mode=async, and
-disaggregated with max_staleness >= 1): generation + reward overlap the trainer side, and the weight push waits for
-both (the RL loop joins the rollout before it pushes).
+Phases run one after another, except where the next batch is generated ahead on devices of its own
+(rollout.mode=disaggregated with max_staleness >= 1): generation + reward overlap the trainer side, and the weight
+push waits for both (the RL loop joins the rollout before it pushes). rollout.mode=async generates ahead on the
+training GPUs, where both sides are HBM-bound and share it: modelled in turn, as measured on the H200 (0.720 s a
+step against 0.750 s colocated, BENCHMARKS.md session 20).
 Prefill, the long tail of generation lengths and pipeline bubbles are not modelled.
 """
 from __future__ import annotations
