@@ -70,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "process of its own (max_staleness 1), on --rollout-device")
     p.add_argument("--rollout-device", default="", help="moeloop's rollout.device with --rollout-mode disaggregated "
                                                         "('' = its default: cpu, or the next GPU)")
+    p.add_argument("--moeloop-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="an extra moeloop config override (repeatable), e.g. sync.bucket_bytes=1073741824")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads in each run; 0 = torch's default")
     p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "moeloop_e2e_vs_trl")
     p.add_argument("--frameworks", default="moeloop,trl",
@@ -158,7 +160,7 @@ def run_moeloop(args: argparse.Namespace, run_dir: Path) -> list[dict]:
         "checkpoint.save_final=false", "checkpoint.export_hf_final=false", f"rollout.ignore_eos={job.exact_length}",
         f"rollout.decode_steps={args.decode_steps}", f"rollout.mode={args.rollout_mode}",
         f"rollout.max_staleness={int(args.rollout_mode != 'colocated')}",
-    ] + ([f"rollout.device={args.rollout_device}"] if args.rollout_device else []))
+    ] + ([f"rollout.device={args.rollout_device}"] if args.rollout_device else []) + args.moeloop_set)
     marks: list[float] = []
     prompts_seen: list[list[str]] = []
     build, log, generate = rl.build_components, MetricsLogger.log, RolloutWorker.generate
@@ -365,6 +367,7 @@ def run_child(args: argparse.Namespace, framework: str, repeat: int) -> list[dic
            "--micro-batch-tokens", str(args.micro_batch_tokens), "--threads", str(args.threads), "--workdir", str(args.workdir),
            "--decode-steps", str(args.decode_steps), "--rollout-mode", args.rollout_mode,
            "--rollout-device", args.rollout_device, "--job", "reference" if args.job.exact_length else "cpu"] \
+        + [f"--moeloop-set={kv}" for kv in args.moeloop_set] \
         + (["--gen-profile"] if args.gen_profile else []) \
         + (["--op-profile"] if args.op_profile else [])
     env = dict(os.environ)

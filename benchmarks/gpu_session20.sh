@@ -4,6 +4,7 @@
 #           layer's timeline (`profile_decode.py --timeline`)
 #   e2e:    e2e against TRL on the H200, moeloop colocated and async (one version behind) in one run each
 #   apart:  (nvidia-h200-x2) rollout.mode=disaggregated, the engine process on the second GPU: its CUDA test and e2e
+#   push:   (nvidia-h200-x2) the disaggregated push with verification off, and with 1 GiB buckets
 # (Its `priority` and `switch` sections, A/Bs of the async rollout's stream priority and of the GIL switch interval,
 # ran at e3bf73c and cf7070c and were removed with their knobs: neither moved the step. BENCHMARKS.md, session 20.)
 set -u
@@ -23,5 +24,13 @@ apart)  # two GPUs: the disaggregated engine's CUDA test, then e2e against TRL w
     timeout 380 python3 benchmarks/e2e_vs_trl.py --size reference --device cuda --steps 6 --repeats 2 \
         --rollout-mode disaggregated --rollout-device cuda:1 2>&1 | grep -v -i warn | tail -14
     ;;
-*) echo "usage: $0 tests|e2e|apart" >&2; exit 2 ;;
+push)  # two GPUs: what the disaggregated push's 97 ms is made of; moeloop alone, one repeat each
+    for extra in "" "--moeloop-set=sync.verify=false" "--moeloop-set=sync.bucket_bytes=1073741824"; do
+        echo "== ${extra:-defaults (64 MiB buckets, verified)}"
+        timeout 100 python3 benchmarks/e2e_vs_trl.py --size reference --device cuda --steps 6 --repeats 1 \
+            --frameworks moeloop --rollout-mode disaggregated --rollout-device cuda:1 $extra 2>&1 \
+            | grep -E "moeloop: (step|old)"
+    done
+    ;;
+*) echo "usage: $0 tests|e2e|apart|push" >&2; exit 2 ;;
 esac
