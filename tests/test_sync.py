@@ -145,3 +145,22 @@ def test_fingerprint_kinds_verify_across_devices():
     if torch.cuda.is_available():  # a GPU-made fingerprint verifies on the host and back
         assert fingerprint(buf.cuda(), "wsum") == fingerprint(buf, "wsum")
         assert fingerprint(buf.cuda(), "crc32") == fingerprint(buf, "crc32")
+
+
+def _wsum_by_definition(buf: torch.Tensor) -> int:
+    """The weighted word sum as defined: int32 word i times (i % 65521) + 1, summed mod 2^64, xor the length."""
+    padded = torch.cat([buf, buf.new_zeros((-buf.numel()) % 4)])
+    words = padded.view(torch.int32).to(torch.int64)
+    weights = torch.arange(words.numel(), dtype=torch.int64) % 65521 + 1
+    return int((words * weights).sum().item()) ^ (padded.numel() << 1)
+
+
+def test_wsum_in_chunks_equals_its_definition():
+    """The chunked sum (one cached weight chunk per device) gives the defined value, across a chunk boundary too."""
+    from moeloop.sync.bucket import _WEIGHT_CHUNK
+    gen = torch.Generator().manual_seed(0)
+    for size in (1003, 4 * _WEIGHT_CHUNK + 4 * 37 + 3):
+        buf = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen)
+        assert fingerprint(buf, "wsum") == _wsum_by_definition(buf), size
+        if torch.cuda.is_available():
+            assert fingerprint(buf.cuda(), "wsum") == _wsum_by_definition(buf), size
