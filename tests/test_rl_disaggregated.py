@@ -112,6 +112,18 @@ def test_a_corrupt_bucket_is_refused_where_it_arrives(model_dir, tmp_path):
     assert not c.engine.proc.is_alive()
 
 
+def broken_reward(sample) -> float:
+    raise ValueError("this reward always fails")
+
+
+def test_a_failed_run_ends_its_engine_process(model_dir, tmp_path):
+    import multiprocessing
+    with pytest.raises(Exception, match="always fails"):
+        rl.run_rl(_cfg(model_dir, tmp_path / "run", *APART, "reward.fn=tests.test_rl_disaggregated.broken_reward",
+                       "reward.fallback=fail", "reward.retries=0"))
+    assert not [p for p in multiprocessing.active_children() if p.name == "moeloop-rollout"]
+
+
 def test_a_dead_engine_process_is_named(model_dir, tmp_path):
     c = build_components(_cfg(model_dir, tmp_path / "run", *APART), resume=False)
     try:

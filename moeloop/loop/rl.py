@@ -39,9 +39,9 @@ def run_rl(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
     try:
         for step in range(c.start_step, cfg.trainer.steps):
             last = _rl_step(c, cfg, step, batches)
-    finally:
+    finally:  # (a failed run too: an engine process of its own ends here, not when this process does)
         batches.close()
-    c.finish()
+        c.finish()
     return last
 
 
