@@ -96,22 +96,27 @@ def test_settings_async_cannot_run_are_named(model_dir, tmp_path, extra, field):
         rl.run_rl(_cfg(model_dir, tmp_path / "run", "rollout.mode=async", "rollout.max_staleness=1", *extra))
 
 
-def _async_rank(rank, world, model_dir, run_dir):
-    rl.run_rl(_cfg(model_dir, run_dir, "actor.optim.lr=1e-4", *ASYNC))
+def _dp_rank(rank, world, model_dir, run_dir, extra):
+    rl.run_rl(_cfg(model_dir, run_dir, "actor.optim.lr=1e-4", *extra))
 
 
-def test_dp2_matches_dp1(model_dir, tmp_path):
-    """Two gloo ranks, each with its own rollout thread, train as one rank does (the DP tolerance of
-    tests/test_rl_loop.py), with batches one version old from the second step on."""
+def check_dp2_matches_dp1(model_dir, tmp_path, extra):
+    """Two gloo ranks train as one rank does (the DP tolerance of tests/test_rl_loop.py), with batches one version
+    old from the second step on."""
     from tests.dist import run_ranks
-    rl.run_rl(_cfg(model_dir, tmp_path / "one", "actor.optim.lr=1e-4", *ASYNC))
-    run_ranks(_async_rank, 2, model_dir, tmp_path / "two")
+    rl.run_rl(_cfg(model_dir, tmp_path / "one", "actor.optim.lr=1e-4", *extra))
+    run_ranks(_dp_rank, 2, model_dir, tmp_path / "two", extra)
     one, two = _rows(tmp_path / "one"), _rows(tmp_path / "two")
     assert [r["policy/sample_lag"] for r in two] == [0, 1, 1, 1]
     assert [r["reward/mean"] for r in one] == pytest.approx([r["reward/mean"] for r in two])
     w1, w2 = _weights(tmp_path / "one"), _weights(tmp_path / "two")
     for name in w1:
         torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=5e-5)
+
+
+def test_dp2_matches_dp1(model_dir, tmp_path):
+    """Each rank with its own rollout thread."""
+    check_dp2_matches_dp1(model_dir, tmp_path, ASYNC)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -12,7 +12,7 @@ from moeloop.loop.components import build_components
 from moeloop.loop.remote_rollout import RemoteEngine, RemoteRolloutError
 from moeloop.model.factory import init_model
 from moeloop.sync import WeightSyncError
-from tests.test_rl_async import ASYNC, _rows
+from tests.test_rl_async import ASYNC, _rows, check_dp2_matches_dp1
 from tests.test_rl_loop import _cfg, _metrics, _weights
 
 APART = ("rollout.mode=disaggregated",)
@@ -63,22 +63,9 @@ def test_resume_equals_straight_run(model_dir, tmp_path):
         assert torch.equal(wa[name], wb[name]), name
 
 
-def _apart_rank(rank, world, model_dir, run_dir):
-    rl.run_rl(_cfg(model_dir, run_dir, "actor.optim.lr=1e-4", *APART, "rollout.max_staleness=1"))
-
-
 def test_dp2_matches_dp1(model_dir, tmp_path):
-    """Two gloo ranks, each with an engine process of its own, train as one rank with one does (the DP tolerance
-    of tests/test_rl_loop.py)."""
-    from tests.dist import run_ranks
-    rl.run_rl(_cfg(model_dir, tmp_path / "one", "actor.optim.lr=1e-4", *APART, "rollout.max_staleness=1"))
-    run_ranks(_apart_rank, 2, model_dir, tmp_path / "two")
-    one, two = _rows(tmp_path / "one"), _rows(tmp_path / "two")
-    assert [r["policy/sample_lag"] for r in two] == [0, 1, 1, 1]
-    assert [r["reward/mean"] for r in one] == pytest.approx([r["reward/mean"] for r in two])
-    w1, w2 = _weights(tmp_path / "one"), _weights(tmp_path / "two")
-    for name in w1:
-        torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=5e-5)
+    """Each rank with an engine process of its own."""
+    check_dp2_matches_dp1(model_dir, tmp_path, (*APART, "rollout.max_staleness=1"))
 
 
 def _version_of_next_sample(c) -> int:
