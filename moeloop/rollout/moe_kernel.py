@@ -203,12 +203,7 @@ if triton is not None:
         too, and the program takes the ids and weights from them (`_ranked_experts`, `_routed_weights` with SCALE
         and NORM); `wts_ptr` is not read (None)."""
         pdl_launch_next(PDL, EARLY)
-        t = tl.program_id(0)
-        r = tl.arange(0, K_PAD * BLOCK_D)
-        k = r // BLOCK_D
-        d = tl.program_id(1) * BLOCK_D + r % BLOCK_D
-        ok = (k < K) & (d < D)
-        s = (t * K + k).to(tl.int64)
+        t, k, d, ok, s = _token_expert_block(D, K, K_PAD, BLOCK_D)
         if ROUTED:
             ids, z, rank = _ranked_experts(ids_ptr, t, k, E, E_PAD)
             e = ids.to(tl.int64)
@@ -230,6 +225,16 @@ if triton is not None:
         if not ROUTED:
             wts = tl.load(wts_ptr + s, mask=ok, other=0.0)
         _weighted_expert_sum(acc, wts, y_ptr, t, D, K, K_PAD, BLOCK_D)
+
+    @triton.jit
+    def _token_expert_block(D: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Program (t, j)'s K_PAD * BLOCK_D pairs (expert slot k, output d) of token t's output block j: t, k, d,
+        ok (k < K and d < D) and the assignments s = t * K + k."""
+        t = tl.program_id(0)
+        r = tl.arange(0, K_PAD * BLOCK_D)
+        k = r // BLOCK_D
+        d = tl.program_id(1) * BLOCK_D + r % BLOCK_D
+        return t, k, d, (k < K) & (d < D), (t * K + k).to(tl.int64)
 
     @triton.jit
     def _weighted_expert_sum(acc, wts, y_ptr, t, D: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
@@ -255,12 +260,7 @@ if triton is not None:
         each expert's product is its NFB partials added in F order, then `_weighted_expert_sum`. No weights to
         read; the routing (ROUTED: from the router logits) is two kernels old, so it is read before the wait."""
         pdl_launch_next(PDL, EARLY)
-        t = tl.program_id(0)
-        r = tl.arange(0, K_PAD * BLOCK_D)
-        k = r // BLOCK_D
-        d = tl.program_id(1) * BLOCK_D + r % BLOCK_D
-        ok = (k < K) & (d < D)
-        s = (t * K + k).to(tl.int64)
+        t, k, d, ok, s = _token_expert_block(D, K, K_PAD, BLOCK_D)
         if ROUTED:
             ids, z, rank = _ranked_experts(ids_ptr, t, k, E, E_PAD)
             wts = _routed_weights(z, rank, ids, SCALE, K, NORM)
