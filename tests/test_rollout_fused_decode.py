@@ -74,18 +74,20 @@ def test_fused_decode_forward_bf16_logits_and_kv():
 
 
 @pytest.mark.parametrize("num_tokens,max_width,split_down", [(1, 2048, False), (3, 2048, False), (2, 32, False),
-                                                              (40, 2048, False), (300, 2048, False), (1, 2048, True),
-                                                              (3, 2048, True), (2, 32, True)])
+                                                              (40, 2048, False), (300, 2048, False), (1, 2048, 8),
+                                                              (3, 2048, 8), (2, 32, 8), (3, 2048, 16)])
 def test_decode_expert_kernels_match_sorted_forward(monkeypatch, num_tokens, max_width, split_down):
     """The small-batch fused kernels and the grouped path (counting sort + grouped_mm + weighted sum) both equal
     `Experts.sorted_forward`; the counting sort gives the stable argsort's order and the grouped_mm offsets.
     max_width 32: the small-batch kernels hold narrower weight tiles than a row and loop over the rest.
-    split_down: the gate_up programs take their share of the down product, and a kernel adds the partials."""
+    split_down (F rows per program): the gate_up programs take their share of the down product, and a kernel adds
+    the partials."""
     from moeloop.model.experts import Experts, expert_counts
     from moeloop.rollout import moe_kernel
     from moeloop.rollout.moe_kernel import fused_experts, grouped_experts
     monkeypatch.setattr(moe_kernel, "FEW_MAX_WIDTH", max_width)
-    monkeypatch.setattr(moe_kernel, "SPLIT_DOWN", split_down)
+    monkeypatch.setattr(moe_kernel, "SPLIT_DOWN", bool(split_down))
+    monkeypatch.setattr(moe_kernel, "SPLIT_DOWN_ROWS", split_down or 0)  # its F rows per gate_up program
 
     torch.manual_seed(num_tokens)
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # CUDA grouped_mm takes bf16

@@ -39,6 +39,9 @@ FEW_MAX_WIDTH = 2048
 # launch whose programs wait for the router (BENCHMARKS.md session 20, item 2)
 SPLIT_DOWN = os.environ.get("MOELOOP_SPLIT_DOWN", "off").lower() == "on"
 SPLIT_DOWN_BLOCK_D = 16  # outputs per `_down_partials_combine` program (96 programs at D = 1536)
+# F rows per gate_up program with SPLIT_DOWN (0: GATE_UP_FEW_TILE's 8). Its down columns are that many contiguous
+# values of each [D, F] row: 8 bf16 are half of a 32-byte sector, 16 a whole one (and half the programs)
+SPLIT_DOWN_ROWS = int(os.environ.get("MOELOOP_SPLIT_DOWN_ROWS", "0"))
 GROUPED_GEMM = "triton"  # or "grouped_mm" (torch's cutlass kernel; bf16 only)
 # `_expert_gemm` tiles: (BLOCK_N, BLOCK_K, num_warps, num_stages) for the gate_up and down launches
 GATE_UP_TILE = (64, 128, 4, 3)
@@ -328,11 +331,13 @@ def _few_token_experts(experts: Experts, x_TD: torch.Tensor, route: torch.Tensor
     gate_up = dict(D=D, F=F, K=K, BLOCK_F=block_f, BLOCK_D=min(FEW_MAX_WIDTH, triton.next_power_of_2(D)),
                    LIBDEVICE=not triton_interpreting(), num_warps=warps_f, **routing, **pdl)
     if SPLIT_DOWN:
+        block_f = SPLIT_DOWN_ROWS or block_f
         nfb = triton.cdiv(F, block_f)
         part = torch.empty(T * K, nfb, D, dtype=torch.float32, device=x_TD.device)
         _gate_up_silu[(T * K, nfb)](x_TD, w_gu, route, h_SF, w_gu.stride(0), w_gu.stride(1), wd_ptr=w_d,
                                     part_ptr=part, s_wde=w_d.stride(0), s_wdd=w_d.stride(1), PART=True,
-                                    BLOCK_DD=min(triton.next_power_of_2(D), FEW_MAX_WIDTH // 4), **gate_up)
+                                    BLOCK_DD=min(triton.next_power_of_2(D), FEW_MAX_WIDTH // 4),
+                                    **(gate_up | dict(BLOCK_F=block_f)))
         _down_partials_combine[(T, triton.cdiv(D, SPLIT_DOWN_BLOCK_D))](
             part, route, wts_S, y_TD, D=D, NFB=nfb, K=K, K_PAD=k_pad, BLOCK_D=SPLIT_DOWN_BLOCK_D,
             EARLY=kernel_switch.PDL_EARLY, num_warps=4, **routing, **(down_routing or {}), **pdl)
