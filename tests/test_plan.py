@@ -150,3 +150,15 @@ def test_step_time_overlaps_generation_only_when_generated_ahead_elsewhere():
         assert cfg.rollout.generates_ahead == ahead, mode
         plan = build_plan(cfg)
         assert plan.step_s == pytest.approx(step_seconds(plan.phases_s, overlaps)), mode
+
+
+def test_a_disaggregated_engine_is_planned_with_the_memory_fraction_it_takes():
+    """The run's own engine on GPUs of its own gets rollout.gpu_memory_utilization, as the engine process does
+    (the split table's other layouts keep the dedicated default)."""
+    batches = []
+    for fraction in (0.3, 0.8):  # 96 training GPUs and 64 for rollout: two engines of rollout_tp=32
+        plan = build_plan(load_config(DSV3, ["rollout.mode=disaggregated", "plan.total_gpus=160",
+                                             f"rollout.gpu_memory_utilization={fraction}"]))
+        assert plan.decode is not None and not plan.problems
+        batches.append(plan.decode.batch)
+    assert batches == [1, 256]  # 0.3 of an H200 holds little beyond DeepSeek-V3's weights; 0.8 the most sequences

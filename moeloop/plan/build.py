@@ -19,7 +19,7 @@ from moeloop.plan.decode import DecodeEstimate, decode_roofline
 from moeloop.plan.interval import expected_overhead, young_daly_interval_s
 from moeloop.plan.memory import (GB, Ledger, avg_seq_tokens, memory_ledger, num_micro_batches, on_training_gpus,
                                  state_bytes)
-from moeloop.plan.split import DEDICATED_FRACTION, SplitRow, split_rows, verdict
+from moeloop.plan.split import SplitRow, split_rows, verdict
 from moeloop.plan.step_time import phase_shares, step_phases, step_seconds
 from moeloop.plan.sync_cost import offload_round_trip_s, sync_costs
 
@@ -120,7 +120,9 @@ def _decode(cfg: RunConfig, stats: ModelStats, layout: Layout, pool: int, coloca
     if gpus < engine_tp:
         return None
     hw = cfg.hardware
-    fraction = cfg.rollout.gpu_memory_utilization if colocated else DEDICATED_FRACTION
+    # (the run's own engine takes rollout.gpu_memory_utilization on GPUs of its own too, as the disaggregated engine
+    # process does; `split_rows` keeps DEDICATED_FRACTION for the layouts it only weighs)
+    fraction = cfg.rollout.gpu_memory_utilization
     return decode_roofline(stats, gpus, engine_tp, hw.hbm_gbps, hw.gpu_memory_gb, fraction, _decode_context(cfg),
                            cfg.rollout.max_num_seqs, cfg.plan.decode_efficiency)
 
@@ -160,9 +162,8 @@ def _assumptions(cfg: RunConfig, stats: ModelStats, colocated: bool) -> list[str
         f"sequences of {avg_seq_tokens(cfg)} tokens (prompt + response) for FLOPs and micro-batch counts",
         "rollout weights and KV in bf16; "
         + ("the engine keeps both beside the trainer (async)" if cfg.rollout.mode == "async" else
-           "the engine sleeps (frees both) while training")
-        + (f"; colocated engine uses {cfg.rollout.gpu_memory_utilization:.2f} of each GPU" if colocated else
-           f"; dedicated rollout GPUs use {DEDICATED_FRACTION:.2f}"),
+           "the engine sleeps (frees both) while training" if colocated else "the engine has GPUs of its own")
+        + f"; the engine uses {cfg.rollout.gpu_memory_utilization:.2f} of each of its GPUs",
         f"decode at {cfg.plan.decode_efficiency:.0%} of the HBM roofline; training at MFU {cfg.plan.mfu:.0%} of "
         f"{cfg.hardware.peak_tflops:g} TFLOP/s",
         "offloaded state lives in pinned host buffers allocated once (no 2x host peak)",
