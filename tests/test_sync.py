@@ -164,3 +164,21 @@ def test_wsum_in_chunks_equals_its_definition():
         assert fingerprint(buf, "wsum") == _wsum_by_definition(buf), size
         if torch.cuda.is_available():
             assert fingerprint(buf.cuda(), "wsum") == _wsum_by_definition(buf), size
+
+
+def test_process_transport_stages_host_buckets_in_shared_memory_kept_across_pushes():
+    """Each host bucket goes out in a shared-memory buffer kept per bucket index: the same buffer on the next push
+    of the same size (new contents copied in), a new one when the size changes; the bytes and fingerprints are the
+    sender's."""
+    from moeloop.sync import ProcessTransport, fingerprint, pack_buckets
+    sent = []
+    transport = ProcessTransport(sent.append)
+    pushes = [[("a", torch.full((300,), float(v))), ("b", torch.arange(100.0) * v)] for v in (1, 2)]
+    pushes.append([("a", torch.ones(500)), ("b", torch.zeros(100))])  # a new size for bucket 0
+    for push in pushes:
+        out = list(transport.transfer(pack_buckets(push, bucket_bytes=1 << 20)))
+        assert len(out) == 1 and sent[-1].index == 0
+        assert sent[-1].buffer.is_shared() and torch.equal(sent[-1].buffer, out[0].buffer)
+        assert fingerprint(sent[-1].buffer, sent[-1].fingerprint_kind) == out[0].fingerprint
+    ptrs = [b.buffer.data_ptr() for b in sent]
+    assert ptrs[0] == ptrs[1] != ptrs[2]
