@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from cuda_kernels import captured
+from cuda_kernels import captured, replay_seconds
 from moeloop.rollout import sampler as sampler_mod
 from moeloop.rollout.gumbel_kernel import topk_gumbel_argmax
 from moeloop.rollout.sampler import Sampler, SamplingTensors, row_key
@@ -85,15 +85,10 @@ def graph_us(fn, logits: torch.Tensor, st: SamplingTensors, calls: int = 20) -> 
     graph, outs = captured(lambda: [fn(logits, st) for _ in range(calls)])
     for _ in range(3):
         graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
+    seconds = replay_seconds(graph, 10)
     want = fn(logits, st)
     same = all(torch.equal(o[0], want[0]) and torch.equal(o[1], want[1]) for o in outs)
-    return start.elapsed_time(end) / (10 * calls) * 1000, same
+    return seconds / calls * 1e6, same
 
 
 def agreement(batches: int = 300) -> int:

@@ -79,15 +79,16 @@ def test_a_corrupt_bucket_is_refused_where_it_arrives(model_dir, tmp_path):
         assert isinstance(c.engine, RemoteEngine) and c.engine.proc.pid != os.getpid()
         c.syncer.push(c.actor.named_weights(), c.engine, version=1)
         assert _version_of_next_sample(c) == 1
-        send = c.engine.send_bucket
-        def corrupt(bucket):  # after the sender fingerprinted it: bytes that change on the way
-            bucket.buffer = bucket.buffer.clone()
-            bucket.buffer[7] ^= 0x5A
-            send(bucket)
-        c.syncer.transport.send = corrupt
+        transfer = c.syncer.transport.transfer
+        def corrupt(buckets):  # after the sender fingerprinted them: bytes that change on the way
+            for bucket in transfer(buckets):
+                bucket.buffer = bucket.buffer.clone()
+                bucket.buffer[7] ^= 0x5A
+                yield bucket
+        c.syncer.transport.transfer = corrupt
         with pytest.raises(WeightSyncError, match="failed its checksum"):
             c.syncer.push(c.actor.named_weights(), c.engine, version=2)
-        c.syncer.transport.send = send
+        c.syncer.transport.transfer = transfer
         assert c.engine.policy_version == 1
         c.engine.resume()  # the failed push left it paused, and it refuses to generate from a half-updated model
         with pytest.raises(RuntimeError, match="half-updated"):

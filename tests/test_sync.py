@@ -172,13 +172,14 @@ def test_process_transport_stages_host_buckets_in_shared_memory_kept_across_push
     sender's."""
     from moeloop.sync import ProcessTransport, fingerprint, pack_buckets
     sent = []
-    transport = ProcessTransport(sent.append)
+    transport = ProcessTransport()
     pushes = [[("a", torch.full((300,), float(v))), ("b", torch.arange(100.0) * v)] for v in (1, 2)]
     pushes.append([("a", torch.ones(500)), ("b", torch.zeros(100))])  # a new size for bucket 0
     for push in pushes:
-        out = list(transport.transfer(pack_buckets(push, bucket_bytes=1 << 20)))
-        assert len(out) == 1 and sent[-1].index == 0
-        assert sent[-1].buffer.is_shared() and torch.equal(sent[-1].buffer, out[0].buffer)
-        assert fingerprint(sent[-1].buffer, sent[-1].fingerprint_kind) == out[0].fingerprint
+        packed = list(pack_buckets(push, bucket_bytes=1 << 20))
+        sent += transport.transfer(packed)
+        assert len(packed) == 1 and sent[-1].index == 0
+        assert sent[-1].buffer.is_shared() and torch.equal(sent[-1].buffer, packed[0].buffer)
+        assert fingerprint(sent[-1].buffer, sent[-1].fingerprint_kind) == packed[0].fingerprint
     ptrs = [b.buffer.data_ptr() for b in sent]
     assert ptrs[0] == ptrs[1] != ptrs[2]

@@ -219,7 +219,7 @@ def build_components(cfg: RunConfig, resume: bool) -> Components:
                     cfg.trainer.steps) if cfg.critic.enable else None
     if cfg.rollout.mode == "disaggregated":
         engine = RemoteEngine(cfg, rollout_device(cfg, env.device), rollout_threads(cfg))
-        transport = ProcessTransport(engine.send_bucket)
+        transport = ProcessTransport()
     else:
         engine = build_engine(cfg, engine_model(cfg, env, actor), tokenizer)
         transport = _colocated_transport(cfg, env)

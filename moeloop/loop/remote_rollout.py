@@ -58,7 +58,12 @@ def rollout_threads(cfg: RunConfig) -> int:
     """`rollout.threads`, or by default the trainer's intra-op threads: half of them when the engine generates
     while the trainer trains (max_staleness >= 1; the trainer keeps the other half, `loop.rl.RolloutAhead`)."""
     threads = torch.get_num_threads()
-    return cfg.rollout.threads or (max(1, threads // 2) if cfg.rollout.max_staleness >= 1 else threads)
+    return cfg.rollout.threads or (half_threads(threads) if cfg.rollout.max_staleness >= 1 else threads)
+
+
+def half_threads(threads: int) -> int:
+    """Each side's intra-op threads when the trainer and the rollout run at once on one host's cores."""
+    return max(1, threads // 2)
 
 
 class RemoteEngine:
@@ -88,18 +93,14 @@ class RemoteEngine:
     def resume(self) -> None:
         self._call("resume")
 
-    def send_bucket(self, bucket: Bucket) -> None:
-        """One bucket of the update in progress (`sync.ProcessTransport`, inside `update_from_buckets`)."""
-        self._send(("bucket", bucket), "update_weights")
-
     def update_from_buckets(self, buckets: Iterable[Bucket], version: int, verify: bool) -> None:
-        """Stream the buckets (iterating `buckets` sends them) and wait until the engine has verified and
-        applied all of them at `version`; raises what the engine raised, e.g. `WeightSyncError`."""
+        """Send the buckets (`sync.ProcessTransport`'s) and wait until the engine has verified and applied all of
+        them at `version`; raises what the engine raised, e.g. `WeightSyncError`."""
         with self.lock:
             self._send(("update_weights", (version, verify)), "update_weights")
             try:
-                for _ in buckets:
-                    pass
+                for bucket in buckets:
+                    self._send(("bucket", bucket), "update_weights")
             finally:  # (after a failure on this side, the engine sees an incomplete set and refuses it)
                 self._send(("end", None), "update_weights")
             self._reply("update_weights")

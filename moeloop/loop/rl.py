@@ -25,6 +25,7 @@ from moeloop.config import RunConfig
 from moeloop.loop.components import Components, build_components
 from moeloop.loop.env import run_command
 from moeloop.loop.metrics import PhaseTimer, peak_memory_bytes
+from moeloop.loop.remote_rollout import half_threads
 from moeloop.loop.step_metrics import batch_metrics, logprob_mismatch
 from moeloop.parallel.collectives import global_values
 from moeloop.types import Sample
@@ -130,12 +131,12 @@ class RolloutAhead(RolloutInLine):
         local = cfg.rollout.mode == "async"  # the engine is in this process
         self.stream = torch.cuda.Stream(c.env.device) if local and c.env.device.type == "cuda" else None
         # on CPU the two threads' ops (or this process's and the engine process's) share the cores: each gets half
-        # the intra-op threads (`remote_rollout.rollout_threads`). (The demo on 2 cores: 0.125 s a step with all
+        # the intra-op threads (`remote_rollout.half_threads`). (The demo on 2 cores: 0.125 s a step with all
         # threads each, 0.098 s with half, 0.076 s synchronous; where each phase runs on one thread anyway, async
         # pays: e2e_vs_trl.py --threads 1, 0.041 against 0.052-0.060 s; BENCHMARKS.md)
         self.threads = torch.get_num_threads()
-        if c.env.device.type == "cpu" and self.threads > 1:
-            torch.set_num_threads(self.threads // 2)
+        if c.env.device.type == "cpu":
+            torch.set_num_threads(half_threads(self.threads))
 
     def start(self, step: int) -> None:
         """Generate step `step`'s batch on the thread, unless there is no such step or a checkpoint comes first."""

@@ -319,31 +319,31 @@ def _few_token_experts(experts: Experts, x_TD: torch.Tensor, route: torch.Tensor
     `SPLIT_DOWN`: `_gate_up_silu` with PART, then `_down_partials_combine`."""
     w_gu, w_d = experts.gate_up_proj, experts.down_proj
     D, F, T = experts.dim, experts.ffn_dim, x_TD.shape[0]
-    h_SF = x_TD.new_empty(T * K, F)
     y_TD = torch.empty_like(x_TD)
     # narrow tiles, many programs, a whole weight row per program: at B=1 this is a weight stream of K experts,
     # bound by the bytes in flight
     pdl = pdl_args(x_TD, T)
     (block_f, warps_f), (block_d, warps_d) = GATE_UP_FEW_TILE, DOWN_FEW_TILE
+    if SPLIT_DOWN:
+        block_f = SPLIT_DOWN_ROWS or block_f
     # down's tile: K_PAD * BLOCK_D rows x BLOCK_F columns, at most 4 * FEW_MAX_WIDTH values (512 columns at K=4)
     k_pad = triton.next_power_of_2(K)
     down_block_f = min(FEW_MAX_WIDTH * 4 // (k_pad * block_d), triton.next_power_of_2(F))
+    grid = (T * K, triton.cdiv(F, block_f))
     gate_up = dict(D=D, F=F, K=K, BLOCK_F=block_f, BLOCK_D=min(FEW_MAX_WIDTH, triton.next_power_of_2(D)),
                    LIBDEVICE=not triton_interpreting(), num_warps=warps_f, **routing, **pdl)
     if SPLIT_DOWN:
-        block_f = SPLIT_DOWN_ROWS or block_f
-        nfb = triton.cdiv(F, block_f)
-        part = torch.empty(T * K, nfb, D, dtype=torch.float32, device=x_TD.device)
-        _gate_up_silu[(T * K, nfb)](x_TD, w_gu, route, h_SF, w_gu.stride(0), w_gu.stride(1), wd_ptr=w_d,
-                                    part_ptr=part, s_wde=w_d.stride(0), s_wdd=w_d.stride(1), PART=True,
-                                    BLOCK_DD=min(triton.next_power_of_2(D), FEW_MAX_WIDTH // 4),
-                                    **(gate_up | dict(BLOCK_F=block_f)))
+        part = torch.empty(T * K, grid[1], D, dtype=torch.float32, device=x_TD.device)
+        # (h_ptr: x, whose dtype is h's; with PART only that is read)
+        _gate_up_silu[grid](x_TD, w_gu, route, x_TD, w_gu.stride(0), w_gu.stride(1), wd_ptr=w_d, part_ptr=part,
+                            s_wde=w_d.stride(0), s_wdd=w_d.stride(1), PART=True,
+                            BLOCK_DD=min(triton.next_power_of_2(D), FEW_MAX_WIDTH // 4), **gate_up)
         _down_partials_combine[(T, triton.cdiv(D, SPLIT_DOWN_BLOCK_D))](
-            part, route, wts_S, y_TD, D=D, NFB=nfb, K=K, K_PAD=k_pad, BLOCK_D=SPLIT_DOWN_BLOCK_D,
+            part, route, wts_S, y_TD, D=D, NFB=grid[1], K=K, K_PAD=k_pad, BLOCK_D=SPLIT_DOWN_BLOCK_D,
             EARLY=kernel_switch.PDL_EARLY, num_warps=4, **routing, **(down_routing or {}), **pdl)
         return y_TD
-    _gate_up_silu[(T * K, triton.cdiv(F, block_f))](x_TD, w_gu, route, h_SF, w_gu.stride(0), w_gu.stride(1),
-                                                     **gate_up)
+    h_SF = x_TD.new_empty(T * K, F)
+    _gate_up_silu[grid](x_TD, w_gu, route, h_SF, w_gu.stride(0), w_gu.stride(1), **gate_up)
     _down_combine[(T, triton.cdiv(D, block_d))](h_SF, w_d, route, wts_S, y_TD, w_d.stride(0), w_d.stride(1), D=D, F=F,
                                                  K=K, K_PAD=k_pad, BLOCK_D=block_d, BLOCK_F=down_block_f,
                                                  EARLY=kernel_switch.PDL_EARLY, num_warps=warps_d, **routing,

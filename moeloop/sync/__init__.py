@@ -17,5 +17,5 @@ def build_transport(kind: str, **kwargs) -> Transport:
 
 
 __all__ = ["Bucket", "BroadcastTransport", "DiskTransport", "InProcessTransport", "ProcessTransport", "SyncReport",
-           "Transport", "WeightSyncError", "WeightSyncer", "build_transport", "drain_before_step", "fingerprint", "pack_buckets",
-           "share_parameters", "unpack_bucket", "verified_tensors"]
+           "Transport", "WeightSyncError", "WeightSyncer", "build_transport", "drain_before_step", "fingerprint",
+           "pack_buckets", "share_parameters", "unpack_bucket", "verified_tensors"]

@@ -6,9 +6,10 @@
   across anything with a shared filesystem.
 - `BroadcastTransport`: torch.distributed broadcast (gloo on CPU, NCCL on GPU) from a source rank
   to every rank of a group.
-- `ProcessTransport`: to a rollout engine in a process of its own on this node (rollout.mode=disaggregated),
-  through its pipe: torch.multiprocessing puts host buffers in shared memory and sends device buffers as CUDA IPC
-  handles. That process verifies each bucket as it arrives (the syncer's `update_from_buckets` path).
+- `ProcessTransport`: for a rollout engine in a process of its own on this node (rollout.mode=disaggregated):
+  host buckets staged in shared memory, device buckets as they are, both sent by the receiver's pipe as handles
+  (torch.multiprocessing; CUDA IPC for device buffers). That process verifies each bucket as it arrives (the
+  syncer's `update_from_buckets` path).
 Every transport yields the buckets exactly as sent; verification happens in the receiver.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Protocol
+from typing import Iterable, Iterator, Protocol
 
 import torch
 import torch.distributed as dist
@@ -117,22 +118,21 @@ class BroadcastTransport:
 
 
 class ProcessTransport:
-    """Buckets to another process through `send` (`loop.remote_rollout.RemoteEngine.send_bucket`). A host bucket
-    goes through a shared-memory buffer kept per bucket index from one push to the next: a fresh shared segment for
-    every push costs more than the copy into it (BENCHMARKS.md, session 20). Device buckets go as they are (their
-    CUDA IPC handles); keeping them would hold a second copy of the weights on the trainer's GPU."""
+    """Buckets for another process (`loop.remote_rollout.RemoteEngine`, whose pipe carries them). A host bucket is
+    staged in a shared-memory buffer kept per bucket index from one push to the next, so the pipe passes a handle
+    and the bytes are copied once: a fresh shared segment for every push costs more than the copy into it
+    (BENCHMARKS.md, session 20). Device buckets go as they are (their CUDA IPC handles); keeping them would hold a
+    second copy of the weights on the trainer's GPU."""
 
-    def __init__(self, send: Callable[[Bucket], None]):
-        self.send = send
+    def __init__(self):
         self.staging: dict[int, torch.Tensor] = {}
 
     def moves_bytes(self, device: torch.device) -> bool:
         return True
 
     def transfer(self, buckets: Iterable[Bucket]) -> Iterator[Bucket]:
-        for bucket in buckets:
-            self.send(replace(bucket, buffer=self._staged(bucket)) if bucket.buffer.device.type == "cpu" else bucket)
-            yield bucket  # as sent: the receiving process verifies its copy
+        for bucket in buckets:  # (the receiving process verifies its copy)
+            yield replace(bucket, buffer=self._staged(bucket)) if bucket.buffer.device.type == "cpu" else bucket
 
     def _staged(self, bucket: Bucket) -> torch.Tensor:
         staged = self.staging.get(bucket.index)
