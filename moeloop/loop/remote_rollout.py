@@ -33,7 +33,7 @@ _CALLS = ("generate", "pause", "drain", "resume")
 
 
 class RemoteRolloutError(RuntimeError):
-    pass
+    """The engine process is gone, or broke the pipe's protocol."""
 
 
 def rollout_device(cfg: RunConfig, trainer_device: torch.device) -> torch.device:
@@ -114,7 +114,7 @@ class RemoteEngine:
                 self._send(("close", ()), "close")
                 self._reply("close")
             except RemoteRolloutError:
-                pass
+                pass  # it ended on its own meanwhile: the join below finds it gone
         self.proc.join(timeout=30)
         if self.proc.is_alive():
             self.proc.terminate()
