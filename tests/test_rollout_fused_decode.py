@@ -73,21 +73,15 @@ def test_fused_decode_forward_bf16_logits_and_kv():
     assert (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean() >= 0.8
 
 
-@pytest.mark.parametrize("num_tokens,max_width,split_down", [(1, 2048, False), (3, 2048, False), (2, 32, False),
-                                                              (40, 2048, False), (300, 2048, False), (1, 2048, 8),
-                                                              (3, 2048, 8), (2, 32, 8), (3, 2048, 16)])
-def test_decode_expert_kernels_match_sorted_forward(monkeypatch, num_tokens, max_width, split_down):
+@pytest.mark.parametrize("num_tokens,max_width", [(1, 2048), (3, 2048), (2, 32), (40, 2048), (300, 2048)])
+def test_decode_expert_kernels_match_sorted_forward(monkeypatch, num_tokens, max_width):
     """The small-batch fused kernels and the grouped path (counting sort + grouped_mm + weighted sum) both equal
     `Experts.sorted_forward`; the counting sort gives the stable argsort's order and the grouped_mm offsets.
-    max_width 32: the small-batch kernels hold narrower weight tiles than a row and loop over the rest.
-    split_down (F rows per program): the gate_up programs take their share of the down product, and a kernel adds
-    the partials."""
+    max_width 32: the small-batch kernels hold narrower weight tiles than a row and loop over the rest."""
     from moeloop.model.experts import Experts, expert_counts
     from moeloop.rollout import moe_kernel
     from moeloop.rollout.moe_kernel import fused_experts, grouped_experts
     monkeypatch.setattr(moe_kernel, "FEW_MAX_WIDTH", max_width)
-    monkeypatch.setattr(moe_kernel, "SPLIT_DOWN", bool(split_down))
-    monkeypatch.setattr(moe_kernel, "SPLIT_DOWN_ROWS", split_down or 0)  # its F rows per gate_up program
 
     torch.manual_seed(num_tokens)
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # CUDA grouped_mm takes bf16
@@ -213,17 +207,15 @@ def test_fused_decode_single_sequence_matches_module_path(monkeypatch, arch, nor
     assert heads == ([fused_decode.LM_HEAD_TILE] * 4 if head_fold and norm_fold else [])
 
 
-@pytest.mark.parametrize("norm_topk,split_down", [(True, False), (False, False), (True, True), (False, True)])
-def test_routed_experts_equal_topk_kernel_then_experts(monkeypatch, norm_topk, split_down):
+@pytest.mark.parametrize("norm_topk", [True, False])
+def test_routed_experts_equal_topk_kernel_then_experts(norm_topk):
     """The expert kernels ranking the router logits themselves (`routed_experts`) give what the top-k kernel's ids
     and weights give through `fused_experts`: logits with ties at the top-k boundary (lowest id first) and a NaN
-    row (its experts stay in range; the other rows are unaffected). split_down: in the partials kernel too."""
+    row (its experts stay in range; the other rows are unaffected)."""
     from types import SimpleNamespace
     from moeloop.model.experts import Experts
-    from moeloop.rollout import moe_kernel
     from moeloop.rollout.fused_decode import route_softmax_topk
     from moeloop.rollout.moe_kernel import fused_experts, routed_experts
-    monkeypatch.setattr(moe_kernel, "SPLIT_DOWN", split_down)
 
     torch.manual_seed(3)
     E, K, D, F_ = 12, 3, 64, 32  # E padded to 16 inside the kernels

@@ -90,19 +90,6 @@ def _compile_align_and_small_batch_experts():
                       E=E, E_PAD=E, SCALE=1.0, NORM=True))
 
 
-def _compile_split_down():
-    """MOELOOP_SPLIT_DOWN: gate_up writing down partials, and the kernel that adds them (routed, as at B=1)."""
-    from moeloop.rollout import moe_kernel
-    compile_sm90(moe_kernel._gate_up_silu, dict(x_ptr="*bf16", w_ptr="*bf16", ids_ptr="*bf16", h_ptr="*bf16",
-                                                s_we="i64", s_wf="i64", wd_ptr="*bf16", part_ptr="*fp32",
-                                                s_wde="i64", s_wdd="i64"),
-                 dict(D=D, F=F, K=K, BLOCK_F=8, BLOCK_D=2048, LIBDEVICE=True, PDL=True, ROUTED=True, E=E, E_PAD=E,
-                      PART=True, BLOCK_DD=512), num_warps=4)
-    compile_sm90(moe_kernel._down_partials_combine, dict(part_ptr="*fp32", ids_ptr="*bf16", y_ptr="*bf16"),
-                 dict(wts_ptr=None, D=D, NFB=F // 8, K=K, K_PAD=K, BLOCK_D=16, EARLY=True, PDL=True, ROUTED=True,
-                      E=E, E_PAD=E, SCALE=1.0, NORM=True))
-
-
 def _compile_combine_rows_and_backward():
     from moeloop.model import expert_rows
     for weighted in (True, False):

@@ -34,14 +34,6 @@ FUSED_MAX_ASSIGNMENTS = 32
 GATE_UP_FEW_TILE = (8, 4)
 DOWN_FEW_TILE = (4, 4)
 FEW_MAX_WIDTH = 2048
-# MOELOOP_SPLIT_DOWN=on (off by default, not yet measured on a GPU): the gate_up programs also take their F rows'
-# share of the down product, and a weightless kernel adds the partials, so every routed weight is read by the one
-# launch whose programs wait for the router (BENCHMARKS.md session 20, item 2)
-SPLIT_DOWN = os.environ.get("MOELOOP_SPLIT_DOWN", "off").lower() == "on"
-SPLIT_DOWN_BLOCK_D = 16  # outputs per `_down_partials_combine` program (96 programs at D = 1536)
-# F rows per gate_up program with SPLIT_DOWN (0: GATE_UP_FEW_TILE's 8). Its down columns are that many contiguous
-# values of each [D, F] row: 8 bf16 are half of a 32-byte sector, 16 a whole one (and half the programs)
-SPLIT_DOWN_ROWS = int(os.environ.get("MOELOOP_SPLIT_DOWN_ROWS", "0"))
 GROUPED_GEMM = "triton"  # or "grouped_mm" (torch's cutlass kernel; bf16 only)
 # `_expert_gemm` tiles: (BLOCK_N, BLOCK_K, num_warps, num_stages) for the gate_up and down launches
 GATE_UP_TILE = (64, 128, 4, 3)
@@ -90,14 +82,10 @@ if triton is not None:
     @triton.jit
     def _gate_up_silu(x_ptr, w_ptr, ids_ptr, h_ptr, s_we, s_wf, D: tl.constexpr, F: tl.constexpr, K: tl.constexpr,
                       BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr,
-                      ROUTED: tl.constexpr = False, E: tl.constexpr = 1, E_PAD: tl.constexpr = 1, wd_ptr=None,
-                      part_ptr=None, s_wde=0, s_wdd=0, PART: tl.constexpr = False, BLOCK_DD: tl.constexpr = 16):
+                      ROUTED: tl.constexpr = False, E: tl.constexpr = 1, E_PAD: tl.constexpr = 1):
         """Program (s, f): gate/up rows f of assignment s's expert against its token, SiLU(gate) * up. Waits first:
         the expert ids come from the kernel just before. ROUTED: `ids_ptr` holds the router logits [T, E] instead,
-        and the program ranks them itself (`_ranked_experts`: assignment s is token s // K's rank s % K).
-        PART (`SPLIT_DOWN`): instead of storing h, the program multiplies its rows of h by the same columns of the
-        expert's down weights [D, F] and stores the fp32 partial product over every output into part[s, f-block]
-        (`_down_partials_combine` adds them): all of the routed weights are then read by this launch."""
+        and the program ranks them itself (`_ranked_experts`: assignment s is token s // K's rank s % K)."""
         pdl_wait(PDL)
         s = tl.program_id(0)
         f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
@@ -121,17 +109,7 @@ if triton is not None:
         dt = h_ptr.dtype.element_ty
         g = acc_g.to(dt).to(tl.float32)
         u = acc_u.to(dt).to(tl.float32)
-        h = (_silu(g, dt, False, LIBDEVICE) * u).to(dt)
-        if PART:
-            hf = tl.where(f_ok, h.to(tl.float32), 0.0)
-            part_row = part_ptr + (s.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)) * D
-            for d0 in range(0, D, BLOCK_DD):
-                dd = d0 + tl.arange(0, BLOCK_DD)
-                wd = tl.load(wd_ptr + e * s_wde + dd.to(tl.int64)[:, None] * s_wdd + f[None, :],
-                             mask=(dd[:, None] < D) & f_ok[None, :], other=0.0).to(tl.float32)
-                tl.store(part_row + dd, tl.sum(wd * hf[None, :], 1), mask=dd < D)
-        else:
-            tl.store(h_ptr + s.to(tl.int64) * F + f, h, mask=f_ok)
+        tl.store(h_ptr + s.to(tl.int64) * F + f, (_silu(g, dt, False, LIBDEVICE) * u).to(dt), mask=f_ok)
 
     @triton.jit
     def _expert_gemm(a_ptr, rows_ptr, w_ptr, offsets_ptr, out_ptr, s_we, s_wn, N_OUT: tl.constexpr,
@@ -206,7 +184,12 @@ if triton is not None:
         too, and the program takes the ids and weights from them (`_ranked_experts`, `_routed_weights` with SCALE
         and NORM); `wts_ptr` is not read (None)."""
         pdl_launch_next(PDL, EARLY)
-        t, k, d, ok, s = _token_expert_block(D, K, K_PAD, BLOCK_D)
+        t = tl.program_id(0)
+        r = tl.arange(0, K_PAD * BLOCK_D)
+        k = r // BLOCK_D
+        d = tl.program_id(1) * BLOCK_D + r % BLOCK_D
+        ok = (k < K) & (d < D)
+        s = (t * K + k).to(tl.int64)
         if ROUTED:
             ids, z, rank = _ranked_experts(ids_ptr, t, k, E, E_PAD)
             e = ids.to(tl.int64)
@@ -225,56 +208,18 @@ if triton is not None:
             fm = ok[:, None] & (ff[None, :] < F)
             ww = tl.load(w_rows + ff[None, :], mask=fm, other=0.0).to(tl.float32)
             acc += tl.sum(ww * tl.load(h_rows + ff[None, :], mask=fm, other=0.0).to(tl.float32), 1)
+        dt = y_ptr.dtype.element_ty
         if not ROUTED:
             wts = tl.load(wts_ptr + s, mask=ok, other=0.0)
-        _weighted_expert_sum(acc, wts, y_ptr, t, D, K, K_PAD, BLOCK_D)
-
-    @triton.jit
-    def _token_expert_block(D: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
-        """Program (t, j)'s K_PAD * BLOCK_D pairs (expert slot k, output d) of token t's output block j: t, k, d,
-        ok (k < K and d < D) and the assignments s = t * K + k."""
-        t = tl.program_id(0)
-        r = tl.arange(0, K_PAD * BLOCK_D)
-        k = r // BLOCK_D
-        d = tl.program_id(1) * BLOCK_D + r % BLOCK_D
-        return t, k, d, (k < K) & (d < D), (t * K + k).to(tl.int64)
-
-    @triton.jit
-    def _weighted_expert_sum(acc, wts, y_ptr, t, D: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
-                             BLOCK_D: tl.constexpr):
-        """y[t, block] from the K experts' fp32 products acc [K_PAD * BLOCK_D]: each rounded first, weighted, and
-        added in expert order, as the module path and the trainer's combine add them (a tree sum could round
-        differently): each term is a one-row sum, exact."""
-        dt = y_ptr.dtype.element_ty
         part = tl.reshape(acc.to(dt).to(tl.float32) * wts, [K_PAD, BLOCK_D])
+        # the K products added in expert order, as the module path and the trainer's combine add them (a tree sum
+        # could round differently): each term is a one-row sum, exact
         k_rows = tl.arange(0, K_PAD)[:, None]
         out = tl.zeros([BLOCK_D], tl.float32)
         for kk in tl.static_range(K):
             out += tl.sum(tl.where(k_rows == kk, part, 0.0), 0)
         d_out = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         tl.store(y_ptr + t.to(tl.int64) * D + d_out, out.to(dt), mask=d_out < D)
-
-    @triton.jit
-    def _down_partials_combine(part_ptr, ids_ptr, wts_ptr, y_ptr, D: tl.constexpr, NFB: tl.constexpr,
-                               K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_D: tl.constexpr, EARLY: tl.constexpr,
-                               PDL: tl.constexpr, ROUTED: tl.constexpr = False, E: tl.constexpr = 1,
-                               E_PAD: tl.constexpr = 1, SCALE: tl.constexpr = 1.0, NORM: tl.constexpr = False):
-        """Program (t, j): outputs d of block j of token t from `_gate_up_silu`'s PART partials [T * K, NFB, D]:
-        each expert's product is its NFB partials added in F order, then `_weighted_expert_sum`. No weights to
-        read; the routing (ROUTED: from the router logits) is two kernels old, so it is read before the wait."""
-        pdl_launch_next(PDL, EARLY)
-        t, k, d, ok, s = _token_expert_block(D, K, K_PAD, BLOCK_D)
-        if ROUTED:
-            ids, z, rank = _ranked_experts(ids_ptr, t, k, E, E_PAD)
-            wts = _routed_weights(z, rank, ids, SCALE, K, NORM)
-        pdl_wait(PDL, EARLY)
-        if not ROUTED:
-            wts = tl.load(wts_ptr + s, mask=ok, other=0.0)
-        rows = part_ptr + s * NFB * D + d
-        acc = tl.zeros([K_PAD * BLOCK_D], tl.float32)
-        for b in range(NFB):
-            acc += tl.load(rows + b * D, mask=ok, other=0.0)
-        _weighted_expert_sum(acc, wts, y_ptr, t, D, K, K_PAD, BLOCK_D)
 
 
 def fused_experts(experts: Experts, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
@@ -315,35 +260,23 @@ def routed_experts(moe: MoE, x_TD: torch.Tensor, logits_TE: torch.Tensor) -> tor
 def _few_token_experts(experts: Experts, x_TD: torch.Tensor, route: torch.Tensor, wts_S: torch.Tensor | None, K: int,
                        routing: dict, down_routing: dict | None = None) -> torch.Tensor:
     """`_gate_up_silu` then `_down_combine` over T * K assignments; `route`: the expert ids [T * K] (weights wts_S),
-    or with `routing` (ROUTED) the router logits [T, E] (no wts_S: the down kernel derives the weights).
-    `SPLIT_DOWN`: `_gate_up_silu` with PART, then `_down_partials_combine`."""
+    or with `routing` (ROUTED) the router logits [T, E] (no wts_S: the down kernel derives the weights)."""
     w_gu, w_d = experts.gate_up_proj, experts.down_proj
     D, F, T = experts.dim, experts.ffn_dim, x_TD.shape[0]
+    h_SF = x_TD.new_empty(T * K, F)
     y_TD = torch.empty_like(x_TD)
     # narrow tiles, many programs, a whole weight row per program: at B=1 this is a weight stream of K experts,
     # bound by the bytes in flight
     pdl = pdl_args(x_TD, T)
     (block_f, warps_f), (block_d, warps_d) = GATE_UP_FEW_TILE, DOWN_FEW_TILE
-    if SPLIT_DOWN:
-        block_f = SPLIT_DOWN_ROWS or block_f
     # down's tile: K_PAD * BLOCK_D rows x BLOCK_F columns, at most 4 * FEW_MAX_WIDTH values (512 columns at K=4)
     k_pad = triton.next_power_of_2(K)
     down_block_f = min(FEW_MAX_WIDTH * 4 // (k_pad * block_d), triton.next_power_of_2(F))
-    grid = (T * K, triton.cdiv(F, block_f))
-    gate_up = dict(D=D, F=F, K=K, BLOCK_F=block_f, BLOCK_D=min(FEW_MAX_WIDTH, triton.next_power_of_2(D)),
-                   LIBDEVICE=not triton_interpreting(), num_warps=warps_f, **routing, **pdl)
-    if SPLIT_DOWN:
-        part = torch.empty(T * K, grid[1], D, dtype=torch.float32, device=x_TD.device)
-        # (h_ptr: x, whose dtype is h's; with PART only that is read)
-        _gate_up_silu[grid](x_TD, w_gu, route, x_TD, w_gu.stride(0), w_gu.stride(1), wd_ptr=w_d, part_ptr=part,
-                            s_wde=w_d.stride(0), s_wdd=w_d.stride(1), PART=True,
-                            BLOCK_DD=min(triton.next_power_of_2(D), FEW_MAX_WIDTH // 4), **gate_up)
-        _down_partials_combine[(T, triton.cdiv(D, SPLIT_DOWN_BLOCK_D))](
-            part, route, wts_S, y_TD, D=D, NFB=grid[1], K=K, K_PAD=k_pad, BLOCK_D=SPLIT_DOWN_BLOCK_D,
-            EARLY=kernel_switch.PDL_EARLY, num_warps=4, **routing, **(down_routing or {}), **pdl)
-        return y_TD
-    h_SF = x_TD.new_empty(T * K, F)
-    _gate_up_silu[grid](x_TD, w_gu, route, h_SF, w_gu.stride(0), w_gu.stride(1), **gate_up)
+    _gate_up_silu[(T * K, triton.cdiv(F, block_f))](x_TD, w_gu, route, h_SF, w_gu.stride(0), w_gu.stride(1),
+                                                     D=D, F=F, K=K, BLOCK_F=block_f,
+                                                     BLOCK_D=min(FEW_MAX_WIDTH, triton.next_power_of_2(D)),
+                                                     LIBDEVICE=not triton_interpreting(), num_warps=warps_f, **routing,
+                                                     **pdl)
     _down_combine[(T, triton.cdiv(D, block_d))](h_SF, w_d, route, wts_S, y_TD, w_d.stride(0), w_d.stride(1), D=D, F=F,
                                                  K=K, K_PAD=k_pad, BLOCK_D=block_d, BLOCK_F=down_block_f,
                                                  EARLY=kernel_switch.PDL_EARLY, num_warps=warps_d, **routing,
