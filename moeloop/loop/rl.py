@@ -130,13 +130,14 @@ class RolloutAhead(RolloutInLine):
         self.ready: tuple[int, list[Sample], dict[str, float], dict[str, float]] | None = None
         local = cfg.rollout.mode == "async"  # the engine is in this process
         self.stream = torch.cuda.Stream(c.env.device) if local and c.env.device.type == "cuda" else None
-        # on CPU the two threads' ops (or this process's and the engine process's) share the cores: each gets half
+        # the two threads' ops (or this process's and the engine process's) share the host's cores: each gets half
         # the intra-op threads (`remote_rollout.half_threads`). (The demo on 2 cores: 0.125 s a step with all
         # threads each, 0.098 s with half, 0.076 s synchronous; where each phase runs on one thread anyway, async
-        # pays: e2e_vs_trl.py --threads 1, 0.041 against 0.052-0.060 s; BENCHMARKS.md)
+        # pays: e2e_vs_trl.py --threads 1, 0.041 against 0.052-0.060 s. On GPUs too: the update's few host ops at
+        # all 32 cores' threads, beside the engine process, took update_actor from 0.22 to 0.32 s on the H200;
+        # BENCHMARKS.md, sessions 20-21)
         self.threads = torch.get_num_threads()
-        if c.env.device.type == "cpu":
-            torch.set_num_threads(half_threads(self.threads))
+        torch.set_num_threads(half_threads(self.threads))
 
     def start(self, step: int) -> None:
         """Generate step `step`'s batch on the thread, unless there is no such step or a checkpoint comes first."""
