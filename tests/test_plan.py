@@ -162,3 +162,17 @@ def test_a_disaggregated_engine_is_planned_with_the_memory_fraction_it_takes():
         assert plan.decode is not None and not plan.problems
         batches.append(plan.decode.batch)
     assert batches == [1, 256]  # 0.3 of an H200 holds little beyond DeepSeek-V3's weights; 0.8 the most sequences
+
+
+def test_an_engine_process_is_planned_with_the_buffers_it_is_lent():
+    """rollout.mode=disaggregated: the trainer keeps the engine process's lent buffers (`sync.transport`'s
+    LENT_BUFFERS of sync.bucket_bytes each), one more bucket than a colocated push holds."""
+    from moeloop.plan import memory
+    from moeloop.sync.transport import LENT_BUFFERS
+    assert memory.LENT_BUFFERS == LENT_BUFFERS
+    m = ModelConfig.from_hf_dict(dict(load_config(DSV3).plan.hf_config))
+    sync = {}
+    for mode in ("colocated", "disaggregated"):
+        cfg = load_config(DSV3, [f"rollout.mode={mode}", "sync.bucket_bytes=1000000000"])
+        sync[mode] = memory_ledger(cfg, model_stats(m), Layout.from_section(cfg.parallel)).entries["sync_buffers"]
+    assert sync["disaggregated"] - sync["colocated"] == (LENT_BUFFERS - 1) * 1e9

@@ -16,6 +16,7 @@ from tests.test_rl_async import ASYNC, _rows, check_dp2_matches_dp1
 from tests.test_rl_loop import _cfg, _metrics, _weights
 
 APART = ("rollout.mode=disaggregated",)
+SMALL = 16 << 10  # bytes per bucket where a test wants many
 
 
 @pytest.fixture(scope="module")
@@ -25,12 +26,13 @@ def model_dir(tmp_path_factory):
 
 def test_on_policy_equals_colocated(model_dir, tmp_path):
     """max_staleness=0: each batch generated in the engine process on the weights it trains, bit for bit what the
-    colocated engine (sharing the actor's parameters) generates."""
-    rl.run_rl(_cfg(model_dir, tmp_path / "apart", *APART, "rollout.max_staleness=0"))
+    colocated engine (sharing the actor's parameters) generates. Buckets of 16 KiB: dozens a push, so the two lent
+    buffers are packed again while the engine process reads them in turn."""
+    rl.run_rl(_cfg(model_dir, tmp_path / "apart", *APART, "rollout.max_staleness=0", f"sync.bucket_bytes={SMALL}"))
     rl.run_rl(_cfg(model_dir, tmp_path / "col"))
     assert _metrics(tmp_path / "apart") == _metrics(tmp_path / "col")
     assert [r["policy/sample_lag"] for r in _rows(tmp_path / "apart")] == [0, 0, 0, 0]
-    assert all(r["sync/bytes"] > 0 for r in _rows(tmp_path / "apart"))  # flat buckets crossed over
+    assert all(r["sync/bytes"] > 20 * SMALL for r in _rows(tmp_path / "apart"))  # flat buckets crossed over
     wa, wc = _weights(tmp_path / "apart"), _weights(tmp_path / "col")
     for name in wa:
         assert torch.equal(wa[name], wc[name]), name
@@ -140,7 +142,7 @@ def test_on_cuda_through_ipc(model_dir, tmp_path):
     GPU when there is one, else the trainer's own)."""
     device = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
     rl.run_rl(_cfg(model_dir, tmp_path / "run", *APART, "rollout.max_staleness=1", f"rollout.device={device}",
-                   device="cuda"))
+                   f"sync.bucket_bytes={SMALL}", device="cuda"))
     rows = _rows(tmp_path / "run")
     assert [r["policy/sample_lag"] for r in rows] == [0, 1, 1, 1]
     assert all(r["sync/bytes"] > 0 and torch.isfinite(torch.tensor(r["pg_loss"])) for r in rows)

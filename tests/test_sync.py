@@ -166,20 +166,25 @@ def test_wsum_in_chunks_equals_its_definition():
             assert fingerprint(buf.cuda(), "wsum") == _wsum_by_definition(buf), size
 
 
-def test_process_transport_stages_host_buckets_in_shared_memory_kept_across_pushes():
-    """Each host bucket goes out in a shared-memory buffer kept per bucket index: the same buffer on the next push
-    of the same size (new contents copied in), a new one when the size changes; the bytes and fingerprints are the
-    sender's."""
-    from moeloop.sync import ProcessTransport, fingerprint, pack_buckets
-    sent = []
-    transport = ProcessTransport()
-    pushes = [[("a", torch.full((300,), float(v))), ("b", torch.arange(100.0) * v)] for v in (1, 2)]
-    pushes.append([("a", torch.ones(500)), ("b", torch.zeros(100))])  # a new size for bucket 0
-    for push in pushes:
-        packed = list(pack_buckets(push, bucket_bytes=1 << 20))
-        sent += transport.transfer(packed)
-        assert len(packed) == 1 and sent[-1].index == 0
-        assert sent[-1].buffer.is_shared() and torch.equal(sent[-1].buffer, packed[0].buffer)
-        assert fingerprint(sent[-1].buffer, sent[-1].fingerprint_kind) == packed[0].fingerprint
-    ptrs = [b.buffer.data_ptr() for b in sent]
-    assert ptrs[0] == ptrs[1] != ptrs[2]
+def test_buckets_packed_into_lent_buffers_equal_fresh_ones():
+    """`pack_buckets(buffer_for=...)` (a receiver's lent buffers, `RemoteEngine.bucket_buffer`): the same bytes,
+    metas and fingerprints as buckets in buffers of their own, written into the lent memory, asked for once per
+    bucket in order with the bucket's padded size, before the bucket is yielded."""
+    from moeloop.sync import fingerprint, pack_buckets
+    tensors = [("a", torch.arange(300.0)), ("b", torch.arange(7, dtype=torch.int64)), ("c", torch.ones(2, 90)),
+               ("d", torch.full((5,), 3.0, dtype=torch.bfloat16))]
+    ring, asked = [torch.zeros(4096, dtype=torch.uint8) for _ in range(2)], []
+
+    def lend(index, num_bytes, device):
+        asked.append((index, num_bytes, device.type))
+        return ring[index % 2][:num_bytes]
+
+    fresh = list(pack_buckets(tensors, bucket_bytes=760))
+    for bucket in pack_buckets(tensors, bucket_bytes=760, buffer_for=lend):
+        assert asked[-1][0] == bucket.index  # asked for this bucket's buffer, not the next one's
+        same = fresh[bucket.index]
+        assert bucket.buffer.data_ptr() == ring[bucket.index % 2].data_ptr()
+        assert torch.equal(bucket.buffer, same.buffer) and bucket.metas == same.metas
+        assert bucket.fingerprint == same.fingerprint == fingerprint(bucket.buffer, bucket.fingerprint_kind)
+    assert [a[0] for a in asked] == list(range(len(fresh))) and len(fresh) == 3
+    assert [a[1] for a in asked] == [b.num_bytes for b in fresh] and {a[2] for a in asked} == {"cpu"}

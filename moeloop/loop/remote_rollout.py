@@ -3,8 +3,10 @@
 Each trainer rank starts one engine process (`RemoteEngine`, a spawned daemon) and talks to it through a pipe.
 The proxy answers what the loop asks of a colocated engine — `generate`, `pause`, `drain`, `resume` — so the
 rollout worker, the rewards and the weight syncer are the same code. Weights cross as the syncer's buckets
-(`sync.ProcessTransport`): torch.multiprocessing puts host buffers in shared memory and sends device buffers as
-CUDA IPC handles, and the engine process verifies every bucket's fingerprint on its side before applying it
+(`sync.ProcessTransport`), packed into buffers this proxy lends (`RemoteEngine.bucket_buffer`: two in turn, in
+shared memory on the host or on the trainer's GPU, mapped by the engine process once and kept). torch.multiprocessing
+sends their handles (CUDA IPC for device buffers); the engine process copies each bucket out, acknowledges it so
+the trainer may pack the next one into that buffer, and verifies its fingerprint on its side before applying it
 (`sync.verified_tensors`), then bumps its policy version. After a bad bucket the engine stays at its old version
 and refuses to generate until a push succeeds (as an in-process engine does).
 
@@ -28,6 +30,7 @@ import torch.multiprocessing as mp
 from moeloop.config import RunConfig
 from moeloop.errors import InputError
 from moeloop.sync import Bucket, verified_tensors
+from moeloop.sync.transport import LENT_BUFFERS
 
 _CALLS = ("generate", "pause", "drain", "resume")
 
@@ -78,6 +81,8 @@ class RemoteEngine:
         self.proc.start()
         child.close()
         self.lock = threading.Lock()
+        self.lent: dict[tuple[torch.device, int], torch.Tensor] = {}  # (device, slot) -> the buffer lent for it
+        self.acknowledged = 0  # buckets of the update in progress the engine process has released
         with self.lock:
             self.policy_version = self._reply("start")
 
@@ -93,18 +98,48 @@ class RemoteEngine:
     def resume(self) -> None:
         self._call("resume")
 
+    def bucket_buffer(self, index: int, num_bytes: int, device: torch.device) -> torch.Tensor:
+        """Where the syncer packs bucket `index` of the update in progress: the buffer of slot index % LENT_BUFFERS
+        on `device` (in shared memory on the host), kept from push to push, so the engine process maps it once.
+        Returned once the engine process has released the bucket packed there before (it copied the bytes out,
+        or applied them where it read them in place)."""
+        if index >= LENT_BUFFERS:
+            self._wait_released(index - LENT_BUFFERS)
+        key = (device, index % LENT_BUFFERS)
+        lent = self.lent.get(key)
+        if lent is None or lent.numel() < num_bytes:  # (the first push, or a larger bucket than before)
+            lent = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+            self.lent[key] = lent.share_memory_() if device.type == "cpu" else lent
+        return lent[:num_bytes]
+
     def update_from_buckets(self, buckets: Iterable[Bucket], version: int, verify: bool) -> None:
-        """Send the buckets (`sync.ProcessTransport`'s) and wait until the engine has verified and applied all of
-        them at `version`; raises what the engine raised, e.g. `WeightSyncError`."""
+        """Send the buckets (packed into `bucket_buffer`s) and wait until the engine has verified and applied all
+        of them at `version`; raises what the engine raised, e.g. `WeightSyncError`."""
         with self.lock:
+            self.acknowledged = 0
             self._send(("update_weights", (version, verify)), "update_weights")
             try:
                 for bucket in buckets:
-                    self._send(("bucket", bucket), "update_weights")
-            finally:  # (after a failure on this side, the engine sees an incomplete set and refuses it)
+                    self._send(("bucket", (bucket, bucket.index % LENT_BUFFERS)), "update_weights")
+            except BaseException:  # the engine sees an incomplete set and refuses it; this side's error is raised
                 self._send(("end", None), "update_weights")
+                try:
+                    self._reply("update_weights")
+                except Exception:
+                    pass  # (its refusal of the incomplete set, or a process already gone)
+                raise
+            self._send(("end", None), "update_weights")
             self._reply("update_weights")
             self.policy_version = version
+
+    def _wait_released(self, index: int) -> None:
+        """Read the engine process's acknowledgements up to bucket `index`'s (in order: one per bucket)."""
+        while self.acknowledged <= index:
+            status, value = self._receive("update_weights")
+            if status != "ack" or value != self.acknowledged:
+                raise RemoteRolloutError(f"the rollout process answered {status} {value!r} where bucket "
+                                         f"{self.acknowledged}'s acknowledgement belongs")
+            self.acknowledged += 1
 
     def close(self) -> None:
         if not self.proc.is_alive():
@@ -132,14 +167,19 @@ class RemoteEngine:
             raise RemoteRolloutError(f"the rollout process is gone (exit code {self.proc.exitcode}) at {method} "
                                      f"({err!r})") from None
 
-    def _reply(self, method: str) -> Any:
+    def _receive(self, method: str) -> tuple[str, Any]:
         try:
             while not self.conn.poll(1.0):
                 if not self.proc.is_alive():
                     raise RemoteRolloutError(f"the rollout process exited (code {self.proc.exitcode}) during {method}")
-            status, value = self.conn.recv()
+            return self.conn.recv()
         except (EOFError, OSError) as err:
             raise RemoteRolloutError(f"the rollout process closed its pipe during {method} ({err!r})") from None
+
+    def _reply(self, method: str) -> Any:
+        status, value = self._receive(method)
+        while status == "ack":  # (an update's last acknowledgements, which nothing waited for)
+            status, value = self._receive(method)
         if status == "error":
             err, where = value
             err.add_note(f"in the rollout process ({method}):\n{where}")
@@ -164,7 +204,7 @@ def serve(cfg: RunConfig, device: str, threads: int, conn) -> None:
         _send_error(conn, err)
         return
     conn.send(("ok", engine.policy_version))
-    kept: dict[int, torch.Tensor] = {}  # the shared host buffers of the last update, so the next maps none anew
+    kept: dict[int, torch.Tensor] = {}  # the trainer's lent buffers by slot, mapped once (`_Arrivals`)
     while True:
         try:
             method, args = conn.recv()
@@ -192,28 +232,53 @@ def serve(cfg: RunConfig, device: str, threads: int, conn) -> None:
 
 
 class _Arrivals:
-    """The buckets of one update as they arrive, on the engine's device (a copy that moved: verified)."""
+    """The buckets of one update as they arrive, on the engine's device (a copy that moved: verified). Each bucket
+    is acknowledged once its lent buffer is no longer read: when its bytes are copied to the engine's device, or,
+    read in place (the buffer is on that device), when the engine asks for the next bucket (it applied this one)."""
 
     def __init__(self, conn, device: torch.device, kept: dict[int, torch.Tensor]):
         self.conn, self.device, self.kept, self.done = conn, device, kept, False
+        self.in_place: tuple[int, torch.device] | None = None  # a bucket read in place, not yet acknowledged
 
     def __iter__(self) -> Iterator[Bucket]:
         while not self.done:
-            kind, bucket = self.conn.recv()
+            self._release_in_place()
+            kind, payload = self.conn.recv()
             if kind == "end":
                 self.done = True
                 return
-            if bucket.buffer.device.type == "cpu":
-                self.kept[bucket.index] = bucket.buffer
-            if bucket.buffer.device != self.device:
-                bucket.buffer = bucket.buffer.to(self.device)
+            bucket, slot = payload
+            self.kept[slot] = bucket.buffer  # its mapping stays, so the next push's handle finds it (no new map)
+            if bucket.buffer.device == self.device:
+                self.in_place = (bucket.index, bucket.buffer.device)
+            else:
+                source = bucket.buffer.device
+                try:
+                    bucket.buffer = bucket.buffer.to(self.device)
+                    if source.type == "cuda":  # (a copy between GPUs runs on the source's stream)
+                        torch.cuda.current_stream(source).synchronize()
+                finally:
+                    self.conn.send(("ack", bucket.index))
             bucket.moved = True  # it crossed the process boundary (shared memory or CUDA IPC)
             yield bucket
 
+    def _release_in_place(self) -> None:
+        if self.in_place is not None:
+            index, device = self.in_place
+            self.in_place = None
+            if device.type == "cuda":  # the copies into the parameters read it on the stream
+                torch.cuda.current_stream(device).synchronize()
+            self.conn.send(("ack", index))
+
     def skip_rest(self) -> None:
-        """Read the rest of a refused update, so the next call starts at its own message."""
-        for _ in self:
-            pass
+        """Read (and release) the rest of a refused update, so the next call starts at its own message."""
+        self._release_in_place()
+        while not self.done:
+            kind, payload = self.conn.recv()
+            if kind == "end":
+                self.done = True
+            else:
+                self.conn.send(("ack", payload[0].index))
 
 
 def _send_error(conn, err: Exception) -> None:

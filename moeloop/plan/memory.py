@@ -175,11 +175,17 @@ def _state_entries(cfg: RunConfig, stats: ModelStats, layout: Layout, stage: int
     return {name: d + e for name, (d, e) in state_parts(cfg, stats, layout, stage).items()}
 
 
+LENT_BUFFERS = 2  # `sync.transport.LENT_BUFFERS` (the planner imports no torch; tests/test_plan.py checks they agree)
+
+
 def _work_entries(cfg: RunConfig, stats: ModelStats, layout: Layout, stage: int) -> dict[str, float]:
     m, tokens = stats.model, cfg.actor.max_tokens_per_micro_batch
     bucket = cfg.plan.comm_bucket_mb * 1e6
     comm = 2 * bucket if layout.dp_cp > 1 or layout.expert_dp > 1 else 0.0
+    # buckets the trainer holds: one being packed; two for a broadcast, and an engine process's two lent buffers
     sync = cfg.sync.bucket_bytes * (2 if cfg.sync.transport == "broadcast" else 1)
+    if cfg.rollout.mode == "disaggregated":
+        sync = cfg.sync.bucket_bytes * LENT_BUFFERS
     if m is None:  # bare parameter counts: activations and logits must come from plan.given_gb
         return {"activations": 0.0, "logits": 0.0, "comm_buffers": comm, "sync_buffers": sync}
     lo, hi = _stage_bounds(layout, m.num_layers)[stage]

@@ -10,7 +10,7 @@ device for GPU buffers (no host copy); the bucket records which, so either side 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import zlib
 
@@ -83,20 +83,21 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().contiguous().view(-1).view(torch.uint8)
 
 
-def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
-                 flat: bool = True) -> Iterator[Bucket]:
-    """Yield buckets in stream order; each flat one is fingerprinted once, when it is full."""
+def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, flat: bool = True,
+                 buffer_for: Callable[[int, int, torch.device], torch.Tensor] | None = None) -> Iterator[Bucket]:
+    """Yield buckets in stream order; each flat one is fingerprinted once, when it is full. `buffer_for(index,
+    num_bytes, device)`: where flat bucket `index` is packed (a receiver's lent buffer), instead of a new one."""
     pending: list[tuple[str, torch.Tensor]] = []
     pending_bytes, index = 0, 0
     for name, tensor in named_tensors:
         size = tensor.numel() * tensor.element_size()
         if pending and pending_bytes + size > bucket_bytes:
-            yield _make_bucket(index, pending) if flat else _view_bucket(index, pending)
+            yield _make_bucket(index, pending, buffer_for) if flat else _view_bucket(index, pending)
             pending, pending_bytes, index = [], 0, index + 1
         pending.append((name, tensor))
         pending_bytes += size
     if pending:
-        yield _make_bucket(index, pending) if flat else _view_bucket(index, pending)
+        yield _make_bucket(index, pending, buffer_for) if flat else _view_bucket(index, pending)
 
 
 def _view_bucket(index: int, items: list[tuple[str, torch.Tensor]]) -> Bucket:
@@ -105,7 +106,8 @@ def _view_bucket(index: int, items: list[tuple[str, torch.Tensor]]) -> Bucket:
     return Bucket(index, None, metas, fingerprint_kind="none", moved=False, views=views)
 
 
-def _make_bucket(index: int, items: list[tuple[str, torch.Tensor]]) -> Bucket:
+def _make_bucket(index: int, items: list[tuple[str, torch.Tensor]],
+                 buffer_for: Callable[[int, int, torch.device], torch.Tensor] | None = None) -> Bucket:
     parts, metas, offset = [], [], 0
     for name, tensor in items:
         raw = _as_bytes(tensor)
@@ -113,7 +115,10 @@ def _make_bucket(index: int, items: list[tuple[str, torch.Tensor]]) -> Bucket:
         pad = (-raw.numel()) % _ALIGN_BYTES
         parts += [raw, raw.new_zeros(pad)] if pad else [raw]
         offset += raw.numel() + pad
-    buffer = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+    if buffer_for is not None:
+        buffer = torch.cat(parts, out=buffer_for(index, offset, parts[0].device))
+    else:
+        buffer = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
     kind = fingerprint_kind_for(buffer)
     return Bucket(index, buffer, metas, fingerprint(buffer, kind), kind)
 

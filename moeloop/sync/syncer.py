@@ -75,7 +75,9 @@ class WeightSyncer:
         first = next(stream, None)
         stream = itertools.chain([first] if first is not None else [], stream)
         flat = first is None or self.transport.moves_bytes(first[1].device)
-        buckets = self.transport.transfer(pack_buckets(stream, self.bucket_bytes, flat))
+        # a receiver in another process lends the buffers its buckets are packed into (`RemoteEngine.bucket_buffer`)
+        lend = getattr(receiver, "bucket_buffer", None)
+        buckets = self.transport.transfer(pack_buckets(stream, self.bucket_bytes, flat, lend))
         if receiver is None:
             for bucket in buckets:
                 self._record(bucket, report)

@@ -7,15 +7,13 @@
 - `BroadcastTransport`: torch.distributed broadcast (gloo on CPU, NCCL on GPU) from a source rank
   to every rank of a group.
 - `ProcessTransport`: for a rollout engine in a process of its own on this node (rollout.mode=disaggregated):
-  host buckets staged in shared memory, device buckets as they are, both sent by the receiver's pipe as handles
-  (torch.multiprocessing; CUDA IPC for device buffers). That process verifies each bucket as it arrives (the
-  syncer's `update_from_buckets` path).
+  buckets packed into buffers the receiver lends (shared memory on the host, CUDA IPC on a GPU), sent by its pipe
+  as handles. That process verifies each bucket as it arrives (the syncer's `update_from_buckets` path).
 Every transport yields the buckets exactly as sent; verification happens in the receiver.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 from typing import Iterable, Iterator, Protocol
 
@@ -117,27 +115,20 @@ class BroadcastTransport:
             yield _meta_from_json(header[0], buffer)
 
 
-class ProcessTransport:
-    """Buckets for another process (`loop.remote_rollout.RemoteEngine`, whose pipe carries them). A host bucket is
-    staged in a shared-memory buffer kept per bucket index from one push to the next, so the pipe passes a handle
-    and the bytes are copied once: a fresh shared segment for every push costs more than the copy into it
-    (BENCHMARKS.md, session 20). Device buckets go as they are (their CUDA IPC handles); keeping them would hold a
-    second copy of the weights on the trainer's GPU."""
+# buffers a receiver in another process lends at once (`ProcessTransport`): the sender packs one bucket while the
+# receiver copies the one before out of the other
+LENT_BUFFERS = 2
 
-    def __init__(self):
-        self.staging: dict[int, torch.Tensor] = {}
+
+class ProcessTransport:
+    """Buckets for another process (`loop.remote_rollout.RemoteEngine`, whose pipe carries them). The syncer packs
+    them straight into buffers that receiver lends (`bucket_buffer`: `LENT_BUFFERS` in turn, kept from push to
+    push, host ones in shared memory), so they go as they are: the pipe passes a handle the other process has mapped
+    since the first push, and no byte is copied twice. A fresh shared segment or CUDA IPC mapping for every bucket
+    costs more than its copy (BENCHMARKS.md, sessions 20-21)."""
 
     def moves_bytes(self, device: torch.device) -> bool:
         return True
 
     def transfer(self, buckets: Iterable[Bucket]) -> Iterator[Bucket]:
-        for bucket in buckets:  # (the receiving process verifies its copy)
-            yield replace(bucket, buffer=self._staged(bucket)) if bucket.buffer.device.type == "cpu" else bucket
-
-    def _staged(self, bucket: Bucket) -> torch.Tensor:
-        staged = self.staging.get(bucket.index)
-        if staged is None or staged.numel() != bucket.buffer.numel():
-            staged = self.staging[bucket.index] = bucket.buffer.share_memory_()  # (moves it: no copy this time)
-        else:
-            staged.copy_(bucket.buffer)
-        return staged
+        yield from buckets  # (the receiving process verifies its copy)
