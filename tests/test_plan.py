@@ -176,3 +176,17 @@ def test_an_engine_process_is_planned_with_the_buffers_it_is_lent():
         cfg = load_config(DSV3, [f"rollout.mode={mode}", "sync.bucket_bytes=1000000000"])
         sync[mode] = memory_ledger(cfg, model_stats(m), Layout.from_section(cfg.parallel)).entries["sync_buffers"]
     assert sync["disaggregated"] - sync["colocated"] == (LENT_BUFFERS - 1) * 1e9
+
+
+def test_a_disaggregated_push_is_planned_over_cuda_ipc():
+    """The engine process takes the weights through CUDA IPC (NVLink) whatever sync.transport says; colocated pushes
+    cross the configured transport (inprocess: an HBM copy)."""
+    from moeloop.plan.sync_cost import sync_costs
+    pushes = {}
+    for mode in ("colocated", "disaggregated"):
+        plan = build_plan(load_config(SEED002, [f"rollout.mode={mode}", "sync.transport=inprocess"]))
+        costs = sync_costs(plan.sync_bytes, load_config(SEED002).hardware)
+        pushes[mode] = plan.phases_s["update_weights"]
+        assert pushes[mode] == costs["cuda_ipc" if mode == "disaggregated" else "inprocess"] > 0
+        assert any(f"over {'cuda_ipc' if mode == 'disaggregated' else 'inprocess'}" in a for a in plan.assumptions)
+    assert pushes["disaggregated"] > pushes["colocated"]

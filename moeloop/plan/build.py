@@ -70,6 +70,12 @@ def load_stats(cfg: RunConfig) -> ModelStats:
     return model_stats(ModelConfig.from_pretrained(cfg.model.path))
 
 
+def sync_transport(cfg: RunConfig) -> str:
+    """The link the weight push crosses (a `sync_cost.TRANSPORTS` name): rollout.mode=disaggregated pushes to an
+    engine process on this node's GPUs through CUDA IPC (NVLink), whatever sync.transport says."""
+    return "cuda_ipc" if cfg.rollout.mode == "disaggregated" else cfg.sync.transport
+
+
 def build_plan(cfg: RunConfig, stats: Optional[ModelStats] = None) -> Plan:
     cfg.plan.check()
     stats = stats or load_stats(cfg)
@@ -87,7 +93,7 @@ def build_plan(cfg: RunConfig, stats: Optional[ModelStats] = None) -> Plan:
     offload_s = (offload_round_trip_s(ledger.cpu_bytes_per_rank, cfg.hardware.pcie_gbps) if (ledger and time_sliced)
                  else 0.0)
     phases = step_phases(cfg, stats, layout.world_size, decode.tokens_per_s if decode else 0.0,
-                         sync_s[cfg.sync.transport], offload_s)
+                         sync_s[sync_transport(cfg)], offload_s)
     step_s = step_seconds(phases, cfg.rollout.generates_ahead and not colocated)
     return Plan(stats, layout, pool, problems, ledger, gpu_v, cpu_v,
                 _alternatives(cfg, stats, layout) if ledger else {},
@@ -167,6 +173,8 @@ def _assumptions(cfg: RunConfig, stats: ModelStats, colocated: bool) -> list[str
         f"decode at {cfg.plan.decode_efficiency:.0%} of the HBM roofline; training at MFU {cfg.plan.mfu:.0%} of "
         f"{cfg.hardware.peak_tflops:g} TFLOP/s",
         "offloaded state lives in pinned host buffers allocated once (no 2x host peak)",
+        f"weight push: the bf16 weights over {sync_transport(cfg)} at its bandwidth, one way (no packing, fingerprints "
+        "or per-bucket costs: on 2 x H200 with CUDA IPC those made it 4-5x that, BENCHMARKS.md session 21)",
     ]
     if stats.model is None:
         out.append("model given as parameter counts: per-layer activation, KV and FLOP figures need plan.given_gb")

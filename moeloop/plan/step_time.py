@@ -5,7 +5,7 @@
     old_log_prob   forward FLOPs (when recomputed) / (train GPUs * peak * plan.mfu)
     ref            forward FLOPs (with a KL term)     / same
     update_actor   train FLOPs * ppo_epochs          / same
-    update_weights sync bytes / the configured transport
+    update_weights sync bytes / the configured transport (disaggregated: CUDA IPC over NVLink, `build.sync_transport`)
     offload        colocated only: training state to host and back over PCIe
 Phases run one after another, except where the next batch is generated ahead on devices of its own
 (rollout.mode=disaggregated with max_staleness >= 1): generation + reward overlap the trainer side, and the weight
