@@ -102,6 +102,31 @@ def test_a_corrupt_bucket_is_refused_where_it_arrives(model_dir, tmp_path):
     assert not c.engine.proc.is_alive()
 
 
+def test_a_push_that_fails_on_the_trainer_side_leaves_the_pipe_in_step(model_dir, tmp_path):
+    """The stream breaks after a few of many small buckets (some acknowledged, the lent buffers reused): the push
+    raises this side's error, the engine process refuses the incomplete set and keeps its version, and the next
+    push goes through."""
+    c = build_components(_cfg(model_dir, tmp_path / "run", *APART, f"sync.bucket_bytes={SMALL}"), resume=False)
+    try:
+        c.syncer.push(c.actor.named_weights(), c.engine, version=1)
+        transfer = c.syncer.transport.transfer
+
+        def breaks(buckets):
+            for bucket in transfer(buckets):
+                if bucket.index == 5:
+                    raise OSError("the trainer lost its stream")
+                yield bucket
+        c.syncer.transport.transfer = breaks
+        with pytest.raises(OSError, match="lost its stream"):
+            c.syncer.push(c.actor.named_weights(), c.engine, version=2)
+        c.syncer.transport.transfer = transfer
+        assert c.engine.policy_version == 1
+        c.syncer.push(c.actor.named_weights(), c.engine, version=2)
+        assert _version_of_next_sample(c) == 2
+    finally:
+        c.finish()
+
+
 def broken_reward(sample) -> float:
     raise ValueError("this reward always fails")
 
