@@ -102,7 +102,9 @@ class RemoteEngine:
         """Where the syncer packs bucket `index` of the update in progress: the buffer of slot index % LENT_BUFFERS
         on `device` (in shared memory on the host), kept from push to push, so the engine process maps it once.
         Returned once the engine process has released the bucket packed there before (it copied the bytes out,
-        or applied them where it read them in place)."""
+        or applied them where it read them in place). The packing is complete before the bucket is sent because
+        its fingerprint is read on the host (`sync.bucket._make_bucket`): a mapping the engine process already
+        holds waits on no CUDA IPC event."""
         if index >= LENT_BUFFERS:
             self._wait_released(index - LENT_BUFFERS)
         key = (device, index % LENT_BUFFERS)
