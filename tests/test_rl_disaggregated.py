@@ -75,22 +75,32 @@ def _version_of_next_sample(c) -> int:
     return c.rollout.generate(examples, c.train_params(0, 0, positions), 0)[0].policy_version
 
 
+def _push_through(c, change, version: int) -> None:
+    """A push whose buckets pass through `change` on their way (after the transport); the transport as it was after."""
+    transfer = c.syncer.transport.transfer
+
+    def changed(buckets):
+        for bucket in transfer(buckets):
+            yield change(bucket)
+    c.syncer.transport.transfer = changed
+    try:
+        c.syncer.push(c.actor.named_weights(), c.engine, version=version)
+    finally:
+        c.syncer.transport.transfer = transfer
+
+
 def test_a_corrupt_bucket_is_refused_where_it_arrives(model_dir, tmp_path):
     c = build_components(_cfg(model_dir, tmp_path / "run", *APART), resume=False)
     try:
         assert isinstance(c.engine, RemoteEngine) and c.engine.proc.pid != os.getpid()
         c.syncer.push(c.actor.named_weights(), c.engine, version=1)
         assert _version_of_next_sample(c) == 1
-        transfer = c.syncer.transport.transfer
-        def corrupt(buckets):  # after the sender fingerprinted them: bytes that change on the way
-            for bucket in transfer(buckets):
-                bucket.buffer = bucket.buffer.clone()
-                bucket.buffer[7] ^= 0x5A
-                yield bucket
-        c.syncer.transport.transfer = corrupt
+        def corrupt(bucket):  # after the sender fingerprinted it: bytes that change on the way
+            bucket.buffer = bucket.buffer.clone()
+            bucket.buffer[7] ^= 0x5A
+            return bucket
         with pytest.raises(WeightSyncError, match="failed its checksum"):
-            c.syncer.push(c.actor.named_weights(), c.engine, version=2)
-        c.syncer.transport.transfer = transfer
+            _push_through(c, corrupt, version=2)
         assert c.engine.policy_version == 1
         c.engine.resume()  # the failed push left it paused, and it refuses to generate from a half-updated model
         with pytest.raises(RuntimeError, match="half-updated"):
@@ -109,17 +119,12 @@ def test_a_push_that_fails_on_the_trainer_side_leaves_the_pipe_in_step(model_dir
     c = build_components(_cfg(model_dir, tmp_path / "run", *APART, f"sync.bucket_bytes={SMALL}"), resume=False)
     try:
         c.syncer.push(c.actor.named_weights(), c.engine, version=1)
-        transfer = c.syncer.transport.transfer
-
-        def breaks(buckets):
-            for bucket in transfer(buckets):
-                if bucket.index == 5:
-                    raise OSError("the trainer lost its stream")
-                yield bucket
-        c.syncer.transport.transfer = breaks
+        def breaks(bucket):
+            if bucket.index == 5:
+                raise OSError("the trainer lost its stream")
+            return bucket
         with pytest.raises(OSError, match="lost its stream"):
-            c.syncer.push(c.actor.named_weights(), c.engine, version=2)
-        c.syncer.transport.transfer = transfer
+            _push_through(c, breaks, version=2)
         assert c.engine.policy_version == 1
         c.syncer.push(c.actor.named_weights(), c.engine, version=2)
         assert _version_of_next_sample(c) == 2

@@ -51,7 +51,7 @@ def rollout_device(cfg: RunConfig, trainer_device: torch.device) -> torch.device
         device = torch.device("cuda", local + int(os.environ.get("LOCAL_RANK", "0")))
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", 0)
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+    if device.type == "cuda" and device.index >= torch.cuda.device_count():
         raise InputError(f"rollout.device: {device} for rollout.mode=disaggregated, but {torch.cuda.device_count()} "
                          f"CUDA devices are visible (set rollout.device, or give each training rank a second GPU)")
     return device
