@@ -418,3 +418,72 @@ def test_pdl_launches_give_bitwise_the_same_decode(monkeypatch, batch):
         outs[mode] = make_engine(model).generate(ps, params)  # CUDA graphs captured under this mode
     assert [o.response_ids for o in outs["on"]] == [o.response_ids for o in outs["off"]]
     assert [o.logprobs for o in outs["on"]] == [o.logprobs for o in outs["off"]]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_composed_router_single_sequence_matches_module_path(monkeypatch, arch):
+    """`ROUTER_COMPOSE`: B=1 decode runs o_proj, the residual add and the composed router in one launch
+    (`o_proj_router`, every MoE layer every step) and the expert kernels norm the residual row themselves; fp32:
+    the same tokens and logprobs (1e-5) as the module forward."""
+    from moeloop.rollout import fused_decode
+    monkeypatch.setattr(fused_decode, "ROUTER_COMPOSE", True)
+    calls, real = [], fused_decode.o_proj_router
+    monkeypatch.setattr(fused_decode, "o_proj_router", lambda *a: calls.append(1) or real(*a))
+    model = tiny_model(arch).to(DEVICE)
+    packs = fused_decode.pack_routers(model)
+    assert len(packs) == len(model.model.layers)
+    assert_kernels_match_module_path(model, prompts(1, seed=5),
+                                     SamplingParams(n=1, temperature=1.0, max_tokens=5, seed=2))
+    assert len(calls) == 4 * len(model.model.layers)  # 4 decode steps after the prefill
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_o_proj_router_equals_module_path_and_follows_weight_changes(monkeypatch, dtype):
+    """One `o_proj_router` launch: x = res + o_proj(o) as the module path rounds it, and the raw logits times
+    1 / rms(x) equal the router's logits of RMSNorm(x) (fp32: 1e-5; bf16: within the module path's own rounding);
+    the expert kernels on them equal the top-k routing through `fused_experts`. The composed weights follow an
+    in-place change of o_proj (`refresh()`)."""
+    from moeloop.rollout import fused_decode
+    from moeloop.rollout.moe_kernel import fused_experts, routed_experts
+    monkeypatch.setattr(fused_decode, "ROUTER_COMPOSE", True)
+    torch.manual_seed(7)
+    model = tiny_model("qwen3_moe").to(DEVICE, dtype)
+    layer = model.model.layers[1]
+    with torch.no_grad():
+        layer.post_attention_layernorm.weight.copy_(torch.rand_like(layer.post_attention_layernorm.weight) + 0.5)
+    (pack,) = [p for p in fused_decode.pack_routers(model) if p.gate is layer.mlp.gate]
+    A, D = layer.self_attn.o_proj.weight.shape[1], model.cfg.hidden_size
+    o = torch.randn(1, A, device=DEVICE, dtype=dtype)
+    res = torch.randn(1, D, device=DEVICE, dtype=dtype)
+    assert fused_decode.composed_router(layer, o, res) is pack
+
+    def reference():
+        x = (res.float() + layer.self_attn.o_proj(o).float()).to(dtype)
+        return x, layer.mlp.gate.weight.float() @ layer.post_attention_layernorm(x).float()[0]
+
+    def check():
+        with torch.no_grad():
+            x, z = fused_decode.o_proj_router(o, res, pack)
+            ref_x, ref_logits = reference()
+        # bf16: the product's sum order (and, under the interpreter, its rounding mode) moves an element a step or two
+        torch.testing.assert_close(x, ref_x, **(dict(rtol=0, atol=1e-5) if dtype == torch.float32
+                                                else dict(rtol=2 ** -6, atol=2 ** -6)))
+        rms = x.float().pow(2).mean().add(layer.post_attention_layernorm.eps).rsqrt()
+        tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0, atol=0.05)
+        torch.testing.assert_close(z[0] * rms, ref_logits, **tol)
+        return x, z
+
+    x, z = check()
+    if dtype == torch.float32:  # the expert kernels' routing from the raw logits == the top-k path's
+        ids, wts = fused_decode.route_softmax_topk(layer.mlp, (z * x.float().pow(2).mean().add(
+            layer.post_attention_layernorm.eps).rsqrt()))
+        with torch.no_grad():
+            y = routed_experts(layer.mlp, x, z, layer.post_attention_layernorm)
+            ref = fused_experts(layer.mlp.experts, layer.post_attention_layernorm(x), ids, wts)
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        layer.self_attn.o_proj.weight.mul_(-1.5)
+    stale = fused_decode.o_proj_router(o, res, pack)[1]
+    pack.refresh()  # the version counter moved: recomputed
+    _, fresh = check()
+    assert not torch.allclose(stale, fresh)

@@ -90,6 +90,27 @@ def _compile_align_and_small_batch_experts():
                       E=E, E_PAD=E, SCALE=1.0, NORM=True))
 
 
+def _compile_composed_router():
+    """`ROUTER_COMPOSE`: o_proj + the raw router logits in one launch, and both expert kernels ranking those logits
+    scaled by the 1 / RMS they compute from the residual row."""
+    from moeloop.rollout import fused_decode, moe_kernel
+    compiled = compile_sm90(fused_decode._row_linear_router,
+                            dict(a_ptr="*bf16", h_ptr="*bf16", w_ptr="*bf16", x_ptr="*bf16", r_ptr="*fp32",
+                                 z_ptr="*fp32"),
+                            dict(N=D, A=H * DH, D=D, E=E, BLOCK_N=4, BLOCK_A=2048, BLOCK_D=2048, BLOCK_E=4, EARLY=True,
+                                 PDL=True))
+    ptx = compiled.asm["ptx"]  # one wait in each branch (o_proj rows, router rows), one early trigger
+    assert ptx.count("griddepcontrol.wait") == 2 and ptx.count("griddepcontrol.launch_dependents") == 1
+    compile_sm90(moe_kernel._gate_up_silu, dict(x_ptr="*bf16", w_ptr="*bf16", ids_ptr="*fp32", h_ptr="*bf16",
+                                                s_we="i64", s_wf="i64", nw_ptr="*bf16", eps="fp32"),
+                 dict(D=D, F=F, K=K, BLOCK_F=8, BLOCK_D=2048, LIBDEVICE=True, PDL=True, ROUTED=True, E=E, E_PAD=E,
+                      COMPOSED=True))
+    compile_sm90(moe_kernel._down_combine, dict(h_ptr="*bf16", w_ptr="*bf16", ids_ptr="*fp32", y_ptr="*bf16",
+                                               s_we="i64", s_wd="i64", x_ptr="*bf16", eps="fp32"),
+                 dict(wts_ptr=None, D=D, F=F, K=K, K_PAD=K, BLOCK_D=4, BLOCK_F=512, EARLY=True, PDL=True, ROUTED=True,
+                      E=E, E_PAD=E, SCALE=1.0, NORM=True, COMPOSED=True, BLOCK_X=2048))
+
+
 def _compile_combine_rows_and_backward():
     from moeloop.model import expert_rows
     for weighted in (True, False):

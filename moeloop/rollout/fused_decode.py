@@ -34,8 +34,8 @@ from moeloop.model.norm import RMSNorm
 from moeloop.model.rope import RopeTables
 from moeloop.rollout.decode_kernel import triton
 from moeloop.rollout.gumbel_kernel import row_counters
-from moeloop.rollout.moe_kernel import (fused_experts, grouped_expert_rows, routed_experts, routed_experts_apply,
-                                        uses_grouped_rows)
+from moeloop.rollout.moe_kernel import (composed_applies, fused_experts, grouped_expert_rows, routed_experts,
+                                        routed_experts_apply, uses_grouped_rows)
 from moeloop.rollout.paged_attention import PagedAttention
 
 if triton is not None:
@@ -43,6 +43,7 @@ if triton is not None:
 
     from moeloop.model.kernel_switch import pdl_launch_next, pdl_wait
     from moeloop.rollout.gumbel_kernel import last_arrival
+    from moeloop.rollout.moe_kernel import _rmsnorm_row
 
     @triton.jit
     def _add_rmsnorm(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, dest_ptr, wts_ptr, eps, D: tl.constexpr,
@@ -66,14 +67,6 @@ if triton is not None:
             x = (x.to(tl.float32) + tl.load(res_ptr + row * D + d, mask=ok, other=0.0).to(tl.float32)).to(dt)
             tl.store(res_out_ptr + row * D + d, x, mask=ok)
         tl.store(y_ptr + row * D + d, _rmsnorm_row(x, w, eps, D, dt), mask=ok)
-
-    @triton.jit
-    def _rmsnorm_row(x, w, eps, D: tl.constexpr, dt: tl.constexpr):
-        """RMSNorm of one row x (dt values, padding 0) with weight w (fp32) -> dt, rounded where the module path
-        rounds (the normed row, then the weight product)."""
-        x = x.to(tl.float32)
-        normed = (x * tl.rsqrt(tl.sum(x * x, 0) / D + eps)).to(dt).to(tl.float32)
-        return (w * normed).to(dt)
 
     @triton.jit
     def _norm_rope_half(x_ptr, w_ptr, cos_ptr, sin_ptr, t, eps, HALF: tl.constexpr, QK_NORM: tl.constexpr,
@@ -156,6 +149,38 @@ if triton is not None:
             ww = tl.load(w_rows + dd[None, :], mask=dd[None, :] < D, other=0.0).to(tl.float32)
             acc += tl.sum(ww * xx[None, :], 1)
         tl.store(out_ptr + start + r, acc.to(out_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _row_linear_router(a_ptr, h_ptr, w_ptr, x_ptr, r_ptr, z_ptr, N: tl.constexpr, A: tl.constexpr, D: tl.constexpr,
+                           E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_D: tl.constexpr,
+                           BLOCK_E: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
+        """One token, o_proj and the router after it in one launch (`ComposedRouter`). Programs below N / BLOCK_N:
+        x[n] = h[n] + a . W_o[n] for BLOCK_N rows (the product rounded, then the sum: the module path's o_proj and
+        residual add). The others: raw router logits z[e] = a . R[e, :A] + h . R[e, A:] in fp32 for BLOCK_E
+        experts. Weights are read before the PDL wait; so is the residual h, written three launches back (the
+        q|k|v launch, complete before the q/k norm launch ended and this chain went on)."""
+        pdl_launch_next(PDL, EARLY)
+        pid = tl.program_id(0)
+        c = tl.arange(0, BLOCK_A)
+        if pid < N // BLOCK_N:
+            n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+            w = tl.load(w_ptr + n.to(tl.int64)[:, None] * A + c[None, :], mask=c[None, :] < A, other=0.0)
+            pdl_wait(PDL, EARLY)
+            a = tl.load(a_ptr + c, mask=c < A, other=0.0).to(tl.float32)
+            dt = x_ptr.dtype.element_ty
+            o = tl.sum(w.to(tl.float32) * a[None, :], 1).to(dt).to(tl.float32)
+            tl.store(x_ptr + n, (o + tl.load(h_ptr + n).to(tl.float32)).to(dt))
+        else:
+            e = (pid - N // BLOCK_N) * BLOCK_E + tl.arange(0, BLOCK_E)
+            rows = r_ptr + e.to(tl.int64)[:, None] * (A + D)
+            dh = tl.arange(0, BLOCK_D)
+            h = tl.load(h_ptr + dh, mask=dh < D, other=0.0).to(tl.float32)
+            wh = tl.load(rows + A + dh[None, :], mask=(e[:, None] < E) & (dh[None, :] < D), other=0.0)
+            z = tl.sum(wh * h[None, :], 1)
+            wa = tl.load(rows + c[None, :], mask=(e[:, None] < E) & (c[None, :] < A), other=0.0)
+            pdl_wait(PDL, EARLY)
+            a = tl.load(a_ptr + c, mask=c < A, other=0.0).to(tl.float32)
+            tl.store(z_ptr + e, z + tl.sum(wa * a[None, :], 1), mask=e < E)
 
     @triton.jit
     def _norm_row_linear(x_ptr, res_ptr, nw_ptr, y_ptr, res_out_ptr, w0_ptr, w1_ptr, w2_ptr, out_ptr, eps,
@@ -383,6 +408,37 @@ def normed_row_linear(x_TD: torch.Tensor, res_TD: torch.Tensor | None, norm: RMS
     return list(out.split(sizes[:len(linears)], dim=1)), y_TD if want_y else None, res_out
 
 
+# B=1: the router composed into the o_proj launch (`ComposedRouter`, `o_proj_router`), the router's launch gone;
+# MOELOOP_ROUTER_COMPOSE=on turns it on (off until measured on the H200)
+ROUTER_COMPOSE = os.environ.get("MOELOOP_ROUTER_COMPOSE", "off").lower() == "on"
+ROUTER_COMPOSE_ROWS = 4  # router rows per program of the composed launch
+
+
+def composed_router(layer: nn.Module, o_TD: torch.Tensor, res_TD: torch.Tensor | None) -> ComposedRouter | None:
+    """The layer's `ComposedRouter` when this one-token step can take it: `ROUTER_COMPOSE` on, packed
+    (`pack_routers`), a residual to add, o_proj a one-token row launch, the expert kernels ranking the logits."""
+    pack = layer.mlp.__dict__.get("_decode_router") if ROUTER_COMPOSE else None
+    if pack is None or res_TD is None or not res_TD.is_contiguous() or res_TD.dtype != o_TD.dtype:
+        return None
+    ok = row_linear_applies(o_TD, [layer.self_attn.o_proj], ROW_LINEAR_TILE[0]) and composed_applies(res_TD, layer.mlp)
+    return pack if ok else None
+
+
+def o_proj_router(o_TD: torch.Tensor, res_TD: torch.Tensor, pack: ComposedRouter) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x = res + o_proj(o) [1, D], the raw composed router logits [1, E] fp32) in one launch (`_row_linear_router`)."""
+    w = pack.o_proj.weight
+    (D, A), E = w.shape, pack.weight.shape[0]
+    x_TD = res_TD.new_empty(1, D)
+    z_TE = torch.empty(1, E, dtype=torch.float32, device=res_TD.device)
+    block_n, warps = ROW_LINEAR_TILE
+    grid = D // block_n + triton.cdiv(E, ROUTER_COMPOSE_ROWS)
+    _row_linear_router[(grid,)](o_TD, res_TD, w, x_TD, pack.weight, z_TE, N=D, A=A, D=res_TD.shape[1], E=E,
+                                BLOCK_N=block_n, BLOCK_A=triton.next_power_of_2(A),
+                                BLOCK_D=triton.next_power_of_2(res_TD.shape[1]), BLOCK_E=ROUTER_COMPOSE_ROWS,
+                                EARLY=kernel_switch.PDL_EARLY, num_warps=warps, **pdl_args(o_TD, 1))
+    return x_TD, z_TE
+
+
 # B=1: the first layer's q|k|v launch reads the token's embedding row itself (`normed_row_linear` with ids), one
 # launch fewer per step; MOELOOP_EMBED_FOLD=off runs the embedding lookup first
 EMBED_FOLD = os.environ.get("MOELOOP_EMBED_FOLD", "on").lower() != "off"
@@ -395,13 +451,35 @@ def embed_fold_applies(embed: nn.Module, ids_T: torch.Tensor, linears: list[nn.M
             and table.is_contiguous() and not ids_T.is_floating_point() and norm_fold_applies(table[:1], linears))
 
 
-class QKVPack:
+class DerivedWeights:
+    """Weights derived from a model's parameters (a copy or a product) for the fused decode, refreshed in place
+    (the CUDA graphs keep their pointers): `refresh()` recomputes when a source's autograd version counter moved
+    (an optimizer step or a no-grad copy into the engine's own parameters; the engine checks when it starts work
+    from idle, not every decode step), `refresh(force=True)` from `Engine.update_weights` (a parameter shared with
+    the trainer changes under the trainer's tensor's counter, not the engine's). Subclasses give `_sources()` (the
+    tensors read) and `_compute(sources)`."""
+
+    def _versions(self) -> list | object:
+        """(version, address) of each source, read from tensors held here (~12 us for 16 layers; through the
+        modules' attribute lookups ~80 us)."""
+        try:
+            return [(t._version, t.data_ptr()) for t in self._held]
+        except RuntimeError:  # an inference tensor has no version counter: recompute every time (correct, slower)
+            return object()
+
+    def refresh(self, force: bool = False) -> None:
+        if not force and self._versions() == self._seen:
+            return
+        # re-read the modules' tensors: a forced refresh also follows a replaced Parameter object
+        self._held = self._sources()
+        with torch.no_grad():
+            self._compute(self._held)
+        self._seen = self._versions()
+
+
+class QKVPack(DerivedWeights):
     """One attention layer's q|k|v weights (and biases) copied into one [Nq + Nk + Nv, D] buffer, so a decode
-    batch of several tokens runs one GEMM instead of three. Being a copy, it is refreshed in place (the CUDA
-    graphs keep its pointer): `refresh()` re-copies when a source's autograd version counter moved (an optimizer
-    step or a no-grad copy into the engine's own parameters; the engine checks when it starts work from idle, not
-    every decode step), `refresh(force=True)` from `Engine.update_weights` (a parameter shared with the trainer
-    changes under the trainer's tensor's counter, not the engine's)."""
+    batch of several tokens runs one GEMM instead of three."""
 
     def __init__(self, attn: nn.Module):
         self.linears = [attn.q_proj, attn.k_proj, attn.v_proj]
@@ -412,26 +490,41 @@ class QKVPack:
         self.bias = None if any(b is None for b in biases) else self.weight.new_empty(sum(self.sizes))
         self.refresh(force=True)
 
-    def _versions(self) -> list | object:
-        """(version, address) of each source, read from tensors held here (~12 us for 16 layers; through the
-        modules' attribute lookups ~80 us)."""
-        try:
-            return [(t._version, t.data_ptr()) for t in self._sources]
-        except RuntimeError:  # an inference tensor has no version counter: copy every time (correct, slower)
-            return object()
+    def _sources(self) -> list[torch.Tensor]:
+        return [m.weight for m in self.linears] + ([m.bias for m in self.linears] if self.bias is not None else [])
 
-    def refresh(self, force: bool = False) -> None:
-        if not force and self._versions() == self._seen:
-            return
-        # re-read the modules' tensors: a forced refresh also follows a replaced Parameter object
-        weights = [m.weight for m in self.linears]
-        biases = [m.bias for m in self.linears] if self.bias is not None else []
-        self._sources = weights + biases
-        with torch.no_grad():
-            torch.cat(weights, out=self.weight)
-            if biases:
-                torch.cat(biases, out=self.bias)
-        self._seen = self._versions()
+    def _compute(self, sources: list[torch.Tensor]) -> None:
+        torch.cat(sources[:3], out=self.weight)
+        if self.bias is not None:
+            torch.cat(sources[3:], out=self.bias)
+
+
+class ComposedRouter(DerivedWeights):
+    """One MoE layer's router composed with the attention output projection and the RMSNorm between them, for a
+    one-token decode (`ROUTER_COMPOSE`). The module path computes logits = W_r (w * (h + W_o a) / rms), with h
+    the residual, a the attention output, w the norm weight. A positive scale does not change the ranking, so the
+    raw logits R [a | h] with R = [W_r diag(w) W_o | W_r diag(w)] (fp32, [E, A + D], products taken in fp64) can
+    be computed in the o_proj launch itself (`_row_linear_router`), and the expert kernels multiply them by the
+    1 / rms they compute from the residual row: the router's own launch, and its hop, are gone.
+    What it changes: the logits are the exact product, rounded once to the model dtype, where the module path
+    rounds the o_proj output, the residual sum and the normed row first. In fp32 that is summation order; in bf16
+    a routing choice whose top-K boundary lies within that rounding can differ."""
+
+    def __init__(self, layer: nn.Module):
+        self.o_proj, self.norm, self.gate = layer.self_attn.o_proj, layer.post_attention_layernorm, layer.mlp.gate
+        E, D = self.gate.weight.shape
+        self.A = self.o_proj.weight.shape[1]
+        self.weight = torch.empty(E, self.A + D, dtype=torch.float32, device=self.gate.weight.device)
+        self.refresh(force=True)
+
+    def _sources(self) -> list[torch.Tensor]:
+        return [self.o_proj.weight, self.norm.weight, self.gate.weight]
+
+    def _compute(self, sources: list[torch.Tensor]) -> None:
+        w_o, w_norm, w_r = (t.double() for t in sources)
+        scaled = w_r * w_norm[None, :]
+        self.weight[:, :self.A] = scaled @ w_o
+        self.weight[:, self.A:] = scaled
 
 
 def qkv_packs_apply(model: nn.Module) -> bool:
@@ -439,14 +532,33 @@ def qkv_packs_apply(model: nn.Module) -> bool:
     return kernels_apply(next(model.parameters())) and fused_supported(model)
 
 
-def pack_qkv(model: nn.Module) -> list[QKVPack]:
-    """A `QKVPack` on every attention layer (kept in the module's __dict__: not a parameter, not in the state
-    dict); the fused forward uses them for more than one token."""
+def pack_qkv(model: nn.Module) -> list[DerivedWeights]:
+    """A `QKVPack` on every attention layer and, with `ROUTER_COMPOSE`, a `ComposedRouter` on every MoE block
+    whose layer it fits (`composed_router_fits`); kept in the module's __dict__ (not a parameter, not in the state
+    dict); the fused forward uses them (the q|k|v pack for more than one token, the composed router for one)."""
     packs = []
     for layer in model.model.layers:
         attn = layer.self_attn
         attn.__dict__["_decode_qkv"] = pack = QKVPack(attn)
         packs.append(pack)
+    return packs + (pack_routers(model) if ROUTER_COMPOSE else [])
+
+
+def composed_router_fits(layer: nn.Module) -> bool:
+    """A softmax MoE block after bias-free o_proj and RMSNorm, whose widths one program holds whole."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return (isinstance(mlp, MoE) and mlp.gate.scoring_func == "softmax" and getattr(attn.o_proj, "bias", None) is None
+            and isinstance(layer.post_attention_layernorm, RMSNorm)
+            and triton.next_power_of_2(max(attn.o_proj.weight.shape)) <= ROW_LINEAR_MAX_D)
+
+
+def pack_routers(model: nn.Module) -> list[ComposedRouter]:
+    """A `ComposedRouter` on every MoE block it fits (in the block's __dict__ as "_decode_router")."""
+    packs = []
+    for layer in model.model.layers:
+        if composed_router_fits(layer):
+            layer.mlp.__dict__["_decode_router"] = pack = ComposedRouter(layer)
+            packs.append(pack)
     return packs
 
 
@@ -588,10 +700,15 @@ def _decode_layers(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Tensor, c
         q_THD = qk_norm_rope_store(attn, q_TX, k_TX, v_TX, rope, pos_T, ctx.cache.k[i], ctx.cache.v[i],
                                    slots_T)
         o_THD = ctx.attend_cached(i, q_THD, attn.scale)
-        (o_TD,) = project(o_THD.reshape(T, -1), [attn.o_proj])
-        pending = (o_TD, res_TD, layer.post_attention_layernorm)
         mlp = layer.mlp
         norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else stack.norm
+        composed = composed_router(layer, o_THD.reshape(T, -1), res_TD)
+        if composed is not None:  # o_proj, the residual add and the raw router logits in one launch
+            x_TD, z_TE = o_proj_router(o_THD.reshape(T, -1), res_TD, composed)
+            pending = (routed_experts(mlp, x_TD, z_TE, layer.post_attention_layernorm), x_TD, norm)
+            continue
+        (o_TD,) = project(o_THD.reshape(T, -1), [attn.o_proj])
+        pending = (o_TD, res_TD, layer.post_attention_layernorm)
         if not isinstance(mlp, MoE):
             y_TD, res_TD = add_rmsnorm(*pending)
             pending = (mlp(y_TD), res_TD, norm)

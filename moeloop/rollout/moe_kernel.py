@@ -54,13 +54,31 @@ if triton is not None:
     from moeloop.model.swiglu_kernel import _silu
 
     @triton.jit
-    def _ranked_experts(logits_ptr, t, slot, E: tl.constexpr, E_PAD: tl.constexpr):
+    def _rms_scale(x, eps, D: tl.constexpr):
+        """1 / RMS of one row x (padding 0), in fp32."""
+        x = x.to(tl.float32)
+        return tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+
+    @triton.jit
+    def _rmsnorm_row(x, w, eps, D: tl.constexpr, dt: tl.constexpr):
+        """RMSNorm of one row x (dt values, padding 0) with weight w (fp32) -> dt, rounded where the module path
+        rounds (the normed row, then the weight product)."""
+        normed = (x.to(tl.float32) * _rms_scale(x, eps, D)).to(dt).to(tl.float32)
+        return (w * normed).to(dt)
+
+    @triton.jit
+    def _ranked_experts(logits_ptr, t, slot, E: tl.constexpr, E_PAD: tl.constexpr, SCALED: tl.constexpr = False,
+                        rs=1.0, dt: tl.constexpr = tl.float32):
         """(ids, z, rank): the experts at ranks `slot` (a tensor) of token t's router logits [T, E]; z, the logits
         [E_PAD] in fp32 (padding -inf); rank, each expert's rank. The order is logit descending, lowest id among
         ties: `_softmax_topk_store`'s order on their softmax, which the exp keeps (it could tie two logits only by
-        rounding both to one probability). A slot no expert holds (a NaN row) reads expert 0."""
+        rounding both to one probability). A slot no expert holds (a NaN row) reads expert 0.
+        SCALED: the row holds a composed router's raw logits (`fused_decode.ComposedRouter`, fp32); the logits are
+        raw * rs (1 / RMS of the token's residual row) rounded to dt, where the module path rounds its logits."""
         i = tl.arange(0, E_PAD)
         z = tl.load(logits_ptr + t * E + i, mask=i < E, other=float("-inf")).to(tl.float32)
+        if SCALED:
+            z = (z * rs).to(dt).to(tl.float32)
         beats = (z[None, :] > z[:, None]) | ((z[None, :] == z[:, None]) & (i[None, :] < i[:, None]))
         rank = tl.sum(beats.to(tl.int32), 1)
         ids = tl.min(tl.where(rank[None, :] == slot[:, None], i[None, :], E_PAD), 1)
@@ -82,26 +100,43 @@ if triton is not None:
     @triton.jit
     def _gate_up_silu(x_ptr, w_ptr, ids_ptr, h_ptr, s_we, s_wf, D: tl.constexpr, F: tl.constexpr, K: tl.constexpr,
                       BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr,
-                      ROUTED: tl.constexpr = False, E: tl.constexpr = 1, E_PAD: tl.constexpr = 1):
+                      ROUTED: tl.constexpr = False, E: tl.constexpr = 1, E_PAD: tl.constexpr = 1,
+                      COMPOSED: tl.constexpr = False, nw_ptr=None, eps=0.0):
         """Program (s, f): gate/up rows f of assignment s's expert against its token, SiLU(gate) * up. Waits first:
         the expert ids come from the kernel just before. ROUTED: `ids_ptr` holds the router logits [T, E] instead,
-        and the program ranks them itself (`_ranked_experts`: assignment s is token s // K's rank s % K)."""
+        and the program ranks them itself (`_ranked_experts`: assignment s is token s // K's rank s % K).
+        COMPOSED (with ROUTED; BLOCK_D >= D): x is the residual row, not yet normed, and the logits are a composed
+        router's raw ones: the program applies the RMSNorm (weight nw_ptr, read before the wait) to the whole row
+        itself, and scales the logits by its 1 / RMS."""
+        if COMPOSED:
+            dn = tl.arange(0, BLOCK_D)
+            nw = tl.load(nw_ptr + dn, mask=dn < D, other=0.0).to(tl.float32)
         pdl_wait(PDL)
         s = tl.program_id(0)
         f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
         f_ok = f < F
-        if ROUTED:
+        x_row = x_ptr + (s // K).to(tl.int64) * D
+        if COMPOSED:
+            xr = tl.load(x_row + dn, mask=dn < D, other=0.0)
+            rs = _rms_scale(xr, eps, D)
+            y = _rmsnorm_row(xr, nw, eps, D, xr.dtype).to(tl.float32)
+            ids, _, _ = _ranked_experts(ids_ptr, s // K, tl.zeros([1], tl.int32) + s % K, E, E_PAD, True, rs,
+                                        xr.dtype)
+            e = tl.max(ids, 0).to(tl.int64)
+        elif ROUTED:
             ids, _, _ = _ranked_experts(ids_ptr, s // K, tl.zeros([1], tl.int32) + s % K, E, E_PAD)
             e = tl.max(ids, 0).to(tl.int64)
         else:
             e = tl.load(ids_ptr + s).to(tl.int64)
-        x_row = x_ptr + (s // K).to(tl.int64) * D
         acc_g = tl.zeros([BLOCK_F], tl.float32)
         acc_u = tl.zeros([BLOCK_F], tl.float32)
         for d0 in range(0, D, BLOCK_D):
             d = d0 + tl.arange(0, BLOCK_D)
             ok = f_ok[:, None] & (d[None, :] < D)
-            x = tl.load(x_row + d, mask=d < D, other=0.0).to(tl.float32)
+            if COMPOSED:  # (one pass: BLOCK_D >= D)
+                x = y
+            else:
+                x = tl.load(x_row + d, mask=d < D, other=0.0).to(tl.float32)
             wg = tl.load(w_ptr + e * s_we + f[:, None] * s_wf + d[None, :], mask=ok, other=0.0).to(tl.float32)
             wu = tl.load(w_ptr + e * s_we + (f + F)[:, None] * s_wf + d[None, :], mask=ok, other=0.0).to(tl.float32)
             acc_g += tl.sum(wg * x[None, :], 1)
@@ -176,13 +211,15 @@ if triton is not None:
     def _down_combine(h_ptr, w_ptr, ids_ptr, wts_ptr, y_ptr, s_we, s_wd, D: tl.constexpr, F: tl.constexpr, K: tl.constexpr,
                       K_PAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr, EARLY: tl.constexpr,
                       PDL: tl.constexpr, ROUTED: tl.constexpr = False, E: tl.constexpr = 1, E_PAD: tl.constexpr = 1,
-                      SCALE: tl.constexpr = 1.0, NORM: tl.constexpr = False):
+                      SCALE: tl.constexpr = 1.0, NORM: tl.constexpr = False, COMPOSED: tl.constexpr = False,
+                      x_ptr=None, eps=0.0, BLOCK_X: tl.constexpr = 1):
         """Program (t, j): outputs d of block j of token t, sum_k wts[t, k] * (h[t*K + k] . W_down[ids[t, k]][d]),
         each expert's product rounded first. The K experts' rows are one [K_PAD * BLOCK_D, BLOCK_F] tile, whose first
         F-block is read before the PDL wait: the ids are two kernels old (the router's; `_gate_up_silu` between
         triggers late), h is the last kernel's. ROUTED: `ids_ptr` holds the router logits [T, E], two kernels old
         too, and the program takes the ids and weights from them (`_ranked_experts`, `_routed_weights` with SCALE
-        and NORM); `wts_ptr` is not read (None)."""
+        and NORM); `wts_ptr` is not read (None). COMPOSED (with ROUTED): the logits are a composed router's raw
+        ones, scaled by 1 / RMS of the residual row x (read before the wait too: it was written before them)."""
         pdl_launch_next(PDL, EARLY)
         t = tl.program_id(0)
         r = tl.arange(0, K_PAD * BLOCK_D)
@@ -190,7 +227,13 @@ if triton is not None:
         d = tl.program_id(1) * BLOCK_D + r % BLOCK_D
         ok = (k < K) & (d < D)
         s = (t * K + k).to(tl.int64)
-        if ROUTED:
+        if COMPOSED:
+            dx = tl.arange(0, BLOCK_X)
+            xr = tl.load(x_ptr + t.to(tl.int64) * D + dx, mask=dx < D, other=0.0)
+            ids, z, rank = _ranked_experts(ids_ptr, t, k, E, E_PAD, True, _rms_scale(xr, eps, D), xr.dtype)
+            e = ids.to(tl.int64)
+            wts = _routed_weights(z, rank, ids, SCALE, K, NORM)
+        elif ROUTED:
             ids, z, rank = _ranked_experts(ids_ptr, t, k, E, E_PAD)
             e = ids.to(tl.int64)
             wts = _routed_weights(z, rank, ids, SCALE, K, NORM)
@@ -247,18 +290,29 @@ def routed_experts_apply(x_TD: torch.Tensor, moe: MoE) -> bool:
             and x_TD.shape[0] * router.top_k <= FUSED_MAX_ASSIGNMENTS and router.scoring_func == "softmax")
 
 
-def routed_experts(moe: MoE, x_TD: torch.Tensor, logits_TE: torch.Tensor) -> torch.Tensor:
+def routed_experts(moe: MoE, x_TD: torch.Tensor, logits_TE: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
     """Routed-expert output [T, D] from the router logits [T, E] of x, with the softmax top-k routing
-    (`fused_decode.route_softmax_topk`) done inside the two expert kernels: no ids or weights in memory."""
+    (`fused_decode.route_softmax_topk`) done inside the two expert kernels: no ids or weights in memory.
+    With `norm` (an RMSNorm; `composed_applies`): x is the residual row before that norm, and the logits are a
+    composed router's raw fp32 ones (`fused_decode.ComposedRouter`); both kernels apply the norm's 1 / RMS."""
     router, E = moe.gate, logits_TE.shape[1]
     routing = dict(ROUTED=True, E=E, E_PAD=max(16, triton.next_power_of_2(E)))
     down = dict(SCALE=float(router.routed_scaling_factor), NORM=bool(router.norm_topk_prob))
+    up = {}
+    if norm is not None:
+        up = dict(COMPOSED=True, nw_ptr=norm.weight, eps=norm.eps)
+        down.update(COMPOSED=True, x_ptr=x_TD, eps=norm.eps, BLOCK_X=triton.next_power_of_2(x_TD.shape[1]))
     return _few_token_experts(moe.experts, x_TD.contiguous(), logits_TE.contiguous(), None, router.top_k, routing,
-                              down)
+                              down, up)
+
+
+def composed_applies(x_TD: torch.Tensor, moe: MoE) -> bool:
+    """`routed_experts` can take a composed router's logits for x: it applies, and gate_up holds x's whole row."""
+    return routed_experts_apply(x_TD, moe) and triton.next_power_of_2(x_TD.shape[1]) <= FEW_MAX_WIDTH
 
 
 def _few_token_experts(experts: Experts, x_TD: torch.Tensor, route: torch.Tensor, wts_S: torch.Tensor | None, K: int,
-                       routing: dict, down_routing: dict | None = None) -> torch.Tensor:
+                       routing: dict, down_routing: dict | None = None, up_routing: dict | None = None) -> torch.Tensor:
     """`_gate_up_silu` then `_down_combine` over T * K assignments; `route`: the expert ids [T * K] (weights wts_S),
     or with `routing` (ROUTED) the router logits [T, E] (no wts_S: the down kernel derives the weights)."""
     w_gu, w_d = experts.gate_up_proj, experts.down_proj
@@ -276,7 +330,7 @@ def _few_token_experts(experts: Experts, x_TD: torch.Tensor, route: torch.Tensor
                                                      D=D, F=F, K=K, BLOCK_F=block_f,
                                                      BLOCK_D=min(FEW_MAX_WIDTH, triton.next_power_of_2(D)),
                                                      LIBDEVICE=not triton_interpreting(), num_warps=warps_f, **routing,
-                                                     **pdl)
+                                                     **(up_routing or {}), **pdl)
     _down_combine[(T, triton.cdiv(D, block_d))](h_SF, w_d, route, wts_S, y_TD, w_d.stride(0), w_d.stride(1), D=D, F=F,
                                                  K=K, K_PAD=k_pad, BLOCK_D=block_d, BLOCK_F=down_block_f,
                                                  EARLY=kernel_switch.PDL_EARLY, num_warps=warps_d, **routing,
