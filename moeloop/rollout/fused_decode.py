@@ -165,11 +165,12 @@ if triton is not None:
         if pid < N // BLOCK_N:
             n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
             w = tl.load(w_ptr + n.to(tl.int64)[:, None] * A + c[None, :], mask=c[None, :] < A, other=0.0)
+            h_n = tl.load(h_ptr + n).to(tl.float32)
             pdl_wait(PDL, EARLY)
             a = tl.load(a_ptr + c, mask=c < A, other=0.0).to(tl.float32)
             dt = x_ptr.dtype.element_ty
             o = tl.sum(w.to(tl.float32) * a[None, :], 1).to(dt).to(tl.float32)
-            tl.store(x_ptr + n, (o + tl.load(h_ptr + n).to(tl.float32)).to(dt))
+            tl.store(x_ptr + n, (o + h_n).to(dt))
         else:
             e = (pid - N // BLOCK_N) * BLOCK_E + tl.arange(0, BLOCK_E)
             rows = r_ptr + e.to(tl.int64)[:, None] * (A + D)
@@ -411,7 +412,7 @@ def normed_row_linear(x_TD: torch.Tensor, res_TD: torch.Tensor | None, norm: RMS
 # B=1: the router composed into the o_proj launch (`ComposedRouter`, `o_proj_router`), the router's launch gone;
 # MOELOOP_ROUTER_COMPOSE=on turns it on (off until measured on the H200)
 ROUTER_COMPOSE = os.environ.get("MOELOOP_ROUTER_COMPOSE", "off").lower() == "on"
-ROUTER_COMPOSE_ROWS = 4  # router rows per program of the composed launch
+ROUTER_COMPOSE_ROWS = int(os.environ.get("MOELOOP_ROUTER_COMPOSE_ROWS", "4"))  # router rows per program of that launch
 
 
 def composed_router(layer: nn.Module, o_TD: torch.Tensor, res_TD: torch.Tensor | None) -> ComposedRouter | None:

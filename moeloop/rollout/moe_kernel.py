@@ -73,15 +73,16 @@ if triton is not None:
         [E_PAD] in fp32 (padding -inf); rank, each expert's rank. The order is logit descending, lowest id among
         ties: `_softmax_topk_store`'s order on their softmax, which the exp keeps (it could tie two logits only by
         rounding both to one probability). A slot no expert holds (a NaN row) reads expert 0.
-        SCALED: the row holds a composed router's raw logits (`fused_decode.ComposedRouter`, fp32); the logits are
-        raw * rs (1 / RMS of the token's residual row) rounded to dt, where the module path rounds its logits."""
+        A composed router's raw logits (`fused_decode.ComposedRouter`, fp32) rank as they are: a positive scale
+        keeps the order, so the ids do not wait for the 1 / RMS. SCALED: z is then raw * rs (1 / RMS of the token's
+        residual row) rounded to dt, where the module path rounds its logits, for the routing weights."""
         i = tl.arange(0, E_PAD)
         z = tl.load(logits_ptr + t * E + i, mask=i < E, other=float("-inf")).to(tl.float32)
-        if SCALED:
-            z = (z * rs).to(dt).to(tl.float32)
         beats = (z[None, :] > z[:, None]) | ((z[None, :] == z[:, None]) & (i[None, :] < i[:, None]))
         rank = tl.sum(beats.to(tl.int32), 1)
         ids = tl.min(tl.where(rank[None, :] == slot[:, None], i[None, :], E_PAD), 1)
+        if SCALED:
+            z = (z * rs).to(dt).to(tl.float32)
         return tl.where(ids < E, ids, 0), z, rank
 
     @triton.jit
@@ -101,7 +102,7 @@ if triton is not None:
     def _gate_up_silu(x_ptr, w_ptr, ids_ptr, h_ptr, s_we, s_wf, D: tl.constexpr, F: tl.constexpr, K: tl.constexpr,
                       BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr,
                       ROUTED: tl.constexpr = False, E: tl.constexpr = 1, E_PAD: tl.constexpr = 1,
-                      COMPOSED: tl.constexpr = False, nw_ptr=None, eps=0.0):
+                      COMPOSED: tl.constexpr = False, nw_ptr=None, eps=0.0, NORM_LATE: tl.constexpr = False):
         """Program (s, f): gate/up rows f of assignment s's expert against its token, SiLU(gate) * up. Waits first:
         the expert ids come from the kernel just before. ROUTED: `ids_ptr` holds the router logits [T, E] instead,
         and the program ranks them itself (`_ranked_experts`: assignment s is token s // K's rank s % K).
@@ -116,14 +117,7 @@ if triton is not None:
         f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
         f_ok = f < F
         x_row = x_ptr + (s // K).to(tl.int64) * D
-        if COMPOSED:
-            xr = tl.load(x_row + dn, mask=dn < D, other=0.0)
-            rs = _rms_scale(xr, eps, D)
-            y = _rmsnorm_row(xr, nw, eps, D, xr.dtype).to(tl.float32)
-            ids, _, _ = _ranked_experts(ids_ptr, s // K, tl.zeros([1], tl.int32) + s % K, E, E_PAD, True, rs,
-                                        xr.dtype)
-            e = tl.max(ids, 0).to(tl.int64)
-        elif ROUTED:
+        if ROUTED:  # (COMPOSED: raw logits rank as the scaled ones do)
             ids, _, _ = _ranked_experts(ids_ptr, s // K, tl.zeros([1], tl.int32) + s % K, E, E_PAD)
             e = tl.max(ids, 0).to(tl.int64)
         else:
@@ -133,12 +127,16 @@ if triton is not None:
         for d0 in range(0, D, BLOCK_D):
             d = d0 + tl.arange(0, BLOCK_D)
             ok = f_ok[:, None] & (d[None, :] < D)
-            if COMPOSED:  # (one pass: BLOCK_D >= D)
-                x = y
-            else:
+            if not COMPOSED:
                 x = tl.load(x_row + d, mask=d < D, other=0.0).to(tl.float32)
+            elif not NORM_LATE:  # one pass (BLOCK_D >= D)
+                x = _rmsnorm_row(tl.load(x_row + dn, mask=dn < D, other=0.0), nw, eps, D, h_ptr.dtype.element_ty)
+                x = x.to(tl.float32)
             wg = tl.load(w_ptr + e * s_we + f[:, None] * s_wf + d[None, :], mask=ok, other=0.0).to(tl.float32)
             wu = tl.load(w_ptr + e * s_we + (f + F)[:, None] * s_wf + d[None, :], mask=ok, other=0.0).to(tl.float32)
+            if COMPOSED and NORM_LATE:  # the norm's reduction after the weight loads are issued
+                x = _rmsnorm_row(tl.load(x_row + dn, mask=dn < D, other=0.0), nw, eps, D, h_ptr.dtype.element_ty)
+                x = x.to(tl.float32)
             acc_g += tl.sum(wg * x[None, :], 1)
             acc_u += tl.sum(wu * x[None, :], 1)
         dt = h_ptr.dtype.element_ty
@@ -300,10 +298,13 @@ def routed_experts(moe: MoE, x_TD: torch.Tensor, logits_TE: torch.Tensor, norm: 
     down = dict(SCALE=float(router.routed_scaling_factor), NORM=bool(router.norm_topk_prob))
     up = {}
     if norm is not None:
-        up = dict(COMPOSED=True, nw_ptr=norm.weight, eps=norm.eps)
+        up = dict(COMPOSED=True, nw_ptr=norm.weight, eps=norm.eps, NORM_LATE=COMPOSE_NORM_LATE)
         down.update(COMPOSED=True, x_ptr=x_TD, eps=norm.eps, BLOCK_X=triton.next_power_of_2(x_TD.shape[1]))
     return _few_token_experts(moe.experts, x_TD.contiguous(), logits_TE.contiguous(), None, router.top_k, routing,
                               down, up)
+
+
+COMPOSE_NORM_LATE = os.environ.get("MOELOOP_COMPOSE_NORM_LATE", "off") == "on"  # A/B: gate_up norms after its loads
 
 
 def composed_applies(x_TD: torch.Tensor, moe: MoE) -> bool:
