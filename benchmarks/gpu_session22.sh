@@ -28,6 +28,22 @@ compose)
     timeout 120 python3 benchmarks/profile_decode.py --batch 1 --top 0 --timeline 2>&1 \
         | grep -v -i warn | grep -A10 "one layer"
     ;;
+rows)  # third call: the router rows per program of the composed launch, and the mismatch below
+    b1() {  # label, then env assignments
+        local label=$1; shift
+        echo "== $label"
+        env "$@" timeout 100 python3 benchmarks/rollout.py --device cuda --size reference --batch 1 --repeats 5 \
+            --skip-hf --step-times 2>&1 | grep -v -i warn | grep -E "engine.step|^\| 1 |walls"
+    }
+    for round in 1 2; do
+        b1 "defaults" X=1
+        for rows in 1 2 4; do
+            [ "$round$rows" = 24 ] || b1 "composed router, $rows router rows a program" MOELOOP_ROUTER_COMPOSE=on \
+                MOELOOP_ROUTER_COMPOSE_ROWS=$rows
+        done
+    done
+    bash "$0" mismatch
+    ;;
 mismatch)
     for mode in off on; do
         echo "== logprob mismatch, B=1, MOELOOP_ROUTER_COMPOSE=$mode"
@@ -36,5 +52,5 @@ mismatch)
     done
     ;;
 buckets) bash benchmarks/gpu_session21.sh buckets ;;
-*) echo "usage: $0 compose|mismatch|buckets" >&2; exit 2 ;;
+*) echo "usage: $0 compose|rows|mismatch|buckets" >&2; exit 2 ;;
 esac
