@@ -51,6 +51,15 @@ mismatch)
             --prompts 1 --n 1 2>&1 | grep -v -i warn | tail -2
     done
     ;;
+final)  # the composed router on by default (1 row a program): the CUDA engine tests, then B=1 on and off
+    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_rollout_cuda.py tests/test_rollout_fused_decode.py \
+        tests/test_rollout_sampler.py --tb=short 2>&1 | grep -E "^(FAILED|ERROR)|passed|failed" | tail -8
+    for mode in on off; do
+        echo "== B=1, MOELOOP_ROUTER_COMPOSE=$mode"
+        MOELOOP_ROUTER_COMPOSE=$mode timeout 100 python3 benchmarks/rollout.py --device cuda --size reference --batch 1 \
+            --repeats 5 --skip-hf --step-times 2>&1 | grep -v -i warn | grep -E "engine.step|^\| 1 |walls"
+    done
+    ;;
 buckets) bash benchmarks/gpu_session21.sh buckets ;;
-*) echo "usage: $0 compose|rows|mismatch|buckets" >&2; exit 2 ;;
+*) echo "usage: $0 compose|rows|mismatch|final|buckets" >&2; exit 2 ;;
 esac

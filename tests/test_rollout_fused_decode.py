@@ -178,6 +178,7 @@ def test_fused_decode_single_sequence_matches_module_path(monkeypatch, arch, nor
     top-k done inside the expert kernels; with `embed_fold`, the first q|k|v launch reads the embedding row); same
     tokens and logprobs as the module forward (Mixtral: top-2 of 8 experts, no q/k norm)."""
     from moeloop.rollout import fused_decode, moe_kernel
+    monkeypatch.setattr(fused_decode, "ROUTER_COMPOSE", False)  # the router's own launch (on CUDA, by default composed)
     monkeypatch.setattr(fused_decode, "NORM_FOLD", norm_fold)
     monkeypatch.setattr(moe_kernel, "ROUTE_FOLD", route_fold)
     monkeypatch.setattr(fused_decode, "EMBED_FOLD", embed_fold)
@@ -487,3 +488,36 @@ def test_o_proj_router_equals_module_path_and_follows_weight_changes(monkeypatch
     pack.refresh()  # the version counter moved: recomputed
     _, fresh = check()
     assert not torch.allclose(stale, fresh)
+
+
+def test_update_weights_reaches_the_composed_router(monkeypatch):
+    """An engine decoding B=1 through composed routers (`pack_routers`, refreshed with the packed weights) gets new
+    o_proj, norm and router weights at `update_weights`: it then generates what a fresh engine on them does."""
+    from moeloop.rollout import fused_decode
+    monkeypatch.setattr(fused_decode, "ROUTER_COMPOSE", True)
+    params = SamplingParams(n=1, temperature=1.0, max_tokens=5, seed=2)
+    ps = prompts(1, seed=5)
+
+    def engine_on(model):
+        engine = make_engine(model, enforce_eager=True)
+        engine.runner.use_kernel = True
+        engine.runner.qkv_packs += fused_decode.pack_routers(model)
+        return engine
+
+    model = tiny_model("qwen3_moe").to(DEVICE)
+    engine = engine_on(model)
+    before = [o.response_ids for o in engine.generate(ps, params)]
+    new = {k: v.clone() for k, v in model.state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    for k, v in new.items():
+        if k.endswith(("o_proj.weight", "post_attention_layernorm.weight", "mlp.gate.weight")):
+            v.add_(torch.randn(v.shape, generator=g).to(v), alpha=v.std().item() or 0.5)
+    engine.update_weights(new.items(), version=1)
+    after = engine.generate(ps, params)
+    fresh = tiny_model("qwen3_moe").to(DEVICE)
+    fresh.load_state_dict(new)
+    want = engine_on(fresh).generate(ps, params)
+    assert [o.response_ids for o in after] != before
+    assert [o.response_ids for o in after] == [o.response_ids for o in want]
+    for o, w in zip(after, want):
+        torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(w.logprobs), atol=1e-5, rtol=0)

@@ -410,9 +410,12 @@ def normed_row_linear(x_TD: torch.Tensor, res_TD: torch.Tensor | None, norm: RMS
 
 
 # B=1: the router composed into the o_proj launch (`ComposedRouter`, `o_proj_router`), the router's launch gone;
-# MOELOOP_ROUTER_COMPOSE=on turns it on (off until measured on the H200)
-ROUTER_COMPOSE = os.environ.get("MOELOOP_ROUTER_COMPOSE", "off").lower() == "on"
-ROUTER_COMPOSE_ROWS = int(os.environ.get("MOELOOP_ROUTER_COMPOSE_ROWS", "4"))  # router rows per program of that launch
+# MOELOOP_ROUTER_COMPOSE=off runs the router's own norm-folded launch. H200, reference model, B=1 engine.step
+# 2.926 ms per 8 steps against 3.017-3.019 (37.8-37.9% -> 38.9-39.2% of the roofline), and the engine-trainer
+# logprob mismatch of a bf16 B=1 generation 1.28e-2 against 1.00e-2 (BENCHMARKS.md, session 22)
+ROUTER_COMPOSE = os.environ.get("MOELOOP_ROUTER_COMPOSE", "on").lower() != "off"
+# router rows per program of that launch: 1, 2 and 4 measured 2.926, 2.935-2.940 and 2.965 ms per 8 steps
+ROUTER_COMPOSE_ROWS = int(os.environ.get("MOELOOP_ROUTER_COMPOSE_ROWS", "1"))
 
 
 def composed_router(layer: nn.Module, o_TD: torch.Tensor, res_TD: torch.Tensor | None) -> ComposedRouter | None:
@@ -507,9 +510,11 @@ class ComposedRouter(DerivedWeights):
     raw logits R [a | h] with R = [W_r diag(w) W_o | W_r diag(w)] (fp32, [E, A + D], products taken in fp64) can
     be computed in the o_proj launch itself (`_row_linear_router`), and the expert kernels multiply them by the
     1 / rms they compute from the residual row: the router's own launch, and its hop, are gone.
-    What it changes: the logits are the exact product, rounded once to the model dtype, where the module path
-    rounds the o_proj output, the residual sum and the normed row first. In fp32 that is summation order; in bf16
-    a routing choice whose top-K boundary lies within that rounding can differ."""
+    What it changes: the experts are ranked by the exact product in fp32 (the routing weights take it times
+    1 / rms, rounded to the model dtype), where the module path rounds the o_proj output, the residual sum, the
+    normed row and the logits first. In fp32 that is summation order; in bf16 a choice whose top-K boundary lies
+    within that rounding can differ (H200, reference model, one bf16 sequence of 256 tokens: mean |engine -
+    trainer logprob| 1.28e-2 against 1.00e-2 with the router's own launch). MOELOOP_ROUTER_COMPOSE=off."""
 
     def __init__(self, layer: nn.Module):
         self.o_proj, self.norm, self.gate = layer.self_attn.o_proj, layer.post_attention_layernorm, layer.mlp.gate
