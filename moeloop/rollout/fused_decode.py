@@ -16,7 +16,9 @@ For one token, `NORM_FOLD` (on; MOELOOP_NORM_FOLD=off turns it off) runs the add
 router projections inside them (`_norm_row_linear`), two launches fewer per layer (H200, B=1: forward graph
 0.477 -> 0.451 ms). Two more folds for one token: the expert kernels rank the router logits themselves
 (`moe_kernel.ROUTE_FOLD`, no top-k launch: 0.417 -> 0.401 ms) and layer 0's q|k|v launch reads the embedding row
-(`EMBED_FOLD`, no lookup launch: 0.404 -> 0.401 ms), which leaves eight kernels per layer.
+(`EMBED_FOLD`, no lookup launch: 0.404 -> 0.401 ms), which leaves eight kernels per layer. The router is then
+composed into the o_proj launch (`ROUTER_COMPOSE`, `ComposedRouter`: its logits come from [attention output |
+residual] through a precomputed product, the expert kernels apply the norm), which leaves seven.
 Shapes: T tokens, D model dim, H/G query/kv heads, Dh head dim, E experts, K experts per token.
 """
 from __future__ import annotations
