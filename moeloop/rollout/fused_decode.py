@@ -510,8 +510,8 @@ class ComposedRouter(DerivedWeights):
     one-token decode (`ROUTER_COMPOSE`). The module path computes logits = W_r (w * (h + W_o a) / rms), with h
     the residual, a the attention output, w the norm weight. A positive scale does not change the ranking, so the
     raw logits R [a | h] with R = [W_r diag(w) W_o | W_r diag(w)] (fp32, [E, A + D], products taken in fp64) can
-    be computed in the o_proj launch itself (`_row_linear_router`), and the expert kernels multiply them by the
-    1 / rms they compute from the residual row: the router's own launch, and its hop, are gone.
+    be computed in the o_proj launch itself (`_row_linear_router`); gate_up ranks them as they are, and down
+    multiplies them by the 1 / rms it computes from the residual row: the router's own launch, and its hop, are gone.
     What it changes: the experts are ranked by the exact product in fp32 (the routing weights take it times
     1 / rms, rounded to the model dtype), where the module path rounds the o_proj output, the residual sum, the
     normed row and the logits first. In fp32 that is summation order; in bf16 a choice whose top-K boundary lies

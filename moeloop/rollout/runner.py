@@ -16,7 +16,7 @@ from torch import nn
 from moeloop.model.kernel_switch import kernels_apply
 from moeloop.model.moe import MoE
 from moeloop.rollout.cuda_graphs import CaptureFailed, DecodeGraphs
-from moeloop.rollout.fused_decode import QKVPack, fused_decode_forward, fused_decode_logits, fused_supported
+from moeloop.rollout.fused_decode import DerivedWeights, fused_decode_forward, fused_decode_logits, fused_supported
 from moeloop.rollout.kv_cache import KVCache
 from moeloop.rollout.moe_kernel import decode_moe
 from moeloop.rollout.multistep import decode_steps, step_sampler
@@ -58,9 +58,10 @@ class LaunchedStep:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, cache: KVCache, max_num_seqs: int, max_model_len: int,
-                 enforce_eager: bool = False, qkv_packs: list[QKVPack] | None = None, decode_steps: int = 1):
+                 enforce_eager: bool = False, qkv_packs: list[DerivedWeights] | None = None, decode_steps: int = 1):
         self.model, self.cache = model, cache
-        self.qkv_packs = qkv_packs or []  # the fused forward's packed q|k|v weights (`pack_qkv`), kept fresh here
+        # the fused forward's derived weights (`pack_qkv`: packed q|k|v copies, composed routers), kept fresh here
+        self.qkv_packs = qkv_packs or []
         self.device = next(model.parameters()).device
         self.vocab_size = model.cfg.vocab_size
         self.sampler = Sampler()
