@@ -424,7 +424,7 @@ def test_pdl_launches_give_bitwise_the_same_decode(monkeypatch, batch):
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_composed_router_single_sequence_matches_module_path(monkeypatch, arch):
     """`ROUTER_COMPOSE`: B=1 decode runs o_proj, the residual add and the composed router in one launch
-    (`o_proj_router`, every MoE layer every step) and the expert kernels norm the residual row themselves; fp32:
+    (`o_proj_router`, every MoE layer every step); gate_up norms the residual row, down scales the logits; fp32:
     the same tokens and logprobs (1e-5) as the module forward."""
     from moeloop.rollout import fused_decode
     monkeypatch.setattr(fused_decode, "ROUTER_COMPOSE", True)
