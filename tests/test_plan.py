@@ -190,3 +190,33 @@ def test_a_disaggregated_push_is_planned_over_cuda_ipc():
         assert pushes[mode] == costs["cuda_ipc" if mode == "disaggregated" else "inprocess"] > 0
         assert any(f"over {'cuda_ipc' if mode == 'disaggregated' else 'inprocess'}" in a for a in plan.assumptions)
     assert pushes["disaggregated"] > pushes["colocated"]
+
+
+def test_the_engine_decode_packs_are_planned_as_the_engine_allocates_them():
+    """`decode_pack_bytes`: the fused decode's packed q|k|v copies and composed routers, as `pack_qkv` allocates
+    them for a bf16 Qwen3-MoE (counted from the tensors), the hand count at the reference size, nothing for MLA;
+    colocated, the engine's weights entry carries them."""
+    import torch
+    from moeloop.model.factory import build_model, hf_config_dict
+    from moeloop.plan.memory import ROW_LINEAR_MAX_D, decode_pack_bytes
+    from moeloop.rollout import fused_decode
+    assert ROW_LINEAR_MAX_D == fused_decode.ROW_LINEAR_MAX_D
+    model = build_model("qwen3_moe", "tiny").to(torch.bfloat16)
+    saved = fused_decode.ROUTER_COMPOSE
+    fused_decode.ROUTER_COMPOSE = True
+    try:
+        packs = fused_decode.pack_qkv(model)
+    finally:
+        fused_decode.ROUTER_COMPOSE = saved
+    allocated = sum(p.weight.numel() * p.weight.element_size() for p in packs)
+    assert any(isinstance(p, fused_decode.ComposedRouter) for p in packs)
+    assert decode_pack_bytes(model.cfg) == allocated
+    ref = ModelConfig.from_hf_dict(hf_config_dict("qwen3_moe", "reference"))
+    assert decode_pack_bytes(ref) == 16 * (2 * 1536 * (12 + 2 * 4) * 128 + 4 * 64 * (12 * 128 + 1536))
+    assert decode_pack_bytes(ModelConfig.from_hf_dict(hf_config_dict("deepseek_v3", "reference"))) == 0
+    cfg = load_config(DSV3, ["rollout.mode=colocated"])
+    stats, tp = model_stats(ref), cfg.parallel.rollout_tp
+    led = memory_ledger(cfg, stats, Layout(dp=8))
+    assert tp > 1 and led.entries["rollout_weights"] == pytest.approx(2 * stats.total_params / tp
+                                                                      + decode_pack_bytes(ref, tp))
+    assert decode_pack_bytes(ref, tp) > decode_pack_bytes(ref) / tp  # the composed routers are not split

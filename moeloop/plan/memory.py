@@ -200,11 +200,30 @@ def _work_entries(cfg: RunConfig, stats: ModelStats, layout: Layout, stage: int)
     return {"activations": acts, "logits": logits, "comm_buffers": comm, "sync_buffers": sync}
 
 
+# `rollout.fused_decode.ROW_LINEAR_MAX_D`, copied here so the planner stays free of the engine's imports (a test
+# checks the two agree): the widest row a one-token decode program holds whole
+ROW_LINEAR_MAX_D = 2048
+
+
+def decode_pack_bytes(m: ModelConfig | None, rollout_tp: int = 1) -> float:
+    """Bytes the CUDA engine's fused decode derives from the weights and keeps beside them
+    (`rollout.fused_decode.pack_qkv`): each GQA layer's packed q|k|v copy (bf16, as the planner's engine weights,
+    split like them over the engine's TP) and, where one program holds its rows, each softmax MoE layer's composed router
+    ([E, H * Dh + D] fp32, `ComposedRouter`). 0 without a model config, or for MLA (no fused decode)."""
+    if m is None or m.is_mla:
+        return 0.0
+    attn = m.num_heads * m.head_dim
+    qkv = BF16 * m.num_layers * m.hidden_size * (attn + 2 * m.num_kv_heads * m.head_dim) / rollout_tp
+    fits = m.num_experts and m.scoring_func == "softmax" and max(attn, m.hidden_size) <= ROW_LINEAR_MAX_D
+    routers = 4 * m.num_experts * (attn + m.hidden_size) * len(m.moe_layers) if fits else 0
+    return qkv + routers
+
+
 def _rollout_entries(cfg: RunConfig, stats: ModelStats, layout: Layout, colocated: bool) -> dict[str, float]:
     if not colocated:
         return {"rollout_weights": 0.0, "rollout_kv": 0.0}
     rollout_tp = cfg.parallel.rollout_tp or layout.tp
-    weights = BF16 * stats.total_params / rollout_tp
+    weights = BF16 * stats.total_params / rollout_tp + decode_pack_bytes(stats.model, rollout_tp)
     budget = cfg.rollout.gpu_memory_utilization * cfg.hardware.gpu_memory_gb * GB
     kv = float(cfg.rollout.kv_cache_bytes) if cfg.rollout.kv_cache_bytes else max(0.0, budget - weights)
     return {"rollout_weights": weights, "rollout_kv": kv}

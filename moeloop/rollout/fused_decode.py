@@ -557,7 +557,7 @@ def composed_router_fits(layer: nn.Module) -> bool:
     attn, mlp = layer.self_attn, layer.mlp
     return (isinstance(mlp, MoE) and mlp.gate.scoring_func == "softmax" and getattr(attn.o_proj, "bias", None) is None
             and isinstance(layer.post_attention_layernorm, RMSNorm)
-            and triton.next_power_of_2(max(attn.o_proj.weight.shape)) <= ROW_LINEAR_MAX_D)
+            and max(attn.o_proj.weight.shape) <= ROW_LINEAR_MAX_D)
 
 
 def pack_routers(model: nn.Module) -> list[ComposedRouter]:
