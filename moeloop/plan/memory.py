@@ -1,8 +1,9 @@
 """The per-rank memory ledger: every byte a training rank holds, by entry and by phase, for a Layout.
 
 Entries (bytes per rank of the worst pipeline stage): weights, grads, optimizer, activations, logits,
-comm_buffers (all-gather / reduce buckets, FSDP unsharded layer, EP all-to-all), sync_buffers, rollout_weights,
-rollout_kv (colocated engine at its memory fraction), reserve. `plan.given_gb` replaces any of them.
+comm_buffers (all-gather / reduce buckets, FSDP unsharded layer, EP all-to-all), sync_buffers, rollout_weights
+(with the fused decode's packed copies, `decode_pack_bytes`), rollout_kv (colocated engine at its memory fraction),
+reserve. `plan.given_gb` replaces any of them.
 Phases are the moments an entry set is live at once:
     train           weights + grads + optimizer (unless offloaded) + activations + logits + comm_buffers
     optimizer_step  weights + grads + optimizer (unless the step runs on CPU) + comm_buffers
