@@ -199,17 +199,17 @@ def test_the_engine_decode_packs_are_planned_as_the_engine_allocates_them():
     import torch
     from moeloop.model.factory import build_model, hf_config_dict
     from moeloop.plan.memory import ROW_LINEAR_MAX_D, decode_pack_bytes
-    from moeloop.rollout import fused_decode
-    assert ROW_LINEAR_MAX_D == fused_decode.ROW_LINEAR_MAX_D
+    from moeloop.rollout import decode_packs
+    assert ROW_LINEAR_MAX_D == decode_packs.ROW_MAX_D
     model = build_model("qwen3_moe", "tiny").to(torch.bfloat16)
-    saved = fused_decode.ROUTER_COMPOSE
-    fused_decode.ROUTER_COMPOSE = True
+    saved = decode_packs.ROUTER_COMPOSE
+    decode_packs.ROUTER_COMPOSE = True
     try:
-        packs = fused_decode.pack_qkv(model)
+        packs = decode_packs.pack_qkv(model)
     finally:
-        fused_decode.ROUTER_COMPOSE = saved
+        decode_packs.ROUTER_COMPOSE = saved
     allocated = sum(p.weight.numel() * p.weight.element_size() for p in packs)
-    assert any(isinstance(p, fused_decode.ComposedRouter) for p in packs)
+    assert any(isinstance(p, decode_packs.ComposedRouter) for p in packs)
     assert decode_pack_bytes(model.cfg) == allocated
     ref = ModelConfig.from_hf_dict(hf_config_dict("qwen3_moe", "reference"))
     assert decode_pack_bytes(ref) == 16 * (2 * 1536 * (12 + 2 * 4) * 128 + 4 * 64 * (12 * 128 + 1536))

@@ -177,8 +177,8 @@ def test_fused_decode_single_sequence_matches_module_path(monkeypatch, arch, nor
     router projections, and with `head_fold` the final one into the lm_head; with `route_fold` too, the softmax
     top-k done inside the expert kernels; with `embed_fold`, the first q|k|v launch reads the embedding row); same
     tokens and logprobs as the module forward (Mixtral: top-2 of 8 experts, no q/k norm)."""
-    from moeloop.rollout import fused_decode, moe_kernel
-    monkeypatch.setattr(fused_decode, "ROUTER_COMPOSE", False)  # the router's own launch (on CUDA, by default composed)
+    from moeloop.rollout import decode_packs, fused_decode, moe_kernel
+    monkeypatch.setattr(decode_packs, "ROUTER_COMPOSE", False)  # the router's own launch (on CUDA, by default composed)
     monkeypatch.setattr(fused_decode, "NORM_FOLD", norm_fold)
     monkeypatch.setattr(moe_kernel, "ROUTE_FOLD", route_fold)
     monkeypatch.setattr(fused_decode, "EMBED_FOLD", embed_fold)
@@ -287,7 +287,7 @@ def test_packed_qkv_projection_equals_three_and_follows_weight_changes():
     as three projections. The copy goes stale on an in-place weight change until `refresh()` sees the source's
     version counter move; a parameter that aliases another tensor (shared with a trainer) changes under that
     tensor's counter, so only `refresh(force=True)` (what `Engine.update_weights` calls) catches it."""
-    from moeloop.rollout.fused_decode import pack_qkv
+    from moeloop.rollout.decode_packs import pack_qkv
     model = tiny_model("qwen3_moe").to(DEVICE)
     cache = make_engine(model, enforce_eager=True).cache
     B, layers = 3, model.model.layers
@@ -426,12 +426,12 @@ def test_composed_router_single_sequence_matches_module_path(monkeypatch, arch):
     """`ROUTER_COMPOSE`: B=1 decode runs o_proj, the residual add and the composed router in one launch
     (`o_proj_router`, every MoE layer every step); gate_up norms the residual row, down scales the logits; fp32:
     the same tokens and logprobs (1e-5) as the module forward."""
-    from moeloop.rollout import fused_decode
-    monkeypatch.setattr(fused_decode, "ROUTER_COMPOSE", True)
+    from moeloop.rollout import decode_packs, fused_decode
+    monkeypatch.setattr(decode_packs, "ROUTER_COMPOSE", True)
     calls, real = [], fused_decode.o_proj_router
     monkeypatch.setattr(fused_decode, "o_proj_router", lambda *a: calls.append(1) or real(*a))
     model = tiny_model(arch).to(DEVICE)
-    packs = fused_decode.pack_routers(model)
+    packs = decode_packs.pack_routers(model)
     assert len(packs) == len(model.model.layers)
     assert_kernels_match_module_path(model, prompts(1, seed=5),
                                      SamplingParams(n=1, temperature=1.0, max_tokens=5, seed=2))
@@ -444,15 +444,15 @@ def test_o_proj_router_equals_module_path_and_follows_weight_changes(monkeypatch
     1 / rms(x) equal the router's logits of RMSNorm(x) (fp32: 1e-5; bf16: within the module path's own rounding);
     the expert kernels on them equal the top-k routing through `fused_experts`. The composed weights follow an
     in-place change of o_proj (`refresh()`)."""
-    from moeloop.rollout import fused_decode
+    from moeloop.rollout import decode_packs, fused_decode
     from moeloop.rollout.moe_kernel import fused_experts, routed_experts
-    monkeypatch.setattr(fused_decode, "ROUTER_COMPOSE", True)
+    monkeypatch.setattr(decode_packs, "ROUTER_COMPOSE", True)
     torch.manual_seed(7)
     model = tiny_model("qwen3_moe").to(DEVICE, dtype)
     layer = model.model.layers[1]
     with torch.no_grad():
         layer.post_attention_layernorm.weight.copy_(torch.rand_like(layer.post_attention_layernorm.weight) + 0.5)
-    (pack,) = [p for p in fused_decode.pack_routers(model) if p.gate is layer.mlp.gate]
+    (pack,) = [p for p in decode_packs.pack_routers(model) if p.gate is layer.mlp.gate]
     A, D = layer.self_attn.o_proj.weight.shape[1], model.cfg.hidden_size
     o = torch.randn(1, A, device=DEVICE, dtype=dtype)
     res = torch.randn(1, D, device=DEVICE, dtype=dtype)
@@ -493,15 +493,15 @@ def test_o_proj_router_equals_module_path_and_follows_weight_changes(monkeypatch
 def test_update_weights_reaches_the_composed_router(monkeypatch):
     """An engine decoding B=1 through composed routers (`pack_routers`, refreshed with the packed weights) gets new
     o_proj, norm and router weights at `update_weights`: it then generates what a fresh engine on them does."""
-    from moeloop.rollout import fused_decode
-    monkeypatch.setattr(fused_decode, "ROUTER_COMPOSE", True)
+    from moeloop.rollout import decode_packs
+    monkeypatch.setattr(decode_packs, "ROUTER_COMPOSE", True)
     params = SamplingParams(n=1, temperature=1.0, max_tokens=5, seed=2)
     ps = prompts(1, seed=5)
 
     def engine_on(model):
         engine = make_engine(model, enforce_eager=True)
         engine.runner.use_kernel = True
-        engine.runner.qkv_packs += fused_decode.pack_routers(model)
+        engine.runner.qkv_packs += decode_packs.pack_routers(model)
         return engine
 
     model = tiny_model("qwen3_moe").to(DEVICE)

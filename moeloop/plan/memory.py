@@ -201,14 +201,14 @@ def _work_entries(cfg: RunConfig, stats: ModelStats, layout: Layout, stage: int)
     return {"activations": acts, "logits": logits, "comm_buffers": comm, "sync_buffers": sync}
 
 
-# `rollout.fused_decode.ROW_LINEAR_MAX_D`, copied here so the planner stays free of the engine's imports (a test
+# `rollout.decode_packs.ROW_MAX_D`, copied here so the planner stays free of the engine's imports (a test
 # checks the two agree): the widest row a one-token decode program holds whole
 ROW_LINEAR_MAX_D = 2048
 
 
 def decode_pack_bytes(m: ModelConfig | None, rollout_tp: int = 1) -> float:
     """Bytes the CUDA engine's fused decode derives from the weights and keeps beside them
-    (`rollout.fused_decode.pack_qkv`): each GQA layer's packed q|k|v copy (bf16, as the planner's engine weights,
+    (`rollout.decode_packs.pack_qkv`): each GQA layer's packed q|k|v copy (bf16, as the planner's engine weights,
     split like them over the engine's TP) and, where one program holds its rows, each softmax MoE layer's composed router
     ([E, H * Dh + D] fp32, `ComposedRouter`). 0 without a model config, or for MLA (no fused decode)."""
     if m is None or m.is_mla:

@@ -37,7 +37,8 @@ from moeloop.config.schema import RolloutSection
 from moeloop.errors import InputError
 from moeloop.rollout.blocks import BlockManager
 from moeloop.rollout.completion import Completion
-from moeloop.rollout.fused_decode import pack_qkv, qkv_packs_apply
+from moeloop.rollout.decode_packs import pack_qkv
+from moeloop.rollout.fused_decode import qkv_packs_apply
 from moeloop.rollout.kv_cache import KVCache, kv_budget_bytes, kv_bytes_per_block
 from moeloop.rollout.runner import LaunchedStep, ModelRunner
 from moeloop.rollout.sampling_params import SamplingParams

@@ -73,7 +73,7 @@ if triton is not None:
         [E_PAD] in fp32 (padding -inf); rank, each expert's rank. The order is logit descending, lowest id among
         ties: `_softmax_topk_store`'s order on their softmax, which the exp keeps (it could tie two logits only by
         rounding both to one probability). A slot no expert holds (a NaN row) reads expert 0.
-        A composed router's raw logits (`fused_decode.ComposedRouter`, fp32) rank as they are: a positive scale
+        A composed router's raw logits (`decode_packs.ComposedRouter`, fp32) rank as they are: a positive scale
         keeps the order, so the ids do not wait for the 1 / RMS. SCALED: z is then raw * rs (1 / RMS of the token's
         residual row) rounded to dt, where the module path rounds its logits, for the routing weights."""
         i = tl.arange(0, E_PAD)
@@ -286,11 +286,12 @@ def routed_experts_apply(x_TD: torch.Tensor, moe: MoE) -> bool:
             and x_TD.shape[0] * router.top_k <= FUSED_MAX_ASSIGNMENTS and router.scoring_func == "softmax")
 
 
-def routed_experts(moe: MoE, x_TD: torch.Tensor, logits_TE: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
+def routed_experts(moe: MoE, x_TD: torch.Tensor, logits_TE: torch.Tensor,
+                   norm: nn.Module | None = None) -> torch.Tensor:
     """Routed-expert output [T, D] from the router logits [T, E] of x, with the softmax top-k routing
     (`fused_decode.route_softmax_topk`) done inside the two expert kernels: no ids or weights in memory.
     With `norm` (an RMSNorm; `composed_applies`): x is the residual row before that norm, and the logits are a
-    composed router's raw fp32 ones (`fused_decode.ComposedRouter`); both kernels apply the norm's 1 / RMS."""
+    composed router's raw fp32 ones (`decode_packs.ComposedRouter`): gate_up applies the norm, down the 1 / RMS."""
     router, E = moe.gate, logits_TE.shape[1]
     routing = dict(ROUTED=True, E=E, E_PAD=max(16, triton.next_power_of_2(E)))
     down = dict(SCALE=float(router.routed_scaling_factor), NORM=bool(router.norm_topk_prob))

@@ -16,7 +16,8 @@ from torch import nn
 from moeloop.model.kernel_switch import kernels_apply
 from moeloop.model.moe import MoE
 from moeloop.rollout.cuda_graphs import CaptureFailed, DecodeGraphs
-from moeloop.rollout.fused_decode import DerivedWeights, fused_decode_forward, fused_decode_logits, fused_supported
+from moeloop.rollout.decode_packs import DerivedWeights
+from moeloop.rollout.fused_decode import fused_decode_forward, fused_decode_logits, fused_supported
 from moeloop.rollout.kv_cache import KVCache
 from moeloop.rollout.moe_kernel import decode_moe
 from moeloop.rollout.multistep import decode_steps, step_sampler
