@@ -198,9 +198,9 @@ def test_the_engine_decode_packs_are_planned_as_the_engine_allocates_them():
     colocated, the engine's weights entry carries them."""
     import torch
     from moeloop.model.factory import build_model, hf_config_dict
-    from moeloop.plan.memory import ROW_LINEAR_MAX_D, decode_pack_bytes
+    from moeloop.plan.memory import ROW_MAX_D, decode_pack_bytes
     from moeloop.rollout import decode_packs
-    assert ROW_LINEAR_MAX_D == decode_packs.ROW_MAX_D
+    assert ROW_MAX_D == decode_packs.ROW_MAX_D
     model = build_model("qwen3_moe", "tiny").to(torch.bfloat16)
     saved = decode_packs.ROUTER_COMPOSE
     decode_packs.ROUTER_COMPOSE = True

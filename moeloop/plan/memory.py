@@ -183,10 +183,9 @@ def _work_entries(cfg: RunConfig, stats: ModelStats, layout: Layout, stage: int)
     m, tokens = stats.model, cfg.actor.max_tokens_per_micro_batch
     bucket = cfg.plan.comm_bucket_mb * 1e6
     comm = 2 * bucket if layout.dp_cp > 1 or layout.expert_dp > 1 else 0.0
-    # buckets the trainer holds: one being packed; two for a broadcast, and an engine process's two lent buffers
-    sync = cfg.sync.bucket_bytes * (2 if cfg.sync.transport == "broadcast" else 1)
-    if cfg.rollout.mode == "disaggregated":
-        sync = cfg.sync.bucket_bytes * LENT_BUFFERS
+    # buckets the trainer holds: an engine process's two lent buffers, two for a broadcast, else the one being packed
+    held = (LENT_BUFFERS if cfg.rollout.mode == "disaggregated" else 2 if cfg.sync.transport == "broadcast" else 1)
+    sync = cfg.sync.bucket_bytes * held
     if m is None:  # bare parameter counts: activations and logits must come from plan.given_gb
         return {"activations": 0.0, "logits": 0.0, "comm_buffers": comm, "sync_buffers": sync}
     lo, hi = _stage_bounds(layout, m.num_layers)[stage]
@@ -203,7 +202,7 @@ def _work_entries(cfg: RunConfig, stats: ModelStats, layout: Layout, stage: int)
 
 # `rollout.decode_packs.ROW_MAX_D`, copied here so the planner stays free of the engine's imports (a test
 # checks the two agree): the widest row a one-token decode program holds whole
-ROW_LINEAR_MAX_D = 2048
+ROW_MAX_D = 2048
 
 
 def decode_pack_bytes(m: ModelConfig | None, rollout_tp: int = 1) -> float:
@@ -215,7 +214,7 @@ def decode_pack_bytes(m: ModelConfig | None, rollout_tp: int = 1) -> float:
         return 0.0
     attn = m.num_heads * m.head_dim
     qkv = BF16 * m.num_layers * m.hidden_size * (attn + 2 * m.num_kv_heads * m.head_dim) / rollout_tp
-    fits = m.num_experts and m.scoring_func == "softmax" and max(attn, m.hidden_size) <= ROW_LINEAR_MAX_D
+    fits = m.num_experts and m.scoring_func == "softmax" and max(attn, m.hidden_size) <= ROW_MAX_D
     routers = 4 * m.num_experts * (attn + m.hidden_size) * len(m.moe_layers) if fits else 0
     return qkv + routers
 

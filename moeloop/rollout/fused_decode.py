@@ -597,15 +597,15 @@ def _decode_layers(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Tensor, c
             q_TX, k_TX, v_TX = project_qkv(y_TD, attn)
         q_THD = qk_norm_rope_store(attn, q_TX, k_TX, v_TX, rope, pos_T, ctx.cache.k[i], ctx.cache.v[i],
                                    slots_T)
-        o_THD = ctx.attend_cached(i, q_THD, attn.scale)
+        attn_TA = ctx.attend_cached(i, q_THD, attn.scale).reshape(T, -1)
         mlp = layer.mlp
         norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else stack.norm
-        composed = composed_router(layer, o_THD.reshape(T, -1), res_TD)
+        composed = composed_router(layer, attn_TA, res_TD)
         if composed is not None:  # o_proj, the residual add and the raw router logits in one launch
-            x_TD, z_TE = o_proj_router(o_THD.reshape(T, -1), res_TD, composed)
+            x_TD, z_TE = o_proj_router(attn_TA, res_TD, composed)
             pending = (routed_experts(mlp, x_TD, z_TE, layer.post_attention_layernorm), x_TD, norm)
             continue
-        (o_TD,) = project(o_THD.reshape(T, -1), [attn.o_proj])
+        (o_TD,) = project(attn_TA, [attn.o_proj])
         pending = (o_TD, res_TD, layer.post_attention_layernorm)
         if not isinstance(mlp, MoE):
             y_TD, res_TD = add_rmsnorm(*pending)

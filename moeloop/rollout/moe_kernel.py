@@ -127,12 +127,12 @@ if triton is not None:
         for d0 in range(0, D, BLOCK_D):
             d = d0 + tl.arange(0, BLOCK_D)
             ok = f_ok[:, None] & (d[None, :] < D)
-            if not COMPOSED:
-                x = tl.load(x_row + d, mask=d < D, other=0.0).to(tl.float32)
-            else:  # one pass (BLOCK_D >= D). (The norm placed after the weight loads holds both tiles in registers,
-                # 167 against 96: 35.1% of the roofline against 38.9%, H200 B=1, session 22)
+            if COMPOSED:  # one pass (BLOCK_D >= D). (The norm placed after the weight loads holds both tiles in
+                # registers, 167 against 96: 35.1% of the roofline against 38.9%, H200 B=1, session 22)
                 x = _rmsnorm_row(tl.load(x_row + dn, mask=dn < D, other=0.0), nw, eps, D, h_ptr.dtype.element_ty)
                 x = x.to(tl.float32)
+            else:
+                x = tl.load(x_row + d, mask=d < D, other=0.0).to(tl.float32)
             wg = tl.load(w_ptr + e * s_we + f[:, None] * s_wf + d[None, :], mask=ok, other=0.0).to(tl.float32)
             wu = tl.load(w_ptr + e * s_we + (f + F)[:, None] * s_wf + d[None, :], mask=ok, other=0.0).to(tl.float32)
             acc_g += tl.sum(wg * x[None, :], 1)
