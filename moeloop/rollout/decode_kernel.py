@@ -195,9 +195,6 @@ PAGED_BLOCK_N = 64  # cached positions per loop step, and the split programs' ch
 # merge launch) measured 43-54 us per forward slower than the splits at 3-6 stages and 4-8 warps, two splits 24 us
 # (H200, BENCHMARKS.md, session 15): four SMs cannot stream the context as fast as 24 programs
 PAGED_WARPS, PAGED_STAGES = 4, 3
-# warps of the paged decode finishing a `FreshQK` (its q and new key: 255 registers and a spill at 4 warps, 223
-# at 8, sm_90); MOELOOP_ROPE_QKV_WARPS for the A/B
-FRESH_WARPS = int(os.environ.get("MOELOOP_ROPE_QKV_WARPS", str(PAGED_WARPS)))
 
 
 def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SGD: torch.Tensor, v_cache_SGDv: torch.Tensor,
@@ -242,7 +239,7 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SGD: torch.Tensor, v_cac
         QH=qh, QH_PAD=max(16, triton.next_power_of_2(qh)), DK=Dk, DK_PAD=max(16, triton.next_power_of_2(Dk)),
         DV=Dv, DV_PAD=dv_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         PRECISION=precision, NUM_SPLITS=splits, CHUNK=chunk, V_EARLY=V_EARLY and splits > 1,
-        EARLY=early, num_warps=PAGED_WARPS if fresh is None else FRESH_WARPS, num_stages=PAGED_STAGES, **pdl, **extra,
+        EARLY=early, num_warps=PAGED_WARPS, num_stages=PAGED_STAGES, **pdl, **extra,
         DYNAMIC_LOOP=splits == 1 and not triton_interpreting())  # the interpreter: static trip counts only
     if splits > 1:
         _merge_splits[(B, H)](dest, m, l, out, out.stride(0), out.stride(1), H=H, DV=Dv, DV_PAD=dv_pad,
