@@ -438,23 +438,6 @@ def test_composed_router_single_sequence_matches_module_path(monkeypatch, arch):
     assert len(calls) == 4 * len(model.model.layers)  # 4 decode steps after the prefill
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "llama_tied"])
-def test_rope_qkv_single_sequence_matches_module_path(monkeypatch, arch):
-    """`ROPE_QKV`: B=1 decode rotates q and k in the q|k|v launch and the paged decode applies the q/k head norm
-    and stores the new key (every layer every step, the first through the embedding fold); fp32: the same tokens
-    and logprobs (1e-5) as the module forward, and the cache then holds the module path's normed keys."""
-    from moeloop.rollout import fused_decode, qkv_rope
-    monkeypatch.setattr(qkv_rope, "ROPE_QKV", True)
-    calls, real = [], fused_decode.normed_qkv_rope
-    monkeypatch.setattr(fused_decode, "normed_qkv_rope", lambda *a, **k: calls.append(k["ids_T"] is not None)
-                        or real(*a, **k))
-    model = tiny_model(arch).to(DEVICE)
-    assert_kernels_match_module_path(model, prompts(1, seed=7),
-                                     SamplingParams(n=1, temperature=1.0, max_tokens=6, seed=3))
-    layers = len(model.model.layers)
-    assert calls == ([True] + [False] * (layers - 1)) * 5  # 5 decode steps after the prefill
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_o_proj_router_equals_module_path_and_follows_weight_changes(monkeypatch, dtype):
     """One `o_proj_router` launch: x = res + o_proj(o) as the module path rounds it, and the raw logits times

@@ -112,32 +112,6 @@ def _compile_composed_router():
                       E=E, E_PAD=E, SCALE=1.0, NORM=True, COMPOSED=True, BLOCK_X=2048))
 
 
-def _compile_rope_qkv():
-    """`ROPE_QKV`: the q|k|v launch with the RoPE and the q/k norm's sums (with a residual; through the embedding
-    row), and the paged decode finishing q and the new key (one split and four; lengths before and after the wait)."""
-    from moeloop.rollout import decode_kernel, qkv_rope
-    for embed in (False, True):
-        compile_sm90(qkv_rope._norm_qkv_rope,
-                     dict(x_ptr="*bf16", res_ptr="*i64" if embed else "*bf16", nw_ptr="*bf16", res_out_ptr="*bf16",
-                          wq_ptr="*bf16", wk_ptr="*bf16", wv_ptr="*bf16", qw_ptr="*bf16", kw_ptr="*bf16",
-                          cos_ptr="*bf16", sin_ptr="*bf16", pos_ptr="*i64", slots_ptr="*i64", u_ptr="*fp32",
-                          ssq_ptr="*fp32", vc_ptr="*bf16", s_vc="i64", s_vg="i64", eps="fp32"),
-                     dict(H=H, G=G, HALF=DH // 2, D=D, BLOCK_N=4, BLOCK_D=2048, HAS_RES=not embed, QK_NORM=True,
-                          EMBED=embed, EARLY=True, PDL=True))
-    strides = {name: "i64" for name in ("s_qb", "s_qh", "s_ks", "s_kg", "s_vs", "s_vg", "s_ob", "s_oh", "s_tb")}
-    for splits, lens_late in ((1, False), (4, True)):
-        compiled = compile_sm90(
-            decode_kernel._paged_decode,
-            dict(q_ptr="*fp32", k_ptr="*bf16", v_ptr="*bf16", o_ptr="*bf16" if splits == 1 else "*fp32",
-                 m_ptr="*fp32", l_ptr="*fp32", tables_ptr="*i32", lens_ptr="*i64", scale="fp32", ssq_ptr="*fp32",
-                 slots_ptr="*i64", qk_eps="fp32", **strides),
-            dict(QH=H // G, QH_PAD=16, DK=DH, DK_PAD=DH, DV=DH, DV_PAD=DH, BLOCK_SIZE=16, BLOCK_N=64,
-                 PRECISION="tf32", NUM_SPLITS=splits, CHUNK=256, DYNAMIC_LOOP=splits == 1, V_EARLY=splits > 1,
-                 EARLY=False, PDL=True, FRESH=True, H=H, QK_NORM=True, NP=DH // 4, LENS_LATE=lens_late))
-        ptx = compiled.asm["ptx"]  # the late trigger: after the wait, no early one
-        assert ptx.count("griddepcontrol.wait") == 1 and ptx.count("griddepcontrol.launch_dependents") == 1
-
-
 def _compile_combine_rows_and_backward():
     from moeloop.model import expert_rows
     for weighted in (True, False):

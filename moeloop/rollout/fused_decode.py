@@ -41,7 +41,6 @@ from moeloop.rollout.gumbel_kernel import row_counters
 from moeloop.rollout.moe_kernel import (composed_applies, fused_experts, grouped_expert_rows, routed_experts,
                                         routed_experts_apply, uses_grouped_rows)
 from moeloop.rollout.paged_attention import PagedAttention
-from moeloop.rollout.qkv_rope import normed_qkv_rope, rope_qkv_applies
 
 if triton is not None:
     import triton.language as tl
@@ -49,7 +48,6 @@ if triton is not None:
     from moeloop.model.kernel_switch import pdl_launch_next, pdl_wait
     from moeloop.rollout.gumbel_kernel import last_arrival
     from moeloop.rollout.moe_kernel import _rmsnorm_row
-    from moeloop.rollout.qkv_rope import _normed_row
 
     @triton.jit
     def _add_rmsnorm(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, dest_ptr, wts_ptr, eps, D: tl.constexpr,
@@ -209,7 +207,21 @@ if triton is not None:
         w = tl.load(w_rows + d[None, :], mask=ok[None, :], other=0.0)
         nw = tl.load(nw_ptr + d, mask=ok, other=0.0).to(tl.float32)
         pdl_wait(PDL, EARLY)
-        y = _normed_row(x_ptr, res_ptr, nw, y_ptr, res_out_ptr, eps, pid, d, ok, D, HAS_RES, WRITE_Y, EMBED)
+        dt = x_ptr.dtype.element_ty
+        if EMBED:
+            x = tl.load(x_ptr + tl.load(res_ptr).to(tl.int64) * D + d, mask=ok, other=0.0)
+            if pid == 0:
+                tl.store(res_out_ptr + d, x, mask=ok)
+        else:
+            x = tl.load(x_ptr + d, mask=ok, other=0.0)
+        if HAS_RES:
+            x = (x.to(tl.float32) + tl.load(res_ptr + d, mask=ok, other=0.0).to(tl.float32)).to(dt)
+            if pid == 0:
+                tl.store(res_out_ptr + d, x, mask=ok)
+        y = _rmsnorm_row(x, nw, eps, D, dt)
+        if WRITE_Y:
+            if pid == 0:
+                tl.store(y_ptr + d, y, mask=ok)
         acc = tl.sum(w.to(tl.float32) * y.to(tl.float32)[None, :], 1)
         tl.store(out_ptr + start + r, acc.to(out_ptr.dtype.element_ty))
 
@@ -576,26 +588,16 @@ def _decode_layers(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Tensor, c
     for i, layer in enumerate(layers):
         attn = layer.self_attn
         linears = [attn.q_proj, attn.k_proj, attn.v_proj]
-        x_in = table[:1] if i == 0 and embed_fold else pending[0]
-        if (pending[2] is not None and norm_fold_applies(x_in, linears)
-                and rope_qkv_applies(x_in, attn, rope, ctx.cache.v[i], ctx.use_kernel)):
-            # the q/k norm and RoPE inside the q|k|v launch and the paged decode (no launch of their own); the
-            # first layer's paged decode reads the lengths after its wait (the sampler before may still run)
-            x_rows, res_in, ids = (table, None, ids_T) if i == 0 and embed_fold else pending[:2] + (None,)
-            res_TD, fresh = normed_qkv_rope(x_rows, res_in, pending[2], attn, rope, pos_T, ctx.cache.v[i], slots_T,
-                                            ids_T=ids, lens_late=i == 0)
-            attn_TA = ctx.attend_fresh(i, fresh, attn.scale).reshape(T, -1)
+        if i == 0 and embed_fold:
+            (q_TX, k_TX, v_TX), _, res_TD = normed_row_linear(table, None, pending[2], linears, ids_T=ids_T)
+        elif pending[2] is not None and norm_fold_applies(pending[0], linears):
+            (q_TX, k_TX, v_TX), _, res_TD = normed_row_linear(*pending, linears)
         else:
-            if i == 0 and embed_fold:
-                (q_TX, k_TX, v_TX), _, res_TD = normed_row_linear(table, None, pending[2], linears, ids_T=ids_T)
-            elif pending[2] is not None and norm_fold_applies(pending[0], linears):
-                (q_TX, k_TX, v_TX), _, res_TD = normed_row_linear(*pending, linears)
-            else:
-                y_TD, res_TD = _settle(pending)
-                q_TX, k_TX, v_TX = project_qkv(y_TD, attn)
-            q_THD = qk_norm_rope_store(attn, q_TX, k_TX, v_TX, rope, pos_T, ctx.cache.k[i], ctx.cache.v[i],
-                                       slots_T)
-            attn_TA = ctx.attend_cached(i, q_THD, attn.scale).reshape(T, -1)
+            y_TD, res_TD = _settle(pending)
+            q_TX, k_TX, v_TX = project_qkv(y_TD, attn)
+        q_THD = qk_norm_rope_store(attn, q_TX, k_TX, v_TX, rope, pos_T, ctx.cache.k[i], ctx.cache.v[i],
+                                   slots_T)
+        attn_TA = ctx.attend_cached(i, q_THD, attn.scale).reshape(T, -1)
         mlp = layer.mlp
         norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else stack.norm
         composed = composed_router(layer, attn_TA, res_TD)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from moeloop.model.attention import PackedAttention, cu_seqlens_from_lengths
-from moeloop.rollout.decode_kernel import FreshQK, paged_decode_attention
+from moeloop.rollout.decode_kernel import paged_decode_attention
 from moeloop.rollout.kv_cache import KVCache
 from moeloop.transfer import to_device
 
@@ -80,13 +80,6 @@ class PagedAttention:
     def attend_cached(self, layer_idx: int, q_BHD: torch.Tensor, scale: float) -> torch.Tensor:
         """Decode-only batch whose K/V are already in the cache (the fused decode forward writes them)."""
         return self._decode(q_BHD, self.cache.k[layer_idx], self.cache.v[layer_idx], scale)
-
-    def attend_fresh(self, layer_idx: int, fresh: FreshQK, scale: float) -> torch.Tensor:
-        """Decode-only batch whose V is in the cache and whose q and new K the q|k|v launch left unfinished
-        (`FreshQK`, `qkv_rope`): the paged decode kernel finishes them and stores the K."""
-        meta = self.meta
-        return paged_decode_attention(None, self.cache.k[layer_idx], self.cache.v[layer_idx], meta.block_tables_BN,
-                                      meta.context_lens_B, self.cache.block_size, scale, fresh=fresh)
 
     def _decode(self, q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         meta = self.meta
