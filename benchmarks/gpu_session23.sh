@@ -5,6 +5,7 @@
 #          B=1 decode A/B against the defaults (`rollout.py`, 5 repeats, alternating, twice; the paged decode at 4
 #          and 8 warps), the B=1 logprob mismatch off and on, one layer's timeline with it on.
 #   final: (nvidia-h200) the CUDA engine tests at the final code, then B=1 three times and B=32, 256 once.
+#   preload: (nvidia-h200) MOELOOP_QK_PRELOAD=on: the CUDA engine tests with it, B=1 A/B (3 rounds, alternating).
 set -u
 b1() {  # label, then env assignments
     local label=$1; shift
@@ -36,5 +37,13 @@ final)
     timeout 150 python3 benchmarks/rollout.py --device cuda --size reference --batch 32,256 --repeats 2 --skip-hf \
         2>&1 | grep -v -i warn | grep -E "^\| (32|256) "
     ;;
-*) echo "usage: $0 rope|final" >&2; exit 2 ;;
+preload)  # the q/k norm launch reading the position, slot and cos/sin row before its wait (MOELOOP_QK_PRELOAD)
+    MOELOOP_QK_PRELOAD=on timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_rollout_fused_decode.py \
+        tests/test_rollout_cuda.py --tb=short 2>&1 | grep -E "^(FAILED|ERROR)|passed|failed" | tail -6
+    for round in 1 2 3; do
+        b1 "defaults" X=1
+        b1 "qk preload on" MOELOOP_QK_PRELOAD=on
+    done
+    ;;
+*) echo "usage: $0 rope|final|preload" >&2; exit 2 ;;
 esac

@@ -438,6 +438,22 @@ def test_composed_router_single_sequence_matches_module_path(monkeypatch, arch):
     assert len(calls) == 4 * len(model.model.layers)  # 4 decode steps after the prefill
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_qk_preload_single_sequence_matches_module_path(monkeypatch, arch):
+    """`QK_PRELOAD`: the q/k norm launch of every layer after the first reads the position, slot and cos/sin row
+    first (before its PDL wait on CUDA); fp32: the same tokens and logprobs (1e-5) as the module forward."""
+    from moeloop.rollout import fused_decode
+    monkeypatch.setattr(fused_decode, "QK_PRELOAD", True)
+    early, real = [], fused_decode.qk_norm_rope_store
+    monkeypatch.setattr(fused_decode, "qk_norm_rope_store", lambda *a, **k: early.append(k["early_pos"])
+                        or real(*a, **k))
+    model = tiny_model(arch).to(DEVICE)
+    assert_kernels_match_module_path(model, prompts(2, seed=8),
+                                     SamplingParams(n=1, temperature=1.0, max_tokens=5, seed=6))
+    layers = len(model.model.layers)
+    assert early == ([False] + [True] * (layers - 1)) * 4  # 4 decode steps after the prefill
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_o_proj_router_equals_module_path_and_follows_weight_changes(monkeypatch, dtype):
     """One `o_proj_router` launch: x = res + o_proj(o) as the module path rounds it, and the raw logits times

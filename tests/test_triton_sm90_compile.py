@@ -130,13 +130,15 @@ def _compile_fused_decode_kernels():
                      dict(x_ptr="*bf16", res_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", res_out_ptr="*bf16",
                           dest_ptr="*i64", wts_ptr="*fp32", eps="fp32"),
                      dict(D=D, BLOCK_D=2048, HAS_RES=True, COMBINE_K=combine_k, PDL=combine_k > 0))
-    compiled = compile_sm90(fused_decode._qk_norm_rope_store,
-                 dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", qw_ptr="*bf16", kw_ptr="*bf16", cos_ptr="*bf16",
-                      sin_ptr="*bf16", pos_ptr="*i64", slots_ptr="*i64", qo_ptr="*bf16", kc_ptr="*bf16",
-                      vc_ptr="*bf16",
-                      eps="fp32", s_q="i64", s_k="i64", s_v="i64", s_kc="i64", s_vc="i64"),
-                 dict(H=H, G=G, HALF=DH // 2, QK_NORM=True, PDL=True), num_warps=1, enable_fp_fusion=False)
-    assert "fma.rn" not in compiled.asm["ptx"]  # as launched: 12 FMAs with fusion on, each skipping a bf16 rounding
+    for preload in (False, True):  # (`QK_PRELOAD`: the position, slot and cos/sin row before the wait)
+        compiled = compile_sm90(fused_decode._qk_norm_rope_store,
+                                dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", qw_ptr="*bf16", kw_ptr="*bf16",
+                                     cos_ptr="*bf16", sin_ptr="*bf16", pos_ptr="*i64", slots_ptr="*i64",
+                                     qo_ptr="*bf16", kc_ptr="*bf16", vc_ptr="*bf16", eps="fp32", s_q="i64",
+                                     s_k="i64", s_v="i64", s_kc="i64", s_vc="i64"),
+                                dict(H=H, G=G, HALF=DH // 2, QK_NORM=True, PDL=True, PRELOAD=preload), num_warps=1,
+                                enable_fp_fusion=False)
+        assert "fma.rn" not in compiled.asm["ptx"]  # as launched: 12 FMAs with fusion on, each skipping a rounding
     compile_sm90(fused_decode._softmax_topk, dict(logits_ptr="*bf16", ids_ptr="*i64", wts_ptr="*fp32", scale="fp32"),
                  dict(E=E, E_PAD=E, K=K, NORM=True, PDL=True), num_warps=1)
     for splits in (1, 3, 6):

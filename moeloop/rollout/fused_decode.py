@@ -73,21 +73,27 @@ if triton is not None:
         tl.store(y_ptr + row * D + d, _rmsnorm_row(x, w, eps, D, dt), mask=ok)
 
     @triton.jit
-    def _norm_rope_half(x_ptr, w_ptr, cos_ptr, sin_ptr, t, eps, HALF: tl.constexpr, QK_NORM: tl.constexpr,
+    def _rope_row(cos_ptr, sin_ptr, t, HALF: tl.constexpr):
+        """Row t of the cos/sin tables as halves (c1, c2, s1, s2), fp32."""
+        i = tl.arange(0, HALF)
+        c1 = tl.load(cos_ptr + t * 2 * HALF + i).to(tl.float32)
+        c2 = tl.load(cos_ptr + t * 2 * HALF + HALF + i).to(tl.float32)
+        s1 = tl.load(sin_ptr + t * 2 * HALF + i).to(tl.float32)
+        s2 = tl.load(sin_ptr + t * 2 * HALF + HALF + i).to(tl.float32)
+        return c1, c2, s1, s2
+
+    @triton.jit
+    def _norm_rope_half(x_ptr, w1, w2, c1, c2, s1, s2, eps, HALF: tl.constexpr, QK_NORM: tl.constexpr,
                         dt: tl.constexpr):
-        """One head [2 * HALF] at x_ptr: optional RMSNorm (weight w_ptr), then half-split RoPE with row t of the
-        cos/sin tables; two halves out."""
+        """One head [2 * HALF] at x_ptr: optional RMSNorm (weight halves w1, w2, fp32), then half-split RoPE with
+        one row of the cos/sin tables (`_rope_row`); two halves out."""
         i = tl.arange(0, HALF)
         x1 = tl.load(x_ptr + i).to(tl.float32)
         x2 = tl.load(x_ptr + HALF + i).to(tl.float32)
         if QK_NORM:
             rs = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF) + eps)
-            x1 = (tl.load(w_ptr + i).to(tl.float32) * (x1 * rs).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-            x2 = (tl.load(w_ptr + HALF + i).to(tl.float32) * (x2 * rs).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        c1 = tl.load(cos_ptr + t * 2 * HALF + i).to(tl.float32)
-        c2 = tl.load(cos_ptr + t * 2 * HALF + HALF + i).to(tl.float32)
-        s1 = tl.load(sin_ptr + t * 2 * HALF + i).to(tl.float32)
-        s2 = tl.load(sin_ptr + t * 2 * HALF + HALF + i).to(tl.float32)
+            x1 = (w1 * (x1 * rs).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            x2 = (w2 * (x2 * rs).to(dt).to(tl.float32)).to(dt).to(tl.float32)
         # x * cos + cat(-x2, x1) * sin, each product and the sum rounded as the module path rounds them
         o1 = (x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)
         o2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
@@ -96,24 +102,34 @@ if triton is not None:
     @triton.jit
     def _qk_norm_rope_store(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, qo_ptr,
                             kc_ptr, vc_ptr, eps, s_q, s_k, s_v, s_kc, s_vc, H: tl.constexpr, G: tl.constexpr,
-                            HALF: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr):
+                            HALF: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr,
+                            PRELOAD: tl.constexpr = False):
         """Row strides s_q/s_k/s_v: q, k, v may be column slices of one packed q|k|v projection. cos/sin: RoPE
-        tables by position, row pos[t] for token t."""
-        pdl_wait(PDL)
+        tables by position, row pos[t] for token t. The head norm's weight is read before the PDL wait; with
+        PRELOAD so are the position, the slot and the cos/sin row (`qk_norm_rope_store`'s `early_pos`)."""
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
-        p = tl.load(pos_ptr + t).to(tl.int64)
         DH = 2 * HALF
         i = tl.arange(0, HALF)
         dt = qo_ptr.dtype.element_ty
+        w1 = tl.where(h < H, tl.load(qw_ptr + i), tl.load(kw_ptr + i)).to(tl.float32)
+        w2 = tl.where(h < H, tl.load(qw_ptr + HALF + i), tl.load(kw_ptr + HALF + i)).to(tl.float32)
+        if PRELOAD:
+            p = tl.load(pos_ptr + t).to(tl.int64)
+            slot = tl.load(slots_ptr + t)
+            c1, c2, s1, s2 = _rope_row(cos_ptr, sin_ptr, p, HALF)
+        pdl_wait(PDL)
+        if not PRELOAD:
+            p = tl.load(pos_ptr + t).to(tl.int64)
+            slot = tl.load(slots_ptr + t)
+            c1, c2, s1, s2 = _rope_row(cos_ptr, sin_ptr, p, HALF)
         if h < H:
-            o1, o2 = _norm_rope_half(q_ptr + t * s_q + h * DH, qw_ptr, cos_ptr, sin_ptr, p, eps, HALF, QK_NORM, dt)
+            o1, o2 = _norm_rope_half(q_ptr + t * s_q + h * DH, w1, w2, c1, c2, s1, s2, eps, HALF, QK_NORM, dt)
             tl.store(qo_ptr + (t * H + h) * DH + i, o1)
             tl.store(qo_ptr + (t * H + h) * DH + HALF + i, o2)
         else:
             g = h - H
-            slot = tl.load(slots_ptr + t)
-            o1, o2 = _norm_rope_half(k_ptr + t * s_k + g * DH, kw_ptr, cos_ptr, sin_ptr, p, eps, HALF, QK_NORM, dt)
+            o1, o2 = _norm_rope_half(k_ptr + t * s_k + g * DH, w1, w2, c1, c2, s1, s2, eps, HALF, QK_NORM, dt)
             kc = kc_ptr + slot * s_kc + g * DH
             tl.store(kc + i, o1.to(kc_ptr.dtype.element_ty))
             tl.store(kc + HALF + i, o2.to(kc_ptr.dtype.element_ty))
@@ -321,11 +337,18 @@ def add_rmsnorm(x_TD: torch.Tensor, res_TD: torch.Tensor | None, norm: RMSNorm,
     return y_TD, res_out
 
 
+# the q/k norm launch reads the position, slot and cos/sin row before its PDL wait in every layer after the first;
+# MOELOOP_QK_PRELOAD=on (off until measured on the H200)
+QK_PRELOAD = os.environ.get("MOELOOP_QK_PRELOAD", "off").lower() == "on"
+
+
 def qk_norm_rope_store(attn: nn.Module, q_TX: torch.Tensor, k_TX: torch.Tensor, v_TX: torch.Tensor,
                        rope: RopeTables, pos_T: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slots_T: torch.Tensor) -> torch.Tensor:
+                       slots_T: torch.Tensor, early_pos: bool = False) -> torch.Tensor:
     """Normalised, rotated q [T, H, Dh]; k (normalised, rotated) and v written to their cache slots. `rope`: tables
-    by position (`RotaryEmbedding.table`), read at rows pos_T."""
+    by position (`RotaryEmbedding.table`), read at rows pos_T. `early_pos` (with `QK_PRELOAD`): pos_T, slots_T and
+    the cos/sin rows are read before the PDL wait; only where a kernel launched after their writer (the sampler)
+    and before this one triggered late: every layer after the first (the q/k norm launch before it)."""
     T = q_TX.shape[0]
     H, G, Dh = attn.num_heads, attn.num_kv_heads, attn.head_dim
     q_out = q_TX.new_empty(T, H, Dh)
@@ -337,8 +360,8 @@ def qk_norm_rope_store(attn: nn.Module, q_TX: torch.Tensor, k_TX: torch.Tensor, 
     _qk_norm_rope_store[(T, H + G)](q_TX, k_TX, v_TX, qw, kw, cos_PR, sin_PR, pos_T, slots_T, q_out,
                                     k_cache, v_cache, eps, q_TX.stride(0), k_TX.stride(0), v_TX.stride(0),
                                     k_cache.stride(0), v_cache.stride(0), H=H, G=G, HALF=Dh // 2,
-                                    QK_NORM=qk_norm, num_warps=1, enable_fp_fusion=False,
-                                    **pdl_args(q_TX, T))
+                                    QK_NORM=qk_norm, PRELOAD=QK_PRELOAD and early_pos, num_warps=1,
+                                    enable_fp_fusion=False, **pdl_args(q_TX, T))
     # (no FMA: LLVM lowers each bf16 round trip to a bf16 mul and add, and fusing them would skip the rounding of
     # the RoPE products that the module path and the trainer's rope kernel keep)
     return q_out
@@ -596,7 +619,7 @@ def _decode_layers(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Tensor, c
             y_TD, res_TD = _settle(pending)
             q_TX, k_TX, v_TX = project_qkv(y_TD, attn)
         q_THD = qk_norm_rope_store(attn, q_TX, k_TX, v_TX, rope, pos_T, ctx.cache.k[i], ctx.cache.v[i],
-                                   slots_T)
+                                   slots_T, early_pos=i > 0)
         attn_TA = ctx.attend_cached(i, q_THD, attn.scale).reshape(T, -1)
         mlp = layer.mlp
         norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else stack.norm
