@@ -337,9 +337,10 @@ def add_rmsnorm(x_TD: torch.Tensor, res_TD: torch.Tensor | None, norm: RMSNorm,
     return y_TD, res_out
 
 
-# the q/k norm launch reads the position, slot and cos/sin row before its PDL wait in every layer after the first;
-# MOELOOP_QK_PRELOAD=on (off until measured on the H200)
-QK_PRELOAD = os.environ.get("MOELOOP_QK_PRELOAD", "off").lower() == "on"
+# the q/k norm launch reads the position, slot and cos/sin row before its PDL wait in every layer after the first,
+# one dependent read fewer after it. H200, reference model, B=1: engine.step 2.900-2.904 ms per 8 steps against
+# 2.971-2.973 in the same call (BENCHMARKS.md, session 23); MOELOOP_QK_PRELOAD=off reads them after the wait
+QK_PRELOAD = os.environ.get("MOELOOP_QK_PRELOAD", "on").lower() != "off"
 
 
 def qk_norm_rope_store(attn: nn.Module, q_TX: torch.Tensor, k_TX: torch.Tensor, v_TX: torch.Tensor,
@@ -596,8 +597,9 @@ def _decode_layers(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Tensor, c
     PDL triggers (`kernel_switch`): the projections, the paged decode, its merge and the expert down kernel let the
     next kernel launch at their start (`PDL_EARLY`); three kernels trigger late, after their wait, because a later
     kernel reads before its own wait what was written before them: the q/k norm + RoPE store (the paged decode
-    reads the lengths, block tables and cached K/V), the top-k (gate_up would see the router's logits) and gate_up
-    (the down kernel reads the expert ids, or with `ROUTE_FOLD` the router's logits)."""
+    reads the lengths, block tables and cached K/V; with `QK_PRELOAD` the next layer's q/k norm launch reads the
+    positions and slots), the top-k (gate_up would see the router's logits) and gate_up (the down kernel reads the
+    expert ids, or with `ROUTE_FOLD` the router's logits)."""
     stack = model.model
     layers = stack.layers
     table = stack.embed_tokens.weight
