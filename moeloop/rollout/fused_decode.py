@@ -112,8 +112,11 @@ if triton is not None:
         DH = 2 * HALF
         i = tl.arange(0, HALF)
         dt = qo_ptr.dtype.element_ty
-        w1 = tl.where(h < H, tl.load(qw_ptr + i), tl.load(kw_ptr + i)).to(tl.float32)
-        w2 = tl.where(h < H, tl.load(qw_ptr + HALF + i), tl.load(kw_ptr + HALF + i)).to(tl.float32)
+        w1 = None
+        w2 = None
+        if QK_NORM:  # (without the norm, qw/kw are placeholders: not read)
+            w1 = tl.where(h < H, tl.load(qw_ptr + i), tl.load(kw_ptr + i)).to(tl.float32)
+            w2 = tl.where(h < H, tl.load(qw_ptr + HALF + i), tl.load(kw_ptr + HALF + i)).to(tl.float32)
         if PRELOAD:
             p = tl.load(pos_ptr + t).to(tl.int64)
             slot = tl.load(slots_ptr + t)
