@@ -109,7 +109,7 @@ def test_cuda_shared_weights_changed_in_place_reach_the_packed_qkv_on_push():
     model = tiny_model(seed=5).cuda()
     share_parameters(trainer, model)
     engine = make_engine(model, enforce_eager=False)
-    assert engine.runner.qkv_packs  # the fused decode with packed projections is in use
+    assert engine.runner.derived  # the fused decode with packed projections is in use
     ps = prompts(8, seed=9)
     before = [o.response_ids for o in engine.generate(ps, GREEDY)]
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -118,7 +118,7 @@ def test_cuda_shared_weights_changed_in_place_reach_the_packed_qkv_on_push():
             if any(f"self_attn.{w}_proj" in name for w in "qkv"):
                 p.add_(torch.randn(p.shape, generator=g, device="cuda"), alpha=0.5 * p.std().item())
     engine.update_weights(trainer.state_dict().items(), version=1)
-    for pack, layer in zip(engine.runner.qkv_packs, model.model.layers):
+    for pack, layer in zip(engine.runner.derived, model.model.layers):
         attn = layer.self_attn
         assert torch.equal(pack.weight, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
     after = [o.response_ids for o in engine.generate(ps, GREEDY)]

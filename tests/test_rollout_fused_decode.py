@@ -283,11 +283,11 @@ def test_normed_row_linear_equals_add_rmsnorm_then_projection(monkeypatch, dtype
 
 
 def test_packed_qkv_projection_equals_three_and_follows_weight_changes():
-    """With `pack_qkv` the fused forward runs q|k|v as one GEMM over a packed copy of the weights: the same outputs
-    as three projections. The copy goes stale on an in-place weight change until `refresh()` sees the source's
+    """With `derive_decode_weights` the fused forward runs q|k|v as one GEMM over a packed copy of the weights: the
+    same outputs as three projections. The copy goes stale on an in-place weight change until `refresh()` sees the source's
     version counter move; a parameter that aliases another tensor (shared with a trainer) changes under that
     tensor's counter, so only `refresh(force=True)` (what `Engine.update_weights` calls) catches it."""
-    from moeloop.rollout.decode_packs import pack_qkv
+    from moeloop.rollout.decode_packs import derive_decode_weights
     model = tiny_model("qwen3_moe").to(DEVICE)
     cache = make_engine(model, enforce_eager=True).cache
     B, layers = 3, model.model.layers
@@ -318,7 +318,7 @@ def test_packed_qkv_projection_equals_three_and_follows_weight_changes():
                 layer.self_attn.__dict__.pop("_decode_qkv", None)
 
     ref = logits()
-    packs = pack_qkv(model)
+    packs = derive_decode_weights(model)
     gemm_rows.clear()
     torch.testing.assert_close(logits(packs), ref, rtol=1e-5, atol=1e-5)
     attn = layers[0].self_attn
@@ -336,7 +336,7 @@ def test_packed_qkv_projection_equals_three_and_follows_weight_changes():
 
     trainer_weight = attn.v_proj.weight.detach().clone()
     attn.v_proj.weight.data = trainer_weight  # as `share_parameters` aliases the trainer's tensor
-    packs = pack_qkv(model)
+    packs = derive_decode_weights(model)
     with torch.no_grad():
         trainer_weight.mul_(0.5)  # the trainer's counter moves, not the engine parameter's
     live = logits()
@@ -517,7 +517,7 @@ def test_update_weights_reaches_the_composed_router(monkeypatch):
     def engine_on(model):
         engine = make_engine(model, enforce_eager=True)
         engine.runner.use_kernel = True
-        engine.runner.qkv_packs += decode_packs.pack_routers(model)
+        engine.runner.derived += decode_packs.pack_routers(model)
         return engine
 
     model = tiny_model("qwen3_moe").to(DEVICE)

@@ -101,7 +101,7 @@ class ComposedRouter(DerivedWeights):
         self.weight[:, self.A:] = scaled
 
 
-def pack_qkv(model: nn.Module) -> list[DerivedWeights]:
+def derive_decode_weights(model: nn.Module) -> list[DerivedWeights]:
     """A `QKVPack` on every attention layer and, with `ROUTER_COMPOSE`, a `ComposedRouter` on every MoE block
     whose layer it fits (`composed_router_fits`); kept in the module's __dict__ (not a parameter, not in the state
     dict); the fused forward uses them (the q|k|v pack for more than one token, the composed router for one)."""

@@ -37,7 +37,7 @@ from moeloop.config.schema import RolloutSection
 from moeloop.errors import InputError
 from moeloop.rollout.blocks import BlockManager
 from moeloop.rollout.completion import Completion
-from moeloop.rollout.decode_packs import pack_qkv
+from moeloop.rollout.decode_packs import derive_decode_weights
 from moeloop.rollout.fused_decode import qkv_packs_apply
 from moeloop.rollout.kv_cache import KVCache, kv_budget_bytes, kv_bytes_per_block
 from moeloop.rollout.runner import LaunchedStep, ModelRunner
@@ -55,14 +55,15 @@ class Engine:
         self.model = model.eval()
         param = next(model.parameters())
         mcfg = model.cfg
-        qkv_packs = pack_qkv(model) if qkv_packs_apply(model) else []  # allocated before the KV budget is taken
+        # the fused decode's derived weights, allocated before the KV budget is taken
+        derived = derive_decode_weights(model) if qkv_packs_apply(model) else []
         budget = kv_budget_bytes(cfg.kv_cache_bytes, cfg.gpu_memory_utilization, param.device)
         num_blocks = budget // kv_bytes_per_block(mcfg, cfg.block_size, param.dtype) - 1  # one scratch block
         self.cache = KVCache(mcfg, num_blocks, cfg.block_size, param.dtype, param.device)
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         steps = cfg.decode_steps or (8 if param.device.type == "cuda" else 1)
-        self.runner = ModelRunner(model, self.cache, cfg.max_num_seqs, cfg.max_model_len, cfg.enforce_eager, qkv_packs,
+        self.runner = ModelRunner(model, self.cache, cfg.max_num_seqs, cfg.max_model_len, cfg.enforce_eager, derived,
                                   steps)
         self.async_scheduling = cfg.async_scheduling == "on" or (cfg.async_scheduling == "auto"
                                                                  and param.device.type == "cuda")

@@ -73,20 +73,23 @@ if triton is not None:
         tl.store(y_ptr + row * D + d, _rmsnorm_row(x, w, eps, D, dt), mask=ok)
 
     @triton.jit
-    def _rope_row(cos_ptr, sin_ptr, t, HALF: tl.constexpr):
-        """Row t of the cos/sin tables as halves (c1, c2, s1, s2), fp32."""
+    def _token_rope(pos_ptr, slots_ptr, cos_ptr, sin_ptr, t, HALF: tl.constexpr):
+        """Token t's cache slot and the row of the cos/sin tables at its position, as halves (slot, c1, c2, s1, s2;
+        fp32)."""
+        slot = tl.load(slots_ptr + t)
+        t = tl.load(pos_ptr + t).to(tl.int64)
         i = tl.arange(0, HALF)
         c1 = tl.load(cos_ptr + t * 2 * HALF + i).to(tl.float32)
         c2 = tl.load(cos_ptr + t * 2 * HALF + HALF + i).to(tl.float32)
         s1 = tl.load(sin_ptr + t * 2 * HALF + i).to(tl.float32)
         s2 = tl.load(sin_ptr + t * 2 * HALF + HALF + i).to(tl.float32)
-        return c1, c2, s1, s2
+        return slot, c1, c2, s1, s2
 
     @triton.jit
     def _norm_rope_half(x_ptr, w1, w2, c1, c2, s1, s2, eps, HALF: tl.constexpr, QK_NORM: tl.constexpr,
                         dt: tl.constexpr):
         """One head [2 * HALF] at x_ptr: optional RMSNorm (weight halves w1, w2, fp32), then half-split RoPE with
-        one row of the cos/sin tables (`_rope_row`); two halves out."""
+        one row of the cos/sin tables (`_token_rope`); two halves out."""
         i = tl.arange(0, HALF)
         x1 = tl.load(x_ptr + i).to(tl.float32)
         x2 = tl.load(x_ptr + HALF + i).to(tl.float32)
@@ -118,14 +121,10 @@ if triton is not None:
             w1 = tl.where(h < H, tl.load(qw_ptr + i), tl.load(kw_ptr + i)).to(tl.float32)
             w2 = tl.where(h < H, tl.load(qw_ptr + HALF + i), tl.load(kw_ptr + HALF + i)).to(tl.float32)
         if PRELOAD:
-            p = tl.load(pos_ptr + t).to(tl.int64)
-            slot = tl.load(slots_ptr + t)
-            c1, c2, s1, s2 = _rope_row(cos_ptr, sin_ptr, p, HALF)
+            slot, c1, c2, s1, s2 = _token_rope(pos_ptr, slots_ptr, cos_ptr, sin_ptr, t, HALF)
         pdl_wait(PDL)
         if not PRELOAD:
-            p = tl.load(pos_ptr + t).to(tl.int64)
-            slot = tl.load(slots_ptr + t)
-            c1, c2, s1, s2 = _rope_row(cos_ptr, sin_ptr, p, HALF)
+            slot, c1, c2, s1, s2 = _token_rope(pos_ptr, slots_ptr, cos_ptr, sin_ptr, t, HALF)
         if h < H:
             o1, o2 = _norm_rope_half(q_ptr + t * s_q + h * DH, w1, w2, c1, c2, s1, s2, eps, HALF, QK_NORM, dt)
             tl.store(qo_ptr + (t * H + h) * DH + i, o1)
@@ -483,7 +482,7 @@ def embed_fold_applies(embed: nn.Module, ids_T: torch.Tensor, linears: list[nn.M
 
 
 def qkv_packs_apply(model: nn.Module) -> bool:
-    """The engine's CUDA decode takes the fused forward here (so `decode_packs.pack_qkv` pays off)."""
+    """The engine's CUDA decode takes the fused forward here (so `decode_packs.derive_decode_weights` pays off)."""
     return kernels_apply(next(model.parameters())) and fused_supported(model)
 
 

@@ -59,10 +59,11 @@ class LaunchedStep:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, cache: KVCache, max_num_seqs: int, max_model_len: int,
-                 enforce_eager: bool = False, qkv_packs: list[DerivedWeights] | None = None, decode_steps: int = 1):
+                 enforce_eager: bool = False, derived: list[DerivedWeights] | None = None, decode_steps: int = 1):
         self.model, self.cache = model, cache
-        # the fused forward's derived weights (`pack_qkv`: packed q|k|v copies, composed routers), kept fresh here
-        self.qkv_packs = qkv_packs or []
+        # the fused forward's derived weights (`derive_decode_weights`: packed q|k|v copies, composed routers),
+        # kept fresh here
+        self.derived = derived or []
         self.device = next(model.parameters()).device
         self.vocab_size = model.cfg.vocab_size
         self.sampler = Sampler()
@@ -92,7 +93,7 @@ class ModelRunner:
 
     def refresh_weights(self, force: bool = False) -> None:
         """Re-copy packed weights whose sources changed (force: all of them; after `Engine.update_weights`)."""
-        for pack in self.qkv_packs:
+        for pack in self.derived:
             pack.refresh(force)
 
     def drop_graphs(self) -> None:
