@@ -454,6 +454,26 @@ def test_qk_preload_single_sequence_matches_module_path(monkeypatch, arch):
     assert early == ([False] + [True] * (layers - 1)) * 4  # 4 decode steps after the prefill
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_qk_early_single_sequence_matches_module_path(monkeypatch, arch):
+    """`QK_EARLY`: the q/k norm launch of every layer after the first triggers early and its paged decode reads
+    the cached K/V first (before its PDL wait on CUDA; `after_early`); fp32: the same tokens and logprobs (1e-5)
+    as the module forward."""
+    from moeloop.rollout import fused_decode, paged_attention
+    monkeypatch.setattr(fused_decode, "QK_EARLY", True)
+    triggers, attends = [], []
+    real_store, real_attend = fused_decode.qk_norm_rope_store, paged_attention.paged_decode_attention
+    monkeypatch.setattr(fused_decode, "qk_norm_rope_store", lambda *a, **k: triggers.append(k["early_trigger"])
+                        or real_store(*a, **k))
+    monkeypatch.setattr(paged_attention, "paged_decode_attention", lambda *a, **k: attends.append(k["after_early"])
+                        or real_attend(*a, **k))
+    model = tiny_model(arch).to(DEVICE)
+    assert_kernels_match_module_path(model, prompts(2, seed=8),
+                                     SamplingParams(n=1, temperature=1.0, max_tokens=5, seed=6))
+    layers = len(model.model.layers)
+    assert triggers == attends == ([False] + [True] * (layers - 1)) * 4  # 4 decode steps after the prefill
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_o_proj_router_equals_module_path_and_follows_weight_changes(monkeypatch, dtype):
     """One `o_proj_router` launch: x = res + o_proj(o) as the module path rounds it, and the raw logits times

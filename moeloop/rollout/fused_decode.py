@@ -106,10 +106,12 @@ if triton is not None:
     def _qk_norm_rope_store(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, qo_ptr,
                             kc_ptr, vc_ptr, eps, s_q, s_k, s_v, s_kc, s_vc, H: tl.constexpr, G: tl.constexpr,
                             HALF: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr,
-                            PRELOAD: tl.constexpr = False):
+                            PRELOAD: tl.constexpr = False, EARLY: tl.constexpr = False):
         """Row strides s_q/s_k/s_v: q, k, v may be column slices of one packed q|k|v projection. cos/sin: RoPE
         tables by position, row pos[t] for token t. The head norm's weight is read before the PDL wait; with
-        PRELOAD so are the position, the slot and the cos/sin row (`qk_norm_rope_store`'s `early_pos`)."""
+        PRELOAD so are the position, the slot and the cos/sin row (`qk_norm_rope_store`'s `early_pos`). EARLY: the
+        next launch (the paged decode) may start at this one's start (`qk_norm_rope_store`'s `early_trigger`)."""
+        pdl_launch_next(PDL, EARLY)
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         DH = 2 * HALF
@@ -122,7 +124,7 @@ if triton is not None:
             w2 = tl.where(h < H, tl.load(qw_ptr + HALF + i), tl.load(kw_ptr + HALF + i)).to(tl.float32)
         if PRELOAD:
             slot, c1, c2, s1, s2 = _token_rope(pos_ptr, slots_ptr, cos_ptr, sin_ptr, t, HALF)
-        pdl_wait(PDL)
+        pdl_wait(PDL, EARLY)
         if not PRELOAD:
             slot, c1, c2, s1, s2 = _token_rope(pos_ptr, slots_ptr, cos_ptr, sin_ptr, t, HALF)
         if h < H:
@@ -343,15 +345,21 @@ def add_rmsnorm(x_TD: torch.Tensor, res_TD: torch.Tensor | None, norm: RMSNorm,
 # one dependent read fewer after it. H200, reference model, B=1: engine.step 2.900-2.904 ms per 8 steps against
 # 2.971-2.973 in the same call (BENCHMARKS.md, session 23); MOELOOP_QK_PRELOAD=off reads them after the wait
 QK_PRELOAD = os.environ.get("MOELOOP_QK_PRELOAD", "on").lower() != "off"
+# the q/k norm launch of every layer after the first lets the paged decode launch at its start, and the paged decode
+# (`decode_kernel.paged_decode_attention`'s `after_early`) reads its cached K/V before its wait and triggers late
+# instead; MOELOOP_QK_EARLY=off: the q/k norm launch triggers late, as the first layer's always does
+QK_EARLY = os.environ.get("MOELOOP_QK_EARLY", "off").lower() != "off"
 
 
 def qk_norm_rope_store(attn: nn.Module, q_TX: torch.Tensor, k_TX: torch.Tensor, v_TX: torch.Tensor,
                        rope: RopeTables, pos_T: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slots_T: torch.Tensor, early_pos: bool = False) -> torch.Tensor:
+                       slots_T: torch.Tensor, early_pos: bool = False, early_trigger: bool = False) -> torch.Tensor:
     """Normalised, rotated q [T, H, Dh]; k (normalised, rotated) and v written to their cache slots. `rope`: tables
     by position (`RotaryEmbedding.table`), read at rows pos_T. `early_pos` (with `QK_PRELOAD`): pos_T, slots_T and
     the cos/sin rows are read before the PDL wait; only where a kernel launched after their writer (the sampler)
-    and before this one triggered late: every layer after the first (the q/k norm launch before it)."""
+    and before this one triggered late: every layer after the first (the layer before's gate_up).
+    `early_trigger`: the next launch may start at this one's start; only where the kernels after it read before
+    their wait nothing written after the sampler's step before (`_decode_layers`' PDL rule; `QK_EARLY`)."""
     T = q_TX.shape[0]
     H, G, Dh = attn.num_heads, attn.num_kv_heads, attn.head_dim
     q_out = q_TX.new_empty(T, H, Dh)
@@ -363,7 +371,8 @@ def qk_norm_rope_store(attn: nn.Module, q_TX: torch.Tensor, k_TX: torch.Tensor, 
     _qk_norm_rope_store[(T, H + G)](q_TX, k_TX, v_TX, qw, kw, cos_PR, sin_PR, pos_T, slots_T, q_out,
                                     k_cache, v_cache, eps, q_TX.stride(0), k_TX.stride(0), v_TX.stride(0),
                                     k_cache.stride(0), v_cache.stride(0), H=H, G=G, HALF=Dh // 2,
-                                    QK_NORM=qk_norm, PRELOAD=QK_PRELOAD and early_pos, num_warps=1,
+                                    QK_NORM=qk_norm, PRELOAD=QK_PRELOAD and early_pos, EARLY=early_trigger,
+                                    num_warps=1,
                                     enable_fp_fusion=False, **pdl_args(q_TX, T))
     # (no FMA: LLVM lowers each bf16 round trip to a bf16 mul and add, and fusing them would skip the rounding of
     # the RoPE products that the module path and the trainer's rope kernel keep)
@@ -622,9 +631,10 @@ def _decode_layers(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Tensor, c
         else:
             y_TD, res_TD = _settle(pending)
             q_TX, k_TX, v_TX = project_qkv(y_TD, attn)
+        qk_early = QK_EARLY and i > 0
         q_THD = qk_norm_rope_store(attn, q_TX, k_TX, v_TX, rope, pos_T, ctx.cache.k[i], ctx.cache.v[i],
-                                   slots_T, early_pos=i > 0)
-        attn_TA = ctx.attend_cached(i, q_THD, attn.scale).reshape(T, -1)
+                                   slots_T, early_pos=i > 0, early_trigger=qk_early)
+        attn_TA = ctx.attend_cached(i, q_THD, attn.scale, after_early=qk_early).reshape(T, -1)
         mlp = layer.mlp
         norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else stack.norm
         composed = composed_router(layer, attn_TA, res_TD)

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Session 24's device calls. Run from the repository root with the project importable.
+#   early: (nvidia-h200) MOELOOP_QK_EARLY=on: the q/k norm launch of every layer after the first triggers early, and
+#          its paged decode reads the cached K/V before its wait and triggers late. The CUDA decode tests with it
+#          on, then B=1 A/B in alternation (2 rounds): defaults, the trigger alone (MOELOOP_PAGED_PRELOAD=off), both;
+#          then one layer's timeline with both.
+set -u
+b1() {  # label, then env assignments
+    local label=$1; shift
+    echo "== $label"
+    env "$@" timeout 100 python3 benchmarks/rollout.py --device cuda --size reference --batch 1 --repeats 5 \
+        --skip-hf --step-times 2>&1 | grep -v -i warn | grep -E "engine.step|^\| 1 |walls"
+}
+case "${1:-}" in
+early)
+    MOELOOP_QK_EARLY=on timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_rollout_paged_attention.py \
+        tests/test_rollout_fused_decode.py --tb=short -k "first_block or qk_early or single_sequence or pdl or bf16" \
+        2>&1 | grep -E "^(FAILED|ERROR)|passed|failed" | tail -6
+    for round in 1 2; do
+        b1 "defaults" X=1
+        b1 "qk early, trigger only" MOELOOP_QK_EARLY=on MOELOOP_PAGED_PRELOAD=off
+        b1 "qk early, K/V before the wait" MOELOOP_QK_EARLY=on
+    done
+    MOELOOP_QK_EARLY=on timeout 120 python3 benchmarks/profile_decode.py --batch 1 --top 0 --timeline 2>&1 \
+        | grep -v -i warn | grep -A10 "one layer"
+    ;;
+*) echo "usage: $0 early" >&2; exit 2 ;;
+esac
