@@ -4,6 +4,8 @@
 #          its paged decode reads the cached K/V before its wait and triggers late. The CUDA decode tests with it
 #          on, then B=1 A/B in alternation (2 rounds): defaults, the trigger alone (MOELOOP_PAGED_PRELOAD=off), both;
 #          then one layer's timeline with both.
+#   hold:  (nvidia-h200) MOELOOP_QK_EARLY=on with the trigger held by the paged decode, its merge, or neither (o_proj
+#          then reads its residual after its wait): B=1 A/B against the defaults, 2 rounds; a timeline with "oproj".
 set -u
 b1() {  # label, then env assignments
     local label=$1; shift
@@ -24,5 +26,15 @@ early)
     MOELOOP_QK_EARLY=on timeout 120 python3 benchmarks/profile_decode.py --batch 1 --top 0 --timeline 2>&1 \
         | grep -v -i warn | grep -A10 "one layer"
     ;;
-*) echo "usage: $0 early" >&2; exit 2 ;;
+hold)  # MOELOOP_QK_EARLY=on with each launch that holds its trigger (MOELOOP_QK_EARLY_HOLD), 2 rounds
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_rollout_fused_decode.py --tb=short \
+        -k "qk_early or composed" 2>&1 | grep -E "^(FAILED|ERROR)|passed|failed" | tail -6
+    for round in 1 2; do
+        b1 "defaults" X=1
+        for hold in paged merge oproj; do b1 "qk early, hold: $hold" MOELOOP_QK_EARLY=on MOELOOP_QK_EARLY_HOLD=$hold; done
+    done
+    MOELOOP_QK_EARLY=on MOELOOP_QK_EARLY_HOLD=oproj timeout 120 python3 benchmarks/profile_decode.py --batch 1 --top 0 \
+        --timeline 2>&1 | grep -v -i warn | grep -A10 "one layer"
+    ;;
+*) echo "usage: $0 early|hold" >&2; exit 2 ;;
 esac

@@ -188,6 +188,10 @@ PAGED_WARPS, PAGED_STAGES = 4, 3
 # themselves. Session 19 measured the preload behind a late-triggering q/k norm launch (no window: 37.6% against
 # 37.9-38.1%); here the window is the q|k|v and q/k norm launches. MOELOOP_PAGED_PRELOAD=off: the reads after it
 PAGED_PRELOAD = os.environ.get("MOELOOP_PAGED_PRELOAD", "on").lower() != "off"
+# A/B (session 24): after an early q/k norm launch, which launch holds its trigger until its wait ends, so that
+# o_proj's residual read before its wait stays safe: "paged", "merge", or "oproj" (none: o_proj reads the residual
+# after its wait instead, `fused_decode.o_proj_router`'s res_late)
+EARLY_KV_HOLD = os.environ.get("MOELOOP_QK_EARLY_HOLD", "paged")
 
 
 def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SGD: torch.Tensor, v_cache_SGDv: torch.Tensor,
@@ -225,11 +229,13 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SGD: torch.Tensor, v_cac
         QH=qh, QH_PAD=max(16, triton.next_power_of_2(qh)), DK=Dk, DK_PAD=max(16, triton.next_power_of_2(Dk)),
         DV=Dv, DV_PAD=dv_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         PRECISION=precision, NUM_SPLITS=splits, CHUNK=chunk, V_EARLY=V_EARLY and splits > 1,
-        EARLY=kernel_switch.PDL_EARLY and not after_early, num_warps=PAGED_WARPS, num_stages=PAGED_STAGES, **pdl,
+        EARLY=kernel_switch.PDL_EARLY and not (after_early and (EARLY_KV_HOLD == "paged" or splits == 1)),
+        num_warps=PAGED_WARPS, num_stages=PAGED_STAGES, **pdl,
         PRELOAD=PAGED_PRELOAD and after_early and splits > 1,
         DYNAMIC_LOOP=splits == 1 and not triton_interpreting())  # the interpreter: static trip counts only
     if splits > 1:
         _merge_splits[(B, H)](dest, m, l, out, out.stride(0), out.stride(1), H=H, DV=Dv, DV_PAD=dv_pad,
                               NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
-                              EARLY=kernel_switch.PDL_EARLY, num_warps=4, **pdl)
+                              EARLY=kernel_switch.PDL_EARLY and not (after_early and EARLY_KV_HOLD == "merge"),
+                              num_warps=4, **pdl)
     return out

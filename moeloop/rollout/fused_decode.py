@@ -34,7 +34,7 @@ from moeloop.model.kernel_switch import kernels_apply, pdl_args
 from moeloop.model.moe import MoE
 from moeloop.model.norm import RMSNorm
 from moeloop.model.rope import RopeTables
-from moeloop.rollout import decode_packs
+from moeloop.rollout import decode_kernel, decode_packs
 from moeloop.rollout.decode_kernel import triton
 from moeloop.rollout.decode_packs import ROW_MAX_D, ComposedRouter
 from moeloop.rollout.gumbel_kernel import row_counters
@@ -177,7 +177,8 @@ if triton is not None:
     @triton.jit
     def _row_linear_router(a_ptr, h_ptr, w_ptr, x_ptr, r_ptr, z_ptr, N: tl.constexpr, A: tl.constexpr, D: tl.constexpr,
                            E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_D: tl.constexpr,
-                           BLOCK_E: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
+                           BLOCK_E: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
+                           RES_LATE: tl.constexpr = False):
         """One token, o_proj and the router after it in one launch (`ComposedRouter`). Programs below N / BLOCK_N:
         x[n] = h[n] + a . W_o[n] for BLOCK_N rows (the product rounded, then the sum: the module path's o_proj and
         residual add). The others: raw router logits z[e] = a . R[e, :A] + h . R[e, A:] in fp32 for BLOCK_E
@@ -189,8 +190,11 @@ if triton is not None:
         if pid < N // BLOCK_N:
             n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
             w = tl.load(w_ptr + n.to(tl.int64)[:, None] * A + c[None, :], mask=c[None, :] < A, other=0.0)
-            h_n = tl.load(h_ptr + n).to(tl.float32)
+            if not RES_LATE:
+                h_n = tl.load(h_ptr + n).to(tl.float32)
             pdl_wait(PDL, EARLY)
+            if RES_LATE:
+                h_n = tl.load(h_ptr + n).to(tl.float32)
             a = tl.load(a_ptr + c, mask=c < A, other=0.0).to(tl.float32)
             dt = x_ptr.dtype.element_ty
             o = tl.sum(w.to(tl.float32) * a[None, :], 1).to(dt).to(tl.float32)
@@ -199,11 +203,13 @@ if triton is not None:
             e = (pid - N // BLOCK_N) * BLOCK_E + tl.arange(0, BLOCK_E)
             rows = r_ptr + e.to(tl.int64)[:, None] * (A + D)
             dh = tl.arange(0, BLOCK_D)
-            h = tl.load(h_ptr + dh, mask=dh < D, other=0.0).to(tl.float32)
             wh = tl.load(rows + A + dh[None, :], mask=(e[:, None] < E) & (dh[None, :] < D), other=0.0)
-            z = tl.sum(wh * h[None, :], 1)
+            if not RES_LATE:
+                z = tl.sum(wh * tl.load(h_ptr + dh, mask=dh < D, other=0.0).to(tl.float32)[None, :], 1)
             wa = tl.load(rows + c[None, :], mask=(e[:, None] < E) & (c[None, :] < A), other=0.0)
             pdl_wait(PDL, EARLY)
+            if RES_LATE:
+                z = tl.sum(wh * tl.load(h_ptr + dh, mask=dh < D, other=0.0).to(tl.float32)[None, :], 1)
             a = tl.load(a_ptr + c, mask=c < A, other=0.0).to(tl.float32)
             tl.store(z_ptr + e, z + tl.sum(wa * a[None, :], 1), mask=e < E)
 
@@ -463,8 +469,10 @@ def composed_router(layer: nn.Module, o_TD: torch.Tensor, res_TD: torch.Tensor |
     return pack if ok else None
 
 
-def o_proj_router(o_TD: torch.Tensor, res_TD: torch.Tensor, pack: ComposedRouter) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x = res + o_proj(o) [1, D], the raw composed router logits [1, E] fp32) in one launch (`_row_linear_router`)."""
+def o_proj_router(o_TD: torch.Tensor, res_TD: torch.Tensor, pack: ComposedRouter,
+                  res_late: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x = res + o_proj(o) [1, D], the raw composed router logits [1, E] fp32) in one launch (`_row_linear_router`;
+    `res_late`: the residual is read after the PDL wait)."""
     w = pack.o_proj.weight
     (D, A), E = w.shape, pack.weight.shape[0]
     x_TD = res_TD.new_empty(1, D)
@@ -474,7 +482,8 @@ def o_proj_router(o_TD: torch.Tensor, res_TD: torch.Tensor, pack: ComposedRouter
     _row_linear_router[(grid,)](o_TD, res_TD, w, x_TD, pack.weight, z_TE, N=D, A=A, D=res_TD.shape[1], E=E,
                                 BLOCK_N=block_n, BLOCK_A=triton.next_power_of_2(A),
                                 BLOCK_D=triton.next_power_of_2(res_TD.shape[1]), BLOCK_E=ROUTER_COMPOSE_ROWS,
-                                EARLY=kernel_switch.PDL_EARLY, num_warps=warps, **pdl_args(o_TD, 1))
+                                EARLY=kernel_switch.PDL_EARLY, RES_LATE=res_late, num_warps=warps,
+                                **pdl_args(o_TD, 1))
     return x_TD, z_TE
 
 
@@ -639,7 +648,8 @@ def _decode_layers(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Tensor, c
         norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else stack.norm
         composed = composed_router(layer, attn_TA, res_TD)
         if composed is not None:  # o_proj, the residual add and the raw router logits in one launch
-            x_TD, z_TE = o_proj_router(attn_TA, res_TD, composed)
+            x_TD, z_TE = o_proj_router(attn_TA, res_TD, composed,
+                                       res_late=qk_early and decode_kernel.EARLY_KV_HOLD == "oproj")
             pending = (routed_experts(mlp, x_TD, z_TE, layer.post_attention_layernorm), x_TD, norm)
             continue
         (o_TD,) = project(attn_TA, [attn.o_proj])
