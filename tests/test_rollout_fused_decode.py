@@ -429,7 +429,7 @@ def test_composed_router_single_sequence_matches_module_path(monkeypatch, arch):
     from moeloop.rollout import decode_packs, fused_decode
     monkeypatch.setattr(decode_packs, "ROUTER_COMPOSE", True)
     calls, real = [], fused_decode.o_proj_router
-    monkeypatch.setattr(fused_decode, "o_proj_router", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(fused_decode, "o_proj_router", lambda *a: calls.append(1) or real(*a))
     model = tiny_model(arch).to(DEVICE)
     packs = decode_packs.pack_routers(model)
     assert len(packs) == len(model.model.layers)
@@ -452,29 +452,6 @@ def test_qk_preload_single_sequence_matches_module_path(monkeypatch, arch):
                                      SamplingParams(n=1, temperature=1.0, max_tokens=5, seed=6))
     layers = len(model.model.layers)
     assert early == ([False] + [True] * (layers - 1)) * 4  # 4 decode steps after the prefill
-
-
-@pytest.mark.parametrize("arch,hold", [("qwen3_moe", "paged"), ("mixtral", "paged"), ("qwen3_moe", "merge"),
-                                       ("qwen3_moe", "oproj")])
-def test_qk_early_single_sequence_matches_module_path(monkeypatch, arch, hold):
-    """`QK_EARLY`: the q/k norm launch of every layer after the first triggers early and its paged decode reads
-    the cached K/V first (before its PDL wait on CUDA; `after_early`), with each place that holds the trigger
-    (`EARLY_KV_HOLD`; "oproj": the composed o_proj reads its residual after its wait); fp32: the same tokens and
-    logprobs (1e-5) as the module forward."""
-    from moeloop.rollout import decode_kernel, fused_decode, paged_attention
-    monkeypatch.setattr(fused_decode, "QK_EARLY", True)
-    monkeypatch.setattr(decode_kernel, "EARLY_KV_HOLD", hold)
-    triggers, attends = [], []
-    real_store, real_attend = fused_decode.qk_norm_rope_store, paged_attention.paged_decode_attention
-    monkeypatch.setattr(fused_decode, "qk_norm_rope_store", lambda *a, **k: triggers.append(k["early_trigger"])
-                        or real_store(*a, **k))
-    monkeypatch.setattr(paged_attention, "paged_decode_attention", lambda *a, **k: attends.append(k["after_early"])
-                        or real_attend(*a, **k))
-    model = tiny_model(arch).to(DEVICE)
-    assert_kernels_match_module_path(model, prompts(2, seed=8),
-                                     SamplingParams(n=1, temperature=1.0, max_tokens=5, seed=6))
-    layers = len(model.model.layers)
-    assert triggers == attends == ([False] + [True] * (layers - 1)) * 4  # 4 decode steps after the prefill
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

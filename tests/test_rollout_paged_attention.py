@@ -100,28 +100,3 @@ def test_triton_decode_kernel_matches_gather_path():
             decode_kernel.V_EARLY = True
         torch.testing.assert_close(one.cpu(), ref[3:4], atol=1e-4, rtol=1e-4)
     assert decode_kernel.num_splits(torch.device(dev), G, tables.shape[1] * BS, 16) > 1
-
-
-@pytest.mark.skipif(not triton_available(), reason="triton is not installed (CPU torch wheel)")
-@pytest.mark.parametrize("after_early", [True, False])
-def test_split_programs_reading_their_first_block_early_equal_the_gather_path(after_early):
-    """One row, its context split into chunks of two 16-position blocks (3 splits over 72 positions): after an
-    early-triggering q/k norm launch (`after_early`, with PAGED_PRELOAD) each split reads its first block before the
-    wait, and the step's own (last) position after it. Lengths put that position at the start, inside and at the
-    end of a split's first block, in a second block, and at position 0."""
-    from moeloop.rollout import decode_kernel
-    assert decode_kernel.PAGED_PRELOAD
-    torch.manual_seed(2)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    kv = cache(num_blocks=24)
-    kv.k.normal_(), kv.v.normal_()
-    table = torch.randperm(24)[:18].int()[None]
-    q = torch.randn(1, H, DK)
-    for L in (1, 17, 33, 40, 48, 50, 64, 70, 72):
-        lens = torch.tensor([L], dtype=torch.int32)
-        meta = AttentionMetadata(torch.zeros(0, dtype=torch.int64), None, table, lens, L, [])
-        ref = PagedAttention(kv, meta)._decode(q, kv.k[0], kv.v[0], 0.25)
-        out = paged_decode_attention(q.to(dev), kv.k[0].to(dev), kv.v[0].to(dev), table.to(dev), lens.to(dev), BS,
-                                     0.25, block_n=16, after_early=after_early)
-        torch.testing.assert_close(out.cpu(), ref, atol=1e-4, rtol=1e-4, msg=lambda m: f"context {L}: {m}")
-    assert decode_kernel.num_splits(torch.device(dev), G, table.shape[1] * BS, 16) > 1  # split programs (CPU: 3 of 32)

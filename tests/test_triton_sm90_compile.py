@@ -94,12 +94,12 @@ def _compile_composed_router():
     """`ROUTER_COMPOSE`: o_proj + the raw router logits in one launch (1 router row a program, the default, and 4);
     gate_up ranking those logits and norming the residual row; down scaling them by the row's 1 / RMS."""
     from moeloop.rollout import fused_decode, moe_kernel
-    for block_e, res_late in ((1, False), (4, False), (1, True)):
+    for block_e in (1, 4):
         compiled = compile_sm90(fused_decode._row_linear_router,
                                 dict(a_ptr="*bf16", h_ptr="*bf16", w_ptr="*bf16", x_ptr="*bf16", r_ptr="*fp32",
                                      z_ptr="*fp32"),
                                 dict(N=D, A=H * DH, D=D, E=E, BLOCK_N=4, BLOCK_A=2048, BLOCK_D=2048, BLOCK_E=block_e,
-                                     EARLY=True, PDL=True, RES_LATE=res_late))
+                                     EARLY=True, PDL=True))
         ptx = compiled.asm["ptx"]  # one wait in each branch (o_proj rows, router rows), one early trigger
         assert ptx.count("griddepcontrol.wait") == 2 and ptx.count("griddepcontrol.launch_dependents") == 1
     compile_sm90(moe_kernel._gate_up_silu, dict(x_ptr="*bf16", w_ptr="*bf16", ids_ptr="*fp32", h_ptr="*bf16",
@@ -130,18 +130,15 @@ def _compile_fused_decode_kernels():
                      dict(x_ptr="*bf16", res_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", res_out_ptr="*bf16",
                           dest_ptr="*i64", wts_ptr="*fp32", eps="fp32"),
                      dict(D=D, BLOCK_D=2048, HAS_RES=True, COMBINE_K=combine_k, PDL=combine_k > 0))
-    # (`QK_PRELOAD`: the position, slot and cos/sin row before the wait; `QK_EARLY`: the next launch at the start)
-    for preload, early in ((False, False), (True, False), (True, True)):
+    for preload in (False, True):  # (`QK_PRELOAD`: the position, slot and cos/sin row before the wait)
         compiled = compile_sm90(fused_decode._qk_norm_rope_store,
                                 dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", qw_ptr="*bf16", kw_ptr="*bf16",
                                      cos_ptr="*bf16", sin_ptr="*bf16", pos_ptr="*i64", slots_ptr="*i64",
                                      qo_ptr="*bf16", kc_ptr="*bf16", vc_ptr="*bf16", eps="fp32", s_q="i64",
                                      s_k="i64", s_v="i64", s_kc="i64", s_vc="i64"),
-                                dict(H=H, G=G, HALF=DH // 2, QK_NORM=True, PDL=True, PRELOAD=preload, EARLY=early),
-                                num_warps=1, enable_fp_fusion=False)
+                                dict(H=H, G=G, HALF=DH // 2, QK_NORM=True, PDL=True, PRELOAD=preload), num_warps=1,
+                                enable_fp_fusion=False)
         assert "fma.rn" not in compiled.asm["ptx"]  # as launched: 12 FMAs with fusion on, each skipping a rounding
-        ptx = compiled.asm["ptx"]  # the trigger before the wait when early, after it when not
-        assert (ptx.index("griddepcontrol.launch_dependents") < ptx.index("griddepcontrol.wait")) == early
     compile_sm90(fused_decode._softmax_topk, dict(logits_ptr="*bf16", ids_ptr="*i64", wts_ptr="*fp32", scale="fp32"),
                  dict(E=E, E_PAD=E, K=K, NORM=True, PDL=True), num_warps=1)
     for splits in (1, 3, 6):
@@ -156,13 +153,13 @@ def _compile_fused_decode_kernels():
 def _compile_paged_decode():
     from moeloop.rollout import decode_kernel
     strides = {name: "i64" for name in ("s_qb", "s_qh", "s_ks", "s_kg", "s_vs", "s_vg", "s_ob", "s_oh", "s_tb")}
-    for splits, preload in ((1, False), (4, False), (4, True)):
+    for splits in (1, 4):
         compile_sm90(decode_kernel._paged_decode,
                      dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", o_ptr="*bf16" if splits == 1 else "*fp32",
                           m_ptr="*fp32", l_ptr="*fp32", tables_ptr="*i32", lens_ptr="*i32", scale="fp32", **strides),
                      dict(QH=H // G, QH_PAD=16, DK=DH, DK_PAD=DH, DV=DH, DV_PAD=DH, BLOCK_SIZE=16, BLOCK_N=64,
                           PRECISION="tf32", NUM_SPLITS=splits, CHUNK=256, DYNAMIC_LOOP=splits == 1, V_EARLY=splits > 1, EARLY=True,
-                          PDL=splits > 1, PRELOAD=preload))  # (as launched, PRELOAD triggers late)
+                          PDL=splits > 1))
     compile_sm90(decode_kernel._merge_splits, dict(part_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", o_ptr="*bf16",
                                                    s_ob="i64", s_oh="i64"),
                  dict(H=H, DV=DH, DV_PAD=DH, NUM_SPLITS=4, SPLITS_PAD=4, EARLY=True, PDL=True))

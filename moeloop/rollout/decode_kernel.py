@@ -27,29 +27,6 @@ def triton_available() -> bool:
 
 if triton is not None:
     @triton.jit
-    def _block_slots(start, ctx_len, b, tables_ptr, s_tb, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-        """(positions [start, start + BLOCK_N), their mask below ctx_len, their cache slots through the block
-        table)."""
-        pos = start + tl.arange(0, BLOCK_N)
-        p_ok = pos < ctx_len
-        blk = tl.load(tables_ptr + b * s_tb + pos // BLOCK_SIZE, mask=p_ok, other=0)
-        return pos, p_ok, blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
-
-    @triton.jit
-    def _scores(q, k, p_ok, m_i, scale, PRECISION: tl.constexpr):
-        """(p, alpha, new running max) of one online-softmax step: the block's exp scores and the old sums' rescale."""
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        s = tl.where(p_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked block before any real one
-        return tl.exp(s - m_safe[:, None]), tl.exp(m_i - m_safe), m_new
-
-    @triton.jit
-    def _accumulate(p, alpha, v, l_i, acc, PRECISION: tl.constexpr):
-        """The running (sum, acc) after one online-softmax step."""
-        return l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-
-    @triton.jit
     def _attend_block(q, m_i, l_i, acc, start, ctx_len, b, g, k_ptr, v_ptr, tables_ptr, scale,
                       s_ks, s_kg, s_vs, s_vg, s_tb, DK: tl.constexpr, DK_PAD: tl.constexpr, DV: tl.constexpr,
                       DV_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
@@ -58,17 +35,26 @@ if triton is not None:
         read with K, both in flight at once (a split's one block: latency), not after the scores (registers)."""
         dk = tl.arange(0, DK_PAD)
         dv = tl.arange(0, DV_PAD)
-        pos, p_ok, slot = _block_slots(start, ctx_len, b, tables_ptr, s_tb, BLOCK_SIZE, BLOCK_N)
+        pos = start + tl.arange(0, BLOCK_N)
+        p_ok = pos < ctx_len
+        blk = tl.load(tables_ptr + b * s_tb + pos // BLOCK_SIZE, mask=p_ok, other=0)
+        slot = blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
         k = tl.load(k_ptr + slot[:, None] * s_ks + g * s_kg + dk[None, :],
                     mask=p_ok[:, None] & (dk[None, :] < DK), other=0.0)
         v_rows = v_ptr + slot[:, None] * s_vs + g * s_vg + dv[None, :]
         v_ok = p_ok[:, None] & (dv[None, :] < DV)
         if V_EARLY:
             v = tl.load(v_rows, mask=v_ok, other=0.0)
-        p, alpha, m_new = _scores(q, k, p_ok, m_i, scale, PRECISION)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        s = tl.where(p_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked block before any real one
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
         if not V_EARLY:
             v = tl.load(v_rows, mask=v_ok, other=0.0)
-        l_i, acc = _accumulate(p, alpha, v, l_i, acc, PRECISION)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         return m_new, l_i, acc
 
     @triton.jit
@@ -77,27 +63,12 @@ if triton is not None:
                       QH: tl.constexpr, QH_PAD: tl.constexpr, DK: tl.constexpr, DK_PAD: tl.constexpr,
                       DV: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                       PRECISION: tl.constexpr, NUM_SPLITS: tl.constexpr, CHUNK: tl.constexpr,
-                      DYNAMIC_LOOP: tl.constexpr, V_EARLY: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
-                      PRELOAD: tl.constexpr = False):
-        """PRELOAD (split programs): the split's first block of K/V, but for the step's own position (the last,
-        which the kernel before this one stores), is read before the PDL wait; that position's row after it."""
+                      DYNAMIC_LOOP: tl.constexpr, V_EARLY: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
         pdl_launch_next(PDL, EARLY)
         b = tl.program_id(0)
         g = tl.program_id(1)
         sp = tl.program_id(2)
         ctx_len = tl.load(lens_ptr + b)  # (lengths and block tables: written before the step's first kernel)
-        if PRELOAD:  # (the cached positions: written by earlier steps, before the step's first kernel)
-            dk = tl.arange(0, DK_PAD)
-            dv = tl.arange(0, DV_PAD)
-            pos0, ok0, slot0 = _block_slots(sp * CHUNK, ctx_len, b, tables_ptr, s_tb, BLOCK_SIZE, BLOCK_N)
-            cached = ok0 & (pos0 < ctx_len - 1)
-            k0 = tl.load(k_ptr + slot0[:, None] * s_ks + g * s_kg + dk[None, :],
-                         mask=cached[:, None] & (dk[None, :] < DK), other=0.0)
-            v0 = tl.load(v_ptr + slot0[:, None] * s_vs + g * s_vg + dv[None, :],
-                         mask=cached[:, None] & (dv[None, :] < DV), other=0.0)
-            last = tl.maximum(ctx_len - 1, 0)  # the step's own position and its slot
-            last_blk = tl.load(tables_ptr + b * s_tb + last // BLOCK_SIZE)
-            last_slot = last_blk.to(tl.int64) * BLOCK_SIZE + last % BLOCK_SIZE
         pdl_wait(PDL, EARLY)
         h = tl.arange(0, QH_PAD)
         dk = tl.arange(0, DK_PAD)
@@ -114,19 +85,7 @@ if triton is not None:
                                               s_ks, s_kg, s_vs, s_vg, s_tb, DK, DK_PAD, DV, DV_PAD,
                                               BLOCK_SIZE, BLOCK_N, PRECISION, V_EARLY)
         else:  # static trip count: the interpreter cannot loop from a program-id-derived start
-            if PRELOAD:
-                # read only where this block holds it (vector masks: the interpreter rejects a scalar one mixed in)
-                off = last - sp * CHUNK
-                k_last = tl.load(k_ptr + last_slot * s_ks + g * s_kg + dk,
-                                 mask=(dk < DK) & (dk * 0 + off >= 0) & (dk * 0 + off < BLOCK_N), other=0.0)
-                v_last = tl.load(v_ptr + last_slot * s_vs + g * s_vg + dv,
-                                 mask=(dv < DV) & (dv * 0 + off >= 0) & (dv * 0 + off < BLOCK_N), other=0.0)
-                own = (pos0 == last)[:, None]
-                k0 = tl.where(own, k_last[None, :], k0)
-                v0 = tl.where(own, v_last[None, :], v0)
-                p, alpha, m_i = _scores(q, k0, ok0, m_i, scale, PRECISION)
-                l_i, acc = _accumulate(p, alpha, v0, l_i, acc, PRECISION)
-            for i in range(BLOCK_N if PRELOAD else 0, CHUNK, BLOCK_N):
+            for i in range(0, CHUNK, BLOCK_N):
                 m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, sp * CHUNK + i, ctx_len, b, g, k_ptr, v_ptr,
                                               tables_ptr, scale, s_ks, s_kg, s_vs, s_vg, s_tb, DK, DK_PAD, DV,
                                               DV_PAD, BLOCK_SIZE, BLOCK_N, PRECISION, V_EARLY)
@@ -183,26 +142,13 @@ PAGED_BLOCK_N = 64  # cached positions per loop step, and the split programs' ch
 # merge launch) measured 43-54 us per forward slower than the splits at 3-6 stages and 4-8 warps, two splits 24 us
 # (H200, BENCHMARKS.md, session 15): four SMs cannot stream the context as fast as 24 programs
 PAGED_WARPS, PAGED_STAGES = 4, 3
-# where the q/k norm launch before it triggers early (`fused_decode.QK_EARLY`: every layer after the first), the
-# split programs read their first block of cached K/V before the PDL wait (`_paged_decode` PRELOAD) and trigger late
-# themselves. Session 19 measured the preload behind a late-triggering q/k norm launch (no window: 37.6% against
-# 37.9-38.1%); here the window is the q|k|v and q/k norm launches. MOELOOP_PAGED_PRELOAD=off: the reads after it
-PAGED_PRELOAD = os.environ.get("MOELOOP_PAGED_PRELOAD", "on").lower() != "off"
-# A/B (session 24): after an early q/k norm launch, which launch holds its trigger until its wait ends, so that
-# o_proj's residual read before its wait stays safe: "paged", "merge", or "oproj" (none: o_proj reads the residual
-# after its wait instead, `fused_decode.o_proj_router`'s res_late)
-EARLY_KV_HOLD = os.environ.get("MOELOOP_QK_EARLY_HOLD", "paged")
 
 
 def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SGD: torch.Tensor, v_cache_SGDv: torch.Tensor,
                            block_tables_BN: torch.Tensor, context_lens_B: torch.Tensor, block_size: int,
-                           scale: float, block_n: int | None = None, split: bool = True,
-                           after_early: bool = False) -> torch.Tensor:
+                           scale: float, block_n: int | None = None, split: bool = True) -> torch.Tensor:
     """Attention of each row's single query over its first context_lens_B[b] cached positions -> [B, H, Dv]
-    (`block_n`: default PAGED_BLOCK_N). `after_early`: the launch before this one (the q/k norm + RoPE store)
-    triggered early, so this one triggers late (a kernel after it reads before its wait what was written before the
-    q/k norm launch), and its split programs read their cached K/V before the wait (`PAGED_PRELOAD`): every store
-    of an earlier step is complete when it starts (the PDL rule in `fused_decode._decode_layers`)."""
+    (`block_n`: default PAGED_BLOCK_N)."""
     if triton is None:
         raise RuntimeError("paged_decode_attention needs triton")
     B, H, Dk = q_BHD.shape
@@ -229,13 +175,10 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SGD: torch.Tensor, v_cac
         QH=qh, QH_PAD=max(16, triton.next_power_of_2(qh)), DK=Dk, DK_PAD=max(16, triton.next_power_of_2(Dk)),
         DV=Dv, DV_PAD=dv_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         PRECISION=precision, NUM_SPLITS=splits, CHUNK=chunk, V_EARLY=V_EARLY and splits > 1,
-        EARLY=kernel_switch.PDL_EARLY and not (after_early and (EARLY_KV_HOLD == "paged" or splits == 1)),
-        num_warps=PAGED_WARPS, num_stages=PAGED_STAGES, **pdl,
-        PRELOAD=PAGED_PRELOAD and after_early and splits > 1,
+        EARLY=kernel_switch.PDL_EARLY, num_warps=PAGED_WARPS, num_stages=PAGED_STAGES, **pdl,
         DYNAMIC_LOOP=splits == 1 and not triton_interpreting())  # the interpreter: static trip counts only
     if splits > 1:
         _merge_splits[(B, H)](dest, m, l, out, out.stride(0), out.stride(1), H=H, DV=Dv, DV_PAD=dv_pad,
                               NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
-                              EARLY=kernel_switch.PDL_EARLY and not (after_early and EARLY_KV_HOLD == "merge"),
-                              num_warps=4, **pdl)
+                              EARLY=kernel_switch.PDL_EARLY, num_warps=4, **pdl)
     return out

@@ -34,7 +34,7 @@ from moeloop.model.kernel_switch import kernels_apply, pdl_args
 from moeloop.model.moe import MoE
 from moeloop.model.norm import RMSNorm
 from moeloop.model.rope import RopeTables
-from moeloop.rollout import decode_kernel, decode_packs
+from moeloop.rollout import decode_packs
 from moeloop.rollout.decode_kernel import triton
 from moeloop.rollout.decode_packs import ROW_MAX_D, ComposedRouter
 from moeloop.rollout.gumbel_kernel import row_counters
@@ -106,12 +106,10 @@ if triton is not None:
     def _qk_norm_rope_store(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, qo_ptr,
                             kc_ptr, vc_ptr, eps, s_q, s_k, s_v, s_kc, s_vc, H: tl.constexpr, G: tl.constexpr,
                             HALF: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr,
-                            PRELOAD: tl.constexpr = False, EARLY: tl.constexpr = False):
+                            PRELOAD: tl.constexpr = False):
         """Row strides s_q/s_k/s_v: q, k, v may be column slices of one packed q|k|v projection. cos/sin: RoPE
         tables by position, row pos[t] for token t. The head norm's weight is read before the PDL wait; with
-        PRELOAD so are the position, the slot and the cos/sin row (`qk_norm_rope_store`'s `early_pos`). EARLY: the
-        next launch (the paged decode) may start at this one's start (`qk_norm_rope_store`'s `early_trigger`)."""
-        pdl_launch_next(PDL, EARLY)
+        PRELOAD so are the position, the slot and the cos/sin row (`qk_norm_rope_store`'s `early_pos`)."""
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         DH = 2 * HALF
@@ -124,7 +122,7 @@ if triton is not None:
             w2 = tl.where(h < H, tl.load(qw_ptr + HALF + i), tl.load(kw_ptr + HALF + i)).to(tl.float32)
         if PRELOAD:
             slot, c1, c2, s1, s2 = _token_rope(pos_ptr, slots_ptr, cos_ptr, sin_ptr, t, HALF)
-        pdl_wait(PDL, EARLY)
+        pdl_wait(PDL)
         if not PRELOAD:
             slot, c1, c2, s1, s2 = _token_rope(pos_ptr, slots_ptr, cos_ptr, sin_ptr, t, HALF)
         if h < H:
@@ -177,8 +175,7 @@ if triton is not None:
     @triton.jit
     def _row_linear_router(a_ptr, h_ptr, w_ptr, x_ptr, r_ptr, z_ptr, N: tl.constexpr, A: tl.constexpr, D: tl.constexpr,
                            E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_D: tl.constexpr,
-                           BLOCK_E: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
-                           RES_LATE: tl.constexpr = False):
+                           BLOCK_E: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
         """One token, o_proj and the router after it in one launch (`ComposedRouter`). Programs below N / BLOCK_N:
         x[n] = h[n] + a . W_o[n] for BLOCK_N rows (the product rounded, then the sum: the module path's o_proj and
         residual add). The others: raw router logits z[e] = a . R[e, :A] + h . R[e, A:] in fp32 for BLOCK_E
@@ -190,11 +187,8 @@ if triton is not None:
         if pid < N // BLOCK_N:
             n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
             w = tl.load(w_ptr + n.to(tl.int64)[:, None] * A + c[None, :], mask=c[None, :] < A, other=0.0)
-            if not RES_LATE:
-                h_n = tl.load(h_ptr + n).to(tl.float32)
+            h_n = tl.load(h_ptr + n).to(tl.float32)
             pdl_wait(PDL, EARLY)
-            if RES_LATE:
-                h_n = tl.load(h_ptr + n).to(tl.float32)
             a = tl.load(a_ptr + c, mask=c < A, other=0.0).to(tl.float32)
             dt = x_ptr.dtype.element_ty
             o = tl.sum(w.to(tl.float32) * a[None, :], 1).to(dt).to(tl.float32)
@@ -203,13 +197,11 @@ if triton is not None:
             e = (pid - N // BLOCK_N) * BLOCK_E + tl.arange(0, BLOCK_E)
             rows = r_ptr + e.to(tl.int64)[:, None] * (A + D)
             dh = tl.arange(0, BLOCK_D)
+            h = tl.load(h_ptr + dh, mask=dh < D, other=0.0).to(tl.float32)
             wh = tl.load(rows + A + dh[None, :], mask=(e[:, None] < E) & (dh[None, :] < D), other=0.0)
-            if not RES_LATE:
-                z = tl.sum(wh * tl.load(h_ptr + dh, mask=dh < D, other=0.0).to(tl.float32)[None, :], 1)
+            z = tl.sum(wh * h[None, :], 1)
             wa = tl.load(rows + c[None, :], mask=(e[:, None] < E) & (c[None, :] < A), other=0.0)
             pdl_wait(PDL, EARLY)
-            if RES_LATE:
-                z = tl.sum(wh * tl.load(h_ptr + dh, mask=dh < D, other=0.0).to(tl.float32)[None, :], 1)
             a = tl.load(a_ptr + c, mask=c < A, other=0.0).to(tl.float32)
             tl.store(z_ptr + e, z + tl.sum(wa * a[None, :], 1), mask=e < E)
 
@@ -351,21 +343,15 @@ def add_rmsnorm(x_TD: torch.Tensor, res_TD: torch.Tensor | None, norm: RMSNorm,
 # one dependent read fewer after it. H200, reference model, B=1: engine.step 2.900-2.904 ms per 8 steps against
 # 2.971-2.973 in the same call (BENCHMARKS.md, session 23); MOELOOP_QK_PRELOAD=off reads them after the wait
 QK_PRELOAD = os.environ.get("MOELOOP_QK_PRELOAD", "on").lower() != "off"
-# the q/k norm launch of every layer after the first lets the paged decode launch at its start, and the paged decode
-# (`decode_kernel.paged_decode_attention`'s `after_early`) reads its cached K/V before its wait and triggers late
-# instead; MOELOOP_QK_EARLY=off: the q/k norm launch triggers late, as the first layer's always does
-QK_EARLY = os.environ.get("MOELOOP_QK_EARLY", "off").lower() != "off"
 
 
 def qk_norm_rope_store(attn: nn.Module, q_TX: torch.Tensor, k_TX: torch.Tensor, v_TX: torch.Tensor,
                        rope: RopeTables, pos_T: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slots_T: torch.Tensor, early_pos: bool = False, early_trigger: bool = False) -> torch.Tensor:
+                       slots_T: torch.Tensor, early_pos: bool = False) -> torch.Tensor:
     """Normalised, rotated q [T, H, Dh]; k (normalised, rotated) and v written to their cache slots. `rope`: tables
     by position (`RotaryEmbedding.table`), read at rows pos_T. `early_pos` (with `QK_PRELOAD`): pos_T, slots_T and
     the cos/sin rows are read before the PDL wait; only where a kernel launched after their writer (the sampler)
-    and before this one triggered late: every layer after the first (the layer before's gate_up).
-    `early_trigger`: the next launch may start at this one's start; only where the kernels after it read before
-    their wait nothing written after the sampler's step before (`_decode_layers`' PDL rule; `QK_EARLY`)."""
+    and before this one triggered late: every layer after the first (the q/k norm launch before it)."""
     T = q_TX.shape[0]
     H, G, Dh = attn.num_heads, attn.num_kv_heads, attn.head_dim
     q_out = q_TX.new_empty(T, H, Dh)
@@ -377,8 +363,7 @@ def qk_norm_rope_store(attn: nn.Module, q_TX: torch.Tensor, k_TX: torch.Tensor, 
     _qk_norm_rope_store[(T, H + G)](q_TX, k_TX, v_TX, qw, kw, cos_PR, sin_PR, pos_T, slots_T, q_out,
                                     k_cache, v_cache, eps, q_TX.stride(0), k_TX.stride(0), v_TX.stride(0),
                                     k_cache.stride(0), v_cache.stride(0), H=H, G=G, HALF=Dh // 2,
-                                    QK_NORM=qk_norm, PRELOAD=QK_PRELOAD and early_pos, EARLY=early_trigger,
-                                    num_warps=1,
+                                    QK_NORM=qk_norm, PRELOAD=QK_PRELOAD and early_pos, num_warps=1,
                                     enable_fp_fusion=False, **pdl_args(q_TX, T))
     # (no FMA: LLVM lowers each bf16 round trip to a bf16 mul and add, and fusing them would skip the rounding of
     # the RoPE products that the module path and the trainer's rope kernel keep)
@@ -469,10 +454,8 @@ def composed_router(layer: nn.Module, o_TD: torch.Tensor, res_TD: torch.Tensor |
     return pack if ok else None
 
 
-def o_proj_router(o_TD: torch.Tensor, res_TD: torch.Tensor, pack: ComposedRouter,
-                  res_late: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x = res + o_proj(o) [1, D], the raw composed router logits [1, E] fp32) in one launch (`_row_linear_router`;
-    `res_late`: the residual is read after the PDL wait)."""
+def o_proj_router(o_TD: torch.Tensor, res_TD: torch.Tensor, pack: ComposedRouter) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x = res + o_proj(o) [1, D], the raw composed router logits [1, E] fp32) in one launch (`_row_linear_router`)."""
     w = pack.o_proj.weight
     (D, A), E = w.shape, pack.weight.shape[0]
     x_TD = res_TD.new_empty(1, D)
@@ -482,8 +465,7 @@ def o_proj_router(o_TD: torch.Tensor, res_TD: torch.Tensor, pack: ComposedRouter
     _row_linear_router[(grid,)](o_TD, res_TD, w, x_TD, pack.weight, z_TE, N=D, A=A, D=res_TD.shape[1], E=E,
                                 BLOCK_N=block_n, BLOCK_A=triton.next_power_of_2(A),
                                 BLOCK_D=triton.next_power_of_2(res_TD.shape[1]), BLOCK_E=ROUTER_COMPOSE_ROWS,
-                                EARLY=kernel_switch.PDL_EARLY, RES_LATE=res_late, num_warps=warps,
-                                **pdl_args(o_TD, 1))
+                                EARLY=kernel_switch.PDL_EARLY, num_warps=warps, **pdl_args(o_TD, 1))
     return x_TD, z_TE
 
 
@@ -640,16 +622,14 @@ def _decode_layers(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Tensor, c
         else:
             y_TD, res_TD = _settle(pending)
             q_TX, k_TX, v_TX = project_qkv(y_TD, attn)
-        qk_early = QK_EARLY and i > 0
         q_THD = qk_norm_rope_store(attn, q_TX, k_TX, v_TX, rope, pos_T, ctx.cache.k[i], ctx.cache.v[i],
-                                   slots_T, early_pos=i > 0, early_trigger=qk_early)
-        attn_TA = ctx.attend_cached(i, q_THD, attn.scale, after_early=qk_early).reshape(T, -1)
+                                   slots_T, early_pos=i > 0)
+        attn_TA = ctx.attend_cached(i, q_THD, attn.scale).reshape(T, -1)
         mlp = layer.mlp
         norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else stack.norm
         composed = composed_router(layer, attn_TA, res_TD)
         if composed is not None:  # o_proj, the residual add and the raw router logits in one launch
-            x_TD, z_TE = o_proj_router(attn_TA, res_TD, composed,
-                                       res_late=qk_early and decode_kernel.EARLY_KV_HOLD == "oproj")
+            x_TD, z_TE = o_proj_router(attn_TA, res_TD, composed)
             pending = (routed_experts(mlp, x_TD, z_TE, layer.post_attention_layernorm), x_TD, norm)
             continue
         (o_TD,) = project(attn_TA, [attn.o_proj])

@@ -77,18 +77,15 @@ class PagedAttention:
             out[rows] = self._prefill(chunk, q_THD[rows], k_TGD[rows], v_TGDv[rows], k_cache, v_cache, scale)
         return out
 
-    def attend_cached(self, layer_idx: int, q_BHD: torch.Tensor, scale: float, after_early: bool = False) -> torch.Tensor:
-        """Decode-only batch whose K/V are already in the cache (the fused decode forward writes them;
-        `after_early`: its q/k norm launch triggered early, `paged_decode_attention`)."""
-        return self._decode(q_BHD, self.cache.k[layer_idx], self.cache.v[layer_idx], scale, after_early)
+    def attend_cached(self, layer_idx: int, q_BHD: torch.Tensor, scale: float) -> torch.Tensor:
+        """Decode-only batch whose K/V are already in the cache (the fused decode forward writes them)."""
+        return self._decode(q_BHD, self.cache.k[layer_idx], self.cache.v[layer_idx], scale)
 
-    def _decode(self, q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-                after_early: bool = False) -> torch.Tensor:
+    def _decode(self, q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         meta = self.meta
         if self.use_kernel:
             return paged_decode_attention(q_BHD.contiguous(), k_cache, v_cache, meta.block_tables_BN,
-                                          meta.context_lens_B, self.cache.block_size, scale,
-                                          after_early=after_early).to(q_BHD.dtype)
+                                          meta.context_lens_B, self.cache.block_size, scale).to(q_BHD.dtype)
         slots_S, bias_B11L = self._gather_index(q_BHD.dtype)  # index_select on flat slots: ~4x cheaper than k_cache[slots_BL]
         B, L = bias_B11L.shape[0], bias_B11L.shape[-1]
         k_BGLD = k_cache.index_select(0, slots_S).view(B, L, *k_cache.shape[1:]).transpose(1, 2).to(q_BHD.dtype)
