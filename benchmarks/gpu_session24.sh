@@ -7,6 +7,8 @@
 #          then one layer's timeline with both.
 #   hold:  (nvidia-h200) MOELOOP_QK_EARLY=on with the trigger held by the paged decode, its merge, or neither (o_proj
 #          then reads its residual after its wait): B=1 A/B against the defaults, 2 rounds; a timeline with "oproj".
+#   late:  (nvidia-h200) MOELOOP_LATE_TRIGGERS: the expert down kernel triggering late (the next q|k|v launch's
+#          weight reads no longer overlap gate_up), 3 rounds against the defaults; o_proj, q|k|v late once each.
 set -u
 b1() {  # label, then env assignments
     local label=$1; shift
@@ -37,5 +39,15 @@ hold)  # MOELOOP_QK_EARLY=on with each launch that holds its trigger (MOELOOP_QK
     MOELOOP_QK_EARLY=on MOELOOP_QK_EARLY_HOLD=oproj timeout 120 python3 benchmarks/profile_decode.py --batch 1 --top 0 \
         --timeline 2>&1 | grep -v -i warn | grep -A10 "one layer"
     ;;
-*) echo "usage: $0 early|hold" >&2; exit 2 ;;
+late)  # launches that trigger late instead of early (MOELOOP_LATE_TRIGGERS), alternating with the defaults
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_rollout_fused_decode.py tests/test_kernel_switch.py \
+        --tb=short -k "pdl or single_sequence or late_triggers" 2>&1 | grep -E "^(FAILED|ERROR)|passed|failed" | tail -6
+    for round in 1 2 3; do
+        b1 "defaults" X=1
+        b1 "late: down" MOELOOP_LATE_TRIGGERS=down
+    done
+    b1 "late: o_proj" MOELOOP_LATE_TRIGGERS=o_proj
+    b1 "late: qkv" MOELOOP_LATE_TRIGGERS=qkv
+    ;;
+*) echo "usage: $0 early|hold|late" >&2; exit 2 ;;
 esac
