@@ -43,13 +43,3 @@ def test_pdl_only_compiled_on_hopper_and_not_when_switched_off(monkeypatch):
     monkeypatch.setattr(kernel_switch, "_PDL_DEVICES", {"fake:0": False})  # an Ampere card
     monkeypatch.delenv("MOELOOP_PDL")
     assert not kernel_switch.pdl_applies(cuda_like, 1)
-
-
-def test_late_triggers_by_name(monkeypatch):
-    """`early_trigger`: a decode launch triggers early with PDL_EARLY unless its name is in LATE_TRIGGERS."""
-    from moeloop.model import kernel_switch
-    monkeypatch.setattr(kernel_switch, "PDL_EARLY", True)
-    monkeypatch.setattr(kernel_switch, "LATE_TRIGGERS", frozenset({"down", "merge"}))
-    assert [kernel_switch.early_trigger(n) for n in ("qkv", "down", "merge", "o_proj")] == [True, False, False, True]
-    monkeypatch.setattr(kernel_switch, "PDL_EARLY", False)
-    assert not kernel_switch.early_trigger("qkv")

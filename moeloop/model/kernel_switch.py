@@ -65,16 +65,6 @@ def pdl_applies(x: torch.Tensor, rows: int) -> bool:
 # early triggers (`pdl_launch_next`) in the one-token decode's weight-streaming kernels; MOELOOP_PDL_EARLY=off: each
 # lets the next launch only after its own wait
 PDL_EARLY = os.environ.get("MOELOOP_PDL_EARLY", "on").lower() != "off"
-# A/B (session 24): early-triggering launches that trigger late instead, by name ("qkv", "row_linear", "router",
-# "o_proj", "paged", "merge", "down", "lm_head"; comma-separated): the next launch then starts its weight reads
-# later, and competes less with the current one
-LATE_TRIGGERS = frozenset(filter(None, os.environ.get("MOELOOP_LATE_TRIGGERS", "").split(",")))
-
-
-def early_trigger(name: str) -> bool:
-    """Whether the decode launch `name` lets the next launch start at its own start (`PDL_EARLY`, not in
-    `LATE_TRIGGERS`)."""
-    return PDL_EARLY and name not in LATE_TRIGGERS
 
 
 def pdl_launch(pdl: bool) -> dict:

@@ -175,10 +175,10 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SGD: torch.Tensor, v_cac
         QH=qh, QH_PAD=max(16, triton.next_power_of_2(qh)), DK=Dk, DK_PAD=max(16, triton.next_power_of_2(Dk)),
         DV=Dv, DV_PAD=dv_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         PRECISION=precision, NUM_SPLITS=splits, CHUNK=chunk, V_EARLY=V_EARLY and splits > 1,
-        EARLY=kernel_switch.early_trigger("paged"), num_warps=PAGED_WARPS, num_stages=PAGED_STAGES, **pdl,
+        EARLY=kernel_switch.PDL_EARLY, num_warps=PAGED_WARPS, num_stages=PAGED_STAGES, **pdl,
         DYNAMIC_LOOP=splits == 1 and not triton_interpreting())  # the interpreter: static trip counts only
     if splits > 1:
         _merge_splits[(B, H)](dest, m, l, out, out.stride(0), out.stride(1), H=H, DV=Dv, DV_PAD=dv_pad,
                               NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
-                              EARLY=kernel_switch.early_trigger("merge"), num_warps=4, **pdl)
+                              EARLY=kernel_switch.PDL_EARLY, num_warps=4, **pdl)
     return out

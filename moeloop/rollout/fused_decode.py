@@ -392,7 +392,7 @@ def row_linear(x_TD: torch.Tensor, linears: list[nn.Module], block_n: int) -> to
     out, ws, sizes = _stacked_rows(x_TD, linears)
     _row_linear[(out.shape[1] // block_n,)](x_TD, *ws, out, N0=sizes[0], N1=sizes[1], D=x_TD.shape[1], BLOCK_N=block_n,
                                              BLOCK_D=min(ROW_LINEAR_MAX_D, triton.next_power_of_2(x_TD.shape[1])),
-                                             EARLY=kernel_switch.early_trigger("row_linear"), num_warps=ROW_LINEAR_TILE[1],
+                                             EARLY=kernel_switch.PDL_EARLY, num_warps=ROW_LINEAR_TILE[1],
                                              **pdl_args(x_TD, 1))
     return out
 
@@ -416,12 +416,12 @@ def norm_fold_applies(x_TD: torch.Tensor, linears: list[nn.Module], block_n: int
 
 
 def normed_row_linear(x_TD: torch.Tensor, res_TD: torch.Tensor | None, norm: RMSNorm, linears: list[nn.Module],
-                      want_y: bool = False, ids_T: torch.Tensor | None = None, tile: tuple[int, int] | None = None,
-                      trigger: str = "qkv") -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor]:
+                      want_y: bool = False, ids_T: torch.Tensor | None = None, tile: tuple[int, int] | None = None
+                      ) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor]:
     """(the projections of y = RMSNorm(res + x) through `linears`, y if want_y, res + x) in one launch: what
     `add_rmsnorm` then `project` give (up to the norm's fp32 summation order). With `ids_T` (one token id, no res),
     x_TD is the embedding table and x its row ids_T[0] (`embed_fold_applies`). `tile`: (rows per program, warps),
-    default ROW_LINEAR_TILE. `trigger`: its name for `kernel_switch.early_trigger`."""
+    default ROW_LINEAR_TILE."""
     (block_n, warps), D = tile or ROW_LINEAR_TILE, x_TD.shape[1]
     out, ws, sizes = _stacked_rows(x_TD, linears)
     y_TD = x_TD.new_empty(1, D) if want_y else out
@@ -433,7 +433,7 @@ def normed_row_linear(x_TD: torch.Tensor, res_TD: torch.Tensor | None, norm: RMS
     _norm_row_linear[(out.shape[1] // block_n,)](x_TD, res_in, norm.weight, y_TD, res_out,
                                                   *ws, out, norm.eps, N0=sizes[0], N1=sizes[1], D=D, BLOCK_N=block_n,
                                                   BLOCK_D=triton.next_power_of_2(D), HAS_RES=res_TD is not None,
-                                                  WRITE_Y=want_y, EARLY=kernel_switch.early_trigger(trigger),
+                                                  WRITE_Y=want_y, EARLY=kernel_switch.PDL_EARLY,
                                                   EMBED=ids_T is not None, num_warps=warps,
                                                   **pdl_args(x_TD, 1))
     return list(out.split(sizes[:len(linears)], dim=1)), y_TD if want_y else None, res_out
@@ -465,7 +465,7 @@ def o_proj_router(o_TD: torch.Tensor, res_TD: torch.Tensor, pack: ComposedRouter
     _row_linear_router[(grid,)](o_TD, res_TD, w, x_TD, pack.weight, z_TE, N=D, A=A, D=res_TD.shape[1], E=E,
                                 BLOCK_N=block_n, BLOCK_A=triton.next_power_of_2(A),
                                 BLOCK_D=triton.next_power_of_2(res_TD.shape[1]), BLOCK_E=ROUTER_COMPOSE_ROWS,
-                                EARLY=kernel_switch.early_trigger("o_proj"), num_warps=warps, **pdl_args(o_TD, 1))
+                                EARLY=kernel_switch.PDL_EARLY, num_warps=warps, **pdl_args(o_TD, 1))
     return x_TD, z_TE
 
 
@@ -582,7 +582,7 @@ def fused_decode_logits(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Tens
     head = model.lm_head
     if (LM_HEAD_FOLD and pending[2] is not None and isinstance(head, nn.Linear)
             and norm_fold_applies(pending[0], [head], LM_HEAD_TILE[0])):
-        (logits_TV,), _, _ = normed_row_linear(*pending, [head], tile=LM_HEAD_TILE, trigger="lm_head")
+        (logits_TV,), _, _ = normed_row_linear(*pending, [head], tile=LM_HEAD_TILE)
         return logits_TV
     return model.compute_logits(_settle(pending)[0])
 
@@ -639,8 +639,7 @@ def _decode_layers(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Tensor, c
             pending = (mlp(y_TD), res_TD, norm)
             continue
         if norm_fold_applies(o_TD, [mlp.gate], ROUTER_TILE[0]):  # the router's projection applies the norm, stores y
-            (logits_TE,), y_TD, res_TD = normed_row_linear(*pending, [mlp.gate], want_y=True, tile=ROUTER_TILE,
-                                                           trigger="router")
+            (logits_TE,), y_TD, res_TD = normed_row_linear(*pending, [mlp.gate], want_y=True, tile=ROUTER_TILE)
             if routed_experts_apply(y_TD, mlp):  # the expert kernels rank the logits themselves
                 pending = (routed_experts(mlp, y_TD, logits_TE), res_TD, norm)
                 continue

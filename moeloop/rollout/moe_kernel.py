@@ -330,7 +330,7 @@ def _few_token_experts(experts: Experts, x_TD: torch.Tensor, route: torch.Tensor
                                                      **(up_routing or {}), **pdl)
     _down_combine[(T, triton.cdiv(D, block_d))](h_SF, w_d, route, wts_S, y_TD, w_d.stride(0), w_d.stride(1), D=D, F=F,
                                                  K=K, K_PAD=k_pad, BLOCK_D=block_d, BLOCK_F=down_block_f,
-                                                 EARLY=kernel_switch.early_trigger("down"), num_warps=warps_d, **routing,
+                                                 EARLY=kernel_switch.PDL_EARLY, num_warps=warps_d, **routing,
                                                  **(down_routing or {}), **pdl)
     return y_TD
 
