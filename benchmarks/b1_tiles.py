@@ -5,7 +5,7 @@ sequence, prompt 128) for each tile of the one-token kernels, varied one knob at
 `b1_gemv.py` picked the tiles from each kernel alone and from a four-kernel chain. In the engine every kernel
 shares the GPU with its PDL neighbours, which load their weights while it runs, so the best tile there may differ.
 
-    python3 benchmarks/b1_tiles.py [--rounds 2] [--replays 200] [--pairs 4] [--ab name=value ...]
+    python3 benchmarks/b1_tiles.py [--rounds 2] [--replays 200] [--pairs 4] [--knobs a,b] [--ab name=value ...]
 
 One timing of a config drifts by about 10 us from one engine to the next (clocks, placement), about the size of the
 gains looked for, so the sweep's best is then measured against the defaults in alternation (`--pairs` of each) and
@@ -73,7 +73,11 @@ def main() -> None:
     ap.add_argument("--replays", type=int, default=200)
     ap.add_argument("--pairs", type=int, default=4)
     ap.add_argument("--ab", action="append", default=[], help="name=value: also A/B this change against the defaults")
+    ap.add_argument("--knobs", default=",".join(KNOBS), help="comma-separated knobs the sweep varies (default: all)")
     args = ap.parse_args()
+    swept = args.knobs.split(",")
+    if unknown := sorted(set(swept) - set(KNOBS)):
+        ap.error(f"--knobs: {unknown} not among {sorted(KNOBS)}")
     model = build_model("qwen3_moe", "reference", seed=0).to("cuda", torch.bfloat16).eval()
     prompt = torch.randint(3, model.cfg.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
     defaults = {name: getattr(mod, attr) for name, (mod, attr, _) in KNOBS.items()}
@@ -85,6 +89,8 @@ def main() -> None:
     best_ms = base_ms
     for rnd in range(args.rounds):
         for name, (mod, attr, tiles) in KNOBS.items():
+            if name not in swept:
+                continue
             for tile in tiles:
                 if tile == best[name]:
                     continue

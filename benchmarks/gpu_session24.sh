@@ -9,6 +9,8 @@
 #          then reads its residual after its wait): B=1 A/B against the defaults, 2 rounds; a timeline with "oproj".
 #   late:  (nvidia-h200) MOELOOP_LATE_TRIGGERS: the expert down kernel triggering late (the next q|k|v launch's
 #          weight reads no longer overlap gate_up), 3 rounds against the defaults; o_proj, q|k|v late once each.
+#   tiles: (nvidia-h200) `b1_tiles.py` over the gate_up, down, row_linear, lm_head tiles and the paged decode's warps
+#          at today's code, one round, the best against the defaults in alternation.
 set -u
 b1() {  # label, then env assignments
     local label=$1; shift
@@ -49,5 +51,9 @@ late)  # launches that trigger late instead of early (MOELOOP_LATE_TRIGGERS), al
     b1 "late: o_proj" MOELOOP_LATE_TRIGGERS=o_proj
     b1 "late: qkv" MOELOOP_LATE_TRIGGERS=qkv
     ;;
-*) echo "usage: $0 early|hold|late" >&2; exit 2 ;;
+tiles)  # the B=1 tiles re-swept at today's code (composed router, q/k preload): forward graph, one round
+    timeout 330 python3 benchmarks/b1_tiles.py --rounds 1 --pairs 2 --knobs gate_up,down,row_linear,lm_head,paged_warps \
+        2>&1 | grep -v -i warn
+    ;;
+*) echo "usage: $0 early|hold|late|tiles" >&2; exit 2 ;;
 esac
