@@ -19,8 +19,8 @@ Knobs (module constants read at each launch, so a fresh engine's graph capture t
   paged_block_n  decode_kernel.PAGED_BLOCK_N  (cached positions per step and per split unit: B=1 runs ceil(384 / it)
                                               split programs per kv head, then the merge)
   max_splits  decode_kernel.MAX_SPLITS       (1: one program per kv head loops over the context, no merge launch)
-  paged_stages, paged_warps  decode_kernel.PAGED_STAGES, PAGED_WARPS: the paged decode's pipeline stages (a
-                                              one-split program's loads in flight) and warps
+  paged_stages, paged_warps  decode_kernel.PAGED_STAGES, PAGED_WARPS_ONE_ROW: the paged decode's pipeline stages
+                                              (a one-split program's loads in flight) and its warps at one row
   lm_head_fold, lm_head  fused_decode.LM_HEAD_FOLD, LM_HEAD_TILE: the final norm folded into a one-token lm_head
                                                  launch instead of `_add_rmsnorm` then cuBLAS
 
@@ -47,7 +47,7 @@ KNOBS = {
     "paged_block_n": (decode_kernel, "PAGED_BLOCK_N", [16, 32, 64, 128]),
     "max_splits": (decode_kernel, "MAX_SPLITS", [1, 2, 3, 4, 8, 16]),
     "paged_stages": (decode_kernel, "PAGED_STAGES", [3, 4, 6]),
-    "paged_warps": (decode_kernel, "PAGED_WARPS", [4, 8]),
+    "paged_warps": (decode_kernel, "PAGED_WARPS_ONE_ROW", [4, 8]),
     "lm_head_fold": (fused_decode, "LM_HEAD_FOLD", [True, False]),
     "lm_head": (fused_decode, "LM_HEAD_TILE", [(4, 4), (8, 4), (8, 8), (16, 4), (16, 8)]),
     "router": (fused_decode, "ROUTER_TILE", [(4, 4), (4, 1), (4, 2), (2, 1), (1, 1), (2, 2), (16, 4)]),

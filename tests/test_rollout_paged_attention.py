@@ -100,3 +100,33 @@ def test_triton_decode_kernel_matches_gather_path():
             decode_kernel.V_EARLY = True
         torch.testing.assert_close(one.cpu(), ref[3:4], atol=1e-4, rtol=1e-4)
     assert decode_kernel.num_splits(torch.device(dev), G, tables.shape[1] * BS, 16) > 1
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed (CPU torch wheel)")
+def test_one_row_runs_its_own_warps(monkeypatch):
+    """One row launches the paged decode with PAGED_WARPS_ONE_ROW warps (8: measured at B=1 on the H200), more rows
+    with PAGED_WARPS, and both equal the gather path."""
+    from moeloop.rollout import decode_kernel
+    real, warps = decode_kernel._paged_decode, []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                warps.append(kw["num_warps"])
+                return real[grid](*args, **kw)
+            return launch
+    monkeypatch.setattr(decode_kernel, "_paged_decode", Recorder())
+    torch.manual_seed(3)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    kv = cache(num_blocks=12)
+    kv.k.normal_(), kv.v.normal_()
+    tables = torch.randperm(12)[:8].int().view(2, 4)
+    for rows in (1, 2):
+        lens = torch.tensor([15, 9][:rows], dtype=torch.int32)
+        q = torch.randn(rows, H, DK)
+        meta = AttentionMetadata(torch.zeros(0, dtype=torch.int64), None, tables[:rows], lens, int(lens.max()), [])
+        ref = PagedAttention(kv, meta)._decode(q, kv.k[0], kv.v[0], 0.25)
+        out = paged_decode_attention(q.to(dev), kv.k[0].to(dev), kv.v[0].to(dev), tables[:rows].to(dev), lens.to(dev),
+                                     BS, 0.25, block_n=16)
+        torch.testing.assert_close(out.cpu(), ref, atol=1e-4, rtol=1e-4)
+    assert warps == [decode_kernel.PAGED_WARPS_ONE_ROW, decode_kernel.PAGED_WARPS] == [8, 4]

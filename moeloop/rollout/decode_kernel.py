@@ -142,6 +142,11 @@ PAGED_BLOCK_N = 64  # cached positions per loop step, and the split programs' ch
 # merge launch) measured 43-54 us per forward slower than the splits at 3-6 stages and 4-8 warps, two splits 24 us
 # (H200, BENCHMARKS.md, session 15): four SMs cannot stream the context as fast as 24 programs
 PAGED_WARPS, PAGED_STAGES = 4, 3
+# one row (B=1): 8 warps a program. H200, session 24: `b1_tiles.py` "defaults 0.3480 ms, paged_warps=8 0.3443 ms,
+# +3.7 us per forward"; rollout.py B=1 engine.step 2.877/2.877 against 2.896/2.899 ms per 8 steps (alternating).
+# B=32 and 256 with 8 warps read 60.2% / 61.8% of the roofline in that call (63.4% / 63.7% at 4 in session 22), so
+# more rows keep PAGED_WARPS
+PAGED_WARPS_ONE_ROW = 8
 
 
 def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SGD: torch.Tensor, v_cache_SGDv: torch.Tensor,
@@ -175,7 +180,8 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SGD: torch.Tensor, v_cac
         QH=qh, QH_PAD=max(16, triton.next_power_of_2(qh)), DK=Dk, DK_PAD=max(16, triton.next_power_of_2(Dk)),
         DV=Dv, DV_PAD=dv_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         PRECISION=precision, NUM_SPLITS=splits, CHUNK=chunk, V_EARLY=V_EARLY and splits > 1,
-        EARLY=kernel_switch.PDL_EARLY, num_warps=PAGED_WARPS, num_stages=PAGED_STAGES, **pdl,
+        EARLY=kernel_switch.PDL_EARLY, num_warps=PAGED_WARPS_ONE_ROW if B == 1 else PAGED_WARPS,
+        num_stages=PAGED_STAGES, **pdl,
         DYNAMIC_LOOP=splits == 1 and not triton_interpreting())  # the interpreter: static trip counts only
     if splits > 1:
         _merge_splits[(B, H)](dest, m, l, out, out.stride(0), out.stride(1), H=H, DV=Dv, DV_PAD=dv_pad,
