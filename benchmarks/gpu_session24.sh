@@ -11,6 +11,9 @@
 #          weight reads no longer overlap gate_up), 3 rounds against the defaults; o_proj, q|k|v late once each.
 #   tiles: (nvidia-h200) `b1_tiles.py` over the gate_up, down, row_linear, lm_head tiles and the paged decode's warps
 #          at today's code, one round, the best against the defaults in alternation.
+#   heads: (nvidia-h200; prepared for session 25) MOELOOP_PAGED_HEADS=on: one-row split programs per query head in
+#          plain multiply-adds; CUDA tests, b1_tiles A/Bs (and the paged knobs and lm_head tile re-swept at 8 warps),
+#          then B=1 engine.step in alternation. About 8 minutes.
 set -u
 b1() {  # label, then env assignments
     local label=$1; shift
@@ -55,5 +58,19 @@ tiles)  # the B=1 tiles re-swept at today's code (composed router, q/k preload):
     timeout 330 python3 benchmarks/b1_tiles.py --rounds 1 --pairs 2 --knobs gate_up,down,row_linear,lm_head,paged_warps \
         2>&1 | grep -v -i warn
     ;;
-*) echo "usage: $0 early|hold|late|tiles" >&2; exit 2 ;;
+heads)  # for the next device call (built in session 24, not yet run): the one-row paged decode per query head in
+    # plain multiply-adds (MOELOOP_PAGED_HEADS), its CUDA tests, the forward-graph A/B, then engine.step in alternation;
+    # also the paged decode's other knobs and the lm_head tile re-swept at 8 warps
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_rollout_paged_attention.py \
+        tests/test_rollout_fused_decode.py --tb=short -k "per_head or paged_heads or one_row" 2>&1 \
+        | grep -E "^(FAILED|ERROR)|passed|failed" | tail -6
+    timeout 200 python3 benchmarks/b1_tiles.py --rounds 1 --pairs 2 --knobs paged_block_n,max_splits,paged_stages,lm_head \
+        --ab "paged_heads=True" --ab "paged_heads=True;paged_heads_warps=2" --ab "paged_heads=True;paged_heads_warps=8" \
+        2>&1 | grep -v -i warn
+    for round in 1 2; do
+        b1 "defaults" X=1
+        b1 "paged heads" MOELOOP_PAGED_HEADS=on
+    done
+    ;;
+*) echo "usage: $0 early|hold|late|tiles|heads" >&2; exit 2 ;;
 esac

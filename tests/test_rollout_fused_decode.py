@@ -454,6 +454,26 @@ def test_qk_preload_single_sequence_matches_module_path(monkeypatch, arch):
     assert early == ([False] + [True] * (layers - 1)) * 4  # 4 decode steps after the prefill
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the engine's paged decode kernel runs on CUDA only (the "
+                    "kernel itself: tests/test_rollout_paged_attention.py, in the interpreter)")
+def test_paged_heads_single_sequence_matches_module_path(monkeypatch):
+    """`PAGED_HEADS`: a one-row decode's split programs per query head (plain multiply-adds); fp32: the same tokens
+    and logprobs (1e-5) as the module forward, with the per-head kernel launched in every decode layer."""
+    from moeloop.rollout import decode_kernel
+    monkeypatch.setattr(decode_kernel, "PAGED_HEADS", True)
+    launches, real = [], decode_kernel._paged_decode_head
+
+    class Recorder:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+    monkeypatch.setattr(decode_kernel, "_paged_decode_head", Recorder())
+    model = tiny_model("qwen3_moe").to(DEVICE)
+    assert_kernels_match_module_path(model, prompts(1, seed=9),
+                                     SamplingParams(n=1, temperature=1.0, max_tokens=5, seed=3))
+    assert len(launches) == 4 * len(model.model.layers)  # 4 decode steps after the prefill
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_o_proj_router_equals_module_path_and_follows_weight_changes(monkeypatch, dtype):
     """One `o_proj_router` launch: x = res + o_proj(o) as the module path rounds it, and the raw logits times

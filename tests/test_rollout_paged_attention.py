@@ -130,3 +130,36 @@ def test_one_row_runs_its_own_warps(monkeypatch):
                                      BS, 0.25, block_n=16)
         torch.testing.assert_close(out.cpu(), ref, atol=1e-4, rtol=1e-4)
     assert warps == [decode_kernel.PAGED_WARPS_ONE_ROW, decode_kernel.PAGED_WARPS] == [8, 4]
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed (CPU torch wheel)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_row_per_head_programs_equal_the_group_programs(monkeypatch, dtype):
+    """`PAGED_HEADS` (one row): split programs per query head in plain multiply-adds give the gather path's
+    attention over the same (dtype-rounded) values (fp32: 1e-4; bf16: 2e-2) and the kv-group programs' (tl.dot)
+    output (fp32: 1e-5; bf16 on CUDA only: the interpreter's bf16 dot is not the GPU's), for lengths that end
+    inside, at the end of, and past the first split."""
+    from moeloop.rollout import decode_kernel
+    torch.manual_seed(4)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    kv = cache(num_blocks=24)
+    kv.k.normal_(), kv.v.normal_()
+    kv.k.copy_(kv.k.to(dtype)), kv.v.copy_(kv.v.to(dtype))  # the values the kernels read, kept in fp32 for the reference
+    table = torch.randperm(24)[:18].int()[None]
+    q = torch.randn(1, H, DK).to(dtype).float()
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    for L in (1, 5, 32, 33, 50, 72):
+        lens = torch.tensor([L], dtype=torch.int32)
+        runs = {}
+        for heads in (False, True):
+            monkeypatch.setattr(decode_kernel, "PAGED_HEADS", heads)
+            runs[heads] = paged_decode_attention(q.to(dev, dtype), kv.k[0].to(dev, dtype), kv.v[0].to(dev, dtype),
+                                                 table.to(dev), lens.to(dev), BS, 0.25, block_n=16).float().cpu()
+        meta = AttentionMetadata(torch.zeros(0, dtype=torch.int64), None, table, lens, L, [])
+        ref = PagedAttention(kv, meta)._decode(q, kv.k[0], kv.v[0], 0.25)
+        torch.testing.assert_close(runs[True], ref, **tol, msg=lambda m: f"context {L}: {m}")
+        if dtype == torch.float32 or dev == "cuda":
+            torch.testing.assert_close(runs[True], runs[False], **(tol if dtype == torch.bfloat16 else
+                                                                    dict(atol=1e-5, rtol=1e-5)),
+                                       msg=lambda m: f"context {L}: {m}")
+    assert decode_kernel.num_splits(torch.device(dev), G, table.shape[1] * BS, 16) > 1
