@@ -120,8 +120,8 @@ if triton is not None:
         dk = tl.arange(0, DK_PAD)
         dv = tl.arange(0, DV_PAD)
         q = tl.load(q_ptr + b * s_qb + h * s_qh + dk, mask=dk < DK, other=0.0).to(tl.float32)
-        m_i = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), 0)
-        l_i = tl.sum(tl.zeros([BLOCK_N], tl.float32), 0)
+        m_i = tl.full([], float("-inf"), tl.float32)
+        l_i = tl.full([], 0.0, tl.float32)
         acc = tl.zeros([DV_PAD], tl.float32)
         for i in range(0, CHUNK, BLOCK_N):
             pos = sp * CHUNK + i + tl.arange(0, BLOCK_N)
