@@ -15,12 +15,7 @@ for short in on off; do
     echo "== sampler, MOELOOP_TOPK_SHORT=$short"
     MOELOOP_TOPK_SHORT=$short timeout 150 python3 benchmarks/sampler.py 2>&1 | tail -7
 done
-b1() {  # label, then env assignments
-    local label=$1; shift
-    echo "== $label"
-    env "$@" timeout 100 python3 benchmarks/rollout.py --device cuda --size reference --batch 1 --repeats 5 --skip-hf \
-        --step-times 2>&1 | grep -v -i warn | grep -E "engine.step|^\| 1 |walls"
-}
+source "$(dirname "$0")/gpu_lib.sh"  # b1
 b1 "defaults" X=1
 b1 "fixed-length bisections" MOELOOP_TOPK_SHORT=off
 b1 "defaults" X=1

@@ -7,12 +7,7 @@
 #   final: (nvidia-h200) the CUDA engine tests at the final code, then B=1 three times and B=32, 256 once.
 #   preload: (nvidia-h200) MOELOOP_QK_PRELOAD=on: the CUDA engine tests with it, B=1 A/B (3 rounds, alternating).
 set -u
-b1() {  # label, then env assignments
-    local label=$1; shift
-    echo "== $label"
-    env "$@" timeout 100 python3 benchmarks/rollout.py --device cuda --size reference --batch 1 --repeats 5 \
-        --skip-hf --step-times 2>&1 | grep -v -i warn | grep -E "engine.step|^\| 1 |walls"
-}
+source "$(dirname "$0")/gpu_lib.sh"  # b1
 case "${1:-}" in
 rope)
     MOELOOP_ROPE_QKV=on timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_rollout_fused_decode.py \

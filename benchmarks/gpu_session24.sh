@@ -15,12 +15,7 @@
 #          plain multiply-adds; CUDA tests, b1_tiles A/Bs (and the paged knobs and lm_head tile re-swept at 8 warps),
 #          then B=1 engine.step in alternation. About 8 minutes.
 set -u
-b1() {  # label, then env assignments
-    local label=$1; shift
-    echo "== $label"
-    env "$@" timeout 100 python3 benchmarks/rollout.py --device cuda --size reference --batch 1 --repeats 5 \
-        --skip-hf --step-times 2>&1 | grep -v -i warn | grep -E "engine.step|^\| 1 |walls"
-}
+source "$(dirname "$0")/gpu_lib.sh"  # b1
 case "${1:-}" in
 early)
     MOELOOP_QK_EARLY=on timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_rollout_paged_attention.py \
