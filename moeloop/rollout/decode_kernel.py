@@ -107,7 +107,7 @@ if triton is not None:
                            PDL: tl.constexpr):
         """Program (b, h, sp): query head h of row b over context split sp, in plain multiply-adds (`PAGED_HEADS`):
         no tl.dot, which pads the kv group's QH query rows to 16 and moves its operands through shared memory. The
-        three programs of a kv group read the same K/V (from L2 after the first). Writes the split partials as
+        QH programs of a kv group read the same K/V (from L2 after the first). Writes the split partials as
         `_paged_decode`'s split programs do, for `_merge_splits`; the products round as that kernel's dots do
         (bf16 probabilities against V)."""
         pdl_launch_next(PDL, EARLY)
@@ -191,7 +191,7 @@ PAGED_BLOCK_N = 64  # cached positions per loop step, and the split programs' ch
 PAGED_WARPS, PAGED_STAGES = 4, 3
 # one row (B=1): 8 warps a program. H200, session 24: `b1_tiles.py` "defaults 0.3480 ms, paged_warps=8 0.3443 ms,
 # +3.7 us per forward"; rollout.py B=1 engine.step 2.877/2.877 against 2.896/2.899 ms per 8 steps (alternating).
-# B=32 and 256 with 8 warps read 60.2% / 61.8% of the roofline in that call (63.4% / 63.7% at 4 in session 22), so
+# B=32 and 256 with 8 warps read 60.2% / 61.8% of the roofline in that call (63.4% / 63.7% at 4 in session 23), so
 # more rows keep PAGED_WARPS
 PAGED_WARPS_ONE_ROW = 8
 # A/B, not yet measured (session 24, for the next device call): split programs per query head in plain
@@ -205,7 +205,8 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SGD: torch.Tensor, v_cac
                            block_tables_BN: torch.Tensor, context_lens_B: torch.Tensor, block_size: int,
                            scale: float, block_n: int | None = None, split: bool = True) -> torch.Tensor:
     """Attention of each row's single query over its first context_lens_B[b] cached positions -> [B, H, Dv]
-    (`block_n`: default PAGED_BLOCK_N)."""
+    (`block_n`: default PAGED_BLOCK_N). Split programs per kv group (`_paged_decode`), or at one row with
+    `PAGED_HEADS` per query head (`_paged_decode_head`); then the merge."""
     if triton is None:
         raise RuntimeError("paged_decode_attention needs triton")
     B, H, Dk = q_BHD.shape
