@@ -59,7 +59,7 @@ heads)  # for the next device call (built in session 24, not yet run): the one-r
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_rollout_paged_attention.py \
         tests/test_rollout_fused_decode.py --tb=short -k "per_head or paged_heads or one_row" 2>&1 \
         | grep -E "^(FAILED|ERROR)|passed|failed" | tail -6
-    timeout 200 python3 benchmarks/b1_tiles.py --rounds 1 --pairs 2 --knobs paged_block_n,max_splits,paged_stages,lm_head \
+    timeout 200 python3 benchmarks/b1_tiles.py --rounds 1 --pairs 2 --knobs paged_block_n,max_splits,paged_stages,merge_warps,lm_head \
         --ab "paged_heads=True" --ab "paged_heads=True;paged_heads_warps=2" --ab "paged_heads=True;paged_heads_warps=8" \
         2>&1 | grep -v -i warn
     for round in 1 2; do

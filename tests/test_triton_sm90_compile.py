@@ -167,9 +167,10 @@ def _compile_paged_decode():
                       **{name: "i64" for name in ("s_qb", "s_qh", "s_ks", "s_kg", "s_vs", "s_vg", "s_tb")}),
                  dict(QH=H // G, DK=DH, DK_PAD=DH, DV=DH, DV_PAD=DH, BLOCK_SIZE=16, BLOCK_N=64, NUM_SPLITS=4, CHUNK=64,
                       EARLY=True, PDL=True), num_warps=decode_kernel.PAGED_HEADS_WARPS)
-    compile_sm90(decode_kernel._merge_splits, dict(part_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", o_ptr="*bf16",
-                                                   s_ob="i64", s_oh="i64"),
-                 dict(H=H, DV=DH, DV_PAD=DH, NUM_SPLITS=4, SPLITS_PAD=4, EARLY=True, PDL=True))
+    for warps in (1, 2, 4):  # (`MERGE_WARPS` and the values `b1_tiles.py` tries)
+        compile_sm90(decode_kernel._merge_splits, dict(part_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", o_ptr="*bf16",
+                                                       s_ob="i64", s_oh="i64"),
+                     dict(H=H, DV=DH, DV_PAD=DH, NUM_SPLITS=4, SPLITS_PAD=4, EARLY=True, PDL=True), num_warps=warps)
 
 
 _RECORD_TYPES = dict(out_ptr="*fp64", s_out="i64", rec_k="i32", rec_steps="i32", ids_ptr="*i64", pos_ptr="*i64",

@@ -199,6 +199,9 @@ PAGED_WARPS_ONE_ROW = 8
 # PAGED_HEADS_WARPS: its warps a program
 PAGED_HEADS = os.environ.get("MOELOOP_PAGED_HEADS", "off").lower() == "on"
 PAGED_HEADS_WARPS = int(os.environ.get("MOELOOP_PAGED_HEADS_WARPS", "4"))
+# the split merge's warps a program (12 programs at B=1 for the reference model; its reductions over the splits take
+# 5 barriers at 4 warps, none at 1: sm_90 PTX, session 24; not yet measured at other values)
+MERGE_WARPS = 4
 
 
 def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SGD: torch.Tensor, v_cache_SGDv: torch.Tensor,
@@ -247,5 +250,5 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SGD: torch.Tensor, v_cac
     if splits > 1:
         _merge_splits[(B, H)](dest, m, l, out, out.stride(0), out.stride(1), H=H, DV=Dv, DV_PAD=dv_pad,
                               NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
-                              EARLY=kernel_switch.PDL_EARLY, num_warps=4, **pdl)
+                              EARLY=kernel_switch.PDL_EARLY, num_warps=MERGE_WARPS, **pdl)
     return out
