@@ -11,9 +11,10 @@
 #          weight reads no longer overlap gate_up), 3 rounds against the defaults; o_proj, q|k|v late once each.
 #   tiles: (nvidia-h200) `b1_tiles.py` over the gate_up, down, row_linear, lm_head tiles and the paged decode's warps
 #          at today's code, one round, the best against the defaults in alternation.
-#   heads: (nvidia-h200; prepared for session 25) MOELOOP_PAGED_HEADS=on: one-row split programs per query head in
-#          plain multiply-adds; CUDA tests, b1_tiles A/Bs (and the paged knobs and lm_head tile re-swept at 8 warps),
-#          then B=1 engine.step in alternation. About 8 minutes.
+#   next:  (nvidia-h200; prepared for session 25) MOELOOP_PAGED_HEADS=on (one-row split programs per query head in
+#          plain multiply-adds) and MOELOOP_GATE_UP_X_EARLY=on (gate_up reads the residual row with the logits): CUDA
+#          tests, b1_tiles A/Bs (and the paged knobs, merge warps and lm_head tile re-swept at 8 warps), then B=1
+#          engine.step in alternation. About 9 minutes.
 set -u
 source "$(dirname "$0")/gpu_lib.sh"  # b1
 case "${1:-}" in
@@ -53,19 +54,20 @@ tiles)  # the B=1 tiles re-swept at today's code (composed router, q/k preload):
     timeout 330 python3 benchmarks/b1_tiles.py --rounds 1 --pairs 2 --knobs gate_up,down,row_linear,lm_head,paged_warps \
         2>&1 | grep -v -i warn
     ;;
-heads)  # for the next device call (built in session 24, not yet run): the one-row paged decode per query head in
-    # plain multiply-adds (MOELOOP_PAGED_HEADS), its CUDA tests, the forward-graph A/B, then engine.step in alternation;
-    # also the paged decode's other knobs and the lm_head tile re-swept at 8 warps
+next)  # for the next device call (built in session 24, not yet run): gate_up's row read with the logits
+    # (MOELOOP_GATE_UP_X_EARLY) and the one-row paged decode per query head (MOELOOP_PAGED_HEADS): their CUDA tests,
+    # forward-graph A/Bs, then engine.step in alternation; the paged knobs, merge warps and lm_head tile re-swept
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_rollout_paged_attention.py \
-        tests/test_rollout_fused_decode.py --tb=short -k "per_head or paged_heads or one_row" 2>&1 \
+        tests/test_rollout_fused_decode.py --tb=short -k "per_head or paged_heads or one_row or composed or o_proj_router" 2>&1 \
         | grep -E "^(FAILED|ERROR)|passed|failed" | tail -6
     timeout 200 python3 benchmarks/b1_tiles.py --rounds 1 --pairs 2 --knobs paged_block_n,max_splits,paged_stages,merge_warps,lm_head \
-        --ab "paged_heads=True" --ab "paged_heads=True;paged_heads_warps=2" --ab "paged_heads=True;paged_heads_warps=8" \
+        --ab "gate_up_x_early=True" --ab "paged_heads=True" --ab "paged_heads=True;paged_heads_warps=8" \
         2>&1 | grep -v -i warn
     for round in 1 2; do
         b1 "defaults" X=1
+        b1 "gate_up x early" MOELOOP_GATE_UP_X_EARLY=on
         b1 "paged heads" MOELOOP_PAGED_HEADS=on
     done
     ;;
-*) echo "usage: $0 early|hold|late|tiles|heads" >&2; exit 2 ;;
+*) echo "usage: $0 early|hold|late|tiles|next" >&2; exit 2 ;;
 esac

@@ -421,13 +421,14 @@ def test_pdl_launches_give_bitwise_the_same_decode(monkeypatch, batch):
     assert [o.logprobs for o in outs["on"]] == [o.logprobs for o in outs["off"]]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
-def test_composed_router_single_sequence_matches_module_path(monkeypatch, arch):
+@pytest.mark.parametrize("arch,x_early", [("qwen3_moe", False), ("mixtral", False), ("qwen3_moe", True)])
+def test_composed_router_single_sequence_matches_module_path(monkeypatch, arch, x_early):
     """`ROUTER_COMPOSE`: B=1 decode runs o_proj, the residual add and the composed router in one launch
-    (`o_proj_router`, every MoE layer every step); gate_up norms the residual row, down scales the logits; fp32:
-    the same tokens and logprobs (1e-5) as the module forward."""
-    from moeloop.rollout import decode_packs, fused_decode
+    (`o_proj_router`, every MoE layer every step); gate_up norms the residual row (read before the ranking with
+    `GATE_UP_X_EARLY`), down scales the logits; fp32: the same tokens and logprobs (1e-5) as the module forward."""
+    from moeloop.rollout import decode_packs, fused_decode, moe_kernel
     monkeypatch.setattr(decode_packs, "ROUTER_COMPOSE", True)
+    monkeypatch.setattr(moe_kernel, "GATE_UP_X_EARLY", x_early)
     calls, real = [], fused_decode.o_proj_router
     monkeypatch.setattr(fused_decode, "o_proj_router", lambda *a: calls.append(1) or real(*a))
     model = tiny_model(arch).to(DEVICE)
@@ -481,6 +482,7 @@ def test_o_proj_router_equals_module_path_and_follows_weight_changes(monkeypatch
     the expert kernels on them equal the top-k routing through `fused_experts`. The composed weights follow an
     in-place change of o_proj (`refresh()`)."""
     from moeloop.rollout import decode_packs, fused_decode
+    from moeloop.rollout import moe_kernel
     from moeloop.rollout.moe_kernel import fused_experts, routed_experts
     monkeypatch.setattr(decode_packs, "ROUTER_COMPOSE", True)
     torch.manual_seed(7)
@@ -517,7 +519,11 @@ def test_o_proj_router_equals_module_path_and_follows_weight_changes(monkeypatch
         with torch.no_grad():
             y = routed_experts(layer.mlp, x, z, layer.post_attention_layernorm)
             ref = fused_experts(layer.mlp.experts, layer.post_attention_layernorm(x), ids, wts)
+            monkeypatch.setattr(moe_kernel, "GATE_UP_X_EARLY", True)  # gate_up reads the row before the ranking
+            y_early = routed_experts(layer.mlp, x, z, layer.post_attention_layernorm)
+            monkeypatch.setattr(moe_kernel, "GATE_UP_X_EARLY", False)
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+        assert torch.equal(y_early, y)  # the same operations, another load order
     with torch.no_grad():
         layer.self_attn.o_proj.weight.mul_(-1.5)
     stale = fused_decode.o_proj_router(o, res, pack)[1]

@@ -102,13 +102,16 @@ if triton is not None:
     def _gate_up_silu(x_ptr, w_ptr, ids_ptr, h_ptr, s_we, s_wf, D: tl.constexpr, F: tl.constexpr, K: tl.constexpr,
                       BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr,
                       ROUTED: tl.constexpr = False, E: tl.constexpr = 1, E_PAD: tl.constexpr = 1,
-                      COMPOSED: tl.constexpr = False, nw_ptr=None, eps=0.0):
+                      COMPOSED: tl.constexpr = False, nw_ptr=None, eps=0.0, X_EARLY: tl.constexpr = False):
         """Program (s, f): gate/up rows f of assignment s's expert against its token, SiLU(gate) * up. Waits first:
         the expert ids come from the kernel just before. ROUTED: `ids_ptr` holds the router logits [T, E] instead,
         and the program ranks them itself (`_ranked_experts`: assignment s is token s // K's rank s % K).
         COMPOSED (with ROUTED; BLOCK_D >= D): x is the residual row, not yet normed, and the logits are a composed
         router's raw ones: the program applies the RMSNorm (weight nw_ptr, read before the wait) to the whole row
-        itself, and ranks the raw logits (a positive scale keeps their order; the weights are down's)."""
+        itself, and ranks the raw logits (a positive scale keeps their order; the weights are down's).
+        X_EARLY (with COMPOSED; `GATE_UP_X_EARLY`): the residual row is read together with the logits, before the
+        ranking, not after it: in sm_90 SASS the ranking's barriers otherwise put a second L2 round trip (the row)
+        between the logits and the weight reads. The same values and roundings either way."""
         if COMPOSED:
             dn = tl.arange(0, BLOCK_D)
             nw = tl.load(nw_ptr + dn, mask=dn < D, other=0.0).to(tl.float32)
@@ -117,6 +120,8 @@ if triton is not None:
         f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
         f_ok = f < F
         x_row = x_ptr + (s // K).to(tl.int64) * D
+        if COMPOSED and X_EARLY:
+            xr = tl.load(x_row + dn, mask=dn < D, other=0.0)
         if ROUTED:  # (COMPOSED: raw logits rank as the scaled ones do)
             ids, _, _ = _ranked_experts(ids_ptr, s // K, tl.zeros([1], tl.int32) + s % K, E, E_PAD)
             e = tl.max(ids, 0).to(tl.int64)
@@ -129,8 +134,9 @@ if triton is not None:
             ok = f_ok[:, None] & (d[None, :] < D)
             if COMPOSED:  # one pass (BLOCK_D >= D). (The norm placed after the weight loads holds both tiles in
                 # registers, 167 against 96: 35.1% of the roofline against 38.9%, H200 B=1, session 22)
-                x = _rmsnorm_row(tl.load(x_row + dn, mask=dn < D, other=0.0), nw, eps, D, h_ptr.dtype.element_ty)
-                x = x.to(tl.float32)
+                if not X_EARLY:
+                    xr = tl.load(x_row + dn, mask=dn < D, other=0.0)
+                x = _rmsnorm_row(xr, nw, eps, D, h_ptr.dtype.element_ty).to(tl.float32)
             else:
                 x = tl.load(x_row + d, mask=d < D, other=0.0).to(tl.float32)
             wg = tl.load(w_ptr + e * s_we + f[:, None] * s_wf + d[None, :], mask=ok, other=0.0).to(tl.float32)
@@ -297,10 +303,16 @@ def routed_experts(moe: MoE, x_TD: torch.Tensor, logits_TE: torch.Tensor,
     down = dict(SCALE=float(router.routed_scaling_factor), NORM=bool(router.norm_topk_prob))
     up = {}
     if norm is not None:
-        up = dict(COMPOSED=True, nw_ptr=norm.weight, eps=norm.eps)
+        up = dict(COMPOSED=True, nw_ptr=norm.weight, eps=norm.eps, X_EARLY=GATE_UP_X_EARLY)
         down.update(COMPOSED=True, x_ptr=x_TD, eps=norm.eps, BLOCK_X=triton.next_power_of_2(x_TD.shape[1]))
     return _few_token_experts(moe.experts, x_TD.contiguous(), logits_TE.contiguous(), None, router.top_k, routing,
                               down, up)
+
+
+# A/B, not yet measured (session 24, for the next device call): gate_up reads the residual row with the logits,
+# before ranking them (`_gate_up_silu` X_EARLY; sm_90 SASS: 103 registers against 96, and the row's load no longer
+# waits behind the ranking's 7 barriers); MOELOOP_GATE_UP_X_EARLY=on
+GATE_UP_X_EARLY = os.environ.get("MOELOOP_GATE_UP_X_EARLY", "off").lower() == "on"
 
 
 def composed_applies(x_TD: torch.Tensor, moe: MoE) -> bool:
