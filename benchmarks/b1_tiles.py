@@ -22,7 +22,8 @@ Knobs (module constants read at each launch, so a fresh engine's graph capture t
   paged_stages, paged_warps  decode_kernel.PAGED_STAGES, PAGED_WARPS_ONE_ROW: the paged decode's pipeline stages
                                               (a one-split program's loads in flight) and its warps at one row
   paged_heads, paged_heads_warps  decode_kernel.PAGED_HEADS, PAGED_HEADS_WARPS: one-row split programs per query
-                                              head in plain multiply-adds (`_paged_decode_head`), and their warps
+                                              head in plain multiply-adds (`_paged_decode_head`; "early": the
+                                              first block's slots read before the wait), and their warps
   merge_warps  decode_kernel.MERGE_WARPS       the split merge's warps
   gate_up_x_early  moe_kernel.GATE_UP_X_EARLY  gate_up reads the residual row with the logits, before ranking them
   lm_head_fold, lm_head  fused_decode.LM_HEAD_FOLD, LM_HEAD_TILE: the final norm folded into a one-token lm_head
@@ -52,7 +53,7 @@ KNOBS = {
     "max_splits": (decode_kernel, "MAX_SPLITS", [1, 2, 3, 4, 8, 16]),
     "paged_stages": (decode_kernel, "PAGED_STAGES", [3, 4, 6]),
     "paged_warps": (decode_kernel, "PAGED_WARPS_ONE_ROW", [4, 8]),
-    "paged_heads": (decode_kernel, "PAGED_HEADS", [False, True]),
+    "paged_heads": (decode_kernel, "PAGED_HEADS", ["off", "on", "early"]),
     "paged_heads_warps": (decode_kernel, "PAGED_HEADS_WARPS", [2, 4, 8]),
     "merge_warps": (decode_kernel, "MERGE_WARPS", [1, 2, 4]),
     "gate_up_x_early": (moe_kernel, "GATE_UP_X_EARLY", [False, True]),

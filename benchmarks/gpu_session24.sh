@@ -11,7 +11,7 @@
 #          weight reads no longer overlap gate_up), 3 rounds against the defaults; o_proj, q|k|v late once each.
 #   tiles: (nvidia-h200) `b1_tiles.py` over the gate_up, down, row_linear, lm_head tiles and the paged decode's warps
 #          at today's code, one round, the best against the defaults in alternation.
-#   next:  (nvidia-h200; prepared for session 25) MOELOOP_PAGED_HEADS=on (one-row split programs per query head in
+#   next:  (nvidia-h200; prepared for session 25) MOELOOP_PAGED_HEADS=on|early (one-row split programs per query head in
 #          plain multiply-adds) and MOELOOP_GATE_UP_X_EARLY=on (gate_up reads the residual row with the logits): CUDA
 #          tests, b1_tiles A/Bs (and the paged knobs, merge warps and lm_head tile re-swept at 8 warps), then B=1
 #          engine.step in alternation. About 9 minutes.
@@ -61,12 +61,13 @@ next)  # for the next device call (built in session 24, not yet run): gate_up's 
         tests/test_rollout_fused_decode.py --tb=short -k "per_head or paged_heads or one_row or composed or o_proj_router" 2>&1 \
         | grep -E "^(FAILED|ERROR)|passed|failed" | tail -6
     timeout 200 python3 benchmarks/b1_tiles.py --rounds 1 --pairs 2 --knobs paged_block_n,max_splits,paged_stages,merge_warps,lm_head \
-        --ab "gate_up_x_early=True" --ab "paged_heads=True" --ab "paged_heads=True;paged_heads_warps=8" \
+        --ab "gate_up_x_early=True" --ab "paged_heads='on'" --ab "paged_heads='early'" \
+        --ab "paged_heads='early';paged_heads_warps=8" \
         2>&1 | grep -v -i warn
     for round in 1 2; do
         b1 "defaults" X=1
         b1 "gate_up x early" MOELOOP_GATE_UP_X_EARLY=on
-        b1 "paged heads" MOELOOP_PAGED_HEADS=on
+        b1 "paged heads, slots early" MOELOOP_PAGED_HEADS=early
     done
     ;;
 *) echo "usage: $0 early|hold|late|tiles|next" >&2; exit 2 ;;

@@ -457,11 +457,13 @@ def test_qk_preload_single_sequence_matches_module_path(monkeypatch, arch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the engine's paged decode kernel runs on CUDA only (the "
                     "kernel itself: tests/test_rollout_paged_attention.py, in the interpreter)")
-def test_paged_heads_single_sequence_matches_module_path(monkeypatch):
-    """`PAGED_HEADS`: a one-row decode's split programs per query head (plain multiply-adds); fp32: the same tokens
-    and logprobs (1e-5) as the module forward, with the per-head kernel launched in every decode layer."""
+@pytest.mark.parametrize("mode", ["on", "early"])
+def test_paged_heads_single_sequence_matches_module_path(monkeypatch, mode):
+    """`PAGED_HEADS`: a one-row decode's split programs per query head (plain multiply-adds; "early": the first
+    block's slots read before the wait); fp32: the same tokens and logprobs (1e-5) as the module forward, with the
+    per-head kernel launched in every decode layer."""
     from moeloop.rollout import decode_kernel
-    monkeypatch.setattr(decode_kernel, "PAGED_HEADS", True)
+    monkeypatch.setattr(decode_kernel, "PAGED_HEADS", mode)
     launches, real = [], decode_kernel._paged_decode_head
 
     class Recorder:

@@ -133,9 +133,10 @@ def test_one_row_runs_its_own_warps(monkeypatch):
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed (CPU torch wheel)")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_one_row_per_head_programs_equal_the_group_programs(monkeypatch, dtype):
-    """`PAGED_HEADS` (one row): split programs per query head in plain multiply-adds give the gather path's
+@pytest.mark.parametrize("dtype,mode", [(torch.float32, "on"), (torch.bfloat16, "on"), (torch.float32, "early")])
+def test_one_row_per_head_programs_equal_the_group_programs(monkeypatch, dtype, mode):
+    """`PAGED_HEADS` (one row; "early": the first block's slots read first): split programs per query head in plain
+    multiply-adds give the gather path's
     attention over the same (dtype-rounded) values (fp32: 1e-4; bf16: 2e-2) and the kv-group programs' (tl.dot)
     output (fp32: 1e-5; bf16 on CUDA only: the interpreter's bf16 dot is not the GPU's), for lengths that end
     inside, at the end of, and past the first split."""
@@ -152,7 +153,7 @@ def test_one_row_per_head_programs_equal_the_group_programs(monkeypatch, dtype):
         lens = torch.tensor([L], dtype=torch.int32)
         runs = {}
         for heads in (False, True):
-            monkeypatch.setattr(decode_kernel, "PAGED_HEADS", heads)
+            monkeypatch.setattr(decode_kernel, "PAGED_HEADS", mode if heads else "off")
             runs[heads] = paged_decode_attention(q.to(dev, dtype), kv.k[0].to(dev, dtype), kv.v[0].to(dev, dtype),
                                                  table.to(dev), lens.to(dev), BS, 0.25, block_n=16).float().cpu()
         meta = AttentionMetadata(torch.zeros(0, dtype=torch.int64), None, table, lens, L, [])

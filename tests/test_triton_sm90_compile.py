@@ -162,12 +162,14 @@ def _compile_paged_decode():
                      dict(QH=H // G, QH_PAD=16, DK=DH, DK_PAD=DH, DV=DH, DV_PAD=DH, BLOCK_SIZE=16, BLOCK_N=64,
                           PRECISION="tf32", NUM_SPLITS=splits, CHUNK=256, DYNAMIC_LOOP=splits == 1, V_EARLY=splits > 1, EARLY=True,
                           PDL=splits > 1), num_warps=warps)
-    compile_sm90(decode_kernel._paged_decode_head,  # (`PAGED_HEADS`: one query head a program, no tl.dot)
-                 dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", o_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32",
-                      tables_ptr="*i32", lens_ptr="*i32", scale="fp32",
-                      **{name: "i64" for name in ("s_qb", "s_qh", "s_ks", "s_kg", "s_vs", "s_vg", "s_tb")}),
-                 dict(QH=H // G, DK=DH, DK_PAD=DH, DV=DH, DV_PAD=DH, BLOCK_SIZE=16, BLOCK_N=64, NUM_SPLITS=4, CHUNK=64,
-                      EARLY=True, PDL=True), num_warps=decode_kernel.PAGED_HEADS_WARPS)
+    for table_early, chunk in ((False, 64), (True, 64), (True, 128)):  # (`PAGED_HEADS`: a query head a program)
+        compile_sm90(decode_kernel._paged_decode_head,
+                     dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", o_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32",
+                          tables_ptr="*i32", lens_ptr="*i32", scale="fp32",
+                          **{name: "i64" for name in ("s_qb", "s_qh", "s_ks", "s_kg", "s_vs", "s_vg", "s_tb")}),
+                     dict(QH=H // G, DK=DH, DK_PAD=DH, DV=DH, DV_PAD=DH, BLOCK_SIZE=16, BLOCK_N=64, NUM_SPLITS=4,
+                          CHUNK=chunk, EARLY=True, PDL=True, TABLE_EARLY=table_early),
+                     num_warps=decode_kernel.PAGED_HEADS_WARPS)
     for warps in (1, 2, 4):  # (`MERGE_WARPS` and the values `b1_tiles.py` tries)
         compile_sm90(decode_kernel._merge_splits, dict(part_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", o_ptr="*bf16",
                                                        s_ob="i64", s_oh="i64"),
