@@ -93,7 +93,9 @@ def walls(run, n: int, device: str, repeats: int) -> tuple[list[float], list[flo
 
 
 def bench_moeloop(model, prompts: list[list[int]], new_tokens: int, device: str, repeats: int,
-                  step_times: bool = False, decode_steps: int = 0, top_k: int = 50) -> tuple[float, float]:
+                  step_times: bool = False, decode_steps: int = 0, top_k: int = 50) -> tuple[float, float, float | None]:
+    """(fastest wall of the full runs, of the 1-token runs, with `step_times` the engine.step median per decode step
+    in seconds: the median launch's ms over the steps a launch runs, K, or None)."""
     B, P = len(prompts), len(prompts[0])
     engine = sized_engine(model, B, P, new_tokens, decode_steps=decode_steps)
 
@@ -125,10 +127,12 @@ def bench_moeloop(model, prompts: list[list[int]], new_tokens: int, device: str,
               f"{ms[int(0.9 * len(ms))]:.3f}, max {ms[-1]:.2f}, sum {sum(ms):.1f}; steps over 2 ms: "
               f"{sum(t > 2 for t in ms)} ({sum(t for t in ms if t > 2):.1f} ms)", flush=True)
     full, one = walls(run, new_tokens, device, repeats)
+    step_s = None
     if step_times:
         print(f"# B={B} walls ms, {new_tokens} new tokens: {' '.join(f'{1e3 * t:.1f}' for t in full)}; 1 new token: "
               f"{' '.join(f'{1e3 * t:.1f}' for t in one)}", flush=True)
-    return min(full), min(one)
+        step_s = statistics.median(times) / engine.runner.decode_steps
+    return min(full), min(one), step_s
 
 
 def bench_transformers(hf, prompts: list[list[int]], new_tokens: int, device: str, repeats: int,
@@ -184,8 +188,8 @@ def main() -> None:
     hf_tokens = {int(b): int(n) for b, n in (x.split(":") for x in args.hf_new_tokens.split(",") if x)}
     for B in [int(b) for b in args.batch.split(",")]:
         prompts = torch.randint(3, model.cfg.vocab_size, (B, args.prompt_len), generator=g).tolist()
-        full, one = bench_moeloop(model, prompts, args.new_tokens, args.device, args.repeats, args.step_times,
-                                  args.decode_steps, args.top_k)
+        full, one, step_s = bench_moeloop(model, prompts, args.new_tokens, args.device, args.repeats,
+                                          args.step_times, args.decode_steps, args.top_k)
         decode = B * (args.new_tokens - 1) / (full - one)
         hf_decode = float("nan")
         if hf is not None:
@@ -194,6 +198,9 @@ def main() -> None:
             hf_decode = B * (n - 1) / (hf_full - hf_one)
         step_bytes, roof = roofline(model, B, args.prompt_len, args.new_tokens, bw)
         ms_step = 1e3 * (full - one) / (args.new_tokens - 1)
+        if step_s is not None:  # the figure the sessions' notes worked out by hand from the median
+            print(f"# B={B} by the engine.step median: {1e6 * step_s:.1f} us a decode step, {B / step_s:,.0f} tok/s, "
+                  f"{100 * B / step_s / roof:.1f}% of the roofline", flush=True)
         hf_note = f" ({hf_tokens[B]} new)" if B in hf_tokens and hf is not None else ""
         print(f"| {B} | {B * args.new_tokens / full:,.0f} | {decode:,.0f} | {ms_step:.2f} "
               f"| {hf_decode:,.0f}{hf_note} | {decode / hf_decode:.2f}x | {step_bytes / 1e9:.3f} GB | {roof:,.0f} "
