@@ -209,12 +209,14 @@ def test_fused_decode_single_sequence_matches_module_path(monkeypatch, arch, nor
 
 
 @pytest.mark.parametrize("norm_topk", [True, False])
-def test_routed_experts_equal_topk_kernel_then_experts(norm_topk):
+def test_routed_experts_equal_topk_kernel_then_experts(monkeypatch, norm_topk):
     """The expert kernels ranking the router logits themselves (`routed_experts`) give what the top-k kernel's ids
     and weights give through `fused_experts`: logits with ties at the top-k boundary (lowest id first) and a NaN
-    row (its experts stay in range; the other rows are unaffected)."""
+    row (its experts stay in range; the other rows are unaffected). `GATE_UP_X_EARLY` (the row read before the
+    ranking) gives the same bits."""
     from types import SimpleNamespace
     from moeloop.model.experts import Experts
+    from moeloop.rollout import moe_kernel
     from moeloop.rollout.fused_decode import route_softmax_topk
     from moeloop.rollout.moe_kernel import fused_experts, routed_experts
 
@@ -237,7 +239,10 @@ def test_routed_experts_equal_topk_kernel_then_experts(norm_topk):
     with torch.no_grad():
         y = routed_experts(moe, x, logits)
         ref = fused_experts(experts, x[:3], ids[:3], wts[:3])
+        monkeypatch.setattr(moe_kernel, "GATE_UP_X_EARLY", True)
+        y_early = routed_experts(moe, x, logits)
     torch.testing.assert_close(y[:3], ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(y_early[:3], y[:3])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -109,18 +109,19 @@ if triton is not None:
         COMPOSED (with ROUTED; BLOCK_D >= D): x is the residual row, not yet normed, and the logits are a composed
         router's raw ones: the program applies the RMSNorm (weight nw_ptr, read before the wait) to the whole row
         itself, and ranks the raw logits (a positive scale keeps their order; the weights are down's).
-        X_EARLY (with COMPOSED; `GATE_UP_X_EARLY`): the residual row is read together with the logits, before the
-        ranking, not after it: in sm_90 SASS the ranking's barriers otherwise put a second L2 round trip (the row)
-        between the logits and the weight reads. The same values and roundings either way."""
+        X_EARLY (with ROUTED and BLOCK_D >= D; `GATE_UP_X_EARLY`): the token's row (COMPOSED: the residual row) is
+        read together with the logits, before the ranking, not after it: in sm_90 SASS the ranking's barriers
+        otherwise put a second L2 round trip (the row) between the logits and the weight reads. The same values
+        and roundings either way."""
+        dn = tl.arange(0, BLOCK_D)
         if COMPOSED:
-            dn = tl.arange(0, BLOCK_D)
             nw = tl.load(nw_ptr + dn, mask=dn < D, other=0.0).to(tl.float32)
         pdl_wait(PDL)
         s = tl.program_id(0)
         f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
         f_ok = f < F
         x_row = x_ptr + (s // K).to(tl.int64) * D
-        if COMPOSED and X_EARLY:
+        if X_EARLY:  # (one pass: BLOCK_D >= D)
             xr = tl.load(x_row + dn, mask=dn < D, other=0.0)
         if ROUTED:  # (COMPOSED: raw logits rank as the scaled ones do)
             ids, _, _ = _ranked_experts(ids_ptr, s // K, tl.zeros([1], tl.int32) + s % K, E, E_PAD)
@@ -137,6 +138,8 @@ if triton is not None:
                 if not X_EARLY:
                     xr = tl.load(x_row + dn, mask=dn < D, other=0.0)
                 x = _rmsnorm_row(xr, nw, eps, D, h_ptr.dtype.element_ty).to(tl.float32)
+            elif X_EARLY:
+                x = xr.to(tl.float32)
             else:
                 x = tl.load(x_row + d, mask=d < D, other=0.0).to(tl.float32)
             wg = tl.load(w_ptr + e * s_we + f[:, None] * s_wf + d[None, :], mask=ok, other=0.0).to(tl.float32)
@@ -301,17 +304,18 @@ def routed_experts(moe: MoE, x_TD: torch.Tensor, logits_TE: torch.Tensor,
     router, E = moe.gate, logits_TE.shape[1]
     routing = dict(ROUTED=True, E=E, E_PAD=max(16, triton.next_power_of_2(E)))
     down = dict(SCALE=float(router.routed_scaling_factor), NORM=bool(router.norm_topk_prob))
-    up = {}
+    # (gate_up holds the whole row in one pass: FEW_MAX_WIDTH)
+    up = dict(X_EARLY=GATE_UP_X_EARLY and triton.next_power_of_2(x_TD.shape[1]) <= FEW_MAX_WIDTH)
     if norm is not None:
-        up = dict(COMPOSED=True, nw_ptr=norm.weight, eps=norm.eps, X_EARLY=GATE_UP_X_EARLY)
+        up.update(COMPOSED=True, nw_ptr=norm.weight, eps=norm.eps)
         down.update(COMPOSED=True, x_ptr=x_TD, eps=norm.eps, BLOCK_X=triton.next_power_of_2(x_TD.shape[1]))
     return _few_token_experts(moe.experts, x_TD.contiguous(), logits_TE.contiguous(), None, router.top_k, routing,
                               down, up)
 
 
-# A/B, not yet measured (session 24, for the next device call): gate_up reads the residual row with the logits,
-# before ranking them (`_gate_up_silu` X_EARLY; sm_90 SASS: 103 registers against 96, and the row's load no longer
-# waits behind the ranking's 7 barriers); MOELOOP_GATE_UP_X_EARLY=on
+# A/B, not yet measured (session 24, for the next device call): a gate_up that ranks the router logits itself reads
+# the token's row with them, before the ranking (`_gate_up_silu` X_EARLY; sm_90 SASS of the composed one: 96
+# registers either way, and the row's load no longer waits behind the ranking's 7 barriers); MOELOOP_GATE_UP_X_EARLY=on
 GATE_UP_X_EARLY = os.environ.get("MOELOOP_GATE_UP_X_EARLY", "off").lower() == "on"
 
 
