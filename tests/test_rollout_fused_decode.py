@@ -212,8 +212,8 @@ def test_fused_decode_single_sequence_matches_module_path(monkeypatch, arch, nor
 def test_routed_experts_equal_topk_kernel_then_experts(monkeypatch, norm_topk):
     """The expert kernels ranking the router logits themselves (`routed_experts`) give what the top-k kernel's ids
     and weights give through `fused_experts`: logits with ties at the top-k boundary (lowest id first) and a NaN
-    row (its experts stay in range; the other rows are unaffected). `GATE_UP_X_EARLY` (the row read before the
-    ranking) gives the same bits."""
+    row (its experts stay in range; the other rows are unaffected). `EXPERT_READS_EARLY` (gate_up's row and down's
+    weights read before reductions they need not follow) gives the same bits."""
     from types import SimpleNamespace
     from moeloop.model.experts import Experts
     from moeloop.rollout import moe_kernel
@@ -239,7 +239,7 @@ def test_routed_experts_equal_topk_kernel_then_experts(monkeypatch, norm_topk):
     with torch.no_grad():
         y = routed_experts(moe, x, logits)
         ref = fused_experts(experts, x[:3], ids[:3], wts[:3])
-        monkeypatch.setattr(moe_kernel, "GATE_UP_X_EARLY", True)
+        monkeypatch.setattr(moe_kernel, "EXPERT_READS_EARLY", True)
         y_early = routed_experts(moe, x, logits)
     torch.testing.assert_close(y[:3], ref, rtol=1e-6, atol=1e-6)
     assert torch.equal(y_early[:3], y[:3])
@@ -429,11 +429,12 @@ def test_pdl_launches_give_bitwise_the_same_decode(monkeypatch, batch):
 @pytest.mark.parametrize("arch,x_early", [("qwen3_moe", False), ("mixtral", False), ("qwen3_moe", True)])
 def test_composed_router_single_sequence_matches_module_path(monkeypatch, arch, x_early):
     """`ROUTER_COMPOSE`: B=1 decode runs o_proj, the residual add and the composed router in one launch
-    (`o_proj_router`, every MoE layer every step); gate_up norms the residual row (read before the ranking with
-    `GATE_UP_X_EARLY`), down scales the logits; fp32: the same tokens and logprobs (1e-5) as the module forward."""
+    (`o_proj_router`, every MoE layer every step); gate_up norms the residual row, down scales the logits (with
+    `EXPERT_READS_EARLY`: the row read before the ranking, down's weights before its 1 / RMS); fp32: the same tokens
+    and logprobs (1e-5) as the module forward."""
     from moeloop.rollout import decode_packs, fused_decode, moe_kernel
     monkeypatch.setattr(decode_packs, "ROUTER_COMPOSE", True)
-    monkeypatch.setattr(moe_kernel, "GATE_UP_X_EARLY", x_early)
+    monkeypatch.setattr(moe_kernel, "EXPERT_READS_EARLY", x_early)
     calls, real = [], fused_decode.o_proj_router
     monkeypatch.setattr(fused_decode, "o_proj_router", lambda *a: calls.append(1) or real(*a))
     model = tiny_model(arch).to(DEVICE)
@@ -526,9 +527,9 @@ def test_o_proj_router_equals_module_path_and_follows_weight_changes(monkeypatch
         with torch.no_grad():
             y = routed_experts(layer.mlp, x, z, layer.post_attention_layernorm)
             ref = fused_experts(layer.mlp.experts, layer.post_attention_layernorm(x), ids, wts)
-            monkeypatch.setattr(moe_kernel, "GATE_UP_X_EARLY", True)  # gate_up reads the row before the ranking
+            monkeypatch.setattr(moe_kernel, "EXPERT_READS_EARLY", True)  # gate_up's row, down's weights: earlier
             y_early = routed_experts(layer.mlp, x, z, layer.post_attention_layernorm)
-            monkeypatch.setattr(moe_kernel, "GATE_UP_X_EARLY", False)
+            monkeypatch.setattr(moe_kernel, "EXPERT_READS_EARLY", False)
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
         assert torch.equal(y_early, y)  # the same operations, another load order
     with torch.no_grad():

@@ -102,15 +102,17 @@ def _compile_composed_router():
                                      EARLY=True, PDL=True))
         ptx = compiled.asm["ptx"]  # one wait in each branch (o_proj rows, router rows), one early trigger
         assert ptx.count("griddepcontrol.wait") == 2 and ptx.count("griddepcontrol.launch_dependents") == 1
-    for x_early in (False, True):  # (`GATE_UP_X_EARLY`: the residual row read before the ranking)
+    for x_early in (False, True):  # (`EXPERT_READS_EARLY`: the residual row read before the ranking)
         compile_sm90(moe_kernel._gate_up_silu, dict(x_ptr="*bf16", w_ptr="*bf16", ids_ptr="*fp32", h_ptr="*bf16",
                                                     s_we="i64", s_wf="i64", nw_ptr="*bf16", eps="fp32"),
                      dict(D=D, F=F, K=K, BLOCK_F=8, BLOCK_D=2048, LIBDEVICE=True, PDL=True, ROUTED=True, E=E, E_PAD=E,
                           COMPOSED=True, X_EARLY=x_early))
-    compile_sm90(moe_kernel._down_combine, dict(h_ptr="*bf16", w_ptr="*bf16", ids_ptr="*fp32", y_ptr="*bf16",
-                                               s_we="i64", s_wd="i64", x_ptr="*bf16", eps="fp32"),
-                 dict(wts_ptr=None, D=D, F=F, K=K, K_PAD=K, BLOCK_D=4, BLOCK_F=512, EARLY=True, PDL=True, ROUTED=True,
-                      E=E, E_PAD=E, SCALE=1.0, NORM=True, COMPOSED=True, BLOCK_X=2048))
+    for rank_first in (False, True):  # (`EXPERT_READS_EARLY`: the weights read before the 1 / RMS)
+        compile_sm90(moe_kernel._down_combine, dict(h_ptr="*bf16", w_ptr="*bf16", ids_ptr="*fp32", y_ptr="*bf16",
+                                                   s_we="i64", s_wd="i64", x_ptr="*bf16", eps="fp32"),
+                     dict(wts_ptr=None, D=D, F=F, K=K, K_PAD=K, BLOCK_D=4, BLOCK_F=512, EARLY=True, PDL=True,
+                          ROUTED=True, E=E, E_PAD=E, SCALE=1.0, NORM=True, COMPOSED=True, BLOCK_X=2048,
+                          RANK_FIRST=rank_first))
 
 
 def _compile_combine_rows_and_backward():
