@@ -11,11 +11,11 @@
 #          weight reads no longer overlap gate_up), 3 rounds against the defaults; o_proj, q|k|v late once each.
 #   tiles: (nvidia-h200) `b1_tiles.py` over the gate_up, down, row_linear, lm_head tiles and the paged decode's warps
 #          at today's code, one round, the best against the defaults in alternation.
-#   next:  (nvidia-h200; prepared for session 25) MOELOOP_PAGED_HEADS=on|early (one-row split programs per query head in
-#          plain multiply-adds) and MOELOOP_EXPERT_READS_EARLY=on (gate_up reads the token's row with the logits;
-#          down reads its weights before its 1 / RMS and routing weights): CUDA
-#          tests, b1_tiles A/Bs (and the paged knobs, merge warps and lm_head tile re-swept at 8 warps), then B=1
-#          engine.step in alternation. About 9 minutes.
+#   next:  (nvidia-h200; prepared for session 25, about 9 minutes) MOELOOP_EXPERT_READS_EARLY=on (gate_up reads the
+#          token's row with the logits; down reads its weights before its 1 / RMS and routing weights) and
+#          MOELOOP_PAGED_HEADS=on|early (one-row split programs per query head in plain multiply-adds): CUDA tests,
+#          b1_tiles A/Bs (and the paged knobs, merge warps and lm_head tile re-swept at 8 warps), then B=1 engine.step
+#          in alternation.
 set -u
 source "$(dirname "$0")/gpu_lib.sh"  # b1
 case "${1:-}" in
@@ -55,9 +55,7 @@ tiles)  # the B=1 tiles re-swept at today's code (composed router, q/k preload):
     timeout 330 python3 benchmarks/b1_tiles.py --rounds 1 --pairs 2 --knobs gate_up,down,row_linear,lm_head,paged_warps \
         2>&1 | grep -v -i warn
     ;;
-next)  # for the next device call (built in session 24, not yet run): gate_up's row read with the logits
-    # and down's weights after the ranking (MOELOOP_EXPERT_READS_EARLY) and the one-row paged decode per query head (MOELOOP_PAGED_HEADS): their CUDA tests,
-    # forward-graph A/Bs, then engine.step in alternation; the paged knobs, merge warps and lm_head tile re-swept
+next)  # built in session 24, not yet run: see the header
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_rollout_paged_attention.py \
         tests/test_rollout_fused_decode.py --tb=short -k "per_head or paged_heads or one_row or composed or o_proj_router" 2>&1 \
         | grep -E "^(FAILED|ERROR)|passed|failed" | tail -6
