@@ -230,14 +230,18 @@ def test_ranked_candidates_kernel_equals_ranked_topk(monkeypatch, dtype):
         assert vals.dtype == logits.dtype and torch.equal(ids, want_ids) and torch.equal(vals, want_vals), n
 
 
-def _spy_plans(monkeypatch, groups: bool) -> list:
-    """Set `TOPK_GROUPS`; return the list that collects each `topk_sample` launch's `_SlicePlan`."""
+def _spy_plans(monkeypatch, groups: bool, poison: bool = False) -> list:
+    """Set `TOPK_GROUPS`; return the list that collects each `topk_sample` launch's `_SlicePlan`. poison: its
+    candidate slots start as NaN and id -1 (what a slot that phase 1 leaves unwritten holds then)."""
     from moeloop.rollout import topk_kernel
     monkeypatch.setattr(topk_kernel, "TOPK_GROUPS", groups)
     plans, plan_cls = [], topk_kernel._SlicePlan
 
     def recorded_plan(*args, **kwargs):
         plans.append(plan_cls(*args, **kwargs))
+        if poison:
+            plans[-1].cand_z_BSC.fill_(float("nan"))
+            plans[-1].cand_v_BSC.fill_(-1)
         return plans[-1]
 
     monkeypatch.setattr(topk_kernel, "_SlicePlan", recorded_plan)
@@ -309,18 +313,20 @@ def test_fused_top_p_kernel_equals_the_torch_path(monkeypatch, dtype, short, gro
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype,short,groups", [(torch.bfloat16, False, False), (torch.float32, False, False),
-                                                (torch.bfloat16, True, False), (torch.float32, True, False),
-                                                (torch.bfloat16, True, True), (torch.float32, True, True)])
-def test_fused_topk_kernel_equals_the_torch_path(monkeypatch, dtype, short, groups):
+@pytest.mark.parametrize("dtype,short,groups,all_slots", [
+    (torch.bfloat16, False, False, False), (torch.float32, False, False, False), (torch.bfloat16, True, False, False),
+    (torch.float32, True, False, False), (torch.bfloat16, True, True, False), (torch.float32, True, True, False),
+    (torch.bfloat16, True, True, True), (torch.float32, True, True, True)])
+def test_fused_topk_kernel_equals_the_torch_path(monkeypatch, dtype, short, groups, all_slots):
     """`topk_sample` (one launch: slice candidates, then the row's last program draws; here the Triton interpreter)
     picks the torch path's tokens bit for bit, greedy rows too, and its logprobs are torch.log_softmax's within 2e-6
     (another fp32 summation order). A row's draw does not depend on the rows beside it. short: as in the top-p
-    test."""
+    test. all_slots (`TOPK_ALL_SLOTS`): phase 2 reads every slot, the unused ones poisoned (NaN, id -1)."""
     import moeloop.rollout.sampler as sampler
     from moeloop.rollout import topk_kernel
     monkeypatch.setattr(topk_kernel, "TOPK_SHORT", short)
-    plans = _spy_plans(monkeypatch, groups)
+    monkeypatch.setattr(topk_kernel, "TOPK_ALL_SLOTS", all_slots)
+    plans = _spy_plans(monkeypatch, groups, poison=all_slots)
     g = torch.Generator().manual_seed(4)
     B, V = 18, 2500  # slices of 256 ids: 10 programs per row
     logits = _tied_logits(B, V, dtype, g).to(DEVICE)

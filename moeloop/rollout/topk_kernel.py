@@ -128,14 +128,22 @@ if triton is not None:
         tl.store(cnt_ptr + at, n)
 
     @triton.jit
-    def _row_candidates(cnt_ptr, cand_z_ptr, cand_v_ptr, b, S: tl.constexpr, S_PAD: tl.constexpr, C: tl.constexpr):
+    def _row_candidates(cnt_ptr, cand_z_ptr, cand_v_ptr, b, S: tl.constexpr, S_PAD: tl.constexpr, C: tl.constexpr,
+                        ALL_SLOTS: tl.constexpr = False):
         """Row b's slice candidates as one [S_PAD * C] vector in vocab id order (written by other programs of the
-        launch: .cg loads): (lane index, valid, value (-inf if not), vocab id)."""
+        launch: .cg loads): (lane index, valid, value (-inf if not), vocab id). ALL_SLOTS (`TOPK_ALL_SLOTS`): every
+        slot is read at once with the counts and the unused ones are masked after, instead of reading only the
+        counted ones, whose mask waits for the counts: one L2 round trip instead of two. The same values."""
         j = tl.arange(0, S_PAD * C)
         js = j // C
         valid = (js < S) & (j % C < tl.load(cnt_ptr + b * S + js, mask=js < S, other=0, cache_modifier=".cg"))
-        z = tl.load(cand_z_ptr + b * S * C + j, mask=valid, other=float("-inf"), cache_modifier=".cg")
-        v = tl.load(cand_v_ptr + b * S * C + j, mask=valid, other=0, cache_modifier=".cg")
+        if ALL_SLOTS:
+            z = tl.where(valid, tl.load(cand_z_ptr + b * S * C + j, mask=js < S, other=0.0, cache_modifier=".cg"),
+                         float("-inf"))
+            v = tl.where(valid, tl.load(cand_v_ptr + b * S * C + j, mask=js < S, other=0, cache_modifier=".cg"), 0)
+        else:
+            z = tl.load(cand_z_ptr + b * S * C + j, mask=valid, other=float("-inf"), cache_modifier=".cg")
+            v = tl.load(cand_v_ptr + b * S * C + j, mask=valid, other=0, cache_modifier=".cg")
         return j, valid, z, v
 
     @triton.jit
@@ -166,11 +174,11 @@ if triton is not None:
     @triton.jit
     def _pick_token(m_ptr, l_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, key, temp, tokens_ptr, logprobs_ptr,
                     b, k, S: tl.constexpr, S_PAD: tl.constexpr, C: tl.constexpr, KEY_BITS: tl.constexpr,
-                    LIBDEVICE: tl.constexpr, SHORT: tl.constexpr):
+                    LIBDEVICE: tl.constexpr, SHORT: tl.constexpr, ALL_SLOTS: tl.constexpr = False):
         """Phase 2 (row b's last program): the row's top-k among its S * C candidates (already in vocab id order),
         then `_draw_store` with the row's log-softmax normaliser."""
         top_m, log_sum, _ = row_log_normaliser(m_ptr, l_ptr, b, S, S_PAD)
-        j, valid, z, v = _row_candidates(cnt_ptr, cand_z_ptr, cand_v_ptr, b, S, S_PAD, C)
+        j, valid, z, v = _row_candidates(cnt_ptr, cand_z_ptr, cand_v_ptr, b, S, S_PAD, C, ALL_SLOTS)
         keep = _row_keep_first(z, valid, k, cnt_ptr, b, S, S_PAD, C, KEY_BITS, SHORT)
         return _draw_store(z, v, keep, j, S_PAD * C, key, temp, tokens_ptr, logprobs_ptr, b, top_m, log_sum, LIBDEVICE)
 
@@ -247,12 +255,13 @@ if triton is not None:
                      rec_steps=1, ids_ptr=None, pos_ptr=None, slots_ptr=None, lens_ptr=None, tables_ptr=None, s_tb=0,
                      BLOCK_SIZE: tl.constexpr = 1, RECORD: tl.constexpr = False, HAS_LOGPROBS: tl.constexpr = False,
                      ADVANCE: tl.constexpr = False, EARLY: tl.constexpr = False, PDL: tl.constexpr = False,
-                     SHORT: tl.constexpr = False, GROUPS: tl.constexpr = 0):
+                     SHORT: tl.constexpr = False, GROUPS: tl.constexpr = 0, ALL_SLOTS: tl.constexpr = False):
         """Program (b, s), s < S: phase 1 over vocab slice s of row b; the row's last program to finish
         (`last_arrival` on done[b], which it resets to 0) runs phase 2. k = clamp(top_k, 1, max_top_k).
         TOP_P: phase 2 also applies each row's top_p (`_pick_token_top_p`; N_PAD >= max_top_k, J per step).
         RECORD and PDL: as in `_gumbel_sample`. SHORT: the short bisections (`_kth_largest`, `_keep_first`).
-        GROUPS: phase 1's candidates from the group bound (`_slice_candidates`; C holds twice the top-k)."""
+        GROUPS: phase 1's candidates from the group bound (`_slice_candidates`; C holds twice the top-k).
+        ALL_SLOTS: phase 2 without top-p reads every candidate slot with the counts (`_row_candidates`)."""
         pdl_launch_next(PDL, EARLY)
         pdl_wait(PDL, EARLY)
         b = tl.program_id(0).to(tl.int64)
@@ -275,7 +284,7 @@ if triton is not None:
                                                    KEY_BITS, LIBDEVICE, SHORT)
             else:
                 token, logprob = _pick_token(m_ptr, l_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, key, temp, tokens_ptr,
-                                             logprobs_ptr, b, k, S, S_PAD, C, KEY_BITS, LIBDEVICE, SHORT)
+                                             logprobs_ptr, b, k, S, S_PAD, C, KEY_BITS, LIBDEVICE, SHORT, ALL_SLOTS)
             if RECORD:
                 record_rows(token, logprob, b, b >= 0, out_ptr, s_out, rec_k, rec_steps, ids_ptr, pos_ptr, slots_ptr,
                             lens_ptr, p_next, n_next, slot_next, HAS_LOGPROBS, ADVANCE)
@@ -315,6 +324,10 @@ TOPK_SHORT = os.environ.get("MOELOOP_TOPK_SHORT", "on").lower() != "off"
 # against 48.1, B=256 55.1 against 85.2 (B=8 16.0 against 15.6); BENCHMARKS.md, session 14.
 # MOELOOP_TOPK_GROUPS=off: the exact top-k per slice by bisection
 TOPK_GROUPS = os.environ.get("MOELOOP_TOPK_GROUPS", "on").lower() != "off"
+# A/B, not yet measured (session 24, for the next device call): the top-k draw's phase 2 reads every candidate
+# slot together with the slices' counts, masking after (`_row_candidates` ALL_SLOTS): one L2 round trip fewer on
+# the row's last program; MOELOOP_TOPK_ALL_SLOTS=on
+TOPK_ALL_SLOTS = os.environ.get("MOELOOP_TOPK_ALL_SLOTS", "off").lower() == "on"
 TOPK_SPLITS = 16  # target programs per row of `topk_sample`: at B=1 one per row would leave most SMs idle
 # warps per program of the two-phase top-k kernels; 0: 8 for one row (H200, top-k 50: 14.1 us against 15.2 with 4,
 # session 12's `sampler.py --topk-sweep`; 8 was slower at B=32 and 256) or past 2048 values per phase, else 4
@@ -377,7 +390,8 @@ def topk_sample(logits_BV: torch.Tensor, keys_B: torch.Tensor, temperatures_B: t
     _topk_sample[(B, plan.S)](logits_BV, keys_B.contiguous(), temperatures_B.float().contiguous(),
                               top_ks_B.contiguous(), *plan.scratch(), tokens_B, logprobs_B, logits_BV.stride(0),
                               max_top_k, **plan.consts(logits_BV), LIBDEVICE=not triton_interpreting(),
-                              num_warps=plan.num_warps, SHORT=TOPK_SHORT, GROUPS=plan.groups, **top_p,
+                              num_warps=plan.num_warps, SHORT=TOPK_SHORT, GROUPS=plan.groups,
+                              ALL_SLOTS=TOPK_ALL_SLOTS, **top_p,
                               **launch_extras(logits_BV, record))
     return tokens_B, logprobs_B
 
