@@ -16,9 +16,10 @@
 #          MOELOOP_PAGED_HEADS=on|early (one-row split programs per query head in plain multiply-adds): CUDA tests,
 #          b1_tiles A/Bs (and the paged knobs, merge warps and lm_head tile re-swept at 8 warps), then B=1 engine.step
 #          in alternation.
-#   slots: (nvidia-h200; prepared for session 25, about 5 minutes) MOELOOP_TOPK_ALL_SLOTS=on (the top-k draw's phase 2
-#          reads its candidate slots together with the counts): the sampler's CUDA tests, `sampler.py` alone off and
-#          on, then B=1 engine.step in alternation (the sampler is not in b1_tiles' forward graph).
+#   slots: (nvidia-h200; prepared for session 25, about 5 minutes) MOELOOP_TOPK_READS_EARLY=on (the top-k draw's
+#          phase 2 reads every candidate slot with the counts, and the slices' maxima and sums, before its first
+#          reduction): the sampler's CUDA tests, `sampler.py` alone off and on, then B=1 engine.step in alternation
+#          (the sampler is not in b1_tiles' forward graph).
 set -u
 source "$(dirname "$0")/gpu_lib.sh"  # b1
 case "${1:-}" in
@@ -73,15 +74,15 @@ next)  # built in session 24, not yet run: see the header
     done
     ;;
 slots)  # built in session 24, not yet run: see the header
-    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_rollout_sampler.py --tb=short -k "topk" 2>&1 \
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_rollout_sampler.py --tb=short -k "topk or gumbel" 2>&1 \
         | grep -E "^(FAILED|ERROR)|passed|failed" | tail -6
     for mode in off on; do
-        echo "== sampler.py, MOELOOP_TOPK_ALL_SLOTS=$mode"
-        MOELOOP_TOPK_ALL_SLOTS=$mode timeout 150 python3 benchmarks/sampler.py 2>&1 | grep -v -i warn | tail -7
+        echo "== sampler.py, MOELOOP_TOPK_READS_EARLY=$mode"
+        MOELOOP_TOPK_READS_EARLY=$mode timeout 150 python3 benchmarks/sampler.py 2>&1 | grep -v -i warn | tail -7
     done
     for round in 1 2; do
         b1 "defaults" X=1
-        b1 "top-k phase 2 reads every slot" MOELOOP_TOPK_ALL_SLOTS=on
+        b1 "top-k reads early" MOELOOP_TOPK_READS_EARLY=on
     done
     ;;
 *) echo "usage: $0 early|hold|late|tiles|next|slots" >&2; exit 2 ;;

@@ -321,11 +321,11 @@ def test_fused_topk_kernel_equals_the_torch_path(monkeypatch, dtype, short, grou
     """`topk_sample` (one launch: slice candidates, then the row's last program draws; here the Triton interpreter)
     picks the torch path's tokens bit for bit, greedy rows too, and its logprobs are torch.log_softmax's within 2e-6
     (another fp32 summation order). A row's draw does not depend on the rows beside it. short: as in the top-p
-    test. all_slots (`TOPK_ALL_SLOTS`): phase 2 reads every slot, the unused ones poisoned (NaN, id -1)."""
+    test. all_slots (`TOPK_READS_EARLY`): phase 2 reads every slot, the unused ones poisoned (NaN, id -1)."""
     import moeloop.rollout.sampler as sampler
     from moeloop.rollout import topk_kernel
     monkeypatch.setattr(topk_kernel, "TOPK_SHORT", short)
-    monkeypatch.setattr(topk_kernel, "TOPK_ALL_SLOTS", all_slots)
+    monkeypatch.setattr(topk_kernel, "TOPK_READS_EARLY", all_slots)
     plans = _spy_plans(monkeypatch, groups, poison=all_slots)
     g = torch.Generator().manual_seed(4)
     B, V = 18, 2500  # slices of 256 ids: 10 programs per row

@@ -240,7 +240,7 @@ def _compile_topk_sample():
                                 dict(V=32000, S=16, S_PAD=16, BLOCK_V=2048, C=64, KEY_BITS=16, LIBDEVICE=True,
                                      **_record_consts(advance)))
         assert "griddepcontrol.launch_dependents" in compiled.asm["ptx"]
-    # `TOPK_ALL_SLOTS`: phase 2 reads every candidate slot with the counts (the benchmark's B=1 top-k 50 launch)
+    # `TOPK_READS_EARLY`: phase 2 reads every candidate slot with the counts (the benchmark's B=1 top-k 50 launch)
     compile_sm90(topk_kernel._topk_sample, dict(logits_ptr="*bf16", **types, **_RECORD_TYPES),
                  dict(V=32000, S=16, S_PAD=16, BLOCK_V=2048, C=128, KEY_BITS=16, LIBDEVICE=True, SHORT=True,
                       GROUPS=128, ALL_SLOTS=True, **_record_consts(True)), num_warps=8)

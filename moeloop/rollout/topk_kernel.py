@@ -131,7 +131,7 @@ if triton is not None:
     def _row_candidates(cnt_ptr, cand_z_ptr, cand_v_ptr, b, S: tl.constexpr, S_PAD: tl.constexpr, C: tl.constexpr,
                         ALL_SLOTS: tl.constexpr = False):
         """Row b's slice candidates as one [S_PAD * C] vector in vocab id order (written by other programs of the
-        launch: .cg loads): (lane index, valid, value (-inf if not), vocab id). ALL_SLOTS (`TOPK_ALL_SLOTS`): every
+        launch: .cg loads): (lane index, valid, value (-inf if not), vocab id). ALL_SLOTS (`TOPK_READS_EARLY`): every
         slot is read at once with the counts and the unused ones are masked after, instead of reading only the
         counted ones, whose mask waits for the counts: one L2 round trip instead of two. The same values."""
         j = tl.arange(0, S_PAD * C)
@@ -177,8 +177,12 @@ if triton is not None:
                     LIBDEVICE: tl.constexpr, SHORT: tl.constexpr, ALL_SLOTS: tl.constexpr = False):
         """Phase 2 (row b's last program): the row's top-k among its S * C candidates (already in vocab id order),
         then `_draw_store` with the row's log-softmax normaliser."""
-        top_m, log_sum, _ = row_log_normaliser(m_ptr, l_ptr, b, S, S_PAD)
-        j, valid, z, v = _row_candidates(cnt_ptr, cand_z_ptr, cand_v_ptr, b, S, S_PAD, C, ALL_SLOTS)
+        if ALL_SLOTS:  # every read (counts, slots, the slices' max and sums) before the first reduction
+            j, valid, z, v = _row_candidates(cnt_ptr, cand_z_ptr, cand_v_ptr, b, S, S_PAD, C, True)
+            top_m, log_sum, _ = row_log_normaliser(m_ptr, l_ptr, b, S, S_PAD)
+        else:
+            top_m, log_sum, _ = row_log_normaliser(m_ptr, l_ptr, b, S, S_PAD)
+            j, valid, z, v = _row_candidates(cnt_ptr, cand_z_ptr, cand_v_ptr, b, S, S_PAD, C)
         keep = _row_keep_first(z, valid, k, cnt_ptr, b, S, S_PAD, C, KEY_BITS, SHORT)
         return _draw_store(z, v, keep, j, S_PAD * C, key, temp, tokens_ptr, logprobs_ptr, b, top_m, log_sum, LIBDEVICE)
 
@@ -324,10 +328,11 @@ TOPK_SHORT = os.environ.get("MOELOOP_TOPK_SHORT", "on").lower() != "off"
 # against 48.1, B=256 55.1 against 85.2 (B=8 16.0 against 15.6); BENCHMARKS.md, session 14.
 # MOELOOP_TOPK_GROUPS=off: the exact top-k per slice by bisection
 TOPK_GROUPS = os.environ.get("MOELOOP_TOPK_GROUPS", "on").lower() != "off"
-# A/B, not yet measured (session 24, for the next device call): the top-k draw's phase 2 reads every candidate
-# slot together with the slices' counts, masking after (`_row_candidates` ALL_SLOTS): one L2 round trip fewer on
-# the row's last program; MOELOOP_TOPK_ALL_SLOTS=on
-TOPK_ALL_SLOTS = os.environ.get("MOELOOP_TOPK_ALL_SLOTS", "off").lower() == "on"
+# A/B, not yet measured (session 24, for the next device call): the top-k draw's phase 2 (no top-p) reads every
+# candidate slot together with the slices' counts, masking after (`_row_candidates` ALL_SLOTS), and the slices' maxima
+# and sums with them, before its first reduction. In sm_90 SASS the slot reads otherwise wait for the counts, and
+# come after the normaliser's barriers (20 loads in two round trips -> 8 in one); MOELOOP_TOPK_READS_EARLY=on
+TOPK_READS_EARLY = os.environ.get("MOELOOP_TOPK_READS_EARLY", "off").lower() == "on"
 TOPK_SPLITS = 16  # target programs per row of `topk_sample`: at B=1 one per row would leave most SMs idle
 # warps per program of the two-phase top-k kernels; 0: 8 for one row (H200, top-k 50: 14.1 us against 15.2 with 4,
 # session 12's `sampler.py --topk-sweep`; 8 was slower at B=32 and 256) or past 2048 values per phase, else 4
@@ -391,7 +396,7 @@ def topk_sample(logits_BV: torch.Tensor, keys_B: torch.Tensor, temperatures_B: t
                               top_ks_B.contiguous(), *plan.scratch(), tokens_B, logprobs_B, logits_BV.stride(0),
                               max_top_k, **plan.consts(logits_BV), LIBDEVICE=not triton_interpreting(),
                               num_warps=plan.num_warps, SHORT=TOPK_SHORT, GROUPS=plan.groups,
-                              ALL_SLOTS=TOPK_ALL_SLOTS, **top_p,
+                              ALL_SLOTS=TOPK_READS_EARLY, **top_p,
                               **launch_extras(logits_BV, record))
     return tokens_B, logprobs_B
 
