@@ -243,7 +243,7 @@ def _compile_topk_sample():
     # `TOPK_READS_EARLY`: phase 2 reads every candidate slot with the counts (the benchmark's B=1 top-k 50 launch)
     compile_sm90(topk_kernel._topk_sample, dict(logits_ptr="*bf16", **types, **_RECORD_TYPES),
                  dict(V=32000, S=16, S_PAD=16, BLOCK_V=2048, C=128, KEY_BITS=16, LIBDEVICE=True, SHORT=True,
-                      GROUPS=128, ALL_SLOTS=True, **_record_consts(True)), num_warps=8)
+                      GROUPS=128, READS_EARLY=True, **_record_consts(True)), num_warps=8)
     ranked = {k: v for k, v in types.items() if k not in ("keys_ptr", "temps_ptr", "top_ks_ptr", "tokens_ptr",
                                                           "logprobs_ptr", "max_top_k")}
     for n_pad, slots, warps in ((64, 64, 4), (256, 256, 8)):  # the top-p path's ranked candidates

@@ -174,10 +174,10 @@ if triton is not None:
     @triton.jit
     def _pick_token(m_ptr, l_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, key, temp, tokens_ptr, logprobs_ptr,
                     b, k, S: tl.constexpr, S_PAD: tl.constexpr, C: tl.constexpr, KEY_BITS: tl.constexpr,
-                    LIBDEVICE: tl.constexpr, SHORT: tl.constexpr, ALL_SLOTS: tl.constexpr = False):
+                    LIBDEVICE: tl.constexpr, SHORT: tl.constexpr, READS_EARLY: tl.constexpr = False):
         """Phase 2 (row b's last program): the row's top-k among its S * C candidates (already in vocab id order),
         then `_draw_store` with the row's log-softmax normaliser."""
-        if ALL_SLOTS:  # every read (counts, slots, the slices' max and sums) before the first reduction
+        if READS_EARLY:  # every read (counts, slots, the slices' max and sums) before the first reduction
             j, valid, z, v = _row_candidates(cnt_ptr, cand_z_ptr, cand_v_ptr, b, S, S_PAD, C, True)
             top_m, log_sum, _ = row_log_normaliser(m_ptr, l_ptr, b, S, S_PAD)
         else:
@@ -259,13 +259,14 @@ if triton is not None:
                      rec_steps=1, ids_ptr=None, pos_ptr=None, slots_ptr=None, lens_ptr=None, tables_ptr=None, s_tb=0,
                      BLOCK_SIZE: tl.constexpr = 1, RECORD: tl.constexpr = False, HAS_LOGPROBS: tl.constexpr = False,
                      ADVANCE: tl.constexpr = False, EARLY: tl.constexpr = False, PDL: tl.constexpr = False,
-                     SHORT: tl.constexpr = False, GROUPS: tl.constexpr = 0, ALL_SLOTS: tl.constexpr = False):
+                     SHORT: tl.constexpr = False, GROUPS: tl.constexpr = 0, READS_EARLY: tl.constexpr = False):
         """Program (b, s), s < S: phase 1 over vocab slice s of row b; the row's last program to finish
         (`last_arrival` on done[b], which it resets to 0) runs phase 2. k = clamp(top_k, 1, max_top_k).
         TOP_P: phase 2 also applies each row's top_p (`_pick_token_top_p`; N_PAD >= max_top_k, J per step).
         RECORD and PDL: as in `_gumbel_sample`. SHORT: the short bisections (`_kth_largest`, `_keep_first`).
         GROUPS: phase 1's candidates from the group bound (`_slice_candidates`; C holds twice the top-k).
-        ALL_SLOTS: phase 2 without top-p reads every candidate slot with the counts (`_row_candidates`)."""
+        READS_EARLY (`TOPK_READS_EARLY`): phase 2 without top-p issues all of its reads before its first reduction
+        (`_pick_token`; every candidate slot with the counts: `_row_candidates` ALL_SLOTS)."""
         pdl_launch_next(PDL, EARLY)
         pdl_wait(PDL, EARLY)
         b = tl.program_id(0).to(tl.int64)
@@ -288,7 +289,7 @@ if triton is not None:
                                                    KEY_BITS, LIBDEVICE, SHORT)
             else:
                 token, logprob = _pick_token(m_ptr, l_ptr, cnt_ptr, cand_z_ptr, cand_v_ptr, key, temp, tokens_ptr,
-                                             logprobs_ptr, b, k, S, S_PAD, C, KEY_BITS, LIBDEVICE, SHORT, ALL_SLOTS)
+                                             logprobs_ptr, b, k, S, S_PAD, C, KEY_BITS, LIBDEVICE, SHORT, READS_EARLY)
             if RECORD:
                 record_rows(token, logprob, b, b >= 0, out_ptr, s_out, rec_k, rec_steps, ids_ptr, pos_ptr, slots_ptr,
                             lens_ptr, p_next, n_next, slot_next, HAS_LOGPROBS, ADVANCE)
@@ -396,7 +397,7 @@ def topk_sample(logits_BV: torch.Tensor, keys_B: torch.Tensor, temperatures_B: t
                               top_ks_B.contiguous(), *plan.scratch(), tokens_B, logprobs_B, logits_BV.stride(0),
                               max_top_k, **plan.consts(logits_BV), LIBDEVICE=not triton_interpreting(),
                               num_warps=plan.num_warps, SHORT=TOPK_SHORT, GROUPS=plan.groups,
-                              ALL_SLOTS=TOPK_READS_EARLY, **top_p,
+                              READS_EARLY=TOPK_READS_EARLY, **top_p,
                               **launch_extras(logits_BV, record))
     return tokens_B, logprobs_B
 
