@@ -61,7 +61,7 @@ tiles)  # the B=1 tiles re-swept at today's code (composed router, q/k preload):
     ;;
 next)  # built in session 24, not yet run: see the header
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_rollout_paged_attention.py \
-        tests/test_rollout_fused_decode.py --tb=short -k "per_head or paged_heads or one_row or composed or o_proj_router" 2>&1 \
+        tests/test_rollout_fused_decode.py --tb=short -k "per_head or paged_heads or one_row or composed or o_proj_router or routed_experts" 2>&1 \
         | grep -E "^(FAILED|ERROR)|passed|failed" | tail -6
     timeout 200 python3 benchmarks/b1_tiles.py --rounds 1 --pairs 2 --knobs paged_block_n,max_splits,paged_stages,merge_warps,lm_head \
         --ab "expert_reads_early=True" --ab "paged_heads='on'" --ab "paged_heads='early'" \
