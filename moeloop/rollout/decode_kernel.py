@@ -27,6 +27,12 @@ def triton_available() -> bool:
 
 if triton is not None:
     @triton.jit
+    def _cache_slots(tables_ptr, b, s_tb, pos, p_ok, BLOCK_SIZE: tl.constexpr):
+        """Row b's cache slots (int64) of positions `pos`, through its block table (0 where not p_ok)."""
+        blk = tl.load(tables_ptr + b * s_tb + pos // BLOCK_SIZE, mask=p_ok, other=0)
+        return blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+
+    @triton.jit
     def _attend_block(q, m_i, l_i, acc, start, ctx_len, b, g, k_ptr, v_ptr, tables_ptr, scale,
                       s_ks, s_kg, s_vs, s_vg, s_tb, DK: tl.constexpr, DK_PAD: tl.constexpr, DV: tl.constexpr,
                       DV_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
@@ -37,8 +43,7 @@ if triton is not None:
         dv = tl.arange(0, DV_PAD)
         pos = start + tl.arange(0, BLOCK_N)
         p_ok = pos < ctx_len
-        blk = tl.load(tables_ptr + b * s_tb + pos // BLOCK_SIZE, mask=p_ok, other=0)
-        slot = blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+        slot = _cache_slots(tables_ptr, b, s_tb, pos, p_ok, BLOCK_SIZE)
         k = tl.load(k_ptr + slot[:, None] * s_ks + g * s_kg + dk[None, :],
                     mask=p_ok[:, None] & (dk[None, :] < DK), other=0.0)
         v_rows = v_ptr + slot[:, None] * s_vs + g * s_vg + dv[None, :]
@@ -139,22 +144,21 @@ if triton is not None:
         pos = sp * CHUNK + tl.arange(0, BLOCK_N)
         p_ok = pos < ctx_len
         if TABLE_EARLY:
-            slot = tl.load(tables_ptr + b * s_tb + pos // BLOCK_SIZE, mask=p_ok, other=0).to(tl.int64)
+            slot = _cache_slots(tables_ptr, b, s_tb, pos, p_ok, BLOCK_SIZE)
         pdl_wait(PDL, EARLY)
         if not TABLE_EARLY:
-            slot = tl.load(tables_ptr + b * s_tb + pos // BLOCK_SIZE, mask=p_ok, other=0).to(tl.int64)
+            slot = _cache_slots(tables_ptr, b, s_tb, pos, p_ok, BLOCK_SIZE)
         dk = tl.arange(0, DK_PAD)
         dv = tl.arange(0, DV_PAD)
         q = tl.load(q_ptr + b * s_qb + h * s_qh + dk, mask=dk < DK, other=0.0).to(tl.float32)
         m_i, l_i, acc = _head_block(q, tl.full([], float("-inf"), tl.float32), tl.full([], 0.0, tl.float32),
-                                    tl.zeros([DV_PAD], tl.float32), slot * BLOCK_SIZE + pos % BLOCK_SIZE, p_ok, g,
-                                    k_ptr, v_ptr, s_ks, s_kg, s_vs, s_vg, scale, DK, DK_PAD, DV, DV_PAD)
+                                    tl.zeros([DV_PAD], tl.float32), slot, p_ok, g, k_ptr, v_ptr, s_ks, s_kg, s_vs,
+                                    s_vg, scale, DK, DK_PAD, DV, DV_PAD)
         for i in range(BLOCK_N, CHUNK, BLOCK_N):
             pos = sp * CHUNK + i + tl.arange(0, BLOCK_N)
             p_ok = pos < ctx_len
-            blk = tl.load(tables_ptr + b * s_tb + pos // BLOCK_SIZE, mask=p_ok, other=0)
-            m_i, l_i, acc = _head_block(q, m_i, l_i, acc, blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE, p_ok, g,
-                                        k_ptr, v_ptr, s_ks, s_kg, s_vs, s_vg, scale, DK, DK_PAD, DV, DV_PAD)
+            m_i, l_i, acc = _head_block(q, m_i, l_i, acc, _cache_slots(tables_ptr, b, s_tb, pos, p_ok, BLOCK_SIZE),
+                                        p_ok, g, k_ptr, v_ptr, s_ks, s_kg, s_vs, s_vg, scale, DK, DK_PAD, DV, DV_PAD)
         row = (b * NUM_SPLITS + sp) * tl.num_programs(1) + h
         tl.store(m_ptr + row, m_i)
         tl.store(l_ptr + row, l_i)

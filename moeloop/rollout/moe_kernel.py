@@ -238,17 +238,14 @@ if triton is not None:
         if COMPOSED:
             dx = tl.arange(0, BLOCK_X)
             xr = tl.load(x_ptr + t.to(tl.int64) * D + dx, mask=dx < D, other=0.0)
-        if ROUTED and RANK_FIRST:  # (composed: the raw logits rank as the scaled ones do; scaled below)
-            ids, z, rank = _ranked_experts(ids_ptr, t, k, E, E_PAD)
+        if ROUTED:
+            if COMPOSED and not RANK_FIRST:
+                ids, z, rank = _ranked_experts(ids_ptr, t, k, E, E_PAD, True, _rms_scale(xr, eps, D), xr.dtype)
+            else:  # (RANK_FIRST, composed: the raw logits rank as the scaled ones do; scaled below)
+                ids, z, rank = _ranked_experts(ids_ptr, t, k, E, E_PAD)
             e = ids.to(tl.int64)
-        elif COMPOSED:
-            ids, z, rank = _ranked_experts(ids_ptr, t, k, E, E_PAD, True, _rms_scale(xr, eps, D), xr.dtype)
-            e = ids.to(tl.int64)
-            wts = _routed_weights(z, rank, ids, SCALE, K, NORM)
-        elif ROUTED:
-            ids, z, rank = _ranked_experts(ids_ptr, t, k, E, E_PAD)
-            e = ids.to(tl.int64)
-            wts = _routed_weights(z, rank, ids, SCALE, K, NORM)
+            if not RANK_FIRST:
+                wts = _routed_weights(z, rank, ids, SCALE, K, NORM)
         else:
             e = tl.load(ids_ptr + s, mask=ok, other=0).to(tl.int64)
         w_rows = w_ptr + e[:, None] * s_we + d[:, None] * s_wd
