@@ -44,7 +44,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.no_qkv_pack:
         import moeloop.rollout.engine as engine_mod
-        engine_mod.qkv_packs_apply = lambda model: False
+        engine_mod.decode_weights_apply = lambda model: False
     if args.no_router_fused:
         import moeloop.rollout.fused_decode as fused_decode
         fused_decode.ROUTER_FUSED_MIN_TOKENS = 0

@@ -38,7 +38,7 @@ from moeloop.errors import InputError
 from moeloop.rollout.blocks import BlockManager
 from moeloop.rollout.completion import Completion
 from moeloop.rollout.decode_packs import derive_decode_weights
-from moeloop.rollout.fused_decode import qkv_packs_apply
+from moeloop.rollout.fused_decode import decode_weights_apply
 from moeloop.rollout.kv_cache import KVCache, kv_budget_bytes, kv_bytes_per_block
 from moeloop.rollout.runner import LaunchedStep, ModelRunner
 from moeloop.rollout.sampling_params import SamplingParams
@@ -56,7 +56,7 @@ class Engine:
         param = next(model.parameters())
         mcfg = model.cfg
         # the fused decode's derived weights, allocated before the KV budget is taken
-        derived = derive_decode_weights(model) if qkv_packs_apply(model) else []
+        derived = derive_decode_weights(model) if decode_weights_apply(model) else []
         budget = kv_budget_bytes(cfg.kv_cache_bytes, cfg.gpu_memory_utilization, param.device)
         num_blocks = budget // kv_bytes_per_block(mcfg, cfg.block_size, param.dtype) - 1  # one scratch block
         self.cache = KVCache(mcfg, num_blocks, cfg.block_size, param.dtype, param.device)

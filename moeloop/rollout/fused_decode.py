@@ -481,7 +481,7 @@ def embed_fold_applies(embed: nn.Module, ids_T: torch.Tensor, linears: list[nn.M
             and table.is_contiguous() and not ids_T.is_floating_point() and norm_fold_applies(table[:1], linears))
 
 
-def qkv_packs_apply(model: nn.Module) -> bool:
+def decode_weights_apply(model: nn.Module) -> bool:
     """The engine's CUDA decode takes the fused forward here (so `decode_packs.derive_decode_weights` pays off)."""
     return kernels_apply(next(model.parameters())) and fused_supported(model)
 
