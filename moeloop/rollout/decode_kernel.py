@@ -219,8 +219,8 @@ PAGED_WARPS_ONE_ROW = 8
 PAGED_HEADS = os.environ.get("MOELOOP_PAGED_HEADS", "off").lower()
 PAGED_HEADS_WARPS = int(os.environ.get("MOELOOP_PAGED_HEADS_WARPS", "4"))
 # the split merge's warps a program (12 programs at B=1 for the reference model; its reductions over the splits take
-# 5 barriers at 4 warps, none at 1: sm_90 PTX, session 24; not yet measured at other values)
-MERGE_WARPS = 4
+# 5 barriers at 4 warps, none at 1: sm_90 PTX, session 24; session 25 A/B: MOELOOP_MERGE_WARPS)
+MERGE_WARPS = int(os.environ.get("MOELOOP_MERGE_WARPS", "4"))
 
 
 def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SGD: torch.Tensor, v_cache_SGDv: torch.Tensor,

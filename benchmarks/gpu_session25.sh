@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Session 25's device calls. Run from the repository root with the project importable.
+#   merge: (nvidia-h200) the split merge at 1 warp (MOELOOP_MERGE_WARPS=1; `b1_tiles.py` read +4.0 us per forward
+#          in session 25's first call) and session 24's MOELOOP_TOPK_READS_EARLY=on: the sampler's CUDA tests,
+#          `sampler.py` off and on, B=1 engine.step in alternation (3 rounds), then B=32 with the merge at 1 and 4.
+set -u
+source "$(dirname "$0")/gpu_lib.sh"  # b1
+case "${1:-}" in
+merge)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_rollout_sampler.py --tb=short -k "topk or gumbel" 2>&1 \
+        | grep -E "^(FAILED|ERROR)|passed|failed" | tail -6
+    MOELOOP_MERGE_WARPS=1 timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_rollout_paged_attention.py \
+        --tb=short 2>&1 | grep -E "^(FAILED|ERROR)|passed|failed" | tail -6
+    for mode in off on; do
+        echo "== sampler.py, MOELOOP_TOPK_READS_EARLY=$mode"
+        MOELOOP_TOPK_READS_EARLY=$mode timeout 150 python3 benchmarks/sampler.py 2>&1 | grep -v -i warn | tail -7
+    done
+    for round in 1 2 3; do
+        b1 "defaults" X=1
+        b1 "merge 1 warp" MOELOOP_MERGE_WARPS=1
+        b1 "top-k reads early" MOELOOP_TOPK_READS_EARLY=on
+    done
+    for round in 1 2; do
+        for w in 4 1; do
+            echo "== B=32, merge $w warps"
+            MOELOOP_MERGE_WARPS=$w timeout 100 python3 benchmarks/rollout.py --device cuda --size reference --batch 32 \
+                --repeats 3 --skip-hf --step-times 2>&1 | grep -v -i warn | grep -E "engine.step|^\| 32 |walls"
+        done
+    done
+    ;;
+*) echo "usage: $0 merge" >&2; exit 2 ;;
+esac
