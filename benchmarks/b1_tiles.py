@@ -21,12 +21,7 @@ Knobs (module constants read at each launch, so a fresh engine's graph capture t
   max_splits  decode_kernel.MAX_SPLITS       (1: one program per kv head loops over the context, no merge launch)
   paged_stages, paged_warps  decode_kernel.PAGED_STAGES, PAGED_WARPS_ONE_ROW: the paged decode's pipeline stages
                                               (a one-split program's loads in flight) and its warps at one row
-  paged_heads, paged_heads_warps  decode_kernel.PAGED_HEADS, PAGED_HEADS_WARPS: one-row split programs per query
-                                              head in plain multiply-adds (`_paged_decode_head`; "early": the
-                                              first block's slots read before the wait), and their warps
   merge_warps  decode_kernel.MERGE_WARPS       the split merge's warps
-  expert_reads_early  moe_kernel.EXPERT_READS_EARLY  gate_up reads the token's row with the router logits, before
-                                              ranking them; down reads its weights before the 1 / RMS and routing weights
   lm_head_fold, lm_head  fused_decode.LM_HEAD_FOLD, LM_HEAD_TILE: the final norm folded into a one-token lm_head
                                                  launch instead of `_add_rmsnorm` then cuBLAS
 
@@ -54,10 +49,7 @@ KNOBS = {
     "max_splits": (decode_kernel, "MAX_SPLITS", [1, 2, 3, 4, 8, 16]),
     "paged_stages": (decode_kernel, "PAGED_STAGES", [3, 4, 6]),
     "paged_warps": (decode_kernel, "PAGED_WARPS_ONE_ROW", [4, 8]),
-    "paged_heads": (decode_kernel, "PAGED_HEADS", ["off", "on", "early"]),
-    "paged_heads_warps": (decode_kernel, "PAGED_HEADS_WARPS", [2, 4, 8]),
     "merge_warps": (decode_kernel, "MERGE_WARPS", [1, 2, 4]),
-    "expert_reads_early": (moe_kernel, "EXPERT_READS_EARLY", [False, True]),
     "lm_head_fold": (fused_decode, "LM_HEAD_FOLD", [True, False]),
     "lm_head": (fused_decode, "LM_HEAD_TILE", [(4, 4), (8, 4), (8, 8), (16, 4), (16, 8)]),
     "router": (fused_decode, "ROUTER_TILE", [(4, 4), (4, 1), (4, 2), (2, 1), (1, 1), (2, 2), (16, 4)]),

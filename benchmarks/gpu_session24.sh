@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Session 24's device calls. Run from the repository root with the project importable. early and hold need commit
-# 82d078e (QK_EARLY was removed after these runs); late needs c469570 (MOELOOP_LATE_TRIGGERS, removed after its run).
+# 82d078e (QK_EARLY was removed after these runs); late needs c469570 (MOELOOP_LATE_TRIGGERS, removed after its run);
+# next needs e6a0106 (EXPERT_READS_EARLY and PAGED_HEADS, removed after its run in session 25).
 #   early: (nvidia-h200) MOELOOP_QK_EARLY=on: the q/k norm launch of every layer after the first triggers early, and
 #          its paged decode reads the cached K/V before its wait and triggers late. The CUDA decode tests with it
 #          on, then B=1 A/B in alternation (2 rounds): defaults, the trigger alone (MOELOOP_PAGED_PRELOAD=off), both;

@@ -209,14 +209,12 @@ def test_fused_decode_single_sequence_matches_module_path(monkeypatch, arch, nor
 
 
 @pytest.mark.parametrize("norm_topk", [True, False])
-def test_routed_experts_equal_topk_kernel_then_experts(monkeypatch, norm_topk):
+def test_routed_experts_equal_topk_kernel_then_experts(norm_topk):
     """The expert kernels ranking the router logits themselves (`routed_experts`) give what the top-k kernel's ids
     and weights give through `fused_experts`: logits with ties at the top-k boundary (lowest id first) and a NaN
-    row (its experts stay in range; the other rows are unaffected). `EXPERT_READS_EARLY` (gate_up's row and down's
-    weights read before reductions they need not follow) gives the same bits."""
+    row (its experts stay in range; the other rows are unaffected)."""
     from types import SimpleNamespace
     from moeloop.model.experts import Experts
-    from moeloop.rollout import moe_kernel
     from moeloop.rollout.fused_decode import route_softmax_topk
     from moeloop.rollout.moe_kernel import fused_experts, routed_experts
 
@@ -239,10 +237,7 @@ def test_routed_experts_equal_topk_kernel_then_experts(monkeypatch, norm_topk):
     with torch.no_grad():
         y = routed_experts(moe, x, logits)
         ref = fused_experts(experts, x[:3], ids[:3], wts[:3])
-        monkeypatch.setattr(moe_kernel, "EXPERT_READS_EARLY", True)
-        y_early = routed_experts(moe, x, logits)
     torch.testing.assert_close(y[:3], ref, rtol=1e-6, atol=1e-6)
-    assert torch.equal(y_early[:3], y[:3])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -426,15 +421,13 @@ def test_pdl_launches_give_bitwise_the_same_decode(monkeypatch, batch):
     assert [o.logprobs for o in outs["on"]] == [o.logprobs for o in outs["off"]]
 
 
-@pytest.mark.parametrize("arch,x_early", [("qwen3_moe", False), ("mixtral", False), ("qwen3_moe", True)])
-def test_composed_router_single_sequence_matches_module_path(monkeypatch, arch, x_early):
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_composed_router_single_sequence_matches_module_path(monkeypatch, arch):
     """`ROUTER_COMPOSE`: B=1 decode runs o_proj, the residual add and the composed router in one launch
-    (`o_proj_router`, every MoE layer every step); gate_up norms the residual row, down scales the logits (with
-    `EXPERT_READS_EARLY`: the row read before the ranking, down's weights before its 1 / RMS); fp32: the same tokens
-    and logprobs (1e-5) as the module forward."""
-    from moeloop.rollout import decode_packs, fused_decode, moe_kernel
+    (`o_proj_router`, every MoE layer every step); gate_up norms the residual row, down scales the logits; fp32:
+    the same tokens and logprobs (1e-5) as the module forward."""
+    from moeloop.rollout import decode_packs, fused_decode
     monkeypatch.setattr(decode_packs, "ROUTER_COMPOSE", True)
-    monkeypatch.setattr(moe_kernel, "EXPERT_READS_EARLY", x_early)
     calls, real = [], fused_decode.o_proj_router
     monkeypatch.setattr(fused_decode, "o_proj_router", lambda *a: calls.append(1) or real(*a))
     model = tiny_model(arch).to(DEVICE)
@@ -461,28 +454,6 @@ def test_qk_preload_single_sequence_matches_module_path(monkeypatch, arch):
     assert early == ([False] + [True] * (layers - 1)) * 4  # 4 decode steps after the prefill
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the engine's paged decode kernel runs on CUDA only (the "
-                    "kernel itself: tests/test_rollout_paged_attention.py, in the interpreter)")
-@pytest.mark.parametrize("mode", ["on", "early"])
-def test_paged_heads_single_sequence_matches_module_path(monkeypatch, mode):
-    """`PAGED_HEADS`: a one-row decode's split programs per query head (plain multiply-adds; "early": the first
-    block's slots read before the wait); fp32: the same tokens and logprobs (1e-5) as the module forward, with the
-    per-head kernel launched in every decode layer."""
-    from moeloop.rollout import decode_kernel
-    monkeypatch.setattr(decode_kernel, "PAGED_HEADS", mode)
-    launches, real = [], decode_kernel._paged_decode_head
-
-    class Recorder:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return real[grid]
-    monkeypatch.setattr(decode_kernel, "_paged_decode_head", Recorder())
-    model = tiny_model("qwen3_moe").to(DEVICE)
-    assert_kernels_match_module_path(model, prompts(1, seed=9),
-                                     SamplingParams(n=1, temperature=1.0, max_tokens=5, seed=3))
-    assert len(launches) == 4 * len(model.model.layers)  # 4 decode steps after the prefill
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_o_proj_router_equals_module_path_and_follows_weight_changes(monkeypatch, dtype):
     """One `o_proj_router` launch: x = res + o_proj(o) as the module path rounds it, and the raw logits times
@@ -490,7 +461,6 @@ def test_o_proj_router_equals_module_path_and_follows_weight_changes(monkeypatch
     the expert kernels on them equal the top-k routing through `fused_experts`. The composed weights follow an
     in-place change of o_proj (`refresh()`)."""
     from moeloop.rollout import decode_packs, fused_decode
-    from moeloop.rollout import moe_kernel
     from moeloop.rollout.moe_kernel import fused_experts, routed_experts
     monkeypatch.setattr(decode_packs, "ROUTER_COMPOSE", True)
     torch.manual_seed(7)
@@ -527,11 +497,7 @@ def test_o_proj_router_equals_module_path_and_follows_weight_changes(monkeypatch
         with torch.no_grad():
             y = routed_experts(layer.mlp, x, z, layer.post_attention_layernorm)
             ref = fused_experts(layer.mlp.experts, layer.post_attention_layernorm(x), ids, wts)
-            monkeypatch.setattr(moe_kernel, "EXPERT_READS_EARLY", True)  # gate_up's row, down's weights: earlier
-            y_early = routed_experts(layer.mlp, x, z, layer.post_attention_layernorm)
-            monkeypatch.setattr(moe_kernel, "EXPERT_READS_EARLY", False)
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
-        assert torch.equal(y_early, y)  # the same operations, another load order
     with torch.no_grad():
         layer.self_attn.o_proj.weight.mul_(-1.5)
     stale = fused_decode.o_proj_router(o, res, pack)[1]

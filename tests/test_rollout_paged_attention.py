@@ -105,62 +105,33 @@ def test_triton_decode_kernel_matches_gather_path():
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed (CPU torch wheel)")
 def test_one_row_runs_its_own_warps(monkeypatch):
     """One row launches the paged decode with PAGED_WARPS_ONE_ROW warps (8: measured at B=1 on the H200), more rows
-    with PAGED_WARPS, and both equal the gather path."""
+    with PAGED_WARPS; the split merge runs MERGE_WARPS (1, measured); both equal the gather path."""
     from moeloop.rollout import decode_kernel
-    real, warps = decode_kernel._paged_decode, []
+    warps = []
 
     class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
         def __getitem__(self, grid):
             def launch(*args, **kw):
-                warps.append(kw["num_warps"])
-                return real[grid](*args, **kw)
+                warps.append((self.kernel.__name__, kw["num_warps"]))
+                return self.kernel[grid](*args, **kw)
             return launch
-    monkeypatch.setattr(decode_kernel, "_paged_decode", Recorder())
+    for name in ("_paged_decode", "_merge_splits"):
+        monkeypatch.setattr(decode_kernel, name, Recorder(getattr(decode_kernel, name)))
     torch.manual_seed(3)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    kv = cache(num_blocks=12)
+    kv = cache(num_blocks=24)
     kv.k.normal_(), kv.v.normal_()
-    tables = torch.randperm(12)[:8].int().view(2, 4)
+    tables = torch.randperm(24)[:16].int().view(2, 8)  # 32 positions a row: two splits of 16
     for rows in (1, 2):
-        lens = torch.tensor([15, 9][:rows], dtype=torch.int32)
+        lens = torch.tensor([30, 9][:rows], dtype=torch.int32)
         q = torch.randn(rows, H, DK)
         meta = AttentionMetadata(torch.zeros(0, dtype=torch.int64), None, tables[:rows], lens, int(lens.max()), [])
         ref = PagedAttention(kv, meta)._decode(q, kv.k[0], kv.v[0], 0.25)
         out = paged_decode_attention(q.to(dev), kv.k[0].to(dev), kv.v[0].to(dev), tables[:rows].to(dev), lens.to(dev),
                                      BS, 0.25, block_n=16)
         torch.testing.assert_close(out.cpu(), ref, atol=1e-4, rtol=1e-4)
-    assert warps == [decode_kernel.PAGED_WARPS_ONE_ROW, decode_kernel.PAGED_WARPS] == [8, 4]
-
-
-@pytest.mark.skipif(not triton_available(), reason="triton is not installed (CPU torch wheel)")
-@pytest.mark.parametrize("dtype,mode", [(torch.float32, "on"), (torch.bfloat16, "on"), (torch.float32, "early")])
-def test_one_row_per_head_programs_equal_the_group_programs(monkeypatch, dtype, mode):
-    """`PAGED_HEADS` (one row; "early": the first block's slots read first): split programs per query head in plain
-    multiply-adds give the gather path's
-    attention over the same (dtype-rounded) values (fp32: 1e-4; bf16: 2e-2) and the kv-group programs' (tl.dot)
-    output (fp32: 1e-5; bf16 on CUDA only: the interpreter's bf16 dot is not the GPU's), for lengths that end
-    inside, at the end of, and past the first split."""
-    from moeloop.rollout import decode_kernel
-    torch.manual_seed(4)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    kv = cache(num_blocks=24)
-    kv.k.normal_(), kv.v.normal_()
-    kv.k.copy_(kv.k.to(dtype)), kv.v.copy_(kv.v.to(dtype))  # the values the kernels read, kept in fp32 for the reference
-    table = torch.randperm(24)[:18].int()[None]
-    q = torch.randn(1, H, DK).to(dtype).float()
-    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    for L in (1, 5, 32, 33, 50, 72):
-        lens = torch.tensor([L], dtype=torch.int32)
-        runs = {}
-        for heads in (False, True):
-            monkeypatch.setattr(decode_kernel, "PAGED_HEADS", mode if heads else "off")
-            runs[heads] = paged_decode_attention(q.to(dev, dtype), kv.k[0].to(dev, dtype), kv.v[0].to(dev, dtype),
-                                                 table.to(dev), lens.to(dev), BS, 0.25, block_n=16).float().cpu()
-        meta = AttentionMetadata(torch.zeros(0, dtype=torch.int64), None, table, lens, L, [])
-        ref = PagedAttention(kv, meta)._decode(q, kv.k[0], kv.v[0], 0.25)
-        torch.testing.assert_close(runs[True], ref, **tol, msg=lambda m: f"context {L}: {m}")
-        if dtype == torch.float32 or dev == "cuda":
-            torch.testing.assert_close(runs[True], runs[False], **(tol if dtype == torch.bfloat16 else
-                                                                    dict(atol=1e-5, rtol=1e-5)),
-                                       msg=lambda m: f"context {L}: {m}")
-    assert decode_kernel.num_splits(torch.device(dev), G, table.shape[1] * BS, 16) > 1
+    assert warps == [("_paged_decode", 8), ("_merge_splits", 1), ("_paged_decode", 4), ("_merge_splits", 1)]
+    assert (decode_kernel.PAGED_WARPS_ONE_ROW, decode_kernel.PAGED_WARPS, decode_kernel.MERGE_WARPS) == (8, 4, 1)

@@ -102,17 +102,14 @@ def _compile_composed_router():
                                      EARLY=True, PDL=True))
         ptx = compiled.asm["ptx"]  # one wait in each branch (o_proj rows, router rows), one early trigger
         assert ptx.count("griddepcontrol.wait") == 2 and ptx.count("griddepcontrol.launch_dependents") == 1
-    for x_early in (False, True):  # (`EXPERT_READS_EARLY`: the residual row read before the ranking)
-        compile_sm90(moe_kernel._gate_up_silu, dict(x_ptr="*bf16", w_ptr="*bf16", ids_ptr="*fp32", h_ptr="*bf16",
-                                                    s_we="i64", s_wf="i64", nw_ptr="*bf16", eps="fp32"),
-                     dict(D=D, F=F, K=K, BLOCK_F=8, BLOCK_D=2048, LIBDEVICE=True, PDL=True, ROUTED=True, E=E, E_PAD=E,
-                          COMPOSED=True, X_EARLY=x_early))
-    for rank_first in (False, True):  # (`EXPERT_READS_EARLY`: the weights read before the 1 / RMS)
-        compile_sm90(moe_kernel._down_combine, dict(h_ptr="*bf16", w_ptr="*bf16", ids_ptr="*fp32", y_ptr="*bf16",
-                                                   s_we="i64", s_wd="i64", x_ptr="*bf16", eps="fp32"),
-                     dict(wts_ptr=None, D=D, F=F, K=K, K_PAD=K, BLOCK_D=4, BLOCK_F=512, EARLY=True, PDL=True,
-                          ROUTED=True, E=E, E_PAD=E, SCALE=1.0, NORM=True, COMPOSED=True, BLOCK_X=2048,
-                          RANK_FIRST=rank_first))
+    compile_sm90(moe_kernel._gate_up_silu, dict(x_ptr="*bf16", w_ptr="*bf16", ids_ptr="*fp32", h_ptr="*bf16",
+                                                s_we="i64", s_wf="i64", nw_ptr="*bf16", eps="fp32"),
+                 dict(D=D, F=F, K=K, BLOCK_F=8, BLOCK_D=2048, LIBDEVICE=True, PDL=True, ROUTED=True, E=E, E_PAD=E,
+                      COMPOSED=True))
+    compile_sm90(moe_kernel._down_combine, dict(h_ptr="*bf16", w_ptr="*bf16", ids_ptr="*fp32", y_ptr="*bf16",
+                                               s_we="i64", s_wd="i64", x_ptr="*bf16", eps="fp32"),
+                 dict(wts_ptr=None, D=D, F=F, K=K, K_PAD=K, BLOCK_D=4, BLOCK_F=512, EARLY=True, PDL=True, ROUTED=True,
+                      E=E, E_PAD=E, SCALE=1.0, NORM=True, COMPOSED=True, BLOCK_X=2048))
 
 
 def _compile_combine_rows_and_backward():
@@ -164,15 +161,7 @@ def _compile_paged_decode():
                      dict(QH=H // G, QH_PAD=16, DK=DH, DK_PAD=DH, DV=DH, DV_PAD=DH, BLOCK_SIZE=16, BLOCK_N=64,
                           PRECISION="tf32", NUM_SPLITS=splits, CHUNK=256, DYNAMIC_LOOP=splits == 1, V_EARLY=splits > 1, EARLY=True,
                           PDL=splits > 1), num_warps=warps)
-    for table_early, chunk in ((False, 64), (True, 64), (True, 128)):  # (`PAGED_HEADS`: a query head a program)
-        compile_sm90(decode_kernel._paged_decode_head,
-                     dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", o_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32",
-                          tables_ptr="*i32", lens_ptr="*i32", scale="fp32",
-                          **{name: "i64" for name in ("s_qb", "s_qh", "s_ks", "s_kg", "s_vs", "s_vg", "s_tb")}),
-                     dict(QH=H // G, DK=DH, DK_PAD=DH, DV=DH, DV_PAD=DH, BLOCK_SIZE=16, BLOCK_N=64, NUM_SPLITS=4,
-                          CHUNK=chunk, EARLY=True, PDL=True, TABLE_EARLY=table_early),
-                     num_warps=decode_kernel.PAGED_HEADS_WARPS)
-    for warps in (1, 2, 4):  # (`MERGE_WARPS` and the values `b1_tiles.py` tries)
+    for warps in (1, 2, 4):  # (`MERGE_WARPS` (1) and the values `b1_tiles.py` tries)
         compile_sm90(decode_kernel._merge_splits, dict(part_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", o_ptr="*bf16",
                                                        s_ob="i64", s_oh="i64"),
                      dict(H=H, DV=DH, DV_PAD=DH, NUM_SPLITS=4, SPLITS_PAD=4, EARLY=True, PDL=True), num_warps=warps)

@@ -27,12 +27,6 @@ def triton_available() -> bool:
 
 if triton is not None:
     @triton.jit
-    def _cache_slots(tables_ptr, b, s_tb, pos, p_ok, BLOCK_SIZE: tl.constexpr):
-        """Row b's cache slots (int64) of positions `pos`, through its block table (0 where not p_ok)."""
-        blk = tl.load(tables_ptr + b * s_tb + pos // BLOCK_SIZE, mask=p_ok, other=0)
-        return blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
-
-    @triton.jit
     def _attend_block(q, m_i, l_i, acc, start, ctx_len, b, g, k_ptr, v_ptr, tables_ptr, scale,
                       s_ks, s_kg, s_vs, s_vg, s_tb, DK: tl.constexpr, DK_PAD: tl.constexpr, DV: tl.constexpr,
                       DV_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
@@ -43,7 +37,8 @@ if triton is not None:
         dv = tl.arange(0, DV_PAD)
         pos = start + tl.arange(0, BLOCK_N)
         p_ok = pos < ctx_len
-        slot = _cache_slots(tables_ptr, b, s_tb, pos, p_ok, BLOCK_SIZE)
+        blk = tl.load(tables_ptr + b * s_tb + pos // BLOCK_SIZE, mask=p_ok, other=0)
+        slot = blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
         k = tl.load(k_ptr + slot[:, None] * s_ks + g * s_kg + dk[None, :],
                     mask=p_ok[:, None] & (dk[None, :] < DK), other=0.0)
         v_rows = v_ptr + slot[:, None] * s_vs + g * s_vg + dv[None, :]
@@ -105,66 +100,6 @@ if triton is not None:
             tl.store(o_ptr + row[:, None] * DV + dv[None, :], acc, mask=h_ok[:, None] & (dv[None, :] < DV))
 
     @triton.jit
-    def _head_block(q, m_i, l_i, acc, slot, p_ok, g, k_ptr, v_ptr, s_ks, s_kg, s_vs, s_vg, scale,
-                    DK: tl.constexpr, DK_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr):
-        """One online-softmax step of `_paged_decode_head` over the positions at `slot` (valid where p_ok)."""
-        dk = tl.arange(0, DK_PAD)
-        dv = tl.arange(0, DV_PAD)
-        k = tl.load(k_ptr + slot[:, None] * s_ks + g * s_kg + dk[None, :],
-                    mask=p_ok[:, None] & (dk[None, :] < DK), other=0.0)
-        v = tl.load(v_ptr + slot[:, None] * s_vs + g * s_vg + dv[None, :],
-                    mask=p_ok[:, None] & (dv[None, :] < DV), other=0.0)
-        s = tl.where(p_ok, tl.sum(k.to(tl.float32) * q[None, :], 1) * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked block before any real one
-        p = tl.exp(s - m_safe)
-        alpha = tl.exp(m_i - m_safe)
-        pv = p.to(v.dtype).to(tl.float32)[:, None] * v.to(tl.float32)
-        return m_new, l_i * alpha + tl.sum(p, 0), acc * alpha + tl.sum(pv, 0)
-
-    @triton.jit
-    def _paged_decode_head(q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, tables_ptr, lens_ptr, scale,
-                           s_qb, s_qh, s_ks, s_kg, s_vs, s_vg, s_tb, QH: tl.constexpr, DK: tl.constexpr,
-                           DK_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                           BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, CHUNK: tl.constexpr, EARLY: tl.constexpr,
-                           PDL: tl.constexpr, TABLE_EARLY: tl.constexpr = False):
-        """Program (b, h, sp): query head h of row b over context split sp, in plain multiply-adds (`PAGED_HEADS`):
-        no tl.dot, which pads the kv group's QH query rows to 16 and moves its operands through shared memory (in
-        sm_90 SASS the K/V stores to it split the loads into two or three round trips). The QH programs of a kv
-        group read the same K/V (from L2 after the first). Writes the split partials as `_paged_decode`'s split
-        programs do, for `_merge_splits`; the products round as that kernel's dots do (bf16 probabilities against
-        V). TABLE_EARLY: the first block's cache slots are read before the PDL wait (the block tables, like the
-        lengths, are written before the step's first kernel)."""
-        pdl_launch_next(PDL, EARLY)
-        b = tl.program_id(0)
-        h = tl.program_id(1)
-        sp = tl.program_id(2)
-        g = h // QH
-        ctx_len = tl.load(lens_ptr + b)  # (lengths and block tables: written before the step's first kernel)
-        pos = sp * CHUNK + tl.arange(0, BLOCK_N)
-        p_ok = pos < ctx_len
-        if TABLE_EARLY:
-            slot = _cache_slots(tables_ptr, b, s_tb, pos, p_ok, BLOCK_SIZE)
-        pdl_wait(PDL, EARLY)
-        if not TABLE_EARLY:
-            slot = _cache_slots(tables_ptr, b, s_tb, pos, p_ok, BLOCK_SIZE)
-        dk = tl.arange(0, DK_PAD)
-        dv = tl.arange(0, DV_PAD)
-        q = tl.load(q_ptr + b * s_qb + h * s_qh + dk, mask=dk < DK, other=0.0).to(tl.float32)
-        m_i, l_i, acc = _head_block(q, tl.full([], float("-inf"), tl.float32), tl.full([], 0.0, tl.float32),
-                                    tl.zeros([DV_PAD], tl.float32), slot, p_ok, g, k_ptr, v_ptr, s_ks, s_kg, s_vs,
-                                    s_vg, scale, DK, DK_PAD, DV, DV_PAD)
-        for i in range(BLOCK_N, CHUNK, BLOCK_N):
-            pos = sp * CHUNK + i + tl.arange(0, BLOCK_N)
-            p_ok = pos < ctx_len
-            m_i, l_i, acc = _head_block(q, m_i, l_i, acc, _cache_slots(tables_ptr, b, s_tb, pos, p_ok, BLOCK_SIZE),
-                                        p_ok, g, k_ptr, v_ptr, s_ks, s_kg, s_vs, s_vg, scale, DK, DK_PAD, DV, DV_PAD)
-        row = (b * NUM_SPLITS + sp) * tl.num_programs(1) + h
-        tl.store(m_ptr + row, m_i)
-        tl.store(l_ptr + row, l_i)
-        tl.store(o_ptr + row * DV + dv, acc, mask=dv < DV)
-
-    @triton.jit
     def _merge_splits(part_ptr, m_ptr, l_ptr, o_ptr, s_ob, s_oh, H: tl.constexpr, DV: tl.constexpr,
                       DV_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, EARLY: tl.constexpr,
                       PDL: tl.constexpr):
@@ -212,23 +147,18 @@ PAGED_WARPS, PAGED_STAGES = 4, 3
 # B=32 and 256 with 8 warps read 60.2% / 61.8% of the roofline in that call (63.4% / 63.7% at 4 in session 23), so
 # more rows keep PAGED_WARPS
 PAGED_WARPS_ONE_ROW = 8
-# A/B, not yet measured (session 24, for the next device call): split programs per query head in plain
-# multiply-adds (`_paged_decode_head`) instead of per kv group with tl.dot; MOELOOP_PAGED_HEADS=on, at one row only.
-# PAGED_HEADS_WARPS: its warps a program
-# "early": also the first block's cache slots before the PDL wait (`_paged_decode_head` TABLE_EARLY)
-PAGED_HEADS = os.environ.get("MOELOOP_PAGED_HEADS", "off").lower()
-PAGED_HEADS_WARPS = int(os.environ.get("MOELOOP_PAGED_HEADS_WARPS", "4"))
-# the split merge's warps a program (12 programs at B=1 for the reference model; its reductions over the splits take
-# 5 barriers at 4 warps, none at 1: sm_90 PTX, session 24; session 25 A/B: MOELOOP_MERGE_WARPS)
-MERGE_WARPS = int(os.environ.get("MOELOOP_MERGE_WARPS", "4"))
+# the split merge's warps a program: 1 (12 programs at B=1 for the reference model; its reductions over the splits
+# take 5 barriers at 4 warps, none at 1: sm_90 PTX). H200, session 25: `b1_tiles.py` "defaults 0.3457 ms,
+# merge_warps=1 0.3417 ms, +4.0 us per forward"; rollout.py engine.step in alternation, B=1 2.881/2.879/2.874 against
+# 2.890/2.884/2.879 ms per 8 steps, B=32 14.610/14.638 against 14.724/14.775 (B=256 runs one split, no merge)
+MERGE_WARPS = 1
 
 
 def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SGD: torch.Tensor, v_cache_SGDv: torch.Tensor,
                            block_tables_BN: torch.Tensor, context_lens_B: torch.Tensor, block_size: int,
                            scale: float, block_n: int | None = None, split: bool = True) -> torch.Tensor:
     """Attention of each row's single query over its first context_lens_B[b] cached positions -> [B, H, Dv]
-    (`block_n`: default PAGED_BLOCK_N). Split programs per kv group (`_paged_decode`), or at one row with
-    `PAGED_HEADS` per query head (`_paged_decode_head`); then the merge."""
+    (`block_n`: default PAGED_BLOCK_N). Split programs per kv group (`_paged_decode`), then the merge."""
     if triton is None:
         raise RuntimeError("paged_decode_attention needs triton")
     B, H, Dk = q_BHD.shape
@@ -248,25 +178,16 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SGD: torch.Tensor, v_cac
         dest = torch.empty(B, splits, H, Dv, dtype=torch.float32, device=q_BHD.device)
         m = torch.empty(B, splits, H, dtype=torch.float32, device=q_BHD.device)
         l = torch.empty_like(m)
-    if splits > 1 and B == 1 and PAGED_HEADS in ("on", "early"):
-        _paged_decode_head[(B, H, splits)](
-            q_BHD, k_cache_SGD, v_cache_SGDv, dest, m, l, block_tables_BN, context_lens_B, scale,
-            q_BHD.stride(0), q_BHD.stride(1), k_cache_SGD.stride(0), k_cache_SGD.stride(1),
-            v_cache_SGDv.stride(0), v_cache_SGDv.stride(1), block_tables_BN.stride(0), QH=qh, DK=Dk,
-            DK_PAD=max(16, triton.next_power_of_2(Dk)), DV=Dv, DV_PAD=dv_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-            NUM_SPLITS=splits, CHUNK=chunk, EARLY=kernel_switch.PDL_EARLY, TABLE_EARLY=PAGED_HEADS == "early",
-            num_warps=PAGED_HEADS_WARPS, **pdl)
-    else:
-        _paged_decode[(B, G, splits)](
-            q_BHD, k_cache_SGD, v_cache_SGDv, dest, m, l, block_tables_BN, context_lens_B, scale,
-            q_BHD.stride(0), q_BHD.stride(1), k_cache_SGD.stride(0), k_cache_SGD.stride(1),
-            v_cache_SGDv.stride(0), v_cache_SGDv.stride(1), out.stride(0), out.stride(1), block_tables_BN.stride(0),
-            QH=qh, QH_PAD=max(16, triton.next_power_of_2(qh)), DK=Dk, DK_PAD=max(16, triton.next_power_of_2(Dk)),
-            DV=Dv, DV_PAD=dv_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-            PRECISION=precision, NUM_SPLITS=splits, CHUNK=chunk, V_EARLY=V_EARLY and splits > 1,
-            EARLY=kernel_switch.PDL_EARLY, num_warps=PAGED_WARPS_ONE_ROW if B == 1 else PAGED_WARPS,
-            num_stages=PAGED_STAGES, **pdl,
-            DYNAMIC_LOOP=splits == 1 and not triton_interpreting())  # the interpreter: static trip counts only
+    _paged_decode[(B, G, splits)](
+        q_BHD, k_cache_SGD, v_cache_SGDv, dest, m, l, block_tables_BN, context_lens_B, scale,
+        q_BHD.stride(0), q_BHD.stride(1), k_cache_SGD.stride(0), k_cache_SGD.stride(1),
+        v_cache_SGDv.stride(0), v_cache_SGDv.stride(1), out.stride(0), out.stride(1), block_tables_BN.stride(0),
+        QH=qh, QH_PAD=max(16, triton.next_power_of_2(qh)), DK=Dk, DK_PAD=max(16, triton.next_power_of_2(Dk)),
+        DV=Dv, DV_PAD=dv_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
+        PRECISION=precision, NUM_SPLITS=splits, CHUNK=chunk, V_EARLY=V_EARLY and splits > 1,
+        EARLY=kernel_switch.PDL_EARLY, num_warps=PAGED_WARPS_ONE_ROW if B == 1 else PAGED_WARPS,
+        num_stages=PAGED_STAGES, **pdl,
+        DYNAMIC_LOOP=splits == 1 and not triton_interpreting())  # the interpreter: static trip counts only
     if splits > 1:
         _merge_splits[(B, H)](dest, m, l, out, out.stride(0), out.stride(1), H=H, DV=Dv, DV_PAD=dv_pad,
                               NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),

@@ -102,27 +102,21 @@ if triton is not None:
     def _gate_up_silu(x_ptr, w_ptr, ids_ptr, h_ptr, s_we, s_wf, D: tl.constexpr, F: tl.constexpr, K: tl.constexpr,
                       BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr,
                       ROUTED: tl.constexpr = False, E: tl.constexpr = 1, E_PAD: tl.constexpr = 1,
-                      COMPOSED: tl.constexpr = False, nw_ptr=None, eps=0.0, X_EARLY: tl.constexpr = False):
+                      COMPOSED: tl.constexpr = False, nw_ptr=None, eps=0.0):
         """Program (s, f): gate/up rows f of assignment s's expert against its token, SiLU(gate) * up. Waits first:
         the expert ids come from the kernel just before. ROUTED: `ids_ptr` holds the router logits [T, E] instead,
         and the program ranks them itself (`_ranked_experts`: assignment s is token s // K's rank s % K).
         COMPOSED (with ROUTED; BLOCK_D >= D): x is the residual row, not yet normed, and the logits are a composed
         router's raw ones: the program applies the RMSNorm (weight nw_ptr, read before the wait) to the whole row
-        itself, and ranks the raw logits (a positive scale keeps their order; the weights are down's).
-        X_EARLY (with ROUTED and BLOCK_D >= D; `EXPERT_READS_EARLY`): the token's row (COMPOSED: the residual row) is
-        read together with the logits, before the ranking, not after it: in sm_90 SASS the ranking's barriers
-        otherwise put a second L2 round trip (the row) between the logits and the weight reads. The same values
-        and roundings either way."""
-        dn = tl.arange(0, BLOCK_D)
+        itself, and ranks the raw logits (a positive scale keeps their order; the weights are down's)."""
         if COMPOSED:
+            dn = tl.arange(0, BLOCK_D)
             nw = tl.load(nw_ptr + dn, mask=dn < D, other=0.0).to(tl.float32)
         pdl_wait(PDL)
         s = tl.program_id(0)
         f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
         f_ok = f < F
         x_row = x_ptr + (s // K).to(tl.int64) * D
-        if X_EARLY:  # (one pass: BLOCK_D >= D)
-            xr = tl.load(x_row + dn, mask=dn < D, other=0.0)
         if ROUTED:  # (COMPOSED: raw logits rank as the scaled ones do)
             ids, _, _ = _ranked_experts(ids_ptr, s // K, tl.zeros([1], tl.int32) + s % K, E, E_PAD)
             e = tl.max(ids, 0).to(tl.int64)
@@ -135,11 +129,8 @@ if triton is not None:
             ok = f_ok[:, None] & (d[None, :] < D)
             if COMPOSED:  # one pass (BLOCK_D >= D). (The norm placed after the weight loads holds both tiles in
                 # registers, 167 against 96: 35.1% of the roofline against 38.9%, H200 B=1, session 22)
-                if not X_EARLY:
-                    xr = tl.load(x_row + dn, mask=dn < D, other=0.0)
-                x = _rmsnorm_row(xr, nw, eps, D, h_ptr.dtype.element_ty).to(tl.float32)
-            elif X_EARLY:
-                x = xr.to(tl.float32)
+                x = _rmsnorm_row(tl.load(x_row + dn, mask=dn < D, other=0.0), nw, eps, D, h_ptr.dtype.element_ty)
+                x = x.to(tl.float32)
             else:
                 x = tl.load(x_row + d, mask=d < D, other=0.0).to(tl.float32)
             wg = tl.load(w_ptr + e * s_we + f[:, None] * s_wf + d[None, :], mask=ok, other=0.0).to(tl.float32)
@@ -217,17 +208,14 @@ if triton is not None:
                       K_PAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr, EARLY: tl.constexpr,
                       PDL: tl.constexpr, ROUTED: tl.constexpr = False, E: tl.constexpr = 1, E_PAD: tl.constexpr = 1,
                       SCALE: tl.constexpr = 1.0, NORM: tl.constexpr = False, COMPOSED: tl.constexpr = False,
-                      x_ptr=None, eps=0.0, BLOCK_X: tl.constexpr = 1, RANK_FIRST: tl.constexpr = False):
+                      x_ptr=None, eps=0.0, BLOCK_X: tl.constexpr = 1):
         """Program (t, j): outputs d of block j of token t, sum_k wts[t, k] * (h[t*K + k] . W_down[ids[t, k]][d]),
         each expert's product rounded first. The K experts' rows are one [K_PAD * BLOCK_D, BLOCK_F] tile, whose first
         F-block is read before the PDL wait: the ids are two kernels old (the router's; `_gate_up_silu` between
         triggers late), h is the last kernel's. ROUTED: `ids_ptr` holds the router logits [T, E], two kernels old
         too, and the program takes the ids and weights from them (`_ranked_experts`, `_routed_weights` with SCALE
         and NORM); `wts_ptr` is not read (None). COMPOSED (with ROUTED): the logits are a composed router's raw
-        ones, scaled by 1 / RMS of the residual row x (read before the wait too: it was written before them).
-        RANK_FIRST (with ROUTED; `EXPERT_READS_EARLY`): the weight reads follow the ranking directly, and the 1 / RMS
-        and the routing weights come after them, not before (their reductions' barriers otherwise delay the weight
-        reads; the row and the logits are then read together). The same values either way."""
+        ones, scaled by 1 / RMS of the residual row x (read before the wait too: it was written before them)."""
         pdl_launch_next(PDL, EARLY)
         t = tl.program_id(0)
         r = tl.arange(0, K_PAD * BLOCK_D)
@@ -238,23 +226,18 @@ if triton is not None:
         if COMPOSED:
             dx = tl.arange(0, BLOCK_X)
             xr = tl.load(x_ptr + t.to(tl.int64) * D + dx, mask=dx < D, other=0.0)
-        if ROUTED:
-            if COMPOSED and not RANK_FIRST:
-                ids, z, rank = _ranked_experts(ids_ptr, t, k, E, E_PAD, True, _rms_scale(xr, eps, D), xr.dtype)
-            else:  # (RANK_FIRST, composed: the raw logits rank as the scaled ones do; scaled below)
-                ids, z, rank = _ranked_experts(ids_ptr, t, k, E, E_PAD)
+            ids, z, rank = _ranked_experts(ids_ptr, t, k, E, E_PAD, True, _rms_scale(xr, eps, D), xr.dtype)
             e = ids.to(tl.int64)
-            if not RANK_FIRST:
-                wts = _routed_weights(z, rank, ids, SCALE, K, NORM)
+            wts = _routed_weights(z, rank, ids, SCALE, K, NORM)
+        elif ROUTED:
+            ids, z, rank = _ranked_experts(ids_ptr, t, k, E, E_PAD)
+            e = ids.to(tl.int64)
+            wts = _routed_weights(z, rank, ids, SCALE, K, NORM)
         else:
             e = tl.load(ids_ptr + s, mask=ok, other=0).to(tl.int64)
         w_rows = w_ptr + e[:, None] * s_we + d[:, None] * s_wd
         f = tl.arange(0, BLOCK_F)
         w = tl.load(w_rows + f[None, :], mask=ok[:, None] & (f[None, :] < F), other=0.0)
-        if ROUTED and RANK_FIRST:
-            if COMPOSED:  # `_ranked_experts`' SCALED logits, after the weight reads
-                z = (z * _rms_scale(xr, eps, D)).to(xr.dtype).to(tl.float32)
-            wts = _routed_weights(z, rank, ids, SCALE, K, NORM)
         pdl_wait(PDL, EARLY)  # (nothing may write the ids between the router's kernel and this one: they are read above)
         h_rows = h_ptr + s[:, None] * F
         h = tl.load(h_rows + f[None, :], mask=ok[:, None] & (f[None, :] < F), other=0.0).to(tl.float32)
@@ -312,22 +295,12 @@ def routed_experts(moe: MoE, x_TD: torch.Tensor, logits_TE: torch.Tensor,
     router, E = moe.gate, logits_TE.shape[1]
     routing = dict(ROUTED=True, E=E, E_PAD=max(16, triton.next_power_of_2(E)))
     down = dict(SCALE=float(router.routed_scaling_factor), NORM=bool(router.norm_topk_prob))
-    # (gate_up holds the whole row in one pass: FEW_MAX_WIDTH)
-    up = dict(X_EARLY=EXPERT_READS_EARLY and triton.next_power_of_2(x_TD.shape[1]) <= FEW_MAX_WIDTH)
-    down["RANK_FIRST"] = EXPERT_READS_EARLY
+    up = {}
     if norm is not None:
-        up.update(COMPOSED=True, nw_ptr=norm.weight, eps=norm.eps)
+        up = dict(COMPOSED=True, nw_ptr=norm.weight, eps=norm.eps)
         down.update(COMPOSED=True, x_ptr=x_TD, eps=norm.eps, BLOCK_X=triton.next_power_of_2(x_TD.shape[1]))
     return _few_token_experts(moe.experts, x_TD.contiguous(), logits_TE.contiguous(), None, router.top_k, routing,
                               down, up)
-
-
-# A/B, not yet measured (session 24, for the next device call): the expert kernels that rank the router logits
-# themselves issue their reads before reductions that need not precede them. gate_up reads the token's row with the
-# logits, before the ranking (`_gate_up_silu` X_EARLY; sm_90 SASS of the composed one: 96 registers either way, and
-# the row's load no longer waits behind the ranking's 7 barriers); down reads its weights right after the ranking,
-# before the 1 / RMS and the routing weights (`_down_combine` RANK_FIRST); MOELOOP_EXPERT_READS_EARLY=on
-EXPERT_READS_EARLY = os.environ.get("MOELOOP_EXPERT_READS_EARLY", "off").lower() == "on"
 
 
 def composed_applies(x_TD: torch.Tensor, moe: MoE) -> bool:
