@@ -329,11 +329,13 @@ TOPK_SHORT = os.environ.get("MOELOOP_TOPK_SHORT", "on").lower() != "off"
 # against 48.1, B=256 55.1 against 85.2 (B=8 16.0 against 15.6); BENCHMARKS.md, session 14.
 # MOELOOP_TOPK_GROUPS=off: the exact top-k per slice by bisection
 TOPK_GROUPS = os.environ.get("MOELOOP_TOPK_GROUPS", "on").lower() != "off"
-# A/B, not yet measured (session 24, for the next device call): the top-k draw's phase 2 (no top-p) reads every
-# candidate slot together with the slices' counts, masking after (`_row_candidates` ALL_SLOTS), and the slices' maxima
-# and sums with them, before its first reduction. In sm_90 SASS the slot reads otherwise wait for the counts, and
-# come after the normaliser's barriers (20 loads in two round trips -> 8 in one); MOELOOP_TOPK_READS_EARLY=on
-TOPK_READS_EARLY = os.environ.get("MOELOOP_TOPK_READS_EARLY", "off").lower() == "on"
+# the top-k draw's phase 2 (no top-p) reads every candidate slot together with the slices' counts, masking after
+# (`_row_candidates` ALL_SLOTS), and the slices' maxima and sums with them, before its first reduction. In sm_90 SASS
+# the slot reads otherwise wait for the counts, and come after the normaliser's barriers (20 loads in two round trips
+# -> 8 in one). H200, session 25: `sampler.py` top-k 50 at B=1 10.5 against 10.8 us (B=8..256 within 0.2 us);
+# rollout.py B=1 engine.step 2.880/2.882/2.878 against 2.890/2.884/2.879 ms per 8 steps (alternating: within the
+# noise, not worse). MOELOOP_TOPK_READS_EARLY=off: the reads masked by the counts, after the normaliser
+TOPK_READS_EARLY = os.environ.get("MOELOOP_TOPK_READS_EARLY", "on").lower() != "off"
 TOPK_SPLITS = 16  # target programs per row of `topk_sample`: at B=1 one per row would leave most SMs idle
 # warps per program of the two-phase top-k kernels; 0: 8 for one row (H200, top-k 50: 14.1 us against 15.2 with 4,
 # session 12's `sampler.py --topk-sweep`; 8 was slower at B=32 and 256) or past 2048 values per phase, else 4
