@@ -3,6 +3,10 @@
 #   merge: (nvidia-h200) the split merge at 1 warp (MOELOOP_MERGE_WARPS=1; `b1_tiles.py` read +4.0 us per forward
 #          in session 25's first call) and session 24's MOELOOP_TOPK_READS_EARLY=on: the sampler's CUDA tests,
 #          `sampler.py` off and on, B=1 engine.step in alternation (3 rounds), then B=32 with the merge at 1 and 4.
+#   final: (nvidia-h200, about 7 minutes) the code with both made default: their CUDA tests; `b1_tiles.py` A/Bs of the
+#          lm_head tile (8, 8) and paged_block_n 32 (near the defaults in the first call's sweep); B=1 engine.step in
+#          alternation against session 24's choices (merge 4 warps, top-k reads after the counts), 2 rounds; B=32 and
+#          B=256 once.
 set -u
 source "$(dirname "$0")/gpu_lib.sh"  # b1
 case "${1:-}" in
@@ -28,5 +32,25 @@ merge)
         done
     done
     ;;
-*) echo "usage: $0 merge" >&2; exit 2 ;;
+final)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_rollout_paged_attention.py tests/test_rollout_sampler.py \
+        tests/test_rollout_fused_decode.py --tb=short -k "one_row or topk or composed or single_sequence" 2>&1 \
+        | grep -E "^(FAILED|ERROR)|passed|failed" | tail -6
+    timeout 150 python3 benchmarks/b1_tiles.py --rounds 0 --pairs 3 --ab "lm_head=(8, 8)" --ab "paged_block_n=32" \
+        2>&1 | grep -v -i warn
+    for round in 1 2; do
+        b1 "defaults" X=1
+        echo "== session 24's choices (merge 4 warps, top-k reads after the counts)"
+        MOELOOP_TOPK_READS_EARLY=off timeout 100 python3 -c "import runpy, sys; from moeloop.rollout import decode_kernel
+decode_kernel.MERGE_WARPS = 4
+sys.argv = ['rollout.py', '--device', 'cuda', '--size', 'reference', '--batch', '1', '--repeats', '5', '--skip-hf',
+            '--step-times']
+runpy.run_path('benchmarks/rollout.py', run_name='__main__')" 2>&1 | grep -v -i warn | grep -E "engine.step|^\| 1 |walls"
+    done
+    for batch in 32 256; do
+        timeout 120 python3 benchmarks/rollout.py --device cuda --size reference --batch $batch --repeats 3 --skip-hf \
+            --step-times 2>&1 | grep -v -i warn | grep -E "engine.step|^\| $batch |walls"
+    done
+    ;;
+*) echo "usage: $0 merge|final" >&2; exit 2 ;;
 esac
