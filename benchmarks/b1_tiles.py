@@ -12,7 +12,8 @@ gains looked for, so the sweep's best is then measured against the defaults in a
 each knob's change alone against the defaults the same way.
 
 Knobs (module constants read at each launch, so a fresh engine's graph capture takes them):
-  row_linear  fused_decode.ROW_LINEAR_TILE   (rows per program, warps): q|k|v and o_proj
+  row_linear  fused_decode.ROW_LINEAR_TILE   (rows per program, warps): q|k|v (and o_proj without a composed router)
+  o_proj      fused_decode.O_PROJ_TILE       (o_proj rows per program, warps) of the composed router's o_proj launch
   router      fused_decode.ROUTER_TILE       (rows per program, warps): the router's norm-folded projection
   gate_up     moe_kernel.GATE_UP_FEW_TILE    (ffn rows per program, warps)
   down        moe_kernel.DOWN_FEW_TILE       (output rows per program, warps)
@@ -43,6 +44,7 @@ from sized_engine import sized_engine
 
 KNOBS = {
     "row_linear": (fused_decode, "ROW_LINEAR_TILE", [(2, 4), (4, 2), (4, 4), (4, 8), (8, 2), (8, 4), (8, 8)]),
+    "o_proj": (fused_decode, "O_PROJ_TILE", [(2, 4), (4, 2), (4, 4), (4, 8), (8, 2), (8, 4), (8, 8)]),
     "gate_up": (moe_kernel, "GATE_UP_FEW_TILE", [(4, 4), (4, 8), (8, 2), (8, 4), (8, 8), (16, 4), (16, 8)]),
     "down": (moe_kernel, "DOWN_FEW_TILE", [(1, 2), (2, 1), (2, 2), (4, 2), (4, 4), (8, 4)]),
     "paged_block_n": (decode_kernel, "PAGED_BLOCK_N", [16, 32, 64, 128]),

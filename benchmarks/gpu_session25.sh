@@ -7,6 +7,10 @@
 #          lm_head tile (8, 8) and paged_block_n 32 (near the defaults in the first call's sweep); B=1 engine.step in
 #          alternation against session 24's choices (merge 4 warps, top-k reads after the counts), 2 rounds; B=32 and
 #          B=256 once.
+#   oproj: (nvidia-h200, about 5 minutes) the composed router's o_proj launch with a tile of its own
+#          (MOELOOP_O_PROJ_TILE; it shared q|k|v's ROW_LINEAR_TILE, which the sweeps varied jointly): its CUDA tests
+#          at (8, 4), `b1_tiles.py` over o_proj and row_linear, then B=1 engine.step in alternation (2 rounds) with the
+#          sweep's o_proj tile if it is not the default.
 set -u
 source "$(dirname "$0")/gpu_lib.sh"  # b1
 case "${1:-}" in
@@ -52,5 +56,19 @@ runpy.run_path('benchmarks/rollout.py', run_name='__main__')" 2>&1 | grep -v -i 
             --step-times 2>&1 | grep -v -i warn | grep -E "engine.step|^\| $batch |walls"
     done
     ;;
-*) echo "usage: $0 merge|final" >&2; exit 2 ;;
+oproj)
+    MOELOOP_O_PROJ_TILE=8,4 timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_rollout_fused_decode.py \
+        --tb=short -k "composed or o_proj_router" 2>&1 | grep -E "^(FAILED|ERROR)|passed|failed" | tail -6
+    timeout 150 python3 benchmarks/b1_tiles.py --rounds 1 --pairs 3 --knobs o_proj,row_linear 2>&1 | grep -v -i warn \
+        | tee /tmp/tiles.txt
+    best=$(sed -n "s/^sweep's best .*'o_proj': (\([0-9]*\), \([0-9]*\)).*/\1,\2/p" /tmp/tiles.txt)
+    echo "sweep's o_proj tile: ${best:-none}"
+    if [ -n "$best" ] && [ "$best" != "4,4" ]; then
+        for round in 1 2; do
+            b1 "defaults" X=1
+            b1 "o_proj tile $best" MOELOOP_O_PROJ_TILE=$best
+        done
+    fi
+    ;;
+*) echo "usage: $0 merge|final|oproj" >&2; exit 2 ;;
 esac

@@ -442,6 +442,8 @@ def normed_row_linear(x_TD: torch.Tensor, res_TD: torch.Tensor | None, norm: RMS
 # B=1 with `decode_packs.ROUTER_COMPOSE`: o_proj and the composed router's raw logits in one launch (`o_proj_router`);
 # router rows per program of that launch: 1, 2 and 4 measured 2.926, 2.935-2.940 and 2.965 ms per 8 steps (H200)
 ROUTER_COMPOSE_ROWS = int(os.environ.get("MOELOOP_ROUTER_COMPOSE_ROWS", "1"))
+# (o_proj rows per program, warps) of that launch: ROW_LINEAR_TILE's (session 25 A/B: MOELOOP_O_PROJ_TILE=rows,warps)
+O_PROJ_TILE = tuple(int(v) for v in os.environ.get("MOELOOP_O_PROJ_TILE", ",".join(map(str, ROW_LINEAR_TILE))).split(","))
 
 
 def composed_router(layer: nn.Module, o_TD: torch.Tensor, res_TD: torch.Tensor | None) -> ComposedRouter | None:
@@ -450,7 +452,7 @@ def composed_router(layer: nn.Module, o_TD: torch.Tensor, res_TD: torch.Tensor |
     pack = layer.mlp.__dict__.get("_decode_router") if decode_packs.ROUTER_COMPOSE else None
     if pack is None or res_TD is None or not res_TD.is_contiguous() or res_TD.dtype != o_TD.dtype:
         return None
-    ok = row_linear_applies(o_TD, [layer.self_attn.o_proj], ROW_LINEAR_TILE[0]) and composed_applies(res_TD, layer.mlp)
+    ok = row_linear_applies(o_TD, [layer.self_attn.o_proj], O_PROJ_TILE[0]) and composed_applies(res_TD, layer.mlp)
     return pack if ok else None
 
 
@@ -460,7 +462,7 @@ def o_proj_router(o_TD: torch.Tensor, res_TD: torch.Tensor, pack: ComposedRouter
     (D, A), E = w.shape, pack.weight.shape[0]
     x_TD = res_TD.new_empty(1, D)
     z_TE = torch.empty(1, E, dtype=torch.float32, device=res_TD.device)
-    block_n, warps = ROW_LINEAR_TILE
+    block_n, warps = O_PROJ_TILE
     grid = D // block_n + triton.cdiv(E, ROUTER_COMPOSE_ROWS)
     _row_linear_router[(grid,)](o_TD, res_TD, w, x_TD, pack.weight, z_TE, N=D, A=A, D=res_TD.shape[1], E=E,
                                 BLOCK_N=block_n, BLOCK_A=triton.next_power_of_2(A),
