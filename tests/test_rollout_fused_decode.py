@@ -459,10 +459,19 @@ def test_o_proj_router_equals_module_path_and_follows_weight_changes(monkeypatch
     """One `o_proj_router` launch: x = res + o_proj(o) as the module path rounds it, and the raw logits times
     1 / rms(x) equal the router's logits of RMSNorm(x) (fp32: 1e-5; bf16: within the module path's own rounding);
     the expert kernels on them equal the top-k routing through `fused_experts`. The composed weights follow an
-    in-place change of o_proj (`refresh()`)."""
+    in-place change of o_proj (`refresh()`). The launch runs `O_PROJ_TILE` (4 o_proj rows, 2 warps: measured)."""
     from moeloop.rollout import decode_packs, fused_decode
     from moeloop.rollout.moe_kernel import fused_experts, routed_experts
     monkeypatch.setattr(decode_packs, "ROUTER_COMPOSE", True)
+    tiles, real = [], fused_decode._row_linear_router
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                tiles.append((grid, kw["BLOCK_N"], kw["num_warps"]))
+                return real[grid](*args, **kw)
+            return launch
+    monkeypatch.setattr(fused_decode, "_row_linear_router", Recorder())
     torch.manual_seed(7)
     model = tiny_model("qwen3_moe").to(DEVICE, dtype)
     layer = model.model.layers[1]
@@ -504,6 +513,8 @@ def test_o_proj_router_equals_module_path_and_follows_weight_changes(monkeypatch
     pack.refresh()  # the version counter moved: recomputed
     _, fresh = check()
     assert not torch.allclose(stale, fresh)
+    E = layer.mlp.gate.weight.shape[0]
+    assert fused_decode.O_PROJ_TILE == (4, 2) and set(tiles) == {((D // 4 + E,), 4, 2)}
 
 
 def test_update_weights_reaches_the_composed_router(monkeypatch):

@@ -91,15 +91,16 @@ def _compile_align_and_small_batch_experts():
 
 
 def _compile_composed_router():
-    """`ROUTER_COMPOSE`: o_proj + the raw router logits in one launch (1 router row a program, the default, and 4);
-    gate_up ranking those logits and norming the residual row; down scaling them by the row's 1 / RMS."""
+    """`ROUTER_COMPOSE`: o_proj + the raw router logits in one launch (1 router row a program, the default, and 4;
+    at `O_PROJ_TILE`'s warps, 2, and 4); gate_up ranking those logits and norming the residual row; down scaling them
+    by the row's 1 / RMS."""
     from moeloop.rollout import fused_decode, moe_kernel
-    for block_e in (1, 4):
+    for block_e, warps in ((1, fused_decode.O_PROJ_TILE[1]), (1, 4), (4, 4)):
         compiled = compile_sm90(fused_decode._row_linear_router,
                                 dict(a_ptr="*bf16", h_ptr="*bf16", w_ptr="*bf16", x_ptr="*bf16", r_ptr="*fp32",
                                      z_ptr="*fp32"),
-                                dict(N=D, A=H * DH, D=D, E=E, BLOCK_N=4, BLOCK_A=2048, BLOCK_D=2048, BLOCK_E=block_e,
-                                     EARLY=True, PDL=True))
+                                dict(N=D, A=H * DH, D=D, E=E, BLOCK_N=fused_decode.O_PROJ_TILE[0], BLOCK_A=2048,
+                                     BLOCK_D=2048, BLOCK_E=block_e, EARLY=True, PDL=True), num_warps=warps)
         ptx = compiled.asm["ptx"]  # one wait in each branch (o_proj rows, router rows), one early trigger
         assert ptx.count("griddepcontrol.wait") == 2 and ptx.count("griddepcontrol.launch_dependents") == 1
     compile_sm90(moe_kernel._gate_up_silu, dict(x_ptr="*bf16", w_ptr="*bf16", ids_ptr="*fp32", h_ptr="*bf16",
