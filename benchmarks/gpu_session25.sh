@@ -11,6 +11,9 @@
 #          (MOELOOP_O_PROJ_TILE; it shared q|k|v's ROW_LINEAR_TILE, which the sweeps varied jointly): its CUDA tests
 #          at (8, 4), `b1_tiles.py` over o_proj and row_linear, then B=1 engine.step in alternation (2 rounds) with the
 #          sweep's o_proj tile if it is not the default.
+#   qkv:   (nvidia-h200; prepared for session 26, about 4 minutes) q|k|v's ROW_LINEAR_TILE at (8, 4)
+#          (MOELOOP_ROW_LINEAR_TILE=8,4; `b1_tiles.py` read +1.8 us per forward in the oproj call): its CUDA tests, then
+#          B=1 engine.step in alternation, 3 rounds.
 set -u
 source "$(dirname "$0")/gpu_lib.sh"  # b1
 case "${1:-}" in
@@ -70,5 +73,13 @@ oproj)
         done
     fi
     ;;
-*) echo "usage: $0 merge|final|oproj" >&2; exit 2 ;;
+qkv)
+    MOELOOP_ROW_LINEAR_TILE=8,4 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_rollout_fused_decode.py \
+        --tb=short -k "single_sequence or composed or row_linear" 2>&1 | grep -E "^(FAILED|ERROR)|passed|failed" | tail -6
+    for round in 1 2 3; do
+        b1 "defaults" X=1
+        b1 "row_linear 8,4" MOELOOP_ROW_LINEAR_TILE=8,4
+    done
+    ;;
+*) echo "usage: $0 merge|final|oproj|qkv" >&2; exit 2 ;;
 esac
