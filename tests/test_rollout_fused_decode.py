@@ -1,6 +1,8 @@
 """The fused decode forward (add+RMSNorm, q/k norm + RoPE + KV write, softmax top-k router kernels) equals the
 module forward: same greedy tokens and logprobs through the engine (fp32), and logits within bf16 rounding
 for a bf16 model. On CPU it runs under the Triton interpreter; skipped without triton."""
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -514,7 +516,10 @@ def test_o_proj_router_equals_module_path_and_follows_weight_changes(monkeypatch
     _, fresh = check()
     assert not torch.allclose(stale, fresh)
     E = layer.mlp.gate.weight.shape[0]
-    assert fused_decode.O_PROJ_TILE == (4, 2) and set(tiles) == {((D // 4 + E,), 4, 2)}
+    rows, warps = fused_decode.O_PROJ_TILE
+    assert set(tiles) == {((D // rows + E,), rows, warps)}
+    if "MOELOOP_O_PROJ_TILE" not in os.environ:  # (an A/B run sets another tile)
+        assert (rows, warps) == (4, 2)
 
 
 def test_update_weights_reaches_the_composed_router(monkeypatch):
