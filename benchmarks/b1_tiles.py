@@ -43,8 +43,9 @@ from moeloop.rollout import SamplingParams, decode_kernel, fused_decode, moe_ker
 from sized_engine import sized_engine
 
 KNOBS = {
-    "row_linear": (fused_decode, "ROW_LINEAR_TILE", [(2, 4), (4, 2), (4, 4), (4, 8), (8, 2), (8, 4), (8, 8)]),
-    "o_proj": (fused_decode, "O_PROJ_TILE", [(2, 4), (4, 2), (4, 4), (4, 8), (8, 2), (8, 4), (8, 8)]),
+    "row_linear": (fused_decode, "ROW_LINEAR_TILE", [(2, 4), (4, 2), (4, 4), (4, 8), (8, 2), (8, 4), (8, 8), (16, 4),
+                                                     (16, 8)]),
+    "o_proj": (fused_decode, "O_PROJ_TILE", [(2, 2), (2, 4), (4, 1), (4, 2), (4, 4), (4, 8), (8, 2), (8, 4), (8, 8)]),
     "gate_up": (moe_kernel, "GATE_UP_FEW_TILE", [(4, 4), (4, 8), (8, 2), (8, 4), (8, 8), (16, 4), (16, 8)]),
     "down": (moe_kernel, "DOWN_FEW_TILE", [(1, 2), (2, 1), (2, 2), (4, 2), (4, 4), (8, 4)]),
     "paged_block_n": (decode_kernel, "PAGED_BLOCK_N", [16, 32, 64, 128]),
@@ -53,7 +54,7 @@ KNOBS = {
     "paged_warps": (decode_kernel, "PAGED_WARPS_ONE_ROW", [4, 8]),
     "merge_warps": (decode_kernel, "MERGE_WARPS", [1, 2, 4]),
     "lm_head_fold": (fused_decode, "LM_HEAD_FOLD", [True, False]),
-    "lm_head": (fused_decode, "LM_HEAD_TILE", [(4, 4), (8, 4), (8, 8), (16, 4), (16, 8)]),
+    "lm_head": (fused_decode, "LM_HEAD_TILE", [(4, 2), (4, 4), (8, 2), (8, 4), (8, 8), (16, 4), (16, 8)]),
     "router": (fused_decode, "ROUTER_TILE", [(4, 4), (4, 1), (4, 2), (2, 1), (1, 1), (2, 2), (16, 4)]),
 }
 PROMPT, NEW = 128, 8
