@@ -14,9 +14,10 @@
 #   qkv:   (nvidia-h200; prepared for session 26, about 4 minutes) q|k|v's ROW_LINEAR_TILE at (8, 4)
 #          (MOELOOP_ROW_LINEAR_TILE=8,4; `b1_tiles.py` read +1.8 us per forward in the oproj call): its CUDA tests, then
 #          B=1 engine.step in alternation, 3 rounds.
-#   sweep: (nvidia-h200; prepared for session 26, about 2 minutes) `b1_tiles.py` over row_linear (now with 16-row
+#   sweep: (nvidia-h200; prepared for session 26, about 3 minutes) `b1_tiles.py` over row_linear (now with 16-row
 #          tiles), o_proj (with 1- and 2-warp tiles) and lm_head (with 2-warp tiles): fewer warps won twice in session 25
-#          (the merge, o_proj). Engine A/Bs of what it finds need a second call.
+#          (the merge, o_proj); gate_up and down again beside o_proj's new tile. Engine A/Bs of what it finds need a
+#          second call.
 set -u
 source "$(dirname "$0")/gpu_lib.sh"  # b1
 case "${1:-}" in
@@ -85,7 +86,8 @@ qkv)
     done
     ;;
 sweep)
-    timeout 200 python3 benchmarks/b1_tiles.py --rounds 1 --pairs 3 --knobs row_linear,o_proj,lm_head 2>&1 | grep -v -i warn
+    timeout 240 python3 benchmarks/b1_tiles.py --rounds 1 --pairs 3 --knobs row_linear,o_proj,lm_head,gate_up,down 2>&1 \
+        | grep -v -i warn
     ;;
 *) echo "usage: $0 merge|final|oproj|qkv|sweep" >&2; exit 2 ;;
 esac
