@@ -43,3 +43,18 @@ def test_pdl_only_compiled_on_hopper_and_not_when_switched_off(monkeypatch):
     monkeypatch.setattr(kernel_switch, "_PDL_DEVICES", {"fake:0": False})  # an Ampere card
     monkeypatch.delenv("MOELOOP_PDL")
     assert not kernel_switch.pdl_applies(cuda_like, 1)
+
+
+def test_env_tile_reads_a_tile_or_names_the_variable(monkeypatch):
+    """A tile's A/B variable ("rows,warps"): unset gives the default; a malformed or wrong-length value raises
+    naming the variable, not a bare int() error."""
+    import pytest
+    from moeloop.model.kernel_switch import env_tile
+    monkeypatch.delenv("MOELOOP_O_PROJ_TILE", raising=False)
+    assert env_tile("MOELOOP_O_PROJ_TILE", (4, 2)) == (4, 2)
+    monkeypatch.setenv("MOELOOP_O_PROJ_TILE", "8,4")
+    assert env_tile("MOELOOP_O_PROJ_TILE", (4, 2)) == (8, 4)
+    for bad in ("8", "8,x", "8,4,2", "0,4", ""):
+        monkeypatch.setenv("MOELOOP_O_PROJ_TILE", bad)
+        with pytest.raises(ValueError, match="MOELOOP_O_PROJ_TILE"):
+            env_tile("MOELOOP_O_PROJ_TILE", (4, 2))

@@ -29,6 +29,22 @@ except ImportError:  # a triton without grid dependency control (before 3.3): la
     gdc_launch_dependents = gdc_wait = None
 
 
+def env_tile(name: str, default: tuple[int, ...]) -> tuple[int, ...]:
+    """A kernel tile from environment variable `name` ("rows,warps", for A/Bs), else `default`. A malformed value
+    raises a ValueError that names the variable."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        tile = tuple(int(v) for v in raw.split(","))
+    except ValueError:
+        tile = ()
+    if len(tile) != len(default) or min(tile) < 1:
+        raise ValueError(f"{name}={raw!r}: expected {len(default)} positive comma-separated integers, like "
+                         f"{','.join(map(str, default))}")
+    return tile
+
+
 def kernels_enabled() -> bool:
     return os.environ.get("MOELOOP_KERNELS", "on").lower() != "off"
 

@@ -375,7 +375,7 @@ ROW_LINEAR = True  # a one-token decode (B=1) runs its projections as `_row_line
 # `benchmarks/b1_gemv.py`, then in the engine's B=1 graph by `benchmarks/b1_tiles.py`: 4 warps, session 12).
 # Session 25, with the composed o_proj launch on its own tile: (8, 4) read "+1.8 us per forward" in `b1_tiles.py`, not
 # yet measured in the engine (MOELOOP_ROW_LINEAR_TILE=rows,warps; `gpu_session25.sh qkv`)
-ROW_LINEAR_TILE = tuple(int(v) for v in os.environ.get("MOELOOP_ROW_LINEAR_TILE", "4,4").split(","))
+ROW_LINEAR_TILE = kernel_switch.env_tile("MOELOOP_ROW_LINEAR_TILE", (4, 4))
 ROW_LINEAR_MAX_D = ROW_MAX_D  # weight columns a program holds at once (the whole row up to this width)
 # the router's norm-folded projection (64 rows at the reference shape), a latency-bound hop: 4 rows and 4 warps per
 # program; (4, 1), (4, 2), (2, 1), (1, 1) and (16, 4) measured 2-12 us per B=1 forward slower (BENCHMARKS.md, session 15)
@@ -447,7 +447,7 @@ ROUTER_COMPOSE_ROWS = int(os.environ.get("MOELOOP_ROUTER_COMPOSE_ROWS", "1"))
 # (o_proj rows per program, warps) of that launch: 4 rows, 2 warps. It shared q|k|v's ROW_LINEAR_TILE (4, 4) until
 # session 25: H200, `b1_tiles.py` "defaults 0.3409 ms, o_proj=(4, 2) 0.3395 ms, +1.4 us per forward"; rollout.py B=1
 # engine.step 2.858/2.858 against 2.866/2.866 ms per 8 steps (alternating). MOELOOP_O_PROJ_TILE=rows,warps
-O_PROJ_TILE = tuple(int(v) for v in os.environ.get("MOELOOP_O_PROJ_TILE", "4,2").split(","))
+O_PROJ_TILE = kernel_switch.env_tile("MOELOOP_O_PROJ_TILE", (4, 2))
 
 
 def composed_router(layer: nn.Module, o_TD: torch.Tensor, res_TD: torch.Tensor | None) -> ComposedRouter | None:
