@@ -93,9 +93,8 @@ def main() -> None:
     print(f"defaults {best}: {base_ms:.4f} ms")
     best_ms = base_ms
     for rnd in range(args.rounds):
-        for name, (mod, attr, tiles) in KNOBS.items():
-            if name not in swept:
-                continue
+        for name in swept:
+            mod, attr, tiles = KNOBS[name]
             for tile in tiles:
                 if tile == best[name]:
                     continue

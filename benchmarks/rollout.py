@@ -93,7 +93,8 @@ def walls(run, n: int, device: str, repeats: int) -> tuple[list[float], list[flo
 
 
 def bench_moeloop(model, prompts: list[list[int]], new_tokens: int, device: str, repeats: int,
-                  step_times: bool = False, decode_steps: int = 0, top_k: int = 50) -> tuple[float, float, float | None]:
+                  step_times: bool = False, decode_steps: int = 0,
+                  top_k: int = 50) -> tuple[float, float, float | None]:
     """(fastest wall of the full runs, of the 1-token runs, with `step_times` the engine.step median per decode step
     in seconds: the median launch's ms over the steps a launch runs, K, or None)."""
     B, P = len(prompts), len(prompts[0])

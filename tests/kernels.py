@@ -21,3 +21,22 @@ def counted_launches(monkeypatch, module, tag) -> list:
     monkeypatch.setattr(module, "kernels_apply", lambda x: True)
     monkeypatch.setattr(module, "_launch", lambda *a, **k: calls.append(tag(*a, **k)) or launch(*a, **k))
     return calls
+
+
+def recorded_grids(monkeypatch, module, names, tag) -> list:
+    """Wraps each Triton kernel `module.<name>` so that every `kernel[grid](*args, **kw)` launch first appends
+    `tag(name, grid, kw)` to the returned list, then runs as before."""
+    calls = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name, self.kernel = name, getattr(module, name)
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                calls.append(tag(self.name, grid, kw))
+                return self.kernel[grid](*args, **kw)
+            return launch
+    for name in names:
+        monkeypatch.setattr(module, name, Recorder(name))
+    return calls

@@ -193,9 +193,9 @@ def test_a_disaggregated_push_is_planned_over_cuda_ipc():
 
 
 def test_the_engine_decode_packs_are_planned_as_the_engine_allocates_them():
-    """`decode_pack_bytes`: the fused decode's packed q|k|v copies and composed routers, as
-    `derive_decode_weights` allocates them for a bf16 Qwen3-MoE (counted from the tensors), the hand count at the reference size, nothing for MLA;
-    colocated, the engine's weights entry carries them."""
+    """`decode_pack_bytes`: the fused decode's packed q|k|v copies and composed routers, as `derive_decode_weights`
+    allocates them for a bf16 Qwen3-MoE (counted from the tensors), the hand count at the reference size, nothing for
+    MLA; colocated, the engine's weights entry carries them."""
     import torch
     from moeloop.model.factory import build_model, hf_config_dict
     from moeloop.plan.memory import ROW_MAX_D, decode_pack_bytes

@@ -11,6 +11,7 @@ from moeloop.rollout import SamplingParams
 from moeloop.rollout.decode_kernel import triton_available
 from moeloop.rollout.fused_decode import fused_decode_forward, fused_supported
 from moeloop.rollout.paged_attention import AttentionMetadata, PagedAttention
+from tests.kernels import recorded_grids
 from tests.test_rollout_engine import make_engine, prompts, tiny_model
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not installed (CPU torch wheel)")
@@ -286,8 +287,8 @@ def test_normed_row_linear_equals_add_rmsnorm_then_projection(monkeypatch, dtype
 
 def test_packed_qkv_projection_equals_three_and_follows_weight_changes():
     """With `derive_decode_weights` the fused forward runs q|k|v as one GEMM over a packed copy of the weights: the
-    same outputs as three projections. The copy goes stale on an in-place weight change until `refresh()` sees the source's
-    version counter move; a parameter that aliases another tensor (shared with a trainer) changes under that
+    same outputs as three projections. The copy goes stale on an in-place weight change until `refresh()` sees the
+    source's version counter move; a parameter that aliases another tensor (shared with a trainer) changes under that
     tensor's counter, so only `refresh(force=True)` (what `Engine.update_weights` calls) catches it."""
     from moeloop.rollout.decode_packs import derive_decode_weights
     model = tiny_model("qwen3_moe").to(DEVICE)
@@ -465,15 +466,8 @@ def test_o_proj_router_equals_module_path_and_follows_weight_changes(monkeypatch
     from moeloop.rollout import decode_packs, fused_decode
     from moeloop.rollout.moe_kernel import fused_experts, routed_experts
     monkeypatch.setattr(decode_packs, "ROUTER_COMPOSE", True)
-    tiles, real = [], fused_decode._row_linear_router
-
-    class Recorder:
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                tiles.append((grid, kw["BLOCK_N"], kw["num_warps"]))
-                return real[grid](*args, **kw)
-            return launch
-    monkeypatch.setattr(fused_decode, "_row_linear_router", Recorder())
+    tiles = recorded_grids(monkeypatch, fused_decode, ("_row_linear_router",),
+                           lambda name, grid, kw: (grid, kw["BLOCK_N"], kw["num_warps"]))
     torch.manual_seed(7)
     model = tiny_model("qwen3_moe").to(DEVICE, dtype)
     layer = model.model.layers[1]

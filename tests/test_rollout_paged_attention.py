@@ -107,19 +107,9 @@ def test_one_row_runs_its_own_warps(monkeypatch):
     """One row launches the paged decode with PAGED_WARPS_ONE_ROW warps (8: measured at B=1 on the H200), more rows
     with PAGED_WARPS; the split merge runs MERGE_WARPS (1, measured); both equal the gather path."""
     from moeloop.rollout import decode_kernel
-    warps = []
-
-    class Recorder:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                warps.append((self.kernel.__name__, kw["num_warps"]))
-                return self.kernel[grid](*args, **kw)
-            return launch
-    for name in ("_paged_decode", "_merge_splits"):
-        monkeypatch.setattr(decode_kernel, name, Recorder(getattr(decode_kernel, name)))
+    from tests.kernels import recorded_grids
+    warps = recorded_grids(monkeypatch, decode_kernel, ("_paged_decode", "_merge_splits"),
+                           lambda name, grid, kw: (name, kw["num_warps"]))
     torch.manual_seed(3)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     kv = cache(num_blocks=24)

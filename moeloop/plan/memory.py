@@ -209,7 +209,8 @@ def decode_pack_bytes(m: ModelConfig | None, rollout_tp: int = 1) -> float:
     """Bytes the CUDA engine's fused decode derives from the weights and keeps beside them
     (`rollout.decode_packs.derive_decode_weights`): each GQA layer's packed q|k|v copy (bf16, as the planner's
     engine weights, split like them over the engine's TP) and, where one program holds its rows, each softmax MoE
-    layer's composed router ([E, H * Dh + D] fp32, `ComposedRouter`). 0 without a model config, or for MLA (no fused decode)."""
+    layer's composed router ([E, H * Dh + D] fp32, `ComposedRouter`). 0 without a model config, or for MLA (no fused
+    decode)."""
     if m is None or m.is_mla:
         return 0.0
     attn = m.num_heads * m.head_dim
