@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Session 26's device calls. Run from the repository root with the project importable.
+#   first: (nvidia-h200, about 8 minutes) the committed defaults' CUDA tests (the o_proj tile (4, 2), which session 25
+#          measured only through MOELOOP_O_PROJ_TILE); session 25's prepared `qkv` A/B (q|k|v's ROW_LINEAR_TILE at
+#          (8, 4), +1.8 us per forward in `b1_tiles.py`) at 2 rounds; then its prepared `sweep`.
+set -u
+here="$(dirname "$0")"
+source "$here/gpu_lib.sh"  # b1
+case "${1:-}" in
+first)
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_rollout_fused_decode.py \
+        tests/test_rollout_paged_attention.py --tb=short -k "o_proj_router or one_row or composed" 2>&1 \
+        | grep -E "^(FAILED|ERROR)|passed|failed" | tail -6
+    MOELOOP_ROW_LINEAR_TILE=8,4 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_rollout_fused_decode.py \
+        --tb=short -k "single_sequence or composed or row_linear" 2>&1 | grep -E "^(FAILED|ERROR)|passed|failed" | tail -6
+    for round in 1 2; do
+        b1 "defaults" X=1
+        b1 "row_linear 8,4" MOELOOP_ROW_LINEAR_TILE=8,4
+    done
+    timeout 200 python3 benchmarks/b1_tiles.py --rounds 1 --pairs 3 --knobs row_linear,o_proj,lm_head,gate_up,down 2>&1 \
+        | grep -v -i warn
+    ;;
+*) echo "usage: $0 first" >&2; exit 2 ;;
+esac
