@@ -198,6 +198,9 @@ def test_fused_decode_single_sequence_matches_module_path(monkeypatch, arch, nor
         return fold(*a, **k)
     monkeypatch.setattr(fused_decode, "normed_row_linear", spy)
     monkeypatch.setattr(fused_decode, "routed_experts", lambda *a: routed.append(1) or route(*a))
+    tiles = recorded_grids(monkeypatch, fused_decode, ("_norm_row_linear", "_row_linear"),
+                           lambda name, grid, kw: (kw["N1"] > 0, kw["BLOCK_N"], kw["num_warps"]))
+
     def module_path_folds_nothing() -> None:
         assert not folds and not routed
 
@@ -209,6 +212,11 @@ def test_fused_decode_single_sequence_matches_module_path(monkeypatch, arch, nor
     assert len(routed) == (4 * len(model.model.layers) if route_fold else 0)
     assert sum(embedded) == (4 if embed_fold else 0)  # once per decode step
     assert heads == ([fused_decode.LM_HEAD_TILE] * 4 if head_fold and norm_fold else [])
+    # the q|k|v launches (three projections) run ROW_LINEAR_TILE, folded or not: 8 rows, 4 warps (measured)
+    assert {(rows, warps) for qkv, rows, warps in tiles if qkv} == {fused_decode.ROW_LINEAR_TILE}
+    assert sum(qkv for qkv, _, _ in tiles) == 4 * len(model.model.layers)
+    if "MOELOOP_ROW_LINEAR_TILE" not in os.environ:  # (an A/B run sets another tile)
+        assert fused_decode.ROW_LINEAR_TILE == (8, 4)
 
 
 @pytest.mark.parametrize("norm_topk", [True, False])

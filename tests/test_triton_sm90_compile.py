@@ -268,12 +268,15 @@ def _compile_logprob_chunk_kernels():
 
 def _compile_row_linear():
     from moeloop.rollout import fused_decode
-    for n0, n1, block_n in ((H * DH, G * DH, 4), (D, 0, 4), (E, 0, 4)):  # q|k|v, o_proj, router
+    # q|k|v, o_proj (when the router is not composed) and the router (when its norm is not folded), all at
+    # ROW_LINEAR_TILE as `project` launches them
+    block_n, warps = fused_decode.ROW_LINEAR_TILE
+    for n0, n1 in ((H * DH, G * DH), (D, 0), (E, 0)):
         for pdl, early in ((False, False), (False, True), (True, False), (True, True)):
             compiled = compile_sm90(fused_decode._row_linear, dict(x_ptr="*bf16", w0_ptr="*bf16", w1_ptr="*bf16", w2_ptr="*bf16",
                                                         out_ptr="*bf16"),
                          dict(N0=n0, N1=n1, D=D if n0 != D else H * DH, BLOCK_N=block_n, BLOCK_D=2048, EARLY=early,
-                              PDL=pdl), num_warps=8)
+                              PDL=pdl), num_warps=warps)
             # the PDL build waits on the previous grid and releases the next one (once: EARLY before the weight
             # loads and the wait, else after the wait); the plain build does neither
             ptx = compiled.asm["ptx"]
@@ -288,13 +291,14 @@ def _compile_norm_row_linear():
     from moeloop.rollout import fused_decode
     for n0, n1, has_res, write_y, embed in ((H * DH, G * DH, True, False, False), (H * DH, G * DH, False, False, False),
                                             (E, 0, True, True, False), (H * DH, G * DH, False, False, True)):
+        tile = fused_decode.ROUTER_TILE if n0 == E else fused_decode.ROW_LINEAR_TILE  # the router's, or q|k|v's
         compile_sm90(fused_decode._norm_row_linear,
                      dict(x_ptr="*bf16", res_ptr="*i64" if embed else "*bf16", nw_ptr="*bf16", y_ptr="*bf16",
                           res_out_ptr="*bf16", w0_ptr="*bf16", w1_ptr="*bf16", w2_ptr="*bf16", out_ptr="*bf16",
                           eps="fp32"),
-                     dict(N0=n0, N1=n1, D=D, BLOCK_N=4, BLOCK_D=2048, HAS_RES=has_res, WRITE_Y=write_y, EARLY=True,
-                          PDL=True, EMBED=embed),
-                     num_warps=8)
+                     dict(N0=n0, N1=n1, D=D, BLOCK_N=tile[0], BLOCK_D=2048, HAS_RES=has_res, WRITE_Y=write_y,
+                          EARLY=True, PDL=True, EMBED=embed),
+                     num_warps=tile[1])
 
 
 def _compile_lm_head_fold():

@@ -373,9 +373,10 @@ def qk_norm_rope_store(attn: nn.Module, q_TX: torch.Tensor, k_TX: torch.Tensor, 
 ROW_LINEAR = True  # a one-token decode (B=1) runs its projections as `_row_linear` launches instead of cuBLAS GEMVs
 # rows per program and warps: small tiles, many programs (H200, reference shapes: picked alone by
 # `benchmarks/b1_gemv.py`, then in the engine's B=1 graph by `benchmarks/b1_tiles.py`: 4 warps, session 12).
-# Session 25, with the composed o_proj launch on its own tile: (8, 4) read "+1.8 us per forward" in `b1_tiles.py`, not
-# yet measured in the engine (MOELOOP_ROW_LINEAR_TILE=rows,warps; `gpu_session25.sh qkv`)
-ROW_LINEAR_TILE = kernel_switch.env_tile("MOELOOP_ROW_LINEAR_TILE", (4, 4))
+# Session 26, with the composed o_proj launch on its own tile: 8 rows, 4 warps ("row_linear=(8, 4) 0.3384 ms, +1.5 us
+# per forward" in `b1_tiles.py`; rollout.py B=1 engine.step 2.839/2.843 against 2.861/2.857 ms per 8 steps at (4, 4),
+# alternating). MOELOOP_ROW_LINEAR_TILE=rows,warps for A/Bs
+ROW_LINEAR_TILE = kernel_switch.env_tile("MOELOOP_ROW_LINEAR_TILE", (8, 4))
 ROW_LINEAR_MAX_D = ROW_MAX_D  # weight columns a program holds at once (the whole row up to this width)
 # the router's norm-folded projection (64 rows at the reference shape), a latency-bound hop: 4 rows and 4 warps per
 # program; (4, 1), (4, 2), (2, 1), (1, 1) and (16, 4) measured 2-12 us per B=1 forward slower (BENCHMARKS.md, session 15)
