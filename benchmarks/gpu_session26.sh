@@ -3,6 +3,9 @@
 #   first: (nvidia-h200, about 8 minutes) the committed defaults' CUDA tests (the o_proj tile (4, 2), which session 25
 #          measured only through MOELOOP_O_PROJ_TILE); session 25's prepared `qkv` A/B (q|k|v's ROW_LINEAR_TILE at
 #          (8, 4), +1.8 us per forward in `b1_tiles.py`) at 2 rounds; then its prepared `sweep`.
+#   oproj: (nvidia-h200, about 5 minutes) with q|k|v at (8, 4) by default: the CUDA tests of the recorded tiles, then
+#          B=1 engine.step in alternation (3 rounds) against the o_proj tile (2, 2) (`first`'s sweep: "o_proj=(2, 2)
+#          0.3390 ms, +1.5 us per forward").
 set -u
 here="$(dirname "$0")"
 source "$here/gpu_lib.sh"  # b1
@@ -20,5 +23,14 @@ first)
     timeout 200 python3 benchmarks/b1_tiles.py --rounds 1 --pairs 3 --knobs row_linear,o_proj,lm_head,gate_up,down 2>&1 \
         | grep -v -i warn
     ;;
-*) echo "usage: $0 first" >&2; exit 2 ;;
+oproj)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_rollout_fused_decode.py \
+        tests/test_rollout_paged_attention.py --tb=short -k "single_sequence or o_proj_router or one_row or composed" \
+        2>&1 | grep -E "^(FAILED|ERROR)|passed|failed" | tail -6
+    for round in 1 2 3; do
+        b1 "defaults" X=1
+        b1 "o_proj tile 2,2" MOELOOP_O_PROJ_TILE=2,2
+    done
+    ;;
+*) echo "usage: $0 first|oproj" >&2; exit 2 ;;
 esac
