@@ -51,10 +51,10 @@ def test_env_tile_reads_a_tile_or_names_the_variable(monkeypatch):
     import pytest
     from moeloop.model.kernel_switch import env_tile
     monkeypatch.delenv("MOELOOP_O_PROJ_TILE", raising=False)
-    assert env_tile("MOELOOP_O_PROJ_TILE", (4, 2)) == (4, 2)
+    assert env_tile("MOELOOP_O_PROJ_TILE", (2, 2)) == (2, 2)
     monkeypatch.setenv("MOELOOP_O_PROJ_TILE", "8,4")
-    assert env_tile("MOELOOP_O_PROJ_TILE", (4, 2)) == (8, 4)
+    assert env_tile("MOELOOP_O_PROJ_TILE", (2, 2)) == (8, 4)
     for bad in ("8", "8,x", "8,4,2", "0,4", ""):
         monkeypatch.setenv("MOELOOP_O_PROJ_TILE", bad)
         with pytest.raises(ValueError, match="MOELOOP_O_PROJ_TILE"):
-            env_tile("MOELOOP_O_PROJ_TILE", (4, 2))
+            env_tile("MOELOOP_O_PROJ_TILE", (2, 2))

@@ -445,10 +445,12 @@ def normed_row_linear(x_TD: torch.Tensor, res_TD: torch.Tensor | None, norm: RMS
 # B=1 with `decode_packs.ROUTER_COMPOSE`: o_proj and the composed router's raw logits in one launch (`o_proj_router`);
 # router rows per program of that launch: 1, 2 and 4 measured 2.926, 2.935-2.940 and 2.965 ms per 8 steps (H200)
 ROUTER_COMPOSE_ROWS = int(os.environ.get("MOELOOP_ROUTER_COMPOSE_ROWS", "1"))
-# (o_proj rows per program, warps) of that launch: 4 rows, 2 warps. It shared q|k|v's ROW_LINEAR_TILE (4, 4) until
-# session 25: H200, `b1_tiles.py` "defaults 0.3409 ms, o_proj=(4, 2) 0.3395 ms, +1.4 us per forward"; rollout.py B=1
-# engine.step 2.858/2.858 against 2.866/2.866 ms per 8 steps (alternating). MOELOOP_O_PROJ_TILE=rows,warps
-O_PROJ_TILE = kernel_switch.env_tile("MOELOOP_O_PROJ_TILE", (4, 2))
+# (o_proj rows per program, warps) of that launch: 2 rows, 2 warps. It shared q|k|v's ROW_LINEAR_TILE (4, 4) until
+# session 25, which measured (4, 2) (H200, `b1_tiles.py` "o_proj=(4, 2) 0.3395 ms, +1.4 us per forward"; rollout.py B=1
+# engine.step 2.858/2.858 against 2.866/2.866 ms per 8 steps). Session 26, q|k|v at (8, 4): "o_proj=(2, 2) 0.3390 ms,
+# +1.5 us per forward"; engine.step 2.819/2.824/2.821 against 2.837/2.836/2.837 at (4, 2), alternating.
+# MOELOOP_O_PROJ_TILE=rows,warps for A/Bs
+O_PROJ_TILE = kernel_switch.env_tile("MOELOOP_O_PROJ_TILE", (2, 2))
 
 
 def composed_router(layer: nn.Module, o_TD: torch.Tensor, res_TD: torch.Tensor | None) -> ComposedRouter | None:
