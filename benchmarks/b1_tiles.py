@@ -28,12 +28,18 @@ Knobs (module constants read at each launch, so a fresh engine's graph capture t
 
 `--ab name=value[;name=value]` (repeatable) also measures that change against the defaults in alternation, whatever
 the sweep found (e.g. `--ab lm_head_fold=False`: the fold's A/B). `--rounds 0` runs only those.
+
+`--engine-ab N` then runs `rollout.py` at B=1 (the engine.step times, 5 repeats) N times in alternation with the
+defaults for the change that gained most in its A/B (at least 1 us a forward), in fresh processes with the tiles set.
 """
 from __future__ import annotations
 
 import argparse
 import ast
 import statistics
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -45,16 +51,18 @@ from sized_engine import sized_engine
 KNOBS = {
     "row_linear": (fused_decode, "ROW_LINEAR_TILE", [(2, 4), (4, 2), (4, 4), (4, 8), (8, 2), (8, 4), (8, 8), (16, 4),
                                                      (16, 8)]),
-    "o_proj": (fused_decode, "O_PROJ_TILE", [(2, 2), (2, 4), (4, 1), (4, 2), (4, 4), (4, 8), (8, 2), (8, 4), (8, 8)]),
+    "o_proj": (fused_decode, "O_PROJ_TILE", [(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4),
+                                             (4, 8), (8, 2), (8, 4), (8, 8)]),
     "gate_up": (moe_kernel, "GATE_UP_FEW_TILE", [(4, 4), (4, 8), (8, 2), (8, 4), (8, 8), (16, 4), (16, 8)]),
-    "down": (moe_kernel, "DOWN_FEW_TILE", [(1, 2), (2, 1), (2, 2), (4, 2), (4, 4), (8, 4)]),
+    "down": (moe_kernel, "DOWN_FEW_TILE", [(1, 2), (2, 1), (2, 2), (4, 2), (4, 4), (4, 8), (8, 2), (8, 4), (8, 8)]),
     "paged_block_n": (decode_kernel, "PAGED_BLOCK_N", [16, 32, 64, 128]),
     "max_splits": (decode_kernel, "MAX_SPLITS", [1, 2, 3, 4, 8, 16]),
     "paged_stages": (decode_kernel, "PAGED_STAGES", [3, 4, 6]),
     "paged_warps": (decode_kernel, "PAGED_WARPS_ONE_ROW", [4, 8]),
     "merge_warps": (decode_kernel, "MERGE_WARPS", [1, 2, 4]),
     "lm_head_fold": (fused_decode, "LM_HEAD_FOLD", [True, False]),
-    "lm_head": (fused_decode, "LM_HEAD_TILE", [(4, 2), (4, 4), (8, 2), (8, 4), (8, 8), (16, 4), (16, 8)]),
+    "lm_head": (fused_decode, "LM_HEAD_TILE", [(2, 2), (2, 4), (4, 1), (4, 2), (4, 4), (8, 2), (8, 4), (8, 8), (16, 4),
+                                               (16, 8)]),
     "router": (fused_decode, "ROUTER_TILE", [(4, 4), (4, 1), (4, 2), (2, 1), (1, 1), (2, 2), (16, 4)]),
 }
 PROMPT, NEW = 128, 8
@@ -72,6 +80,21 @@ def forward_graph_ms(model, prompt: list[int], replays: int) -> tuple[float, lis
     return statistics.median(replay_seconds(graph, replays) * 1e3 for _ in range(3)), tokens
 
 
+def engine_step(label: str, change: dict) -> None:
+    """One B=1 `rollout.py` measurement (engine.step times) in a fresh process with `change`'s tiles set."""
+    sets = "".join(f"setattr(importlib.import_module({KNOBS[name][0].__name__!r}), {KNOBS[name][1]!r}, {value!r})\n"
+                   for name, value in change.items())
+    argv = ["rollout.py", "--device", "cuda", "--size", "reference", "--batch", "1", "--repeats", "5", "--skip-hf",
+            "--step-times"]
+    code = (f"import importlib, runpy, sys\n{sets}sys.argv = {argv!r}\n"
+            f"runpy.run_path({str(Path(__file__).with_name('rollout.py'))!r}, run_name='__main__')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=150)
+    print(f"== engine, {label}" + ("" if out.returncode == 0 else f" (exit {out.returncode}: {out.stderr[-300:]})"))
+    for line in out.stdout.splitlines():
+        if line.startswith(("# B=1 engine.step", "# B=1 walls", "# B=1 by the engine.step", "| 1 |")):
+            print(line)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=2)
@@ -79,6 +102,8 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=4)
     ap.add_argument("--ab", action="append", default=[], help="name=value: also A/B this change against the defaults")
     ap.add_argument("--knobs", default=",".join(KNOBS), help="comma-separated knobs the sweep varies (default: all)")
+    ap.add_argument("--engine-ab", type=int, default=0, metavar="N",
+                    help="rounds of rollout.py B=1 in alternation with the defaults for the A/Bs' best change")
     args = ap.parse_args()
     swept = args.knobs.split(",")
     if unknown := sorted(set(swept) - set(KNOBS)):
@@ -118,6 +143,7 @@ def main() -> None:
                 ap.error(f"--ab {item}: {name!r} is not one of the knobs {sorted(KNOBS)}")
             change[name.strip()] = ast.literal_eval(value)
         candidates.append((item, change))
+    gained = []
     for label, change in candidates:
         pair_ms = {"defaults": [], label: []}
         for _ in range(args.pairs):
@@ -128,6 +154,12 @@ def main() -> None:
         a, b = (statistics.median(v) for v in pair_ms.values())
         print(f"A/B in alternation ({args.pairs} each): defaults {a:.4f} ms, {label} {b:.4f} ms, "
               f"{(a - b) * 1e3:+.1f} us per forward")
+        if (a - b) * 1e3 >= 1.0:
+            gained.append(((a - b) * 1e3, label, change))
+    for _, label, change in sorted(gained, key=lambda g: g[0])[-1:] if args.engine_ab else []:
+        for _ in range(args.engine_ab):
+            engine_step("defaults", {})
+            engine_step(label, change)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,9 @@
 #   oproj: (nvidia-h200, about 5 minutes) with q|k|v at (8, 4) by default: the CUDA tests of the recorded tiles, then
 #          B=1 engine.step in alternation (3 rounds) against the o_proj tile (2, 2) (`first`'s sweep: "o_proj=(2, 2)
 #          0.3390 ms, +1.5 us per forward").
+#   sweep: (nvidia-h200, about 6 minutes) with both tiles default: `b1_tiles.py` over o_proj (now with 1-row and 1-warp
+#          tiles), lm_head (2-row tiles), down (8 warps, 8 rows) and the paged decode's knobs, then the A/Bs' best
+#          change in the engine (`--engine-ab 2`).
 set -u
 here="$(dirname "$0")"
 source "$here/gpu_lib.sh"  # b1
@@ -32,5 +35,9 @@ oproj)
         b1 "o_proj tile 2,2" MOELOOP_O_PROJ_TILE=2,2
     done
     ;;
-*) echo "usage: $0 first|oproj" >&2; exit 2 ;;
+sweep)
+    timeout 540 python3 benchmarks/b1_tiles.py --rounds 1 --pairs 3 --engine-ab 2 \
+        --knobs o_proj,lm_head,down,paged_block_n,paged_warps,merge_warps 2>&1 | grep -v -i warn
+    ;;
+*) echo "usage: $0 first|oproj|sweep" >&2; exit 2 ;;
 esac
