@@ -9,6 +9,8 @@
 #   sweep: (nvidia-h200, about 6 minutes) with both tiles default: `b1_tiles.py` over o_proj (now with 1-row and 1-warp
 #          tiles), lm_head (2-row tiles), down (8 warps, 8 rows) and the paged decode's knobs, then the A/Bs' best
 #          change in the engine (`--engine-ab 2`).
+#   final: (nvidia-h200, about 6 minutes) the final code: the fused decode, paged attention and kernel switch tests on
+#          CUDA, B=1 twice, B=32 and B=256 once.
 set -u
 here="$(dirname "$0")"
 source "$here/gpu_lib.sh"  # b1
@@ -39,5 +41,18 @@ sweep)
     timeout 540 python3 benchmarks/b1_tiles.py --rounds 1 --pairs 3 --engine-ab 2 \
         --knobs o_proj,lm_head,down,paged_block_n,paged_warps,merge_warps 2>&1 | grep -v -i warn
     ;;
-*) echo "usage: $0 first|oproj|sweep" >&2; exit 2 ;;
+final)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_rollout_fused_decode.py \
+        tests/test_rollout_paged_attention.py tests/test_kernel_switch.py --tb=short 2>&1 \
+        | grep -E "^(FAILED|ERROR)|passed|failed" | tail -6
+    for round in 1 2; do
+        b1 "final defaults" X=1
+    done
+    for batch in 32 256; do
+        echo "== B=$batch"
+        timeout 120 python3 benchmarks/rollout.py --device cuda --size reference --batch $batch --repeats 3 --skip-hf \
+            --step-times 2>&1 | grep -v -i warn | grep -E "engine.step|^\| $batch |walls"
+    done
+    ;;
+*) echo "usage: $0 first|oproj|sweep|final" >&2; exit 2 ;;
 esac
