@@ -30,7 +30,8 @@ Knobs (module constants read at each launch, so a fresh engine's graph capture t
 the sweep found (e.g. `--ab lm_head_fold=False`: the fold's A/B). `--rounds 0` runs only those.
 
 `--engine-ab N` then runs `rollout.py` at B=1 (the engine.step times, 5 repeats) N times in alternation with the
-defaults for the change that gained most in its A/B (at least 1 us a forward), in fresh processes with the tiles set.
+defaults for the change that gained most in its A/B (at least `--engine-min-us`, default 1 us a forward), in fresh
+processes with the tiles set.
 """
 from __future__ import annotations
 
@@ -104,6 +105,8 @@ def main() -> None:
     ap.add_argument("--knobs", default=",".join(KNOBS), help="comma-separated knobs the sweep varies (default: all)")
     ap.add_argument("--engine-ab", type=int, default=0, metavar="N",
                     help="rounds of rollout.py B=1 in alternation with the defaults for the A/Bs' best change")
+    ap.add_argument("--engine-min-us", type=float, default=1.0,
+                    help="the least A/B gain (us per forward) that --engine-ab measures in the engine")
     args = ap.parse_args()
     swept = args.knobs.split(",")
     if unknown := sorted(set(swept) - set(KNOBS)):
@@ -154,7 +157,7 @@ def main() -> None:
         a, b = (statistics.median(v) for v in pair_ms.values())
         print(f"A/B in alternation ({args.pairs} each): defaults {a:.4f} ms, {label} {b:.4f} ms, "
               f"{(a - b) * 1e3:+.1f} us per forward")
-        if (a - b) * 1e3 >= 1.0:
+        if (a - b) * 1e3 >= args.engine_min_us:
             gained.append(((a - b) * 1e3, label, change))
     for _, label, change in sorted(gained, key=lambda g: g[0])[-1:] if args.engine_ab else []:
         for _ in range(args.engine_ab):
