@@ -29,6 +29,9 @@ Knobs (module constants read at each launch, so a fresh engine's graph capture t
 `--ab name=value[;name=value]` (repeatable) also measures that change against the defaults in alternation, whatever
 the sweep found (e.g. `--ab lm_head_fold=False`: the fold's A/B). `--rounds 0` runs only those.
 
+The sweep's best, where it differs from the defaults, is also printed as environment settings (MOELOOP_*_TILE and
+the like: each knob reads its variable at import), to run it without a code change on the GPU it was found on.
+
 `--engine-ab N` then runs `rollout.py` at B=1 (the engine.step times, 5 repeats) N times in alternation with the
 defaults for the change that gained most in its A/B (at least `--engine-min-us`, default 1 us a forward), in fresh
 processes with the tiles set.
@@ -66,7 +69,20 @@ KNOBS = {
                                                (16, 8)]),
     "router": (fused_decode, "ROUTER_TILE", [(4, 4), (4, 1), (4, 2), (2, 1), (1, 1), (2, 2), (16, 4)]),
 }
+# the environment variable that sets each knob in a fresh process (`kernel_switch.env_tile`; the fold: on|off)
+KNOB_ENV = {"row_linear": "MOELOOP_ROW_LINEAR_TILE", "o_proj": "MOELOOP_O_PROJ_TILE", "gate_up": "MOELOOP_GATE_UP_TILE",
+            "down": "MOELOOP_DOWN_TILE", "paged_block_n": "MOELOOP_PAGED_BLOCK_N", "max_splits": "MOELOOP_MAX_SPLITS",
+            "paged_stages": "MOELOOP_PAGED_STAGES", "paged_warps": "MOELOOP_PAGED_WARPS_ONE_ROW",
+            "merge_warps": "MOELOOP_MERGE_WARPS", "lm_head_fold": "MOELOOP_LM_HEAD_FOLD", "lm_head": "MOELOOP_LM_HEAD_TILE",
+            "router": "MOELOOP_ROUTER_TILE"}
 PROMPT, NEW = 128, 8
+
+
+def env_setting(name: str, value) -> str:
+    """`VAR=value` that gives knob `name` this value in a fresh process."""
+    if isinstance(value, bool):
+        return f"{KNOB_ENV[name]}={'on' if value else 'off'}"
+    return f"{KNOB_ENV[name]}={','.join(map(str, value)) if isinstance(value, tuple) else value}"
 
 
 def forward_graph_ms(model, prompt: list[int], replays: int) -> tuple[float, list[int]]:
@@ -135,6 +151,8 @@ def main() -> None:
             setattr(mod, attr, best[name])
     print(f"sweep's best {best}: {best_ms:.4f} ms (defaults {base_ms:.4f} ms)")
     changed = [name for name in KNOBS if best[name] != defaults[name]]
+    if changed:
+        print("the sweep's best in a fresh process: " + " ".join(env_setting(name, best[name]) for name in changed))
     candidates = [(f"{name}={best[name]}", {name: best[name]}) for name in changed]
     if len(changed) > 1:
         candidates.append(("all of them", {name: best[name] for name in changed}))

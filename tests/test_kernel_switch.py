@@ -58,3 +58,45 @@ def test_env_tile_reads_a_tile_or_names_the_variable(monkeypatch):
         monkeypatch.setenv("MOELOOP_O_PROJ_TILE", bad)
         with pytest.raises(ValueError, match="MOELOOP_O_PROJ_TILE"):
             env_tile("MOELOOP_O_PROJ_TILE", (2, 2))
+
+
+def test_env_tile_wants_powers_of_two_for_block_sizes_and_warps(monkeypatch):
+    """Block sizes and warps must be powers of two (a tl.arange extent, num_warps): "6,4" is refused naming the
+    variable; a count such as pipeline stages may take any positive value."""
+    import pytest
+    from moeloop.model.kernel_switch import env_tile
+    monkeypatch.setenv("MOELOOP_GATE_UP_TILE", "6,4")
+    with pytest.raises(ValueError, match="MOELOOP_GATE_UP_TILE.*power of two"):
+        env_tile("MOELOOP_GATE_UP_TILE", (8, 4))
+    monkeypatch.setenv("MOELOOP_PAGED_STAGES", "5")
+    assert env_tile("MOELOOP_PAGED_STAGES", (3,), powers_of_two=False) == (5,)
+
+
+def test_every_b1_tile_knob_reads_its_variable():
+    """Each tile `benchmarks/b1_tiles.py` sweeps can be set from the environment (fresh interpreter, variables set
+    before import), so a sweep's best on another GPU applies without a code change; a bad value fails the import
+    naming its variable."""
+    import os
+    import subprocess
+    import sys
+    env_values = {"MOELOOP_ROW_LINEAR_TILE": ("fused_decode", "ROW_LINEAR_TILE", "16,8", (16, 8)),
+                  "MOELOOP_O_PROJ_TILE": ("fused_decode", "O_PROJ_TILE", "8,1", (8, 1)),
+                  "MOELOOP_ROUTER_TILE": ("fused_decode", "ROUTER_TILE", "2,1", (2, 1)),
+                  "MOELOOP_LM_HEAD_TILE": ("fused_decode", "LM_HEAD_TILE", "16,4", (16, 4)),
+                  "MOELOOP_GATE_UP_TILE": ("moe_kernel", "GATE_UP_FEW_TILE", "4,8", (4, 8)),
+                  "MOELOOP_DOWN_TILE": ("moe_kernel", "DOWN_FEW_TILE", "2,2", (2, 2)),
+                  "MOELOOP_PAGED_BLOCK_N": ("decode_kernel", "PAGED_BLOCK_N", "32", 32),
+                  "MOELOOP_MAX_SPLITS": ("decode_kernel", "MAX_SPLITS", "3", 3),
+                  "MOELOOP_PAGED_STAGES": ("decode_kernel", "PAGED_STAGES", "5", 5),
+                  "MOELOOP_PAGED_WARPS_ONE_ROW": ("decode_kernel", "PAGED_WARPS_ONE_ROW", "2", 2),
+                  "MOELOOP_MERGE_WARPS": ("decode_kernel", "MERGE_WARPS", "4", 4)}
+    check = ("from moeloop.rollout import decode_kernel, fused_decode, moe_kernel\n"
+             + "".join(f"assert {mod}.{attr} == {want!r}, ({mod!r}, {attr!r}, {mod}.{attr})\n"
+                       for mod, attr, _, want in env_values.values()))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOELOOP_")}
+    env.update({var: raw for var, (_, _, raw, _) in env_values.items()})
+    run = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    env["MOELOOP_DOWN_TILE"] = "3,4"
+    run = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "MOELOOP_DOWN_TILE='3,4'" in run.stderr

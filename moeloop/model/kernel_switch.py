@@ -29,9 +29,10 @@ except ImportError:  # a triton without grid dependency control (before 3.3): la
     gdc_launch_dependents = gdc_wait = None
 
 
-def env_tile(name: str, default: tuple[int, ...]) -> tuple[int, ...]:
-    """A kernel tile from environment variable `name` ("rows,warps", for A/Bs), else `default`. A malformed value
-    raises a ValueError that names the variable."""
+def env_tile(name: str, default: tuple[int, ...], powers_of_two: bool = True) -> tuple[int, ...]:
+    """A kernel tile from environment variable `name` ("rows,warps"; one value for a scalar knob), else `default`:
+    for A/Bs, and for the tiles `benchmarks/b1_tiles.py` finds on another GPU. A malformed value, or with
+    `powers_of_two` one that is not a power of two (block sizes and warps), raises a ValueError naming the variable."""
     raw = os.environ.get(name)
     if raw is None:
         return default
@@ -42,6 +43,8 @@ def env_tile(name: str, default: tuple[int, ...]) -> tuple[int, ...]:
     if len(tile) != len(default) or min(tile) < 1:
         raise ValueError(f"{name}={raw!r}: expected {len(default)} positive comma-separated integers, like "
                          f"{','.join(map(str, default))}")
+    if powers_of_two and any(v & (v - 1) for v in tile):
+        raise ValueError(f"{name}={raw!r}: each value must be a power of two (block sizes and warps)")
     return tile
 
 

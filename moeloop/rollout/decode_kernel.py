@@ -124,7 +124,9 @@ V_EARLY = os.environ.get("MOELOOP_V_EARLY", "on").lower() != "off"
 _NUM_SMS: dict[torch.device, int] = {}
 
 
-MAX_SPLITS = 16  # context splits per (row, kv head) at most (`benchmarks/b1_tiles.py` sweeps it at B=1)
+# context splits per (row, kv head) at most (`benchmarks/b1_tiles.py` sweeps it at B=1). Like each of the paged
+# decode's knobs below, an environment variable overrides it (here MOELOOP_MAX_SPLITS)
+MAX_SPLITS = kernel_switch.env_tile("MOELOOP_MAX_SPLITS", (16,), powers_of_two=False)[0]
 
 
 def num_splits(device: torch.device, num_programs: int, max_len: int, block_n: int) -> int:
@@ -136,22 +138,24 @@ def num_splits(device: torch.device, num_programs: int, max_len: int, block_n: i
     return max(1, min(wanted, -(-max_len // block_n), MAX_SPLITS))
 
 
-PAGED_BLOCK_N = 64  # cached positions per loop step, and the split programs' chunk unit (`benchmarks/b1_tiles.py`)
+# cached positions per loop step, and the split programs' chunk unit (`benchmarks/b1_tiles.py`)
+PAGED_BLOCK_N = kernel_switch.env_tile("MOELOOP_PAGED_BLOCK_N", (64,))[0]
 # the paged decode's warps and software-pipeline stages (how many loop steps' K/V loads a one-split program keeps in
 # flight; a split program runs one step): triton's default 3 stages. At B=1 one pipelined program per kv head (no
 # merge launch) measured 43-54 us per forward slower than the splits at 3-6 stages and 4-8 warps, two splits 24 us
 # (H200, BENCHMARKS.md, session 15): four SMs cannot stream the context as fast as 24 programs
-PAGED_WARPS, PAGED_STAGES = 4, 3
+PAGED_WARPS = 4
+PAGED_STAGES = kernel_switch.env_tile("MOELOOP_PAGED_STAGES", (3,), powers_of_two=False)[0]
 # one row (B=1): 8 warps a program. H200, session 24: `b1_tiles.py` "defaults 0.3480 ms, paged_warps=8 0.3443 ms,
 # +3.7 us per forward"; rollout.py B=1 engine.step 2.877/2.877 against 2.896/2.899 ms per 8 steps (alternating).
 # B=32 and 256 with 8 warps read 60.2% / 61.8% of the roofline in that call (63.4% / 63.7% at 4 in session 23), so
 # more rows keep PAGED_WARPS
-PAGED_WARPS_ONE_ROW = 8
+PAGED_WARPS_ONE_ROW = kernel_switch.env_tile("MOELOOP_PAGED_WARPS_ONE_ROW", (8,))[0]
 # the split merge's warps a program: 1 (12 programs at B=1 for the reference model; its reductions over the splits
 # take 5 barriers at 4 warps, none at 1: sm_90 PTX). H200, session 25: `b1_tiles.py` "defaults 0.3457 ms,
 # merge_warps=1 0.3417 ms, +4.0 us per forward"; rollout.py engine.step in alternation, B=1 2.881/2.879/2.874 against
 # 2.890/2.884/2.879 ms per 8 steps, B=32 14.610/14.638 against 14.724/14.775 (B=256 runs one split, no merge)
-MERGE_WARPS = 1
+MERGE_WARPS = kernel_switch.env_tile("MOELOOP_MERGE_WARPS", (1,))[0]
 
 
 def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SGD: torch.Tensor, v_cache_SGDv: torch.Tensor,

@@ -380,7 +380,7 @@ ROW_LINEAR_TILE = kernel_switch.env_tile("MOELOOP_ROW_LINEAR_TILE", (8, 4))
 ROW_LINEAR_MAX_D = ROW_MAX_D  # weight columns a program holds at once (the whole row up to this width)
 # the router's norm-folded projection (64 rows at the reference shape), a latency-bound hop: 4 rows and 4 warps per
 # program; (4, 1), (4, 2), (2, 1), (1, 1) and (16, 4) measured 2-12 us per B=1 forward slower (BENCHMARKS.md, session 15)
-ROUTER_TILE = (4, 4)
+ROUTER_TILE = kernel_switch.env_tile("MOELOOP_ROUTER_TILE", (4, 4))
 
 
 def row_linear_applies(x_TD: torch.Tensor, linears: list[nn.Module], block_n: int) -> bool:
@@ -581,7 +581,8 @@ def route_softmax_topk(moe: MoE, logits_TE: torch.Tensor) -> tuple[torch.Tensor,
 # B=1: the final add + RMSNorm folded into the lm_head's one-token projection (`_norm_row_linear` over the vocab
 # rows, LM_HEAD_TILE rows per program) instead of `_add_rmsnorm` then cuBLAS; MOELOOP_LM_HEAD_FOLD=off turns it off
 LM_HEAD_FOLD = os.environ.get("MOELOOP_LM_HEAD_FOLD", "on").lower() != "off"
-LM_HEAD_TILE = (4, 4)  # (rows per program, warps) of the folded lm_head (`benchmarks/b1_tiles.py`)
+# (rows per program, warps) of the folded lm_head (`benchmarks/b1_tiles.py`); MOELOOP_LM_HEAD_TILE=rows,warps
+LM_HEAD_TILE = kernel_switch.env_tile("MOELOOP_LM_HEAD_TILE", (4, 4))
 
 
 def fused_decode_logits(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Tensor, ctx: PagedAttention) -> torch.Tensor:
