@@ -34,12 +34,13 @@ the like: each knob reads its variable at import), to run it without a code chan
 
 `--engine-ab N` then runs `rollout.py` at B=1 (the engine.step times, 5 repeats) N times in alternation with the
 defaults for the change that gained most in its A/B (at least `--engine-min-us`, default 1 us a forward), in fresh
-processes with the tiles set.
+processes with the knobs set through their environment variables.
 """
 from __future__ import annotations
 
 import argparse
 import ast
+import os
 import statistics
 import subprocess
 import sys
@@ -98,14 +99,12 @@ def forward_graph_ms(model, prompt: list[int], replays: int) -> tuple[float, lis
 
 
 def engine_step(label: str, change: dict) -> None:
-    """One B=1 `rollout.py` measurement (engine.step times) in a fresh process with `change`'s tiles set."""
-    sets = "".join(f"setattr(importlib.import_module({KNOBS[name][0].__name__!r}), {KNOBS[name][1]!r}, {value!r})\n"
-                   for name, value in change.items())
-    argv = ["rollout.py", "--device", "cuda", "--size", "reference", "--batch", "1", "--repeats", "5", "--skip-hf",
-            "--step-times"]
-    code = (f"import importlib, runpy, sys\n{sets}sys.argv = {argv!r}\n"
-            f"runpy.run_path({str(Path(__file__).with_name('rollout.py'))!r}, run_name='__main__')")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=150)
+    """One B=1 `rollout.py` measurement (engine.step times) in a fresh process with `change`'s knobs set through
+    their environment variables (`env_setting`)."""
+    env = dict(os.environ, **dict(env_setting(name, value).split("=", 1) for name, value in change.items()))
+    argv = [sys.executable, str(Path(__file__).with_name("rollout.py")), "--device", "cuda", "--size", "reference",
+            "--batch", "1", "--repeats", "5", "--skip-hf", "--step-times"]
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=150)
     print(f"== engine, {label}" + ("" if out.returncode == 0 else f" (exit {out.returncode}: {out.stderr[-300:]})"))
     for line in out.stdout.splitlines():
         if line.startswith(("# B=1 engine.step", "# B=1 walls", "# B=1 by the engine.step", "| 1 |")):
