@@ -73,28 +73,34 @@ def test_env_tile_wants_powers_of_two_for_block_sizes_and_warps(monkeypatch):
 
 
 def test_every_b1_tile_knob_reads_its_variable():
-    """Each tile `benchmarks/b1_tiles.py` sweeps can be set from the environment (fresh interpreter, variables set
-    before import), so a sweep's best on another GPU applies without a code change; a bad value fails the import
+    """Each knob `benchmarks/b1_tiles.py` sweeps can be set from the environment, through the variable its
+    `env_setting` prints (fresh interpreters, variables set before import), so a sweep's best on another GPU applies
+    without a code change; a knob added to the sweep without a variable fails here. A bad value fails the import
     naming its variable."""
+    import json
     import os
     import subprocess
     import sys
-    env_values = {"MOELOOP_ROW_LINEAR_TILE": ("fused_decode", "ROW_LINEAR_TILE", "16,8", (16, 8)),
-                  "MOELOOP_O_PROJ_TILE": ("fused_decode", "O_PROJ_TILE", "8,1", (8, 1)),
-                  "MOELOOP_ROUTER_TILE": ("fused_decode", "ROUTER_TILE", "2,1", (2, 1)),
-                  "MOELOOP_LM_HEAD_TILE": ("fused_decode", "LM_HEAD_TILE", "16,4", (16, 4)),
-                  "MOELOOP_GATE_UP_TILE": ("moe_kernel", "GATE_UP_FEW_TILE", "4,8", (4, 8)),
-                  "MOELOOP_DOWN_TILE": ("moe_kernel", "DOWN_FEW_TILE", "2,2", (2, 2)),
-                  "MOELOOP_PAGED_BLOCK_N": ("decode_kernel", "PAGED_BLOCK_N", "32", 32),
-                  "MOELOOP_MAX_SPLITS": ("decode_kernel", "MAX_SPLITS", "3", 3),
-                  "MOELOOP_PAGED_STAGES": ("decode_kernel", "PAGED_STAGES", "5", 5),
-                  "MOELOOP_PAGED_WARPS_ONE_ROW": ("decode_kernel", "PAGED_WARPS_ONE_ROW", "2", 2),
-                  "MOELOOP_MERGE_WARPS": ("decode_kernel", "MERGE_WARPS", "4", 4)}
-    check = ("from moeloop.rollout import decode_kernel, fused_decode, moe_kernel\n"
-             + "".join(f"assert {mod}.{attr} == {want!r}, ({mod!r}, {attr!r}, {mod}.{attr})\n"
-                       for mod, attr, _, want in env_values.values()))
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOELOOP_")}
-    env.update({var: raw for var, (_, _, raw, _) in env_values.items()})
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "benchmarks"), env.get("PYTHONPATH", "")])
+    # per knob: its module, constant, a swept value other than the default, and that value's setting
+    listing = ("import json, b1_tiles\n"
+               "rows = []\n"
+               "for name, (mod, attr, values) in b1_tiles.KNOBS.items():\n"
+               "    value = next(v for v in values if v != getattr(mod, attr))\n"
+               "    rows.append([mod.__name__, attr, value, b1_tiles.env_setting(name, value)])\n"
+               "print(json.dumps(rows))\n")
+    run = subprocess.run([sys.executable, "-c", listing], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    knobs = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(knobs) >= 12
+    check = "import importlib\n" + "".join(
+        f"got = getattr(importlib.import_module({mod!r}), {attr!r})\n"
+        f"assert list(got) == {value!r} if isinstance(got, tuple) else got == {value!r}, ({attr!r}, got)\n"
+        for mod, attr, value, _ in knobs)
+    env.update(setting.split("=", 1) for *_, setting in knobs)
     run = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     env["MOELOOP_DOWN_TILE"] = "3,4"
