@@ -70,20 +70,16 @@ KNOBS = {
                                                (16, 8)]),
     "router": (fused_decode, "ROUTER_TILE", [(4, 4), (4, 1), (4, 2), (2, 1), (1, 1), (2, 2), (16, 4)]),
 }
-# the environment variable that sets each knob in a fresh process (`kernel_switch.env_tile`; the fold: on|off)
-KNOB_ENV = {"row_linear": "MOELOOP_ROW_LINEAR_TILE", "o_proj": "MOELOOP_O_PROJ_TILE", "gate_up": "MOELOOP_GATE_UP_TILE",
-            "down": "MOELOOP_DOWN_TILE", "paged_block_n": "MOELOOP_PAGED_BLOCK_N", "max_splits": "MOELOOP_MAX_SPLITS",
-            "paged_stages": "MOELOOP_PAGED_STAGES", "paged_warps": "MOELOOP_PAGED_WARPS_ONE_ROW",
-            "merge_warps": "MOELOOP_MERGE_WARPS", "lm_head_fold": "MOELOOP_LM_HEAD_FOLD", "lm_head": "MOELOOP_LM_HEAD_TILE",
-            "router": "MOELOOP_ROUTER_TILE"}
 PROMPT, NEW = 128, 8
 
 
 def env_setting(name: str, value) -> str:
-    """`VAR=value` that gives knob `name` this value in a fresh process."""
+    """`VAR=value` that gives knob `name` this value in a fresh process: each knob's constant reads MOELOOP_ and its
+    own name at import (`kernel_switch.env_tile`; the fold: on|off)."""
+    var = "MOELOOP_" + KNOBS[name][1]
     if isinstance(value, bool):
-        return f"{KNOB_ENV[name]}={'on' if value else 'off'}"
-    return f"{KNOB_ENV[name]}={','.join(map(str, value)) if isinstance(value, tuple) else value}"
+        return f"{var}={'on' if value else 'off'}"
+    return f"{var}={','.join(map(str, value)) if isinstance(value, tuple) else value}"
 
 
 def forward_graph_ms(model, prompt: list[int], replays: int) -> tuple[float, list[int]]:

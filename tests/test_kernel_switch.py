@@ -65,9 +65,9 @@ def test_env_tile_wants_powers_of_two_for_block_sizes_and_warps(monkeypatch):
     variable; a count such as pipeline stages may take any positive value."""
     import pytest
     from moeloop.model.kernel_switch import env_tile
-    monkeypatch.setenv("MOELOOP_GATE_UP_TILE", "6,4")
-    with pytest.raises(ValueError, match="MOELOOP_GATE_UP_TILE.*power of two"):
-        env_tile("MOELOOP_GATE_UP_TILE", (8, 4))
+    monkeypatch.setenv("MOELOOP_GATE_UP_FEW_TILE", "6,4")
+    with pytest.raises(ValueError, match="MOELOOP_GATE_UP_FEW_TILE.*power of two"):
+        env_tile("MOELOOP_GATE_UP_FEW_TILE", (8, 4))
     monkeypatch.setenv("MOELOOP_PAGED_STAGES", "5")
     assert env_tile("MOELOOP_PAGED_STAGES", (3,), powers_of_two=False) == (5,)
 
@@ -103,6 +103,6 @@ def test_every_b1_tile_knob_reads_its_variable():
     env.update(setting.split("=", 1) for *_, setting in knobs)
     run = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
-    env["MOELOOP_DOWN_TILE"] = "3,4"
+    env["MOELOOP_DOWN_FEW_TILE"] = "3,4"
     run = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=120)
-    assert run.returncode != 0 and "MOELOOP_DOWN_TILE='3,4'" in run.stderr
+    assert run.returncode != 0 and "MOELOOP_DOWN_FEW_TILE='3,4'" in run.stderr

@@ -31,7 +31,8 @@ except ImportError:  # a triton without grid dependency control (before 3.3): la
 
 def env_tile(name: str, default: tuple[int, ...], powers_of_two: bool = True) -> tuple[int, ...]:
     """A kernel tile from environment variable `name` ("rows,warps"; one value for a scalar knob), else `default`:
-    for A/Bs, and for the tiles `benchmarks/b1_tiles.py` finds on another GPU. A malformed value, or with
+    for A/Bs, and for the tiles `benchmarks/b1_tiles.py` finds on another GPU. The variable is MOELOOP_ and the
+    module constant's name (`MOELOOP_ROW_LINEAR_TILE` for `ROW_LINEAR_TILE`). A malformed value, or with
     `powers_of_two` one that is not a power of two (block sizes and warps), raises a ValueError naming the variable."""
     raw = os.environ.get(name)
     if raw is None:

@@ -124,8 +124,7 @@ V_EARLY = os.environ.get("MOELOOP_V_EARLY", "on").lower() != "off"
 _NUM_SMS: dict[torch.device, int] = {}
 
 
-# context splits per (row, kv head) at most (`benchmarks/b1_tiles.py` sweeps it at B=1). Like each of the paged
-# decode's knobs below, an environment variable overrides it (here MOELOOP_MAX_SPLITS)
+# context splits per (row, kv head) at most (`benchmarks/b1_tiles.py` sweeps it at B=1)
 MAX_SPLITS = kernel_switch.env_tile("MOELOOP_MAX_SPLITS", (16,), powers_of_two=False)[0]
 
 

@@ -444,7 +444,7 @@ def normed_row_linear(x_TD: torch.Tensor, res_TD: torch.Tensor | None, norm: RMS
 
 # B=1 with `decode_packs.ROUTER_COMPOSE`: o_proj and the composed router's raw logits in one launch (`o_proj_router`);
 # router rows per program of that launch: 1, 2 and 4 measured 2.926, 2.935-2.940 and 2.965 ms per 8 steps (H200)
-ROUTER_COMPOSE_ROWS = int(os.environ.get("MOELOOP_ROUTER_COMPOSE_ROWS", "1"))
+ROUTER_COMPOSE_ROWS = kernel_switch.env_tile("MOELOOP_ROUTER_COMPOSE_ROWS", (1,))[0]
 # (o_proj rows per program, warps) of that launch: 2 rows, 2 warps. It shared q|k|v's ROW_LINEAR_TILE (4, 4) until
 # session 25, which measured (4, 2) (H200, `b1_tiles.py` "o_proj=(4, 2) 0.3395 ms, +1.4 us per forward"; rollout.py B=1
 # engine.step 2.858/2.858 against 2.866/2.866 ms per 8 steps). Session 26, q|k|v at (8, 4): "o_proj=(2, 2) 0.3390 ms,

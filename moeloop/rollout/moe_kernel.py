@@ -30,10 +30,9 @@ from moeloop.rollout.decode_kernel import triton, triton_interpreting
 FUSED_MAX_ASSIGNMENTS = 32
 # few-token kernels' tiles (H200, reference shapes, `benchmarks/b1_gemv.py` alone, then `benchmarks/b1_tiles.py`
 # in the engine's B=1 graph: gate_up 8 rows and 4 warps, session 12): gate_up (BLOCK_F, warps) and down
-# (BLOCK_D, warps); each program holds up to FEW_MAX_WIDTH weight columns at once. MOELOOP_GATE_UP_TILE and
-# MOELOOP_DOWN_TILE (rows,warps) override them
-GATE_UP_FEW_TILE = kernel_switch.env_tile("MOELOOP_GATE_UP_TILE", (8, 4))
-DOWN_FEW_TILE = kernel_switch.env_tile("MOELOOP_DOWN_TILE", (4, 4))
+# (BLOCK_D, warps); each program holds up to FEW_MAX_WIDTH weight columns at once
+GATE_UP_FEW_TILE = kernel_switch.env_tile("MOELOOP_GATE_UP_FEW_TILE", (8, 4))
+DOWN_FEW_TILE = kernel_switch.env_tile("MOELOOP_DOWN_FEW_TILE", (4, 4))
 FEW_MAX_WIDTH = 2048
 GROUPED_GEMM = "triton"  # or "grouped_mm" (torch's cutlass kernel; bf16 only)
 # `_expert_gemm` tiles: (BLOCK_N, BLOCK_K, num_warps, num_stages) for the gate_up and down launches
