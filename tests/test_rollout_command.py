@@ -87,6 +87,8 @@ def test_generate_and_rl_report_bad_flags_files_and_fields(tmp_path, capsys):
              (base + ["--prompts", str(tmp_path / "none.jsonl")], "prompts file not found: .*none.jsonl"),
              (["rl", "examples/tiny.yaml", "rollout.n=0"], "moeloop rl: rollout.n: must be >= 1"),
              (["rl", str(tmp_path / "none.yaml")], "moeloop rl: config file not found: .*none.yaml"),
+             (["rl", "examples/tiny.yaml", "algorithm.overlong_penalty=true"],  # its buffer 16 > the 8 tokens
+              r"moeloop rl: algorithm.overlong_buffer_len=16 must be in \(0, data.max_response_length=8\]"),
              (["sft", "examples/tiny_sft.yaml", f"model.path={tmp_path / 'none'}"],
               "moeloop sft: model.path=.*none: no model folder there"),
              (["reward", "serve", "--fn", "nope"], "moeloop reward: reward.fn='nope' is neither a built-in")]
