@@ -12,7 +12,7 @@ hf)
     ;;
 e2e)
     timeout 560 python3 benchmarks/e2e_vs_trl.py --size reference --device cuda --steps 6 --repeats 2 2>&1 \
-        | grep -v -i warn | tail -16
+        | grep -v -i warn | tail -24
     ;;
 *) echo "usage: $0 hf|e2e" >&2; exit 2 ;;
 esac
