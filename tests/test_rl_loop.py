@@ -224,6 +224,21 @@ def test_dynamic_sampling_dp2_matches_dp1(model_dir, tmp_path):
     assert all(r["dapo/kept_groups"] == 4 for r in rows)
 
 
+def _no_reward(sample) -> float:
+    return 0.0
+
+
+def test_dynamic_sampling_with_every_group_filtered_saves_and_goes_on(model_dir, tmp_path):
+    """Every group uniform (reward 0): each step's batch is empty, the optimizer never gets a gradient, and the
+    checkpoint at step 2 makes DCP initialise the optimizer's state by a step. The run then goes on generating
+    (the colocated engine is not left paused by that step) and keeps the model's weights."""
+    last = run_rl(_cfg(model_dir, tmp_path / "run", "algorithm.dynamic_sampling=true", "algorithm.max_refill_rounds=1",
+                       "reward.fn=tests.test_rl_loop._no_reward", "checkpoint.save_every=2", "trainer.steps=3"))
+    assert last["policy/version"] == 3 and last["batch/samples"] == 0 and last["dapo/kept_groups"] == 0
+    before, after = load_pretrained(model_dir).state_dict(), _weights(tmp_path / "run")
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
 def test_ppo_with_gae_critic_runs_and_resumes(model_dir, tmp_path):
     extra = ["algorithm.adv_estimator=gae", *GAE_CRITIC]
     last = run_rl(_cfg(model_dir, tmp_path / "a", *extra))

@@ -60,6 +60,22 @@ def test_optimizer_step_drains_and_pauses_until_the_push():
     assert _tokens(engine) == _tokens(_copied_engine(actor))
 
 
+def test_checkpoint_of_a_stateless_optimizer_leaves_the_engine_running():
+    """DCP initialises an optimizer with no state by a step at lr 0 (zero gradients): that step moves no weight, so
+    the gate lets it pass; a real step still pauses the engine until the push."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    actor, engine, _ = _shared_setup()
+    before = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    assert not actor.optimizer.state
+    get_optimizer_state_dict(actor.model, actor.optimizer)
+    assert actor.optimizer.state  # DCP stepped it
+    assert not engine.scheduler.paused
+    assert all(torch.equal(p, before[n]) for n, p in engine.model.named_parameters())
+    assert _tokens(engine) == _tokens(_copied_engine(actor))
+    actor.update(rl_batch())
+    assert engine.scheduler.paused
+
+
 def test_mismatched_dtype_keeps_its_own_copy_and_push_copies_it():
     actor = Actor(tiny_model(), actor_cfg(), torch.device("cpu"), 8)
     model = tiny_model(seed=1).to(torch.bfloat16)

@@ -37,9 +37,15 @@ def share_parameters(trainer: nn.Module, engine: nn.Module) -> list[str]:
 
 
 def drain_before_step(optimizer: torch.optim.Optimizer, receiver: WeightReceiver) -> RemovableHandle:
-    """Pause and drain `receiver` before every `optimizer.step()`: in-flight samples finish on the weights
-    they started with, and nothing is admitted until the next push resumes it."""
+    """Pause and drain `receiver` before every `optimizer.step()` that can move a weight: in-flight samples finish
+    on the weights they started with, and nothing is admitted until the next push resumes it.
+
+    A step with every group's lr at 0 moves nothing (AdamW scales both its update and its decay by lr) and passes
+    ungated: DCP takes one to initialise an optimizer that has no state yet (a checkpoint saved before any
+    gradient, e.g. after DAPO filtered every group), and no push follows it to resume the engine."""
     def gate(*_: object) -> None:
+        if all(float(group["lr"]) == 0.0 for group in optimizer.param_groups):
+            return
         receiver.pause()
         receiver.drain()
     return optimizer.register_step_pre_hook(gate)
