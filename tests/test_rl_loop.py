@@ -239,6 +239,19 @@ def test_dynamic_sampling_with_every_group_filtered_saves_and_goes_on(model_dir,
     assert all(torch.equal(before[n], after[n]) for n in before)
 
 
+def test_console_bar_of_a_resumed_run_counts_from_its_first_step(tmp_path):
+    """A run resumed at step 2 of 4 logs steps 3 and 4: its progress bar ends at 4 of 4 (it ended at 2 of 4)."""
+    from moeloop.loop.metrics import MetricsLogger
+    for opened_at in (2, None):  # the loop's `start_at`, or none (the bar opens at the first step logged)
+        logger = MetricsLogger(tmp_path, ["console"], total_steps=4, append=True)
+        if opened_at is not None:
+            logger.start_at(opened_at)
+        for step in (3, 4):
+            logger.log(step, {"reward/mean": 0.5})
+        assert (logger._bar.n, logger._bar.total) == (4, 4), opened_at
+        logger.close()
+
+
 def test_ppo_with_gae_critic_runs_and_resumes(model_dir, tmp_path):
     extra = ["algorithm.adv_estimator=gae", *GAE_CRITIC]
     last = run_rl(_cfg(model_dir, tmp_path / "a", *extra))

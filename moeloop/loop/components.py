@@ -247,4 +247,5 @@ def build_components(cfg: RunConfig, resume: bool) -> Components:
         if c.critic is not None:
             c.critic_ckpt.load(c.critic_ckpt.latest(), c.critic.model, c.critic.optimizer)
         c.syncer.push(c.actor.named_weights(), c.engine, version=meta["step"])
+    c.logger.start_at(c.start_step)
     return c

@@ -75,9 +75,13 @@ class MetricsLogger:
         if "wandb" in self.sinks:
             import wandb  # optional dependency
             self._wandb = wandb.init(project="moeloop", dir=str(self.run_dir))
-        if "console" in self.sinks and total_steps:
+
+    def start_at(self, step: int) -> None:
+        """Open the console progress bar at `step` of `total_steps` (a resumed run starts part-way), as the run's
+        first step begins: the bar's rate then counts that step's time."""
+        if self.enabled and "console" in self.sinks and self.total_steps and self._bar is None:
             from tqdm import tqdm
-            self._bar = tqdm(total=total_steps, dynamic_ncols=True, leave=True)
+            self._bar = tqdm(total=self.total_steps, initial=step, dynamic_ncols=True, leave=True)
 
     def log(self, step: int, metrics: dict[str, float], file: str = "metrics.jsonl") -> None:
         if not self.enabled:
@@ -100,6 +104,8 @@ class MetricsLogger:
         keys = ("reward/mean", "acc/train", "acc/val", "sft_loss", "pg_loss", "kl_mean", "entropy", "response/len_mean",
                 "throughput/samples_per_s", "time/step")
         line = " ".join(f"{k.split('/')[-1]}={record[k]:.4g}" for k in keys if k in record)
+        if self._bar is None:  # (no `start_at` call: the bar starts at this step)
+            self.start_at(step - 1)
         if self._bar is not None:
             self._bar.set_postfix_str(line, refresh=False)
             self._bar.update(1)

@@ -30,7 +30,8 @@ def run_sft(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
     if (latest := resume_from(ckpt, resume, env.is_main)) is not None:
         meta = actor_state_load(ckpt, latest, actor, cursor)
         start = meta["step"]
-    logger = MetricsLogger(env.run_dir, cfg.trainer.log, env.is_main, steps - start, append=start > 0)
+    logger = MetricsLogger(env.run_dir, cfg.trainer.log, env.is_main, steps, append=start > 0)
+    logger.start_at(start)
     timer, last = PhaseTimer(), {}
     per_rank = cfg.data.train_batch_size // env.world_size
     for step in range(start, steps):
