@@ -239,6 +239,24 @@ def test_dynamic_sampling_with_every_group_filtered_saves_and_goes_on(model_dir,
     assert all(torch.equal(before[n], after[n]) for n in before)
 
 
+def _fails_on_odd_first_tokens(sample) -> float:
+    if sample.response_ids[0] % 2:
+        raise RuntimeError("reward service returned 500")
+    return digit_reward(sample)
+
+
+def test_fallen_back_rewards_are_reported_on_stderr(model_dir, tmp_path, capsys):
+    """Rewards that fail fall back (masked) and the run goes on; each step with any says so on stderr, with the
+    count and the first error."""
+    last = run_rl(_cfg(model_dir, tmp_path / "run", "reward.fn=tests.test_rl_loop._fails_on_odd_first_tokens",
+                       "reward.retries=0", "trainer.steps=2"))
+    err = capsys.readouterr().err
+    fell = int(last["reward/fallen_back"])
+    assert 0 < fell < 16 and last["policy/version"] == 2
+    assert f"step 2: {fell} of 16 rewards fell back (reward.fallback=mask); first error: RuntimeError: reward service " \
+           "returned 500" in err
+
+
 def test_console_bar_of_a_resumed_run_counts_from_its_first_step(tmp_path):
     """A run resumed at step 2 of 4 logs steps 3 and 4: its progress bar ends at 4 of 4 (it ended at 2 of 4)."""
     from moeloop.loop.metrics import MetricsLogger

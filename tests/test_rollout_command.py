@@ -96,6 +96,11 @@ def test_generate_and_rl_report_bad_flags_files_and_fields(tmp_path, capsys):
     long_prompt.write_text(json.dumps({"prompt": "1+1="}) + "\n" + json.dumps({"prompt": "1+1=" * 20}) + "\n")
     cases.append((base + ["--prompts", str(long_prompt), "--max-model-len", "32", "--max-tokens", "4"],
                   r"long.jsonl:2: the prompt's \d+ tokens \+ --max-tokens 4 are more than --max-model-len 32"))
+    no_answers = tmp_path / "no_answers.jsonl"
+    no_answers.write_text(json.dumps({"prompt": "1+1="}) + "\n")  # the answer is under no data.answer_key
+    cases.append((["rl", "examples/tiny.yaml", f"model.path={model_dir}", f"data.train_files=[{no_answers}]",
+                   "data.val_files=[]"],
+                  "moeloop rl: data.answer_key='answer': no row of .*no_answers.jsonl has it, and reward.fn=arith"))
     for argv, message in cases:
         assert cli_main(argv) == 2, argv
         err = capsys.readouterr().err

@@ -198,6 +198,20 @@ def check_runtime_support(cfg: RunConfig) -> None:
     check_parallel_support(cfg)
 
 
+GROUND_TRUTH_REWARDS = ("math", "arith", "code")  # the built-ins that score against the row's answer
+
+
+def check_ground_truths(cfg: RunConfig, files: list[str], data: PromptDataset | None) -> None:
+    """A built-in reward that needs answers, over data where no row has `data.answer_key`, is a misnamed key (every
+    sample's reward would fail and fall back): an InputError before the run starts. Rows missing only some answers
+    fall back one by one, as the reward pool does for any failed sample."""
+    if data is None or not len(data) or cfg.reward.fn not in GROUND_TRUTH_REWARDS:
+        return
+    if all(e.ground_truth is None for e in data.examples):
+        raise InputError(f"data.answer_key={cfg.data.answer_key!r}: no row of {', '.join(files)} has it, and "
+                         f"reward.fn={cfg.reward.fn} scores each response against it")
+
+
 def build_components(cfg: RunConfig, resume: bool) -> Components:
     check_runtime_support(cfg)
     env = RunEnv.create(cfg)
@@ -207,6 +221,8 @@ def build_components(cfg: RunConfig, resume: bool) -> Components:
     tokenizer = load_tokenizer(cfg)
     train = PromptDataset(load_rows(cfg.data.train_files, cfg.data.seed), tokenizer, cfg.data)
     val = PromptDataset(load_rows(cfg.data.val_files, cfg.data.seed), tokenizer, cfg.data) if cfg.data.val_files else None
+    for files, data in ((cfg.data.train_files, train), (cfg.data.val_files, val)):
+        check_ground_truths(cfg, files, data)
     dtype = dtype_of(cfg.model.dtype)
     if env.device.type == "cpu":
         retain_freed_host_memory()  # gradients are freed and allocated again every step

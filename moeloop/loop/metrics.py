@@ -9,6 +9,7 @@ update_actor, update_weights, save_checkpoint. Only rank 0 writes.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -99,6 +100,15 @@ class MetricsLogger:
             self._wandb.log(record, step=step)
         if "console" in self.sinks and file == "metrics.jsonl":
             self._console(step, record)
+
+    def note(self, text: str) -> None:
+        """One line on stderr (above the progress bar, which stays intact), from the main rank."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr, flush=True)
 
     def _console(self, step: int, record: dict[str, float]) -> None:
         keys = ("reward/mean", "acc/train", "acc/val", "sft_loss", "pg_loss", "kl_mean", "entropy", "response/len_mean",

@@ -215,6 +215,9 @@ def _generate_and_score(c: Components, cfg: RunConfig, timer: PhaseTimer, step: 
         fresh = c.rollout.generate(examples, c.train_params(step, round_idx, positions), c.next_group_base(len(examples)))
     with timer("reward"):
         stats = c.rewards.score(fresh)
+        if stats.errors:  # (reward.fallback=fail raised already)
+            c.logger.note(f"step {step + 1}: {len(stats.errors)} of {len(fresh)} rewards fell back "
+                          f"(reward.fallback={cfg.reward.fallback}); first error: {stats.errors[0]}")
         if cfg.algorithm.overlong_penalty:
             overlong_penalty(fresh, cfg.data.max_response_length, cfg.algorithm.overlong_buffer_len,
                              cfg.algorithm.overlong_penalty_factor)
