@@ -87,6 +87,10 @@ def test_generate_and_rl_report_bad_flags_files_and_fields(tmp_path, capsys):
              (base + ["--prompts", str(tmp_path / "none.jsonl")], "prompts file not found: .*none.jsonl"),
              (["rl", "examples/tiny.yaml", "rollout.n=0"], "moeloop rl: rollout.n: must be >= 1"),
              (["rl", str(tmp_path / "none.yaml")], "moeloop rl: config file not found: .*none.yaml"),
+             (["rl", "examples/tiny.yaml", "trainer.device=gpu"], "moeloop rl: trainer.device: must be auto.cpu.cuda"),
+             (["rl", "examples/tiny.yaml", "trainer.log=[consol]"], "moeloop rl: trainer.log: must list sinks from"),
+             (["sft", "examples/tiny_sft.yaml", "trainer.steps=-1"], "moeloop sft: trainer.steps: must be >= 0"),
+             (["rl", "examples/tiny.yaml", "checkpoint.keep=0"], "moeloop rl: checkpoint.keep: must be >= 1"),
              (["rl", "examples/tiny.yaml", "algorithm.overlong_penalty=true"],  # its buffer 16 > the 8 tokens
               r"moeloop rl: algorithm.overlong_buffer_len=16 must be in \(0, data.max_response_length=8\]"),
              (["sft", "examples/tiny_sft.yaml", f"model.path={tmp_path / 'none'}"],
@@ -105,3 +109,15 @@ def test_generate_and_rl_report_bad_flags_files_and_fields(tmp_path, capsys):
         assert cli_main(argv) == 2, argv
         err = capsys.readouterr().err
         assert re.search(message, err) and "Traceback" not in err, (argv, err)
+
+
+def test_demo_takes_zero_steps_and_refuses_negative_ones(monkeypatch, capsys):
+    """--sft-steps 0 means no SFT (it ran the config's 400 steps), and a negative count is a usage error."""
+    from moeloop.loop import demo
+    taken = []
+    monkeypatch.setattr(demo, "run_demo", lambda out, seed, sft_steps, rl_steps: taken.append((sft_steps, rl_steps)))
+    assert demo.main(["--sft-steps", "0", "--rl-steps", "1"]) == 0
+    assert taken == [(0, 1)]
+    with pytest.raises(SystemExit) as exit_info:
+        demo.main(["--sft-steps", "-3"])
+    assert exit_info.value.code == 2 and "argument --sft-steps: must be >= 0, got -3" in capsys.readouterr().err

@@ -39,7 +39,7 @@ def _explain(err: OmegaConfBaseException) -> str:
 
 def validate(cfg: RunConfig) -> None:
     """Every section's own rules, then the rules that span sections."""
-    for section in (cfg.model, cfg.data, cfg.rollout, cfg.reward, cfg.algorithm, cfg.sync):
+    for section in (cfg.model, cfg.data, cfg.rollout, cfg.reward, cfg.algorithm, cfg.sync, cfg.checkpoint, cfg.trainer):
         section.check()
     cfg.actor.check("actor")
     if cfg.critic.enable:

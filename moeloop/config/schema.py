@@ -265,6 +265,11 @@ class CheckpointSection:
     save_final: bool = True  # DCP checkpoint after the last step
     export_hf_final: bool = True  # HF export (re-loaded and compared) after the last step
 
+    def check(self) -> None:
+        _require(self.save_every >= 0, "checkpoint.save_every", "must be >= 0 (0 = only at the end)")
+        _require(self.export_hf_every >= 0, "checkpoint.export_hf_every", "must be >= 0 (0 = only at the end)")
+        _require(self.keep >= 1, "checkpoint.keep", "must be >= 1 (the newest checkpoint is what --resume loads)")
+
 
 @dataclass
 class TrainerSection:
@@ -277,6 +282,13 @@ class TrainerSection:
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     critic_warmup: int = 0  # PPO: the first this-many steps train only the critic (verl's trainer.critic_warmup)
+
+    def check(self) -> None:
+        for name in ("steps", "epochs", "val_every", "val_samples"):
+            _require(getattr(self, name) >= 0, f"trainer.{name}", "must be >= 0")
+        _require(self.device in ("auto", "cpu", "cuda"), "trainer.device", f"must be auto|cpu|cuda, got {self.device!r}")
+        sinks = ("console", "jsonl", "tensorboard", "wandb")
+        _require(set(self.log) <= set(sinks), "trainer.log", f"must list sinks from {'|'.join(sinks)}, got {list(self.log)}")
 
 
 @dataclass

@@ -38,14 +38,21 @@ def run_demo(out: Path, seed: int, sft_steps: int, rl_steps: int) -> dict[str, f
     return result
 
 
+def _steps(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="moeloop demo", description=__doc__)
     parser.add_argument("--out", default="runs/demo")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--sft-steps", type=int, default=None)
-    parser.add_argument("--rl-steps", type=int, default=None)
+    parser.add_argument("--sft-steps", type=_steps, default=None, help="default: examples/tiny_sft.yaml's")
+    parser.add_argument("--rl-steps", type=_steps, default=None, help="default: examples/tiny.yaml's")
     args = parser.parse_args(argv)
-    sft_steps = args.sft_steps or load_config(EXAMPLES / "tiny_sft.yaml").trainer.steps
-    rl_steps = args.rl_steps or load_config(EXAMPLES / "tiny.yaml").trainer.steps
+    sft_steps = load_config(EXAMPLES / "tiny_sft.yaml").trainer.steps if args.sft_steps is None else args.sft_steps
+    rl_steps = load_config(EXAMPLES / "tiny.yaml").trainer.steps if args.rl_steps is None else args.rl_steps
     run_demo(Path(args.out), args.seed, sft_steps, rl_steps)
     return 0
