@@ -91,6 +91,9 @@ def test_generate_and_rl_report_bad_flags_files_and_fields(tmp_path, capsys):
              (["rl", "examples/tiny.yaml", "trainer.log=[consol]"], "moeloop rl: trainer.log: must list sinks from"),
              (["sft", "examples/tiny_sft.yaml", "trainer.steps=-1"], "moeloop sft: trainer.steps: must be >= 0"),
              (["rl", "examples/tiny.yaml", "checkpoint.keep=0"], "moeloop rl: checkpoint.keep: must be >= 1"),
+             (["rl", "examples/tiny.yaml", "actor.optim.betas=[0.9]"],
+              r"moeloop rl: actor.optim.betas: must be two values in \[0, 1\), got \[0.9\]"),
+             (["rl", "examples/tiny.yaml", "data.val_batch_size=0"], "moeloop rl: data.val_batch_size: must be > 0"),
              (["rl", "examples/tiny.yaml", "algorithm.overlong_penalty=true"],  # its buffer 16 > the 8 tokens
               r"moeloop rl: algorithm.overlong_buffer_len=16 must be in \(0, data.max_response_length=8\]"),
              (["sft", "examples/tiny_sft.yaml", f"model.path={tmp_path / 'none'}"],
@@ -100,6 +103,8 @@ def test_generate_and_rl_report_bad_flags_files_and_fields(tmp_path, capsys):
     long_prompt.write_text(json.dumps({"prompt": "1+1="}) + "\n" + json.dumps({"prompt": "1+1=" * 20}) + "\n")
     cases.append((base + ["--prompts", str(long_prompt), "--max-model-len", "32", "--max-tokens", "4"],
                   r"long.jsonl:2: the prompt's \d+ tokens \+ --max-tokens 4 are more than --max-model-len 32"))
+    cases.append((["rl", "examples/tiny.yaml", f"model.path={model_dir}", "rollout.kv_cache_bytes=1000"],
+                  "moeloop rl: rollout.kv_cache_bytes: a KV budget of 1000 bytes holds 0 blocks"))
     no_answers = tmp_path / "no_answers.jsonl"
     no_answers.write_text(json.dumps({"prompt": "1+1="}) + "\n")  # the answer is under no data.answer_key
     cases.append((["rl", "examples/tiny.yaml", f"model.path={model_dir}", f"data.train_files=[{no_answers}]",

@@ -49,6 +49,7 @@ class DataSection:
         _require(self.train_batch_size > 0, "data.train_batch_size", "must be > 0")
         _require(self.max_prompt_length > 0, "data.max_prompt_length", "must be > 0")
         _require(self.max_response_length > 0, "data.max_response_length", "must be > 0")
+        _require(self.val_batch_size > 0, "data.val_batch_size", "must be > 0")
 
 
 @dataclass
@@ -68,7 +69,9 @@ class RolloutSection:
     #                   this node's training GPUs: LOCAL_WORLD_SIZE + LOCAL_RANK)
     threads: int = 0  # disaggregated on CPU: the engine process's intra-op threads (0 = the trainer's; half when ahead)
     enforce_eager: bool = False  # no CUDA graphs
-    max_model_len: int = 4096  # prompt + response tokens of one sequence (sizes block tables and CUDA graphs)
+    # prompt + response tokens of one sequence (sizes block tables and CUDA graphs); the RL loop sets it to
+    # data.max_prompt_length + data.max_response_length
+    max_model_len: int = 4096
     ignore_eos: bool = False  # generate exactly data.max_response_length tokens (benchmarks)
     async_scheduling: str = "auto"  # on | off | auto (on for CUDA): host work of step t+1 overlaps step t
     decode_steps: int = 0  # decode steps per host round trip (multi-step decode); 0 = auto: 8 on CUDA, else 1
@@ -93,6 +96,7 @@ class RolloutSection:
         _require(self.decode_steps >= 0, "rollout.decode_steps", "must be >= 0 (0 = auto)")
         _require(self.max_staleness >= 0, "rollout.max_staleness", "must be >= 0")
         _require(self.threads >= 0, "rollout.threads", "must be >= 0 (0 = the trainer's)")
+        _require(self.kv_cache_bytes >= 0, "rollout.kv_cache_bytes", "must be >= 0 (0 = rollout.gpu_memory_utilization)")
         _require(self.device == "" or self.device == "cpu" or self.device.startswith("cuda"), "rollout.device",
                  f"must be empty (auto), cpu, cuda or cuda:N, got {self.device!r}")
 
@@ -181,6 +185,15 @@ class OptimSection:
     warmup_steps: int = 0
     min_lr_ratio: float = 1.0  # 1.0 = constant after warmup; < 1 = cosine decay to lr*min_lr_ratio
 
+    def check(self, prefix: str) -> None:
+        _require(self.lr >= 0, f"{prefix}.optim.lr", "must be >= 0")
+        _require(self.weight_decay >= 0, f"{prefix}.optim.weight_decay", "must be >= 0")
+        _require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), f"{prefix}.optim.betas",
+                 f"must be two values in [0, 1), got {list(self.betas)}")
+        _require(self.eps > 0, f"{prefix}.optim.eps", "must be > 0")
+        _require(self.warmup_steps >= 0, f"{prefix}.optim.warmup_steps", "must be >= 0")
+        _require(0 <= self.min_lr_ratio <= 1, f"{prefix}.optim.min_lr_ratio", "must be in [0, 1] (1 = constant)")
+
 
 @dataclass
 class OffloadSection:
@@ -222,7 +235,7 @@ class ActorSection:
         _require(self.max_tokens_per_micro_batch > 0, f"{prefix}.max_tokens_per_micro_batch", "must be > 0")
         _require(self.clip_ratio_c > 1.0, f"{prefix}.clip_ratio_c", "must be > 1 (dual-clip bound)")
         _require(self.tis_cap >= 0, f"{prefix}.tis_cap", "must be >= 0 (0 = off)")
-        _require(self.optim.lr >= 0, f"{prefix}.optim.lr", "must be >= 0")
+        self.optim.check(prefix)
 
 
 @dataclass

@@ -58,7 +58,11 @@ class Engine:
         # the fused decode's derived weights, allocated before the KV budget is taken
         derived = derive_decode_weights(model) if decode_weights_apply(model) else []
         budget = kv_budget_bytes(cfg.kv_cache_bytes, cfg.gpu_memory_utilization, param.device)
-        num_blocks = budget // kv_bytes_per_block(mcfg, cfg.block_size, param.dtype) - 1  # one scratch block
+        per_block = kv_bytes_per_block(mcfg, cfg.block_size, param.dtype)
+        num_blocks = budget // per_block - 1  # one scratch block
+        if num_blocks < 1:
+            raise InputError(f"rollout.kv_cache_bytes: a KV budget of {budget} bytes holds {budget // per_block} blocks of "
+                             f"{per_block} bytes; the engine needs at least 2 (one is scratch)")
         self.cache = KVCache(mcfg, num_blocks, cfg.block_size, param.dtype, param.device)
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
