@@ -94,6 +94,9 @@ def test_generate_and_rl_report_bad_flags_files_and_fields(tmp_path, capsys):
              (["rl", "examples/tiny.yaml", "actor.optim.betas=[0.9]"],
               r"moeloop rl: actor.optim.betas: must be two values in \[0, 1\), got \[0.9\]"),
              (["rl", "examples/tiny.yaml", "data.val_batch_size=0"], "moeloop rl: data.val_batch_size: must be > 0"),
+             (["rl", "examples/tiny.yaml", "actor.ppo_mini_batch_size=0"],  # ZeroDivisionError before
+              "moeloop rl: actor.ppo_mini_batch_size: must be >= 1"),
+             (["rl", "examples/tiny.yaml", "algorithm.gamma=2"], r"moeloop rl: algorithm.gamma: must be in \[0, 1\]"),
              (["rl", "examples/tiny.yaml", "algorithm.overlong_penalty=true"],  # its buffer 16 > the 8 tokens
               r"moeloop rl: algorithm.overlong_buffer_len=16 must be in \(0, data.max_response_length=8\]"),
              (["sft", "examples/tiny_sft.yaml", f"model.path={tmp_path / 'none'}"],

@@ -174,6 +174,11 @@ class AlgorithmSection:
         _require(self.kl_ctrl in ("fixed", "adaptive"), "algorithm.kl_ctrl", "must be fixed|adaptive")
         _require(self.kl_target > 0, "algorithm.kl_target", "must be > 0")
         _require(self.kl_horizon > 0, "algorithm.kl_horizon", "must be > 0")
+        for name in ("gamma", "lam"):
+            _require(0 <= getattr(self, name) <= 1, f"algorithm.{name}", "must be in [0, 1]")
+        _require(self.kl_coef >= 0, "algorithm.kl_coef", "must be >= 0")
+        _require(self.max_refill_rounds >= 0, "algorithm.max_refill_rounds", "must be >= 0")
+        _require(self.overlong_penalty_factor >= 0, "algorithm.overlong_penalty_factor", "must be >= 0")
 
 
 @dataclass
@@ -235,6 +240,11 @@ class ActorSection:
         _require(self.max_tokens_per_micro_batch > 0, f"{prefix}.max_tokens_per_micro_batch", "must be > 0")
         _require(self.clip_ratio_c > 1.0, f"{prefix}.clip_ratio_c", "must be > 1 (dual-clip bound)")
         _require(self.tis_cap >= 0, f"{prefix}.tis_cap", "must be >= 0 (0 = off)")
+        _require(self.ppo_mini_batch_size >= 1, f"{prefix}.ppo_mini_batch_size", "must be >= 1")
+        _require(0 <= self.clip_ratio_low < 1, f"{prefix}.clip_ratio_low", "must be in [0, 1)")
+        _require(self.clip_ratio_high >= 0, f"{prefix}.clip_ratio_high", "must be >= 0")
+        _require(self.grad_clip >= 0, f"{prefix}.grad_clip", "must be >= 0 (0 = no clipping)")
+        _require(self.kl_loss_coef >= 0, f"{prefix}.kl_loss_coef", "must be >= 0")
         self.optim.check(prefix)
 
 
@@ -242,6 +252,10 @@ class ActorSection:
 class CriticSection(ActorSection):
     enable: bool = False
     cliprange_value: float = 0.5
+
+    def check(self, prefix: str = "critic") -> None:
+        super().check(prefix)
+        _require(self.cliprange_value > 0, f"{prefix}.cliprange_value", "must be > 0")
 
 
 @dataclass
