@@ -23,7 +23,8 @@ def run_sft(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
     cursor = EpochCursor(len(data), cfg.data.seed, cfg.data.shuffle)
     model = load_policy(cfg)
     model_cfg = model.cfg
-    steps = cfg.trainer.steps if cfg.trainer.epochs <= 0 else cfg.trainer.epochs * len(data) // cfg.data.train_batch_size
+    # an epoch is ceil(rows / batch) steps (the last one draws the next epoch's first rows); floor was 0 for a small file
+    steps = cfg.trainer.steps if cfg.trainer.epochs <= 0 else -(-cfg.trainer.epochs * len(data) // cfg.data.train_batch_size)
     actor = Actor(model, cfg.actor, env.device, cfg.data.max_response_length, cfg.model.logprob_chunk_tokens, steps)
     ckpt = CheckpointManager(cfg.checkpoint.dir or env.run_dir / "checkpoints", cfg.checkpoint.keep)
     start = 0
