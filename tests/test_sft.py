@@ -62,3 +62,23 @@ def test_epochs_count_a_partial_last_batch(model_dir, tmp_path):
     run_sft(_cfg(model_dir, tmp_path / "small", f"data.train_files=[{data}]", "trainer.epochs=1",
                  "data.train_batch_size=32", "actor.ppo_mini_batch_size=32"))
     assert len(_losses(tmp_path / "small")) == 1
+
+
+def _sft_rank(rank, world, model_dir, run_dir, *extra):
+    run_sft(_cfg(model_dir, run_dir, *extra))
+    return True
+
+
+def test_sft_on_2_ranks_matches_1_rank(model_dir, tmp_path):
+    """Each rank takes its slice of the global batch; the loss is normalised by the global token count, so 2 gloo
+    ranks (FSDP2) give 1 rank's losses and weights (fp32; tolerance as the RL loop's DP tests). A batch the ranks
+    cannot split evenly is refused."""
+    from tests.dist import run_ranks
+    _sft_rank(0, 1, model_dir, tmp_path / "one", "trainer.steps=3")
+    run_ranks(_sft_rank, 2, model_dir, tmp_path / "two", "trainer.steps=3")
+    assert _losses(tmp_path / "two") == pytest.approx(_losses(tmp_path / "one"), rel=1e-5)
+    w1, w2 = (load_pretrained(tmp_path / r / "hf").state_dict() for r in ("one", "two"))
+    for name in w1:
+        torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=5e-5)
+    with pytest.raises(Exception, match="data.train_batch_size=15 must be divisible by the 2 data-parallel ranks"):
+        run_ranks(_sft_rank, 2, model_dir, tmp_path / "odd", "data.train_batch_size=15", "actor.ppo_mini_batch_size=15")

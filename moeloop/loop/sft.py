@@ -8,6 +8,7 @@ from __future__ import annotations
 from moeloop.checkpoint import CheckpointManager
 from moeloop.config import RunConfig
 from moeloop.data import EpochCursor, PromptDataset, load_rows
+from moeloop.errors import InputError
 from moeloop.loop.env import RunEnv, check_parallel_support, load_policy, load_tokenizer, resume_from, run_command
 from moeloop.loop.export import export_hf
 from moeloop.loop.metrics import MetricsLogger, PhaseTimer, peak_memory_bytes
@@ -18,6 +19,9 @@ from moeloop.types import Sample
 def run_sft(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
     check_parallel_support(cfg)
     env = RunEnv.create(cfg)
+    if cfg.data.train_batch_size % env.world_size:  # each rank takes an equal slice; a remainder would be dropped
+        raise InputError(f"data.train_batch_size={cfg.data.train_batch_size} must be divisible by the "
+                         f"{env.world_size} data-parallel ranks")
     tokenizer = load_tokenizer(cfg)
     data = PromptDataset(load_rows(cfg.data.train_files, cfg.data.seed), tokenizer, cfg.data, with_response=True)
     cursor = EpochCursor(len(data), cfg.data.seed, cfg.data.shuffle)
