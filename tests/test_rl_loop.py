@@ -270,6 +270,22 @@ def test_console_bar_of_a_resumed_run_counts_from_its_first_step(tmp_path):
         logger.close()
 
 
+def test_a_log_sink_without_its_package_names_it(tmp_path, monkeypatch):
+    """trainer.log=[wandb] without wandb installed: an error naming the sink and the fix (a bare traceback before)."""
+    import importlib
+    from moeloop.errors import InputError
+    from moeloop.loop.metrics import MetricsLogger
+    real = importlib.import_module
+
+    def no_wandb(name, *a, **kw):
+        if name == "wandb":
+            raise ModuleNotFoundError("No module named 'wandb'")
+        return real(name, *a, **kw)
+    monkeypatch.setattr(importlib, "import_module", no_wandb)
+    with pytest.raises(InputError, match="trainer.log: the wandb sink needs the wandb package .*pip install wandb"):
+        MetricsLogger(tmp_path, ["jsonl", "wandb"], total_steps=2)
+
+
 def test_ppo_with_gae_critic_runs_and_resumes(model_dir, tmp_path):
     extra = ["algorithm.adv_estimator=gae", *GAE_CRITIC]
     last = run_rl(_cfg(model_dir, tmp_path / "a", *extra))

@@ -8,6 +8,7 @@ update_actor, update_weights, save_checkpoint. Only rank 0 writes.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 import time
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+
+from moeloop.errors import InputError
 
 PHASES = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor", "update_weights",
           "save_checkpoint")
@@ -56,6 +59,16 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def _sink_module(sink: str, module: str):
+    """The module a `trainer.log` sink writes through; an InputError naming the sink when its package is missing
+    (wandb is optional)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise InputError(f"trainer.log: the {sink} sink needs the {sink} package ({err}); pip install {sink}, or "
+                         f"leave {sink} out of trainer.log") from None
+
+
 class MetricsLogger:
     """`trainer.log` picks sinks: console, jsonl, tensorboard, wandb."""
 
@@ -71,11 +84,10 @@ class MetricsLogger:
             for old in self.run_dir.glob("*.jsonl"):
                 old.unlink()
         if "tensorboard" in self.sinks:
-            from torch.utils.tensorboard import SummaryWriter
+            SummaryWriter = _sink_module("tensorboard", "torch.utils.tensorboard").SummaryWriter
             self._tb = SummaryWriter(str(self.run_dir / "tb"))
         if "wandb" in self.sinks:
-            import wandb  # optional dependency
-            self._wandb = wandb.init(project="moeloop", dir=str(self.run_dir))
+            self._wandb = _sink_module("wandb", "wandb").init(project="moeloop", dir=str(self.run_dir))
 
     def start_at(self, step: int) -> None:
         """Open the console progress bar at `step` of `total_steps` (a resumed run starts part-way), as the run's
