@@ -50,9 +50,8 @@ def validate(cfg: RunConfig) -> None:
         if (name == "actor" or cfg.critic.enable) and section.max_tokens_per_micro_batch < longest:
             raise InputError(f"{name}.max_tokens_per_micro_batch={section.max_tokens_per_micro_batch} must be >= "
                              f"data.max_prompt_length + data.max_response_length = {longest} (one whole sequence)")
-    algo = cfg.algorithm
-    if algo.overlong_penalty and not 0 < algo.overlong_buffer_len <= cfg.data.max_response_length:
-        raise InputError(f"algorithm.overlong_buffer_len={algo.overlong_buffer_len} must be in (0, "
+    if cfg.algorithm.overlong_penalty and not 0 < cfg.algorithm.overlong_buffer_len <= cfg.data.max_response_length:
+        raise InputError(f"algorithm.overlong_buffer_len={cfg.algorithm.overlong_buffer_len} must be in (0, "
                          f"data.max_response_length={cfg.data.max_response_length}] with algorithm.overlong_penalty")
     if cfg.algorithm.adv_estimator == "gae" and not cfg.critic.enable:
         raise InputError("algorithm.adv_estimator=gae needs critic.enable=true")
