@@ -18,8 +18,9 @@ def model_dir(tmp_path_factory):
 
 
 def _cfg(model_dir, run_dir, *extra):
+    """On CPU (as the RL loop's tests): bitwise resume equality, and one device per rank on any machine."""
     return load_config("examples/tiny_sft.yaml", [
-        f"model.path={model_dir}", f"trainer.run_dir={run_dir}", "trainer.log=[jsonl]", "trainer.steps=6",
+        "trainer.device=cpu", f"model.path={model_dir}", f"trainer.run_dir={run_dir}", "trainer.log=[jsonl]", "trainer.steps=6",
         "data.train_batch_size=16", "actor.ppo_mini_batch_size=16", "actor.optim.warmup_steps=0",
         "actor.optim.min_lr_ratio=1.0", *extra])
 
@@ -36,7 +37,7 @@ def test_sft_learns_and_its_export_is_the_rl_input(model_dir, tmp_path):
     assert any(not torch.equal(before[n], after[n]) for n in before)
     rl = load_config("examples/tiny.yaml", [
         f"model.path={tmp_path / 'sft' / 'hf'}", f"trainer.run_dir={tmp_path / 'rl'}", "trainer.log=[jsonl]",
-        "trainer.steps=1", "trainer.val_every=0", "data.val_files=[]", "data.train_batch_size=4", "rollout.n=4",
+        "trainer.device=cpu", "trainer.steps=1", "trainer.val_every=0", "data.val_files=[]", "data.train_batch_size=4", "rollout.n=4",
         "actor.ppo_mini_batch_size=4", "checkpoint.save_final=false"])
     assert run_rl(rl)["policy/version"] == 1
 
