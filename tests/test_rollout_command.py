@@ -1,6 +1,7 @@
 """`moeloop generate` end to end on a tiny model folder written by the factory (model + tokenizer)."""
 import json
 import re
+import shutil
 
 import pytest
 
@@ -73,9 +74,10 @@ def test_generate_names_the_bad_line_and_writes_nothing(tmp_path, capsys, line, 
 
 
 def test_generate_and_rl_report_bad_flags_files_and_fields(tmp_path, capsys):
-    """Bad sampling flags, a missing prompts file, a prompt too long for --max-model-len, a bad config field, a
-    missing config, a model.path with no model folder (transformers would take it for a hub id) and an unknown
-    reward function: exit code 2 and the flag, file or field named on stderr."""
+    """Bad sampling flags, a missing prompts file, a prompt too long for --max-model-len, bad config fields, a
+    missing config, a model.path with no model folder (transformers would take it for a hub id), a model folder with no
+    tokenizer files, no chat template or a broken config.json, an unknown reward function and data with no answers:
+    exit code 2 and the flag, file or field named on stderr."""
     model_dir = init_model("qwen3_moe", "tiny", tmp_path / "m")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "1+1="}) + "\n")
@@ -108,6 +110,21 @@ def test_generate_and_rl_report_bad_flags_files_and_fields(tmp_path, capsys):
                   r"long.jsonl:2: the prompt's \d+ tokens \+ --max-tokens 4 are more than --max-model-len 32"))
     cases.append((["rl", "examples/tiny.yaml", f"model.path={model_dir}", "rollout.kv_cache_bytes=1000"],
                   "moeloop rl: rollout.kv_cache_bytes: a KV budget of 1000 bytes holds 0 blocks"))
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "1+1="}]}) + "\n")
+    for name, drop, message in (("no_tokenizer", ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"),
+                                 "model_dir=.*no_tokenizer: its tokenizer has 1 token"),  # was: 'the prompt has no tokens'
+                                ("no_template", ("chat_template.jinja",),
+                                 r"chat.jsonl:1: 'messages' are rendered by the tokenizer's chat template, and this")):
+        folder = tmp_path / name
+        shutil.copytree(model_dir, folder)
+        for f in drop:
+            (folder / f).unlink()
+        cases.append((["generate", str(folder), "--prompts", str(chat), "--out", str(tmp_path / "o.jsonl")], message))
+    bad_config = tmp_path / "bad_config"
+    shutil.copytree(model_dir, bad_config)
+    (bad_config / "config.json").write_text("{")
+    cases.append((["rl", "examples/tiny.yaml", f"model.path={bad_config}"], "moeloop rl: .*bad_config/config.json: not valid JSON"))
     no_answers = tmp_path / "no_answers.jsonl"
     no_answers.write_text(json.dumps({"prompt": "1+1="}) + "\n")  # the answer is under no data.answer_key
     cases.append((["rl", "examples/tiny.yaml", f"model.path={model_dir}", f"data.train_files=[{no_answers}]",

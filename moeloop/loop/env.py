@@ -77,12 +77,9 @@ def dtype_of(name: str) -> torch.dtype:
 def load_tokenizer(cfg: RunConfig):
     """The tokenizer of the model folder at `model.path`. The folder is checked first: without it transformers
     would take the path for a hub id and fail with a message about repo names."""
-    from transformers import AutoTokenizer
+    from moeloop.model.tokenizer import load_folder_tokenizer  # (transformers: imported when a command needs it)
 
-    if not (Path(cfg.model.path) / "config.json").is_file():
-        raise InputError(f"model.path={cfg.model.path}: no model folder there (config.json, safetensors and tokenizer "
-                         f"files, as `moeloop init-model` or an SFT run's HF export writes)")
-    return AutoTokenizer.from_pretrained(cfg.model.path)
+    return load_folder_tokenizer(cfg.model.path, "model.path")
 
 
 def load_policy(cfg: RunConfig, device: torch.device | str = "cpu") -> torch.nn.Module:

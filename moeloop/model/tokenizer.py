@@ -52,3 +52,31 @@ def build_tokenizer(out_dir: str | Path | None = None) -> PreTrainedTokenizerFas
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         tok.save_pretrained(str(out_dir))
     return tok
+
+
+
+def load_folder_tokenizer(model_dir: str | Path, what: str):
+    """The tokenizer of the model folder `model_dir` (`what` names it in errors: a config field or a flag).
+
+    Each an InputError: no config.json there, a config.json that does not parse, and a tokenizer with no vocabulary.
+    Without tokenizer files transformers builds an empty tokenizer from the model type alone, and every prompt then
+    encodes to no tokens (which an error about an empty prompt would report, far from the cause)."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from moeloop.errors import InputError
+    folder = Path(model_dir)
+    config = folder / "config.json"
+    if not config.is_file():
+        raise InputError(f"{what}={model_dir}: no model folder there (config.json, safetensors and tokenizer files, as "
+                         f"`moeloop init-model` or an SFT run's HF export writes)")
+    try:
+        json.loads(config.read_text())
+    except json.JSONDecodeError as err:
+        raise InputError(f"{config}: not valid JSON ({err})") from None
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if len(tokenizer) < 2:
+        raise InputError(f"{what}={model_dir}: its tokenizer has {len(tokenizer)} token(s): no tokenizer files there "
+                         f"(tokenizer.json, or the vocabulary files of a slow tokenizer)?")
+    return tokenizer

@@ -64,6 +64,9 @@ def read_prompts(path: Path, tokenizer, max_tokens: int, max_model_len: int) -> 
         row = json_object(line, where)
         if "messages" in row:
             messages = chat_messages(row["messages"], f"{where}: 'messages'")
+            if not getattr(tokenizer, "chat_template", None):
+                raise InputError(f"{where}: 'messages' are rendered by the tokenizer's chat template, and this model's "
+                                 f"tokenizer has none (give the text as 'prompt')")
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         elif "prompt" in row:
             text = row["prompt"]
@@ -84,12 +87,11 @@ def read_prompts(path: Path, tokenizer, max_tokens: int, max_model_len: int) -> 
 
 
 def main(argv: list[str]) -> int:
-    from transformers import AutoTokenizer
-
     from moeloop.model.hf_io import load_pretrained
+    from moeloop.model.tokenizer import load_folder_tokenizer
     args = parse_args(argv)
     dtype = DTYPES[args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")]
-    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    tokenizer = load_folder_tokenizer(args.model_dir, "model_dir")
     texts, prompt_ids = read_prompts(Path(args.prompts), tokenizer, args.max_tokens, args.max_model_len)
     # the flags checked before the model loads
     params = [SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
