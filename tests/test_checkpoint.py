@@ -1,7 +1,9 @@
 """Checkpoints: atomic saves, resume == uninterrupted, and a DP=2 checkpoint resumes at DP=1 and DP=4."""
 import os
+import re
 
 import pytest
+
 import torch
 
 from moeloop.checkpoint import CheckpointManager
@@ -122,3 +124,21 @@ def test_ckpt_export_cli_writes_loadable_hf(tmp_path):
     assert ckpt_main(["export", str(tmp_path / "ckpt"), "--model", str(model_dir), "--out", str(tmp_path / "hf")]) == 0
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     torch.testing.assert_close(hf.lm_head.weight, model.lm_head.weight)
+
+
+
+def test_a_checkpoint_of_another_model_is_named_not_a_dcp_traceback(tmp_path, capsys):
+    """Exporting (or resuming) a checkpoint with another model's folder: one line naming the checkpoint, the missing
+    or reshaped tensors, exit 2 (DCP raised 'Missing key in checkpoint state_dict' from deep in its planner)."""
+    from moeloop.cli import main as cli_main
+    from moeloop.model.factory import init_model
+    from moeloop.model.hf_io import load_pretrained
+
+    qwen = init_model("qwen3_moe", "tiny", tmp_path / "qwen", seed=1)
+    CheckpointManager(tmp_path / "ckpt").save(1, load_pretrained(qwen), None, {"cursor": {}})
+    for other, message in ((init_model("deepseek_v3", "tiny", tmp_path / "ds", seed=1), r"tensors missing \(e.g. model\."),
+                           (init_model("qwen3_moe", "small", tmp_path / "small", seed=1),
+                            r"model.embed_tokens.weight \(128, 64\) saved, \(128, 128\) here")):
+        assert cli_main(["ckpt", "export", str(tmp_path / "ckpt"), "--model", str(other), "--out", str(tmp_path / "hf")]) == 2
+        err = capsys.readouterr().err
+        assert "this checkpoint does not fit the model" in err and re.search(message, err) and "Traceback" not in err

@@ -121,6 +121,9 @@ def test_generate_and_rl_report_bad_flags_files_and_fields(tmp_path, capsys):
         for f in drop:
             (folder / f).unlink()
         cases.append((["generate", str(folder), "--prompts", str(chat), "--out", str(tmp_path / "o.jsonl")], message))
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("actor: [\n")
+    cases.append((["rl", str(bad_yaml)], "moeloop rl: config .*bad.yaml: not valid YAML"))
     bad_config = tmp_path / "bad_config"
     shutil.copytree(model_dir, bad_config)
     (bad_config / "config.json").write_text("{")

@@ -10,7 +10,9 @@ from moeloop.checkpoint.manager import CheckpointManager
 
 def export_checkpoint(ckpt: str | Path, model_dir: str | Path, out_dir: str | Path) -> Path:
     from moeloop.model.hf_io import load_pretrained, save_pretrained
+    from moeloop.model.tokenizer import load_folder_tokenizer
 
+    load_folder_tokenizer(model_dir, "--model")  # the folder, its config.json and its tokenizer, checked first
     ckpt = Path(ckpt)
     if (ckpt / "latest").is_file():  # a checkpoint directory: take its newest complete save
         ckpt = CheckpointManager(ckpt).latest() or ckpt

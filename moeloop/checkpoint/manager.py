@@ -23,6 +23,22 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from moeloop.errors import InputError
+
+
+def _check_fits(path: Path, model_sd: dict[str, Any]) -> None:
+    """An InputError naming the checkpoint when the model's tensors are not all in it at their shapes (saved from
+    another model or config), before DCP's load would fail on the first one."""
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    missing = [name for name in model_sd if f"model.{name}" not in saved]
+    reshaped = [f"{name} {tuple(saved[f'model.{name}'].size)} saved, {tuple(t.shape)} here"
+                for name, t in model_sd.items()
+                if f"model.{name}" in saved and tuple(getattr(saved[f"model.{name}"], "size", t.shape)) != tuple(t.shape)]
+    if missing or reshaped:
+        problems = ([f"{len(missing)} tensors missing (e.g. {missing[0]})"] if missing else []) + reshaped[:2]
+        raise InputError(f"{path}: this checkpoint does not fit the model ({'; '.join(problems)}): was it saved from "
+                         f"another model or config?")
+
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
@@ -96,6 +112,7 @@ class CheckpointManager:
     def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
         """Load into the current layout (DCP reshards); restore this rank's RNG; return meta."""
         state = self._state(model, optimizer)
+        _check_fits(path, state["model"])
         dcp.load(state, checkpoint_id=str(path))
         options = StateDictOptions(strict=True)
         if optimizer is None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -26,6 +27,8 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     except OmegaConfBaseException as err:
         where = f" in {path}" if path else ""
         raise InputError(f"config{where}: {_explain(err)}") from None
+    except yaml.YAMLError as err:  # the file is not YAML (OmegaConf.load parses with PyYAML)
+        raise InputError(f"config {path}: not valid YAML ({' '.join(str(err).split())})") from None
     cfg: RunConfig = OmegaConf.to_object(base)  # type: ignore[assignment]
     validate(cfg)
     return cfg
