@@ -96,6 +96,7 @@ def test_generate_and_rl_report_bad_flags_files_and_fields(tmp_path, capsys):
              (["rl", "examples/tiny.yaml", "actor.optim.betas=[0.9]"],
               r"moeloop rl: actor.optim.betas: must be two values in \[0, 1\), got \[0.9\]"),
              (["rl", "examples/tiny.yaml", "data.val_batch_size=0"], "moeloop rl: data.val_batch_size: must be > 0"),
+             (["rl", "examples/tiny.yaml", "data.val_files=[]"], "moeloop rl: trainer.val_every=100 needs held-out prompts"),
              (["rl", "examples/tiny.yaml", "actor.ppo_mini_batch_size=0"],  # ZeroDivisionError before
               "moeloop rl: actor.ppo_mini_batch_size: must be >= 1"),
              (["rl", "examples/tiny.yaml", "algorithm.gamma=2"], r"moeloop rl: algorithm.gamma: must be in \[0, 1\]"),
@@ -131,7 +132,7 @@ def test_generate_and_rl_report_bad_flags_files_and_fields(tmp_path, capsys):
     no_answers = tmp_path / "no_answers.jsonl"
     no_answers.write_text(json.dumps({"prompt": "1+1="}) + "\n")  # the answer is under no data.answer_key
     cases.append((["rl", "examples/tiny.yaml", f"model.path={model_dir}", f"data.train_files=[{no_answers}]",
-                   "data.val_files=[]"],
+                   "data.val_files=[]", "trainer.val_every=0"],
                   "moeloop rl: data.answer_key='answer': no row of .*no_answers.jsonl has it, and reward.fn=arith"))
     for argv, message in cases:
         assert cli_main(argv) == 2, argv

@@ -56,6 +56,9 @@ def validate(cfg: RunConfig) -> None:
     if cfg.algorithm.overlong_penalty and not 0 < cfg.algorithm.overlong_buffer_len <= cfg.data.max_response_length:
         raise InputError(f"algorithm.overlong_buffer_len={cfg.algorithm.overlong_buffer_len} must be in (0, "
                          f"data.max_response_length={cfg.data.max_response_length}] with algorithm.overlong_penalty")
+    if cfg.trainer.val_every and not cfg.data.val_files:  # (it logged empty validation rows)
+        raise InputError(f"trainer.val_every={cfg.trainer.val_every} needs held-out prompts in data.val_files; "
+                         f"trainer.val_every=0 trains without validation")
     if cfg.algorithm.adv_estimator == "gae" and not cfg.critic.enable:
         raise InputError("algorithm.adv_estimator=gae needs critic.enable=true")
     if cfg.trainer.critic_warmup < 0 or (cfg.trainer.critic_warmup and not cfg.critic.enable):
