@@ -276,3 +276,24 @@ def test_flat_graph_inputs_layout():
     assert n_in == 3 * 4 + 3 * 4
     assert list(flat) == [5, 6, 0, 17, 3, 0, 33, 51, 9 * 16, 18, 4, 1,
                           2, 3, 9, 9, 4, 9, 9, 9, 9, 9, 9, 9, 1, 0]
+
+
+def test_a_live_request_id_is_refused_and_reusable_once_finished():
+    """Request ids name one live request (completions and abort() go by them): a given id still running is an
+    InputError (it silently merged two requests), an automatic id skips a given one that is live, and an id is free
+    again once its last sample completes."""
+    from moeloop.errors import InputError
+    engine = Engine(tiny_model(), RolloutSection(max_num_seqs=8, kv_cache_bytes=1 << 20, max_model_len=64))
+    params = SamplingParams(n=2, max_tokens=3, temperature=0.0)
+    engine.add_request([5, 6, 7], params, request_id="1")
+    with pytest.raises(InputError, match="request id '1' is still running"):
+        engine.add_request([8, 9], params, request_id="1")
+    first = engine.add_request([8, 9], params)  # automatic: "0"
+    second = engine.add_request([8, 9], params)  # "1" is live: skipped
+    assert (first, second) == ("0", "2")
+    done = []
+    while engine.has_unfinished():
+        done += engine.step()
+    assert sorted((c.request_id, c.sample_index) for c in done) == [(r, i) for r in ("0", "1", "2") for i in (0, 1)]
+    engine.add_request([5, 6, 7], params, request_id="1")  # finished: free again
+    assert [c.finish_reason for c in engine.abort("1")] == ["abort", "abort"]

@@ -79,6 +79,7 @@ class Engine:
         self.policy_version = 0
         self._seeds = random.Random(seed)
         self._request_ids = itertools.count()
+        self._live: dict[str, int] = {}  # request id -> its samples not yet completed
         self._weights_consistent = True
         self.num_generated_tokens = self.num_prefill_tokens = self.num_steps = 0
 
@@ -88,8 +89,16 @@ class Engine:
         return self._queue(prompt_ids, params, request_id)
 
     def _queue(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
-        """`add_request` for a prompt `_check_prompt` has passed."""
-        request_id = str(next(self._request_ids)) if request_id is None else request_id
+        """`add_request` for a prompt `_check_prompt` has passed. A request id names one live request: a given one
+        that is still live is refused, and an automatic one skips the ids live now."""
+        if request_id is None:
+            request_id = str(next(self._request_ids))
+            while request_id in self._live:
+                request_id = str(next(self._request_ids))
+        elif request_id in self._live:
+            raise InputError(f"request id {request_id!r} is still running: ids name one live request (their "
+                             f"completions and abort() go by it)")
+        self._live[request_id] = params.n
         base_seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         leader = None
         for i in range(params.n):
@@ -183,6 +192,10 @@ class Engine:
         return None
 
     def _completion(self, seq: Sequence) -> Completion:
+        """The completion of a finished (or aborted) sample; its request stops being live with its last one."""
+        left = self._live.pop(seq.request_id) - 1
+        if left:
+            self._live[seq.request_id] = left
         text = self.detokenize(seq.response_ids) if self.detokenize is not None else None
         return Completion(seq.request_id, seq.sample_index, seq.prompt_ids, seq.response_ids,
                           list(seq.logprobs) if seq.params.logprobs else None, seq.finish_reason,
