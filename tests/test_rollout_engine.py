@@ -297,3 +297,18 @@ def test_a_live_request_id_is_refused_and_reusable_once_finished():
     assert sorted((c.request_id, c.sample_index) for c in done) == [(r, i) for r in ("0", "1", "2") for i in (0, 1)]
     engine.add_request([5, 6, 7], params, request_id="1")  # finished: free again
     assert [c.finish_reason for c in engine.abort("1")] == ["abort", "abort"]
+
+
+
+def test_generate_keeps_the_completions_of_other_requests_for_step():
+    """A request added with add_request that finishes while generate() runs is returned by the next step() (generate
+    consumed and dropped it)."""
+    engine = Engine(tiny_model(), RolloutSection(max_num_seqs=8, kv_cache_bytes=1 << 20, max_model_len=64))
+    engine.add_request([5, 6, 7], SamplingParams(n=2, max_tokens=2, temperature=0.0), request_id="mine")
+    out = engine.generate([[8, 9]], SamplingParams(n=1, max_tokens=6, temperature=0.0))
+    assert [c.request_id for c in out] == ["0"]
+    later = []
+    while engine.has_unfinished():
+        later += engine.step()
+    assert sorted((c.request_id, c.sample_index, c.finish_reason) for c in later) == [("mine", 0, "length"),
+                                                                                      ("mine", 1, "length")]

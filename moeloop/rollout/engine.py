@@ -228,13 +228,16 @@ class Engine:
             except InputError as err:
                 raise InputError(f"prompt {i}: {err}") from None
         ids = [self._queue(p, sp) for p, sp in zip(prompts, params_list)]
-        wanted, results, total = set(ids), {}, sum(sp.n for sp in params_list)
+        wanted, results, total, others = set(ids), {}, sum(sp.n for sp in params_list), []
         while self.has_unfinished() and len(results) < total:
             for c in self.step():
                 if c.request_id in wanted:
                     results[(c.request_id, c.sample_index)] = c
                     if progress:
                         progress(1)
+                else:  # a request of `add_request`'s that finished meanwhile: the next step() returns it
+                    others.append(c)
+        self._ready = others + self._ready
         return [results[(rid, i)] for rid, sp in zip(ids, params_list) for i in range(sp.n)]
 
     # --- control -------------------------------------------------------------------------------
