@@ -347,3 +347,13 @@ def test_critic_learns_returns():
     assert losses[-1] < 0.1 * losses[0]
     critic.compute_values(samples)
     assert abs(samples[0].values[0] - 1.5) < 0.4
+
+
+def test_epochs_set_the_rl_step_count(model_dir, tmp_path):
+    """trainer.epochs > 0 runs that many passes over the train rows, ceil(epochs * rows / data.train_batch_size) steps,
+    as SFT does (RL ignored it and ran trainer.steps)."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(6)))
+    last = run_rl(_cfg(model_dir, tmp_path / "run", f"data.train_files=[{rows}]", "trainer.epochs=1",
+                       "trainer.steps=50"))
+    assert last["policy/version"] == 2 and len(_rows(tmp_path / "run")) == 2  # 6 rows in batches of 4

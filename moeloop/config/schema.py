@@ -301,7 +301,7 @@ class CheckpointSection:
 @dataclass
 class TrainerSection:
     steps: int = 10
-    epochs: int = 0  # used by SFT when > 0
+    epochs: int = 0  # > 0: passes over data.train_files instead of trainer.steps (SFT and RL; loop.env.training_steps)
     val_every: int = 0
     val_samples: int = 4  # samples per held-out prompt for the sampled accuracy (0 = greedy only)
     log: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])

@@ -20,7 +20,8 @@ from moeloop.config import RunConfig
 from moeloop.data import EpochCursor, PromptDataset, load_rows
 from moeloop.data.dataset import Example
 from moeloop.errors import InputError
-from moeloop.loop.env import RunEnv, check_parallel_support, dtype_of, load_policy, load_tokenizer, resume_from
+from moeloop.loop.env import (RunEnv, check_parallel_support, dtype_of, load_policy, load_tokenizer, resume_from,
+                              training_steps)
 from moeloop.loop.export import export_hf
 from moeloop.loop.generation import RolloutWorker
 from moeloop.loop.metrics import MetricsLogger
@@ -223,6 +224,7 @@ def build_components(cfg: RunConfig, resume: bool) -> Components:
     val = PromptDataset(load_rows(cfg.data.val_files, cfg.data.seed), tokenizer, cfg.data) if cfg.data.val_files else None
     for files, data in ((cfg.data.train_files, train), (cfg.data.val_files, val)):
         check_ground_truths(cfg, files, data)
+    cfg.trainer.steps = training_steps(cfg, len(train))  # resolved once: every later use reads trainer.steps
     dtype = dtype_of(cfg.model.dtype)
     if env.device.type == "cpu":
         retain_freed_host_memory()  # gradients are freed and allocated again every step

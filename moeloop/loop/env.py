@@ -5,6 +5,7 @@ a test harness that already initialised a group is used as is.
 """
 from __future__ import annotations
 
+import math
 import os
 import random
 import sys
@@ -80,6 +81,15 @@ def load_tokenizer(cfg: RunConfig):
     from moeloop.model.tokenizer import load_folder_tokenizer  # (transformers: imported when a command needs it)
 
     return load_folder_tokenizer(cfg.model.path, "model.path")
+
+
+def training_steps(cfg: RunConfig, num_rows: int) -> int:
+    """The run's step count: `trainer.steps`, or with `trainer.epochs` > 0 that many passes over the `num_rows` train
+    rows, ceil(epochs * rows / data.train_batch_size) steps (the last step of a pass draws the next pass's first rows;
+    DAPO's refills draw beyond a step's batch)."""
+    if cfg.trainer.epochs <= 0:
+        return cfg.trainer.steps
+    return math.ceil(cfg.trainer.epochs * num_rows / cfg.data.train_batch_size)
 
 
 def load_policy(cfg: RunConfig, device: torch.device | str = "cpu") -> torch.nn.Module:

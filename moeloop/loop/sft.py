@@ -5,13 +5,12 @@ end (`<run_dir>/hf`) is directly an RL `model.path`.
 """
 from __future__ import annotations
 
-import math
-
 from moeloop.checkpoint import CheckpointManager
 from moeloop.config import RunConfig
 from moeloop.data import EpochCursor, PromptDataset, load_rows
 from moeloop.errors import InputError
-from moeloop.loop.env import RunEnv, check_parallel_support, load_policy, load_tokenizer, resume_from, run_command
+from moeloop.loop.env import (RunEnv, check_parallel_support, load_policy, load_tokenizer, resume_from, run_command,
+                              training_steps)
 from moeloop.loop.export import export_hf
 from moeloop.loop.metrics import MetricsLogger, PhaseTimer, peak_memory_bytes
 from moeloop.train.actor import Actor
@@ -29,10 +28,7 @@ def run_sft(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
     cursor = EpochCursor(len(data), cfg.data.seed, cfg.data.shuffle)
     model = load_policy(cfg)
     model_cfg = model.cfg
-    # an epoch is ceil(rows / batch) steps (the last one draws the next epoch's first rows); floor was 0 for a small file
-    steps = cfg.trainer.steps
-    if cfg.trainer.epochs > 0:
-        steps = math.ceil(cfg.trainer.epochs * len(data) / cfg.data.train_batch_size)
+    steps = training_steps(cfg, len(data))
     actor = Actor(model, cfg.actor, env.device, cfg.data.max_response_length, cfg.model.logprob_chunk_tokens, steps)
     ckpt = CheckpointManager(cfg.checkpoint.dir or env.run_dir / "checkpoints", cfg.checkpoint.keep)
     start = 0
