@@ -4,6 +4,7 @@ import re
 import shutil
 
 import pytest
+import torch
 
 from moeloop.cli import main as cli_main
 from moeloop.model.factory import init_model
@@ -122,6 +123,8 @@ def test_generate_and_rl_report_bad_flags_files_and_fields(tmp_path, capsys):
         for f in drop:
             (folder / f).unlink()
         cases.append((["generate", str(folder), "--prompts", str(chat), "--out", str(tmp_path / "o.jsonl")], message))
+    cases.append((base[:2] + ["--prompts", str(prompts), "--out", str(tmp_path / "none" / "o.jsonl")],
+                  "moeloop generate: --out .*none/o.jsonl: .*none is not a writable directory"))  # (after generating)
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text("actor: [\n")
     cases.append((["rl", str(bad_yaml)], "moeloop rl: config .*bad.yaml: not valid YAML"))
@@ -150,3 +153,15 @@ def test_demo_takes_zero_steps_and_refuses_negative_ones(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_info:
         demo.main(["--sft-steps", "-3"])
     assert exit_info.value.code == 2 and "argument --sft-steps: must be >= 0, got -3" in capsys.readouterr().err
+
+
+def test_generate_refuses_a_device_it_cannot_use(tmp_path, capsys):
+    """--device: cpu, cuda or cuda:N, and the CUDA device must be visible (an AssertionError or a RuntimeError from
+    torch before)."""
+    model_dir = init_model("qwen3_moe", "tiny", tmp_path / "m")
+    visible = torch.cuda.device_count()
+    for device, message in (("gpu", "must be cpu, cuda or cuda:N, got 'gpu'"),
+                            (f"cuda:{visible}", f"cuda:{visible}: {visible} CUDA devices are visible")):
+        with pytest.raises(SystemExit) as exit_info:
+            cli_main(["generate", str(model_dir), "--prompts", "p.jsonl", "--out", "o.jsonl", "--device", device])
+        assert exit_info.value.code == 2 and f"argument --device: {message}" in capsys.readouterr().err

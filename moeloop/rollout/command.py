@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -25,6 +26,18 @@ from moeloop.rollout.engine import Engine
 from moeloop.rollout.sampling_params import SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _device(text: str) -> str:
+    """--device as argparse checks it: cpu, or a visible CUDA device."""
+    if text == "cpu":
+        return text
+    kind, _, index = text.partition(":")
+    if kind != "cuda" or not (index == "" or index.isdigit()):
+        raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text!r}")
+    if torch.cuda.device_count() <= int(index or 0):
+        raise argparse.ArgumentTypeError(f"{text}: {torch.cuda.device_count()} CUDA devices are visible")
+    return text
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -43,7 +56,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--stop-token-id", type=int, action="append", default=[],
                    help="stop token id (repeatable), besides the model's EOS; kept in response_token_ids")
     p.add_argument("--ignore-eos", action="store_true", help="generate through EOS up to --max-tokens")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", type=_device, default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu, cuda or cuda:N (default: cuda when one is visible)")
     p.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=4096)
@@ -90,6 +104,9 @@ def main(argv: list[str]) -> int:
     from moeloop.model.hf_io import load_pretrained
     from moeloop.model.tokenizer import load_folder_tokenizer
     args = parse_args(argv)
+    out = Path(args.out)
+    if not out.parent.is_dir() or not os.access(out.parent, os.W_OK):  # checked before anything is generated
+        raise InputError(f"--out {out}: {out.parent} is not a writable directory")
     dtype = DTYPES[args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")]
     tokenizer = load_folder_tokenizer(args.model_dir, "model_dir")
     texts, prompt_ids = read_prompts(Path(args.prompts), tokenizer, args.max_tokens, args.max_model_len)
@@ -109,11 +126,13 @@ def main(argv: list[str]) -> int:
     with tqdm(total=len(prompt_ids) * args.n, desc="generate", unit="sample", file=sys.stderr) as bar:
         outs = engine.generate(prompt_ids, params, progress=bar.update)
     elapsed = time.perf_counter() - start
-    with open(args.out, "w") as f:
+    partial = out.with_name(out.name + ".tmp")  # written whole, then renamed: a failed write leaves an older --out
+    with open(partial, "w") as f:
         for c in outs:
             f.write(json.dumps({"prompt": texts[int(c.request_id)], "sample_index": c.sample_index,
                                 "completion": c.text, "response_token_ids": c.response_ids, "logprobs": c.logprobs,
                                 "finish_reason": c.finish_reason, "policy_version": c.policy_version}) + "\n")
+    partial.replace(out)
     num_tokens = sum(len(c.response_ids) for c in outs)
     print(f"{len(outs)} samples, {num_tokens} generated tokens in {elapsed:.2f} s: {num_tokens / elapsed:.1f} tok/s "
           f"({engine.num_prefill_tokens} prefill tokens, {engine.scheduler.num_preemptions} preemptions) -> {args.out}")
