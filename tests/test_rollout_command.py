@@ -125,6 +125,8 @@ def test_generate_and_rl_report_bad_flags_files_and_fields(tmp_path, capsys):
         cases.append((["generate", str(folder), "--prompts", str(chat), "--out", str(tmp_path / "o.jsonl")], message))
     cases.append((base[:2] + ["--prompts", str(prompts), "--out", str(tmp_path / "none" / "o.jsonl")],
                   "moeloop generate: --out .*none/o.jsonl: .*none is not a writable directory"))  # (after generating)
+    cases.append((["sft", "examples/tiny_sft.yaml", f"model.path={model_dir}", f"trainer.run_dir={prompts}/run"],
+                  r"moeloop sft: trainer.run_dir=.*p.jsonl/run: cannot make the directory \(Not a directory\)"))
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text("actor: [\n")
     cases.append((["rl", str(bad_yaml)], "moeloop rl: config .*bad.yaml: not valid YAML"))

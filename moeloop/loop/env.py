@@ -46,7 +46,12 @@ class RunEnv:
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(device)
         seed_everything(cfg.trainer.seed + rank)
-        return cls(device, rank, world, Path(cfg.trainer.run_dir))
+        run_dir = Path(cfg.trainer.run_dir)
+        try:  # made first, so a path that cannot be one fails before any model is built
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise InputError(f"trainer.run_dir={run_dir}: cannot make the directory ({err.strerror})") from None
+        return cls(device, rank, world, run_dir)
 
 
 def _pick_device(choice: str) -> torch.device:
