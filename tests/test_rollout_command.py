@@ -127,6 +127,8 @@ def test_generate_and_rl_report_bad_flags_files_and_fields(tmp_path, capsys):
                   "moeloop generate: --out .*none/o.jsonl: .*none is not a writable directory"))  # (after generating)
     cases.append((["sft", "examples/tiny_sft.yaml", f"model.path={model_dir}", f"trainer.run_dir={prompts}/run"],
                   r"moeloop sft: trainer.run_dir=.*p.jsonl/run: cannot make the directory \(Not a directory\)"))
+    cases.append((["init-model", "--arch", "qwen3_moe", "--out", str(prompts)],  # FileExistsError before
+                  "moeloop init-model: --out .*p.jsonl: exists and is not a directory"))
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text("actor: [\n")
     cases.append((["rl", str(bad_yaml)], "moeloop rl: config .*bad.yaml: not valid YAML"))
@@ -167,3 +169,9 @@ def test_generate_refuses_a_device_it_cannot_use(tmp_path, capsys):
         with pytest.raises(SystemExit) as exit_info:
             cli_main(["generate", str(model_dir), "--prompts", "p.jsonl", "--out", "o.jsonl", "--device", device])
         assert exit_info.value.code == 2 and f"argument --device: {message}" in capsys.readouterr().err
+
+
+def test_reward_serve_refuses_a_port_out_of_range(capsys):
+    with pytest.raises(SystemExit) as exit_info:  # (an OverflowError from bind() before)
+        cli_main(["reward", "serve", "--fn", "arith", "--port", "70000"])
+    assert exit_info.value.code == 2 and "argument --port: must be in 0-65535, got 70000" in capsys.readouterr().err

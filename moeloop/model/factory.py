@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import transformers
 
+from moeloop.errors import InputError
 from moeloop.model.config import ModelConfig
 from moeloop.model.hf_io import save_pretrained
 from moeloop.model.tokenizer import BOS, EOS, PAD, build_tokenizer, tokenizer_vocab
@@ -134,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.out.exists() and not args.out.is_dir():
+        raise InputError(f"--out {args.out}: exists and is not a directory")
     out = init_model(args.arch, args.size, args.out, seed=args.seed, dtype=args.dtype)
     cfg = ModelConfig.from_pretrained(out)  # re-read: proves config.json parses
     print(f"wrote {args.arch}/{args.size} (seed {args.seed}, {args.dtype}) to {out}: "

@@ -62,13 +62,20 @@ class RewardService:
             return as_result(await asyncio.to_thread(self.fn, sample))
 
 
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 0-65535, got {port}")
+    return port
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="moeloop reward")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a reward function over HTTP")
     serve.add_argument("--fn", required=True, help="built-in name or dotted path pkg.module.fn")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8011, help="0 = any free port")
+    serve.add_argument("--port", type=_port, default=8011, help="0 = any free port")
     serve.add_argument("--token", default=os.environ.get("MOELOOP_REWARD_TOKEN", ""))
     serve.add_argument("--concurrency", type=int, default=16)
     return parser.parse_args(argv)
