@@ -101,6 +101,9 @@ def test_generate_and_rl_report_bad_flags_files_and_fields(tmp_path, capsys):
              (["rl", "examples/tiny.yaml", "actor.ppo_mini_batch_size=0"],  # ZeroDivisionError before
               "moeloop rl: actor.ppo_mini_batch_size: must be >= 1"),
              (["rl", "examples/tiny.yaml", "algorithm.gamma=2"], r"moeloop rl: algorithm.gamma: must be in \[0, 1\]"),
+             (["plan", "examples/plan_seed002.yaml", "parallel.dp=0"], "moeloop plan: parallel.dp: must be >= 1"),
+             (["plan", "examples/plan_seed002.yaml", "hardware.gpus_per_node=0"],  # ZeroDivisionErrors before
+              "moeloop plan: hardware.gpus_per_node: must be >= 1"),
              (["rl", "examples/tiny.yaml", "algorithm.overlong_penalty=true"],  # its buffer 16 > the 8 tokens
               r"moeloop rl: algorithm.overlong_buffer_len=16 must be in \(0, data.max_response_length=8\]"),
              (["sft", "examples/tiny_sft.yaml", f"model.path={tmp_path / 'none'}"],

@@ -42,7 +42,8 @@ def _explain(err: OmegaConfBaseException) -> str:
 
 def validate(cfg: RunConfig) -> None:
     """Every section's own rules, then the rules that span sections."""
-    for section in (cfg.model, cfg.data, cfg.rollout, cfg.reward, cfg.algorithm, cfg.sync, cfg.checkpoint, cfg.trainer):
+    for section in (cfg.model, cfg.data, cfg.rollout, cfg.reward, cfg.algorithm, cfg.sync, cfg.checkpoint, cfg.trainer,
+                    cfg.hardware, cfg.parallel):
         section.check()
     cfg.actor.check("actor")
     if cfg.critic.enable:

@@ -271,6 +271,12 @@ class ParallelSection:
     last_stage_layers: int = 0  # ... and on the last stage (Megatron num_layers_in_last_pipeline_stage)
     rollout_tp: int = 0  # tensor-parallel size of one rollout engine; 0 = tp
 
+    def check(self) -> None:
+        for name in ("dp", "tp", "pp", "vpp", "ep", "etp", "cp"):
+            _require(getattr(self, name) >= 1, f"parallel.{name}", "must be >= 1")
+        for name in ("first_stage_layers", "last_stage_layers", "rollout_tp"):
+            _require(getattr(self, name) >= 0, f"parallel.{name}", "must be >= 0")
+
 
 @dataclass
 class SyncSection:
@@ -332,6 +338,12 @@ class HardwareSection:
     peak_tflops: float = 790.0
     cpu_memory_gb_per_node: float = 2048.0
     mtbf_hours: float = 24.0  # mean time between failures of the whole job (any rank), for Young/Daly
+
+    def check(self) -> None:
+        _require(self.gpus_per_node >= 1, "hardware.gpus_per_node", "must be >= 1")
+        for name in ("gpu_memory_gb", "hbm_gbps", "pcie_gbps", "nvlink_gbps", "network_gbps", "disk_gbps", "peak_tflops",
+                     "cpu_memory_gb_per_node", "mtbf_hours"):
+            _require(getattr(self, name) > 0, f"hardware.{name}", "must be > 0")
 
 
 @dataclass
