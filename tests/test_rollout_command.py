@@ -102,6 +102,7 @@ def test_generate_and_rl_report_bad_flags_files_and_fields(tmp_path, capsys):
               "moeloop rl: actor.ppo_mini_batch_size: must be >= 1"),
              (["rl", "examples/tiny.yaml", "algorithm.gamma=2"], r"moeloop rl: algorithm.gamma: must be in \[0, 1\]"),
              (["plan", "examples/plan_seed002.yaml", "parallel.dp=0"], "moeloop plan: parallel.dp: must be >= 1"),
+             (["plan", "examples/plan_seed002.yaml", "plan.dense_params=-1"], "moeloop plan: plan.dense_params: must be >= 0"),
              (["plan", "examples/plan_seed002.yaml", "hardware.gpus_per_node=0"],  # ZeroDivisionErrors before
               "moeloop plan: hardware.gpus_per_node: must be >= 1"),
              (["rl", "examples/tiny.yaml", "algorithm.overlong_penalty=true"],  # its buffer 16 > the 8 tokens

@@ -382,7 +382,9 @@ class PlanSection:
         _require(0 < self.mfu <= 1, "plan.mfu", "must be in (0, 1]")
         _require(0 < self.decode_efficiency <= 1, "plan.decode_efficiency", "must be in (0, 1]")
         _require(0 < self.tight_fraction <= 1, "plan.tight_fraction", "must be in (0, 1]")
-        for name in ("weight_bytes", "grad_bytes", "optimizer_bytes", "total_gpus", "num_micro_batches"):
+        for name in ("weight_bytes", "grad_bytes", "optimizer_bytes", "total_gpus", "num_micro_batches", "dense_params",
+                     "expert_params", "active_params", "avg_prompt_tokens", "avg_response_tokens", "comm_bucket_mb",
+                     "reserve_gb", "reward_s_per_sample", "checkpoint_save_s"):
             _require(getattr(self, name) >= 0, f"plan.{name}", "must be >= 0")
 
 
