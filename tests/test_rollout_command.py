@@ -133,6 +133,10 @@ def test_generate_and_rl_report_bad_flags_files_and_fields(tmp_path, capsys):
                   r"moeloop sft: trainer.run_dir=.*p.jsonl/run: cannot make the directory \(Not a directory\)"))
     cases.append((["init-model", "--arch", "qwen3_moe", "--out", str(prompts)],  # FileExistsError before
                   "moeloop init-model: --out .*p.jsonl: exists and is not a directory"))
+    tool = tmp_path / "tool.jsonl"  # a role the tiny models' chat template refuses (a jinja2 TemplateError before)
+    tool.write_text(json.dumps({"messages": [{"role": "tool", "content": "1+1="}]}) + "\n")
+    cases.append((base[:2] + ["--prompts", str(tool), "--out", str(tmp_path / "o.jsonl")],
+                  "moeloop generate: .*tool.jsonl:1: the chat template refuses these messages: unknown chat role tool"))
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text("actor: [\n")
     cases.append((["rl", str(bad_yaml)], "moeloop rl: config .*bad.yaml: not valid YAML"))

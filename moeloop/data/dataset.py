@@ -67,6 +67,17 @@ def chat_messages(prompt: Any, where: str) -> list[dict]:
     return prompt
 
 
+def render_chat(tokenizer: Any, messages: list[dict], where: str) -> str:
+    """`messages` through the tokenizer's chat template, with the generation prompt; a template that refuses them
+    (an unknown role, say) is an InputError naming `where` (file:line)."""
+    from jinja2 import TemplateError  # (transformers renders chat templates with jinja2)
+
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except TemplateError as err:
+        raise InputError(f"{where}: the chat template refuses these messages: {err}") from None
+
+
 @dataclass
 class Example:
     prompt_ids: list[int]
@@ -101,7 +112,7 @@ class PromptDataset:
     def render_prompt(self, prompt: str | list[dict], where: str = "prompt") -> str:
         messages = chat_messages(prompt, where)
         if self.cfg.apply_chat_template and getattr(self.tokenizer, "chat_template", None):
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return render_chat(self.tokenizer, messages, where)
         return "".join(m["content"] for m in messages)
 
     def _encode(self, row: dict) -> Example | None:

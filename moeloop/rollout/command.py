@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from moeloop.config.schema import RolloutSection
-from moeloop.data.dataset import chat_messages, json_object
+from moeloop.data.dataset import chat_messages, json_object, render_chat
 from moeloop.errors import InputError
 from moeloop.rollout.engine import Engine
 from moeloop.rollout.sampling_params import SamplingParams
@@ -81,7 +81,7 @@ def read_prompts(path: Path, tokenizer, max_tokens: int, max_model_len: int) -> 
             if not getattr(tokenizer, "chat_template", None):
                 raise InputError(f"{where}: 'messages' are rendered by the tokenizer's chat template, and this model's "
                                  f"tokenizer has none (give the text as 'prompt')")
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = render_chat(tokenizer, messages, where)
         elif "prompt" in row:
             text = row["prompt"]
             if not isinstance(text, str):
