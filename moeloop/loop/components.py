@@ -31,6 +31,7 @@ from moeloop.model.hf_io import load_pretrained
 from moeloop.parallel.collectives import global_values
 from moeloop.plan import predict_peak_bytes
 from moeloop.reward import RewardPool
+from moeloop.reward.registry import GROUND_TRUTH_REWARDS
 from moeloop.rollout import Engine
 from moeloop.rollout.sampling_params import SamplingParams
 from moeloop.sync import (DiskTransport, InProcessTransport, ProcessTransport, Transport, WeightSyncer,
@@ -199,14 +200,11 @@ def check_runtime_support(cfg: RunConfig) -> None:
     check_parallel_support(cfg)
 
 
-GROUND_TRUTH_REWARDS = ("math", "arith", "code")  # the built-ins that score against the row's answer
-
-
 def check_ground_truths(cfg: RunConfig, files: list[str], data: PromptDataset | None) -> None:
     """A built-in reward that needs answers, over data where no row has `data.answer_key`, is a misnamed key (every
     sample's reward would fail and fall back): an InputError before the run starts. Rows missing only some answers
     fall back one by one, as the reward pool does for any failed sample."""
-    if data is None or not len(data) or cfg.reward.fn not in GROUND_TRUTH_REWARDS:
+    if data is None or cfg.reward.fn not in GROUND_TRUTH_REWARDS:  # (an empty dataset is refused when built)
         return
     if all(e.ground_truth is None for e in data.examples):
         raise InputError(f"data.answer_key={cfg.data.answer_key!r}: no row of {', '.join(files)} has it, and "

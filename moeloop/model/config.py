@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moeloop.errors import InputError
+
 SUPPORTED_MODEL_TYPES = ("qwen3_moe", "deepseek_v3", "mixtral", "qwen3", "qwen2", "llama")
 
 
@@ -81,7 +83,7 @@ class ModelConfig:
         try:
             raw = json.loads(path.read_text())
         except json.JSONDecodeError as err:
-            raise ValueError(f"{path}: not valid JSON ({err})") from None
+            raise InputError(f"{path}: not valid JSON ({err})") from None
         return cls.from_hf_dict(raw, source=str(path))
 
     @classmethod

@@ -54,27 +54,22 @@ def build_tokenizer(out_dir: str | Path | None = None) -> PreTrainedTokenizerFas
     return tok
 
 
-
 def load_folder_tokenizer(model_dir: str | Path, what: str):
     """The tokenizer of the model folder `model_dir` (`what` names it in errors: a config field or a flag).
 
-    Each an InputError: no config.json there, a config.json that does not parse, and a tokenizer with no vocabulary.
-    Without tokenizer files transformers builds an empty tokenizer from the model type alone, and every prompt then
-    encodes to no tokens (which an error about an empty prompt would report, far from the cause)."""
-    import json
-
+    Each an InputError: no config.json there, a config.json that does not parse (`ModelConfig.from_pretrained` reads
+    it first: transformers would raise an OSError), and a tokenizer with no vocabulary. Without tokenizer files
+    transformers builds an empty tokenizer from the model type alone, and every prompt then encodes to no tokens
+    (which an error about an empty prompt would report, far from the cause)."""
     from transformers import AutoTokenizer
 
     from moeloop.errors import InputError
+    from moeloop.model.config import ModelConfig
     folder = Path(model_dir)
-    config = folder / "config.json"
-    if not config.is_file():
+    if not (folder / "config.json").is_file():
         raise InputError(f"{what}={model_dir}: no model folder there (config.json, safetensors and tokenizer files, as "
                          f"`moeloop init-model` or an SFT run's HF export writes)")
-    try:
-        json.loads(config.read_text())
-    except json.JSONDecodeError as err:
-        raise InputError(f"{config}: not valid JSON ({err})") from None
+    ModelConfig.from_pretrained(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     if len(tokenizer) < 2:
         raise InputError(f"{what}={model_dir}: its tokenizer has {len(tokenizer)} token(s): no tokenizer files there "

@@ -51,6 +51,7 @@ def _http(**options: Any) -> RewardFn:
 BUILTIN_REWARDS: dict[str, Callable[..., RewardFn]] = {
     "math": _math, "format": _format, "arith": _arith, "code": _code, "http": _http,
 }
+GROUND_TRUTH_REWARDS = ("math", "arith", "code")  # the built-ins that score against the row's answer
 
 
 def import_by_path(path: str) -> Any:
