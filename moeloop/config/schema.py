@@ -35,6 +35,8 @@ class DataSection:
     val_files: list[str] = field(default_factory=list)
     prompt_key: str = "prompt"
     answer_key: str = "answer"
+    response_key: str = "response"  # SFT target: a string, or assistant chat messages (loss on those turns); a row
+    #                                without it whose prompt messages hold assistant turns learns every assistant turn
     max_prompt_length: int = 256
     max_response_length: int = 64
     truncation: str = "error"  # error | left | right | drop : policy for prompts longer than max_prompt_length

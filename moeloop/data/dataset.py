@@ -1,13 +1,22 @@
 """Rows from JSONL / parquet files (or the synthetic task) and their tokenization.
 
 A row carries a prompt (`prompt_key`: a string, or a list of chat messages), a ground truth
-(`answer_key`), optionally a `response` (SFT target) and a `data_source`. Prompts are rendered
-through the tokenizer's chat template. Prompts longer than `max_prompt_length` follow
-`data.truncation`: error (default, names file and row), left / right (cut), drop (skipped, counted).
+(`answer_key`), optionally a `data_source`, and for SFT a target in one of TRL's dataset formats:
+  - `response_key` a string: the prompt is rendered with the generation prompt, the target is the string's
+    tokens and EOS;
+  - `response_key` a list of assistant messages (conversational prompt-completion): the whole conversation
+    is rendered and the loss covers those turns;
+  - no `response_key`, and prompt messages with assistant turns (conversational language modelling, verl's
+    multi-turn SFT): the loss covers every assistant turn, and the turns between them are context.
+Prompts are rendered through the tokenizer's chat template. Prompts longer than `max_prompt_length`, and
+SFT targets longer than `max_response_length`, follow `data.truncation`: error (default, names file and
+row), left / right (a prompt is cut on that side, a target at its end, with no EOS added: the model is not
+taught to stop where the cut fell), drop (skipped, counted).
 """
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,15 +76,36 @@ def chat_messages(prompt: Any, where: str) -> list[dict]:
     return prompt
 
 
-def render_chat(tokenizer: Any, messages: list[dict], where: str) -> str:
-    """`messages` through the tokenizer's chat template, with the generation prompt; a template that refuses them
-    (an unknown role, say) is an InputError naming `where` (file:line)."""
+def render_chat(tokenizer: Any, messages: list[dict], where: str, add_generation_prompt: bool = True) -> str:
+    """`messages` through the tokenizer's chat template (by default with the generation prompt); a template that
+    refuses them (an unknown role, say) is an InputError naming `where` (file:line)."""
     from jinja2 import TemplateError  # (transformers renders chat templates with jinja2)
 
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     except TemplateError as err:
         raise InputError(f"{where}: the chat template refuses these messages: {err}") from None
+
+
+def conversation_pieces(tokenizer: Any, messages: list[dict], learn_from: int, where: str) -> list[tuple[str, bool]]:
+    """The chat template's text of `messages` up to their last learned turn, as (text, learned) pieces: each
+    assistant message at index >= `learn_from` is learned, from after its header (the generation prompt) through
+    the template's end of turn; everything before it is context. The template must render a conversation's first
+    turns as a prefix of the whole (most do; Qwen3's drops the reasoning of earlier turns, for one): otherwise an
+    InputError naming `where`."""
+    pieces: list[tuple[str, bool]] = []
+    done = ""
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant" or i < learn_from:
+            continue
+        head = render_chat(tokenizer, messages[:i], where)
+        turn = render_chat(tokenizer, messages[:i + 1], where, add_generation_prompt=False)
+        if not (head.startswith(done) and turn.startswith(head)):
+            raise InputError(f"{where}: the chat template does not render message {i} as a continuation of the "
+                             f"messages before it, so its tokens cannot be told apart for the SFT loss")
+        pieces += [(head[len(done):], False), (turn[len(head):], True)]
+        done = turn
+    return pieces
 
 
 @dataclass
@@ -84,7 +114,8 @@ class Example:
     prompt_text: str
     ground_truth: Any
     data_source: str
-    response_ids: list[int] = field(default_factory=list)  # SFT target (ends with EOS)
+    response_ids: list[int] = field(default_factory=list)  # SFT target (ends with EOS or the template's end of turn)
+    loss_mask: list[int] | None = None  # SFT: 1 on the response tokens learned (None: all of them)
 
 
 class PromptDataset:
@@ -101,10 +132,17 @@ class PromptDataset:
             else:
                 self.examples.append(example)
         if not self.examples:
-            raise InputError(f"no usable rows in data files (dropped {self.num_dropped} over max_prompt_length)")
+            raise InputError(f"no usable rows in data files (dropped {self.num_dropped} over max_prompt_length "
+                             f"or max_response_length)")
 
     def __len__(self) -> int:
         return len(self.examples)
+
+    def note_dropped(self, field_name: str, is_main: bool = True) -> None:
+        """On stderr, how many rows of `field_name`'s files data.truncation=drop skipped (none: nothing)."""
+        if self.num_dropped and is_main:
+            print(f"{field_name}: dropped {self.num_dropped} of {self.num_dropped + len(self)} rows longer than "
+                  f"data.max_prompt_length or data.max_response_length (data.truncation=drop)", file=sys.stderr)
 
     def __getitem__(self, i: int) -> Example:
         return self.examples[i]
@@ -119,18 +157,66 @@ class PromptDataset:
         where = row.get("_source", "?")
         if self.cfg.prompt_key not in row:
             raise InputError(f"{where}: row has no {self.cfg.prompt_key!r} (data.prompt_key)")
-        text = self.render_prompt(row[self.cfg.prompt_key], where)
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        prompt = row[self.cfg.prompt_key]
+        response = row.get(self.cfg.response_key)
+        if self.with_response and (isinstance(response, list) or response is None and isinstance(prompt, list)):
+            text, ids, response_ids, loss_mask = self._conversation(prompt, response, where)
+        else:
+            text = self.render_prompt(prompt, where)
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            response_ids, loss_mask = [], None
+            if self.with_response:
+                if response is None:
+                    raise InputError(f"{where}: SFT row has no {self.cfg.response_key!r} (data.response_key)")
+                response_ids = self.tokenizer(str(response), add_special_tokens=False)["input_ids"]
+                response_ids.append(self.tokenizer.eos_token_id)
         ids = self._truncate(ids, where)
-        if ids is None:
+        if ids is None or not self._fits(response_ids, where):
             return None
-        example = Example(ids, text, row.get(self.cfg.answer_key), row.get("data_source", "") or "")
-        if self.with_response:
-            if "response" not in row:
-                raise InputError(f"{where}: SFT row has no 'response'")
-            resp = self.tokenizer(str(row["response"]), add_special_tokens=False)["input_ids"]
-            example.response_ids = resp[: self.cfg.max_response_length - 1] + [self.tokenizer.eos_token_id]
+        limit = self.cfg.max_response_length
+        response_ids, loss_mask = response_ids[:limit], loss_mask if loss_mask is None else loss_mask[:limit]
+        example = Example(ids, text, row.get(self.cfg.answer_key), row.get("data_source", "") or "", response_ids)
+        example.loss_mask = loss_mask
         return example
+
+    def _conversation(self, prompt: Any, response: list | None,
+                      where: str) -> tuple[str, list[int], list[int], list[int]]:
+        """An SFT row in a conversational format: (prompt text, prompt ids, response ids, their loss mask). The
+        prompt is the conversation up to the first learned turn's header; the response is the rest."""
+        messages = chat_messages(prompt, where)
+        learn_from = 0
+        if response is not None:
+            learn_from = len(messages)
+            messages = messages + chat_messages(response, f"{where} ({self.cfg.response_key})")
+            if any(m["role"] != "assistant" for m in messages[learn_from:]):
+                raise InputError(f"{where}: {self.cfg.response_key!r} (data.response_key) must hold assistant "
+                                 f"messages only")
+        if not (self.cfg.apply_chat_template and getattr(self.tokenizer, "chat_template", None)):
+            raise InputError(f"{where}: a conversational SFT row needs the tokenizer's chat template "
+                             f"(data.apply_chat_template=true and a template in the model folder)")
+        pieces = conversation_pieces(self.tokenizer, messages, learn_from, where)
+        if not pieces:
+            raise InputError(f"{where}: SFT row has no {self.cfg.response_key!r} (data.response_key) and its "
+                             f"messages have no assistant turn to learn from")
+        prompt_ids = self.tokenizer(pieces[0][0], add_special_tokens=False)["input_ids"]
+        response_ids: list[int] = []
+        loss_mask: list[int] = []
+        for text, learned in pieces[1:]:
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            response_ids += ids
+            loss_mask += [int(learned)] * len(ids)
+        return pieces[0][0], prompt_ids, response_ids, loss_mask
+
+    def _fits(self, response_ids: list[int], where: str) -> bool:
+        """Whether an SFT target fits `max_response_length`: when not, an InputError (truncation=error), False
+        (drop), or True (left / right: the caller cuts its end)."""
+        limit, policy = self.cfg.max_response_length, self.cfg.truncation
+        if len(response_ids) <= limit or policy in ("left", "right"):
+            return True
+        if policy == "error":
+            raise InputError(f"{where}: SFT target has {len(response_ids)} tokens > data.max_response_length={limit} "
+                             f"(set data.truncation to right or drop)")
+        return False
 
     def _truncate(self, ids: list[int], where: str) -> list[int] | None:
         limit, policy = self.cfg.max_prompt_length, self.cfg.truncation

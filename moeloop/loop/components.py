@@ -220,8 +220,10 @@ def build_components(cfg: RunConfig, resume: bool) -> Components:
     tokenizer = load_tokenizer(cfg)
     train = PromptDataset(load_rows(cfg.data.train_files, cfg.data.seed), tokenizer, cfg.data)
     val = PromptDataset(load_rows(cfg.data.val_files, cfg.data.seed), tokenizer, cfg.data) if cfg.data.val_files else None
-    for files, data in ((cfg.data.train_files, train), (cfg.data.val_files, val)):
+    for name, files, data in (("data.train_files", cfg.data.train_files, train), ("data.val_files", cfg.data.val_files, val)):
         check_ground_truths(cfg, files, data)
+        if data is not None:
+            data.note_dropped(name, env.is_main)
     cfg.trainer.steps = training_steps(cfg, len(train))  # resolved once: every later use reads trainer.steps
     dtype = dtype_of(cfg.model.dtype)
     if env.device.type == "cpu":

@@ -123,9 +123,10 @@ class MetricsLogger:
             print(text, file=sys.stderr, flush=True)
 
     def _console(self, step: int, record: dict[str, float]) -> None:
-        keys = ("reward/mean", "acc/train", "acc/val", "sft_loss", "pg_loss", "kl_mean", "entropy", "response/len_mean",
-                "throughput/samples_per_s", "time/step")
-        line = " ".join(f"{k.split('/')[-1]}={record[k]:.4g}" for k in keys if k in record)
+        keys = ("reward/mean", "acc/train", "acc/val", "sft_loss", "val/sft_loss", "pg_loss", "kl_mean", "entropy",
+                "response/len_mean", "throughput/samples_per_s", "time/step")
+        labels = {"val/sft_loss": "val_loss"}
+        line = " ".join(f"{labels.get(k, k.split('/')[-1])}={record[k]:.4g}" for k in keys if k in record)
         if self._bar is None:  # (no `start_at` call: the bar starts at this step)
             self.start_at(step - 1)
         if self._bar is not None:

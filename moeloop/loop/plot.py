@@ -1,4 +1,5 @@
-"""`moeloop plot RUN_DIR`: PNG charts from metrics.jsonl — reward/accuracy curve and stacked phase times."""
+"""`moeloop plot RUN_DIR`: PNG charts from metrics.jsonl — reward/accuracy curve (an SFT run: train and held-out
+loss) and stacked phase times."""
 from __future__ import annotations
 
 import json
@@ -26,14 +27,18 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     steps = [r["step"] for r in rows]
     written = []
     fig, ax = plt.subplots(figsize=(7, 4))
-    curves = [(key, rows, None) for key in ("reward/mean", "acc/train")]
-    curves += [(key, val_rows, "o") for key in ("acc/val", "acc/val_sampled")]  # held out, from step 0
+    sft = any("sft_loss" in r for r in rows)
+    train_keys, val_keys = (("sft_loss",), ("val/sft_loss",)) if sft else (("reward/mean", "acc/train"),
+                                                                          ("acc/val", "acc/val_sampled"))
+    curves = [(key, rows, None) for key in train_keys]
+    curves += [(key, val_rows, "o") for key in val_keys]  # held out, from step 0
     for key, source, marker in curves:
         pts = [(r["step"], r[key]) for r in source if key in r]
         if pts:
             ax.plot(*zip(*pts), marker=marker, label=key)
-    ax.set_xlabel("step"), ax.set_ylabel("value"), ax.set_title("reward and accuracy"), ax.legend()
-    written.append(run_dir / "reward.png")
+    ax.set_xlabel("step"), ax.set_ylabel("loss" if sft else "value"), ax.legend()
+    ax.set_title("SFT loss" if sft else "reward and accuracy")
+    written.append(run_dir / ("loss.png" if sft else "reward.png"))
     fig.savefig(written[-1], dpi=100, bbox_inches="tight")
     plt.close(fig)
 

@@ -1,13 +1,16 @@
 """`moeloop sft CONFIG [overrides] [--resume]`: supervised fine-tuning on prompt/response rows.
 
 Same model code, data layer, trainer, checkpoints and logging as RL; the HF export it writes at the
-end (`<run_dir>/hf`) is directly an RL `model.path`.
+end (`<run_dir>/hf`) is directly an RL `model.path`. Rows: prompt/response strings or chat conversations
+(`moeloop.data.dataset`). With `data.val_files` and `trainer.val_every`, the held-out loss goes to val.jsonl
+at step 0, every val_every steps and at the end.
 """
 from __future__ import annotations
 
 from moeloop.checkpoint import CheckpointManager
 from moeloop.config import RunConfig
 from moeloop.data import EpochCursor, PromptDataset, load_rows
+from moeloop.data.dataset import Example
 from moeloop.errors import InputError
 from moeloop.loop.env import (RunEnv, check_parallel_support, load_policy, load_tokenizer, resume_from, run_command,
                               training_steps)
@@ -25,6 +28,12 @@ def run_sft(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
                          f"{env.world_size} data-parallel ranks")
     tokenizer = load_tokenizer(cfg)
     data = PromptDataset(load_rows(cfg.data.train_files, cfg.data.seed), tokenizer, cfg.data, with_response=True)
+    data.note_dropped("data.train_files", env.is_main)
+    val = None
+    if cfg.data.val_files:  # each rank scores its slice of the held-out rows; the loss is summed over ranks
+        val = PromptDataset(load_rows(cfg.data.val_files, cfg.data.seed), tokenizer, cfg.data, with_response=True)
+        val.note_dropped("data.val_files", env.is_main)
+        val = [_sample(val[i], i) for i in range(env.rank, len(val), env.world_size)]
     cursor = EpochCursor(len(data), cfg.data.seed, cfg.data.shuffle)
     model = load_policy(cfg)
     model_cfg = model.cfg
@@ -38,20 +47,32 @@ def run_sft(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
     logger = MetricsLogger(env.run_dir, cfg.trainer.log, env.is_main, steps, append=start > 0)
     logger.start_at(start)
     timer, last = PhaseTimer(), {}
+    val_every = cfg.trainer.val_every
+    if val is not None and val_every and start == 0:
+        logger.log(0, actor.sft_eval(val), "val.jsonl")
     per_rank = cfg.data.train_batch_size // env.world_size
     for step in range(start, steps):
         indices = cursor.take(cfg.data.train_batch_size)[env.rank * per_rank:(env.rank + 1) * per_rank]
-        batch = [Sample(prompt_ids=data[i].prompt_ids, response_ids=data[i].response_ids, group_id=i) for i in indices]
         with timer("update_actor"):
-            last = actor.sft_step(batch)
+            last = actor.sft_step([_sample(data[i], i) for i in indices])
         if cfg.checkpoint.save_every and (step + 1) % cfg.checkpoint.save_every == 0:
             with timer("save_checkpoint"):
                 actor_state_save(ckpt, step + 1, actor, cursor)
+        val_metrics = {}
+        if val is not None and val_every and ((step + 1) % val_every == 0 or step + 1 == steps):
+            val_metrics = actor.sft_eval(val)
+            logger.log(step + 1, val_metrics, "val.jsonl")
+        last.update(val_metrics)
         logger.log(step + 1, {**last, **timer.pop(), "memory/peak_bytes": peak_memory_bytes(env.device)})
     actor_state_save(ckpt, steps, actor, cursor)
     export_hf(actor.named_weights(), model_cfg, env.run_dir / "hf", cfg.model.path, write=env.is_main)
     logger.close()
     return last
+
+
+def _sample(example: Example, i: int) -> Sample:
+    return Sample(prompt_ids=example.prompt_ids, response_ids=example.response_ids, loss_mask=example.loss_mask,
+                  group_id=i)
 
 
 def actor_state_save(ckpt: CheckpointManager, step: int, actor: Actor, cursor: EpochCursor, **extra) -> None:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from moeloop.algo.advantages import response_mask_values
 from moeloop.algo.losses import SHARE_KEYS, PolicyInputs, actor_loss, metrics_to_floats, reduce_metrics
 from moeloop.config.schema import ActorSection
 from moeloop.model.attention import GatheredAttention, PackedAttention, RowMap, gather_rows
@@ -176,9 +177,10 @@ class Actor(PolicyForward):
         return out
 
     def sft_step(self, samples: list[Sample]) -> dict[str, float]:
-        """One optimizer step of token-mean cross-entropy on the response tokens (SFT entrance)."""
+        """One optimizer step of token-mean cross-entropy on the response tokens in the loss (`sample.loss_mask`;
+        all of them when None), over all DP ranks' samples (SFT entrance)."""
         self.model.train()
-        num_tokens = max(all_reduce_scalar(float(sum(len(s.response_ids) for s in samples))), 1.0)
+        num_tokens = max(all_reduce_scalar(float(sum(sum(response_mask_values(s)) for s in samples))), 1.0)
         total = 0.0
         for _, batch in self.packed_micro_batches(samples):
             logprobs_T, _ = self.forward_batch(batch, with_entropy=False)
@@ -188,6 +190,18 @@ class Actor(PolicyForward):
         grad_norm = clip_and_step(self.model, self.optimizer, self.cfg.grad_clip)
         self.scheduler.step()
         return {"sft_loss": all_reduce_scalar(total), "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0]}
+
+    @torch.no_grad()
+    def sft_eval(self, samples: list[Sample]) -> dict[str, float]:
+        """The SFT loss of held-out samples (token mean over all DP ranks' loss tokens), without a step."""
+        self.model.eval()
+        nll = tokens = 0.0
+        for _, batch in self.packed_micro_batches(samples):
+            logprobs_T, _ = self.forward_batch(batch, with_entropy=False)
+            nll -= float((logprobs_T.double() * batch.loss_mask_T).sum())
+            tokens += float(batch.loss_mask_T.sum())
+        nll, tokens = global_values([nll, tokens])
+        return {"val/sft_loss": nll / max(tokens, 1.0), "val/num_loss_tokens": tokens}
 
 
 def num_mini_batches(samples: list[Sample], ppo_mini_batch_size: int) -> int:
