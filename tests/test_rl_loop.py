@@ -296,25 +296,32 @@ def test_ppo_with_gae_critic_runs_and_resumes(model_dir, tmp_path):
 
 
 def source_reward(sample) -> float:
-    return 1.0 if sample.data_source == "easy" else 0.0
+    """Easy prompts: always right; of the hard ones, prompts 3 and 4 right at their first sample only."""
+    if sample.data_source == "easy":
+        return 1.0
+    return 1.0 if int(sample.ground_truth) // 2 in (3, 4) and sample.metadata["sample_index"] == 0 else 0.0
 
 
 def test_validation_accuracy_per_data_source(model_dir, tmp_path):
-    """Two held-out sources: each gets its own accuracy (acc/val/<source>) beside the overall one, on 1 rank
-    and on 2 (each rank scores its share; counts are summed)."""
+    """Two held-out sources: each gets its own accuracy (acc/val/<source>) beside the overall one, and pass@k (the
+    fraction of prompts any of the k samples solves), on 1 rank and on 2 (each rank scores its share of each
+    data.val_batch_size chunk; counts are summed). data.val_max_samples=8 leaves the last two rows out."""
     val = tmp_path / "val.jsonl"
-    rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i), "data_source": "easy" if i < 3 else "hard"} for i in range(8)]
+    rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i), "data_source": "easy" if i < 3 or i > 7 else "hard"}
+            for i in range(10)]
     val.write_text("".join(json.dumps(r) + "\n" for r in rows))
     extra = [f"data.val_files=[{val}]", "trainer.val_every=1", "trainer.steps=1", "trainer.val_samples=2",
-             "reward.fn=tests.test_rl_loop.source_reward"]
+             "data.val_batch_size=3", "data.val_max_samples=8", "reward.fn=tests.test_rl_loop.source_reward"]
+    expected = {"acc/val": (1.0, 2 / 5, 5 / 8), "acc/val_sampled": (1.0, 2 / 10, 8 / 16),
+                "acc/val_pass@2": (1.0, 2 / 5, 5 / 8)}
     for world, run_dir in ((1, tmp_path / "one"), (2, tmp_path / "two")):
         if world == 1:
             run_rl(_cfg(model_dir, run_dir, *extra))
         else:
             run_ranks(_dp_rank_with, 2, model_dir, run_dir, *extra)
         last = [json.loads(line) for line in (run_dir / "val.jsonl").read_text().splitlines()][-1]
-        for key in ("acc/val", "acc/val_sampled"):
-            assert (last[f"{key}/easy"], last[f"{key}/hard"], last[key]) == (1.0, 0.0, 3 / 8), (world, key)
+        for key, (easy, hard, overall) in expected.items():
+            assert (last[f"{key}/easy"], last[f"{key}/hard"], last[key]) == pytest.approx((easy, hard, overall)), (world, key)
 
 
 def test_critic_warmup_trains_only_the_critic_first(model_dir, tmp_path):

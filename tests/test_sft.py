@@ -189,19 +189,19 @@ def test_the_sft_loss_is_the_mean_over_learned_tokens_only(model_dir, tmp_path):
 
 def test_sft_validation_and_conversations_on_2_ranks_match_1_rank(model_dir, tmp_path):
     """Multi-turn conversations with held-out validation: val.jsonl has the held-out loss at step 0, every
-    trainer.val_every steps and at the last step; 9 held-out rows split 5 / 4 over 2 gloo ranks give 1 rank's
-    losses (the sums are global); `moeloop plot` of an SFT run charts its losses."""
+    trainer.val_every steps and at the last step; 9 held-out rows (of 11: data.val_max_samples) split 5 / 4 over
+    2 gloo ranks give 1 rank's losses (the sums are global); `moeloop plot` of an SFT run charts its losses."""
     from moeloop.loop.plot import plot_run
     from tests.dist import run_ranks
-    train, val = _conversations(tmp_path / "train.jsonl"), _conversations(tmp_path / "val.jsonl", 9)
-    extra = ("trainer.steps=5", "trainer.val_every=2", "data.prompt_key=messages", "data.max_response_length=16", f"data.train_files=[{train}]",
+    train, val = _conversations(tmp_path / "train.jsonl"), _conversations(tmp_path / "val.jsonl", 11)
+    extra = ("trainer.steps=5", "data.val_max_samples=9", "trainer.val_every=2", "data.prompt_key=messages", "data.max_response_length=16", f"data.train_files=[{train}]",
              f"data.val_files=[{val}]", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8")
     _sft_rank(0, 1, model_dir, tmp_path / "one", *extra)
     run_ranks(_sft_rank, 2, model_dir, tmp_path / "two", *extra)
     rows = {r: [json.loads(line) for line in (tmp_path / r / "val.jsonl").read_text().splitlines()] for r in ("one", "two")}
     assert [row["step"] for row in rows["one"]] == [0, 2, 4, 5]
     # the learned tokens: each answer's characters and its end of turn
-    learned = sum(len(m["content"]) + 1 for line in val.read_text().splitlines()
+    learned = sum(len(m["content"]) + 1 for line in val.read_text().splitlines()[:9]
                   for m in json.loads(line)["messages"] if m["role"] == "assistant")
     assert all(row["val/num_loss_tokens"] == learned for row in rows["one"] + rows["two"])
     losses = [row["val/sft_loss"] for row in rows["one"]]

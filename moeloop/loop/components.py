@@ -91,36 +91,52 @@ class Components:
                                     ignore_eos=r.ignore_eos) for p in positions]
 
     def evaluate(self) -> dict[str, float]:
-        """Held-out accuracy (a sample is correct when its reward is >= 1): greedy, and the mean over
-        `trainer.val_samples` samples per prompt at the rollout temperature (the policy RL optimises); with
-        several data sources also each source's (`acc/val/<source>`, as verl logs per data source)."""
+        """Held-out accuracy over the first `data.val_max_samples` rows (all by default), `data.val_batch_size`
+        prompts a generate call (a sample is correct when its reward is >= 1): greedy, and the mean over
+        `trainer.val_samples` samples per prompt at the rollout temperature (the policy RL optimises) with the
+        fraction of prompts that any of them solves (`acc/val_pass@k`, verl's best@k); with several data sources
+        also each source's (`acc/val/<source>`, as verl logs per data source)."""
         if self.val is None:
             return {}
-        n = min(self.cfg.data.val_batch_size, len(self.val))
-        share = [self.val[i] for i in range(self.env.rank, n, self.env.world_size)]
+        d = self.cfg.data
+        n = len(self.val) if d.val_max_samples < 0 else min(d.val_max_samples, len(self.val))
         sources = sorted({self.val[i].data_source for i in range(n)})  # the same list on every rank
         r, k = self.cfg.rollout, self.cfg.trainer.val_samples
-        out = self._accuracy("acc/val", share, self.rollout.params(1, 0.0), sources)
+        out = self._accuracy(n, self.rollout.params(1, 0.0), sources, "acc/val")
         if k > 0:
-            out.update(self._accuracy("acc/val_sampled", share, self.rollout.params(
-                k, r.temperature, r.top_p, r.top_k, seed=self.cfg.trainer.seed), sources))
+            out.update(self._accuracy(n, self.rollout.params(k, r.temperature, r.top_p, r.top_k, seed=self.cfg.trainer.seed),
+                                      sources, "acc/val_sampled", f"acc/val_pass@{k}"))
         return out
 
-    def _accuracy(self, key: str, examples: list[Example], params: SamplingParams,
-                  sources: list[str]) -> dict[str, float]:
-        samples = self.rollout.generate(examples, params, 0) if examples else []
-        self.rewards.score(samples)
+    def _accuracy(self, num_prompts: int, params: SamplingParams, sources: list[str], key: str,
+                  pass_key: str = "") -> dict[str, float]:
+        """`key`: the fraction of correct samples; `pass_key` (when given): of prompts with a correct sample."""
         row = {source: i for i, source in enumerate(sources)}
-        correct, seen = [0.0] * (len(sources) + 1), [0.0] * (len(sources) + 1)  # per source, then all
-        for s in samples:
-            for i in (row[s.data_source], len(sources)):
-                correct[i] += s.reward >= 1.0
-                seen[i] += 1
-        totals = global_values(correct + seen)
-        acc = [c / max(n, 1.0) for c, n in zip(totals[:len(seen)], totals[len(seen):])]
-        out = {key: acc[-1]}
-        if len(sources) > 1:
-            out.update({f"{key}/{source}": acc[i] for i, source in enumerate(sources)})
+        tallies = [[0.0] * (len(sources) + 1) for _ in range(4)]  # correct, samples, solved, prompts; per source, all
+        step, rank, world = self.cfg.data.val_batch_size, self.env.rank, self.env.world_size
+        for start in range(0, num_prompts, step):  # each rank generates its share of each chunk
+            share = [self.val[i] for i in range(start + rank, min(start + step, num_prompts), world)]
+            samples = self.rollout.generate(share, params, 0) if share else []
+            self.rewards.score(samples)
+            solved: dict[int, bool] = {}
+            for s in samples:
+                solved[s.group_id] = solved.get(s.group_id, False) or s.reward >= 1.0
+                for i in (row[s.data_source], len(sources)):
+                    tallies[0][i] += s.reward >= 1.0
+                    tallies[1][i] += 1
+            for group, ok in solved.items():
+                for i in (row[share[group].data_source], len(sources)):
+                    tallies[2][i] += ok
+                    tallies[3][i] += 1
+        totals = global_values([v for tally in tallies for v in tally])
+        width = len(sources) + 1
+        correct, seen, solved_n, prompts = (totals[j * width:(j + 1) * width] for j in range(4))
+        out: dict[str, float] = {}
+        for name, hits, count in ((key, correct, seen), (pass_key, solved_n, prompts))[:2 if pass_key else 1]:
+            acc = [h / max(c, 1.0) for h, c in zip(hits, count)]
+            out[name] = acc[-1]
+            if len(sources) > 1:
+                out.update({f"{name}/{source}": acc[i] for i, source in enumerate(sources)})
         return out
 
     def saves_at(self, step: int) -> bool:

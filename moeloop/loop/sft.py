@@ -33,7 +33,8 @@ def run_sft(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
     if cfg.data.val_files:  # each rank scores its slice of the held-out rows; the loss is summed over ranks
         val = PromptDataset(load_rows(cfg.data.val_files, cfg.data.seed), tokenizer, cfg.data, with_response=True)
         val.note_dropped("data.val_files", env.is_main)
-        val = [_sample(val[i], i) for i in range(env.rank, len(val), env.world_size)]
+        num_val = len(val) if cfg.data.val_max_samples < 0 else min(cfg.data.val_max_samples, len(val))
+        val = [_sample(val[i], i) for i in range(env.rank, num_val, env.world_size)]
     cursor = EpochCursor(len(data), cfg.data.seed, cfg.data.shuffle)
     model = load_policy(cfg)
     model_cfg = model.cfg
