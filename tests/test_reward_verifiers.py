@@ -127,7 +127,10 @@ def test_registry_errors_name_the_field(name: str, match: str) -> None:
     assert "reward.fn" in str(err.value)
 
 
-def test_as_result_accepts_floats_only() -> None:
+def test_as_result_accepts_floats_and_verl_score_dicts() -> None:
     assert as_result(0.5).score == 0.5
-    with pytest.raises(TypeError, match="expected RewardResult or float"):
-        as_result("1.0")
+    verl = as_result({"score": 1, "acc": True, "pred": "72"})
+    assert (verl.score, verl.info) == (1.0, {"acc": True, "pred": "72"})
+    for value in ("1.0", True, {"score": "1"}, {"acc": 1.0}):
+        with pytest.raises(TypeError, match="expected RewardResult, a float or a dict with a numeric 'score'"):
+            as_result(value)

@@ -364,3 +364,36 @@ def test_epochs_set_the_rl_step_count(model_dir, tmp_path):
     last = run_rl(_cfg(model_dir, tmp_path / "run", f"data.train_files=[{rows}]", "trainer.epochs=1",
                        "trainer.steps=50"))
     assert last["policy/version"] == 2 and len(_rows(tmp_path / "run")) == 2  # 6 rows in batches of 4
+
+
+def verl_compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """A verl reward function: 1 when every argument arrived as the verl-format row gave it, else 0 (or a crash)."""
+    ok = (data_source == "verl/arith" and isinstance(solution_str, str) and ground_truth == extra_info["answer_copy"]
+          and extra_info["split"] == "train")
+    return {"score": float(ok), "acc": ok}
+
+
+def test_a_verl_parquet_dataset_and_compute_score_run_as_they_are(model_dir, tmp_path):
+    """verl's data layout (chat-message prompts, the answer at reward_model.ground_truth, extra_info) read through
+    data.answer_key=reward_model.ground_truth, scored by a verl-style compute_score(data_source, solution_str,
+    ground_truth, extra_info) returning a dict: every reward is 1, none falls back (fallback=fail would stop the
+    run). The adapter pickles, for reward.executor=process."""
+    import pickle
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from moeloop.reward.registry import get_reward_fn
+    from moeloop.types import Sample
+    rows = [{"data_source": "verl/arith", "prompt": [{"role": "user", "content": f"{i}+{i}="}], "ability": "math",
+             "reward_model": {"style": "rule", "ground_truth": str(2 * i)},
+             "extra_info": {"split": "train", "index": i, "answer_copy": str(2 * i)}} for i in range(8)]
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    run_rl(_cfg(model_dir, tmp_path / "run", f"data.train_files=[{path}]", "data.answer_key=reward_model.ground_truth",
+                "reward.fn=tests.test_rl_loop.verl_compute_score", "reward.fallback=fail", "trainer.steps=2"))
+    assert [r["reward/mean"] for r in _rows(tmp_path / "run")] == [1.0, 1.0]
+    fn = pickle.loads(pickle.dumps(get_reward_fn("tests.test_rl_loop.verl_compute_score")))
+    sample = Sample(prompt_ids=[1], data_source="verl/arith", response_text="4", ground_truth="4",
+                    metadata={"extra_info": {"split": "train", "answer_copy": "4"}})
+    assert fn(sample) == {"score": 1.0, "acc": True}

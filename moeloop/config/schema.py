@@ -34,7 +34,7 @@ class DataSection:
     train_files: list[str] = field(default_factory=list)  # JSONL / parquet; "synthetic:arith" = built-in task
     val_files: list[str] = field(default_factory=list)
     prompt_key: str = "prompt"
-    answer_key: str = "answer"
+    answer_key: str = "answer"  # dotted = nested, e.g. reward_model.ground_truth (verl's parquet files)
     response_key: str = "response"  # SFT target: a string, or assistant chat messages (loss on those turns); a row
     #                                without it whose prompt messages hold assistant turns learns every assistant turn
     max_prompt_length: int = 256

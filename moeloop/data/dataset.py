@@ -1,7 +1,9 @@
 """Rows from JSONL / parquet files (or the synthetic task) and their tokenization.
 
 A row carries a prompt (`prompt_key`: a string, or a list of chat messages), a ground truth
-(`answer_key`), optionally a `data_source`, and for SFT a target in one of TRL's dataset formats:
+(`answer_key`; a dotted key reads a nested field, as "reward_model.ground_truth" in verl's parquet files),
+optionally a `data_source` and an `extra_info` (passed to the reward function), and for SFT a target in one
+of TRL's dataset formats:
   - `response_key` a string: the prompt is rendered with the generation prompt, the target is the string's
     tokens and EOS;
   - `response_key` a list of assistant messages (conversational prompt-completion): the whole conversation
@@ -62,6 +64,19 @@ def json_object(line: str, where: str) -> dict:
     return row
 
 
+def nested_field(row: dict, key: str) -> Any:
+    """`row[key]`; where the row has no such key, a dotted key walks nested objects ("reward_model.ground_truth").
+    None when absent."""
+    if key in row or "." not in key:
+        return row.get(key)
+    value: Any = row
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
 def chat_messages(prompt: Any, where: str) -> list[dict]:
     """A prompt field as chat messages: a string is one user message; a list must hold {"role": str, "content": str}
     objects. Anything else is an InputError naming `where` (file:line) and the problem."""
@@ -116,6 +131,7 @@ class Example:
     data_source: str
     response_ids: list[int] = field(default_factory=list)  # SFT target (ends with EOS or the template's end of turn)
     loss_mask: list[int] | None = None  # SFT: 1 on the response tokens learned (None: all of them)
+    extra_info: Any = None  # the row's `extra_info` (verl's), for the reward function
 
 
 class PromptDataset:
@@ -175,8 +191,8 @@ class PromptDataset:
             return None
         limit = self.cfg.max_response_length
         response_ids, loss_mask = response_ids[:limit], loss_mask if loss_mask is None else loss_mask[:limit]
-        example = Example(ids, text, row.get(self.cfg.answer_key), row.get("data_source", "") or "", response_ids)
-        example.loss_mask = loss_mask
+        example = Example(ids, text, nested_field(row, self.cfg.answer_key), row.get("data_source", "") or "",
+                          response_ids, loss_mask, row.get("extra_info"))
         return example
 
     def _conversation(self, prompt: Any, response: list | None,

@@ -38,6 +38,8 @@ class RolloutWorker:
             example = examples[sample.group_id - group_base]
             sample.prompt_text, sample.ground_truth = example.prompt_text, example.ground_truth
             sample.data_source = example.data_source
+            if example.extra_info is not None:
+                sample.metadata["extra_info"] = example.extra_info
             if completion.text is None:  # the engine decodes when it has a detokenizer (build_engine: the same call)
                 sample.response_text = self.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
         return samples

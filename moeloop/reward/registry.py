@@ -6,7 +6,10 @@
 
 A reward function takes one `Sample` (prompt_text, response_text, response_ids, ground_truth,
 metadata, data_source) and returns a `RewardResult` (a float is accepted and wrapped). It may be
-sync (run in the pool's threads) or `async def` (run on the pool's event loop).
+sync (run in the pool's threads) or `async def` (run on the pool's event loop). A verl reward function,
+`compute_score(data_source, solution_str, ground_truth, extra_info=None)` returning a float or a dict with
+"score", works as it is: a dotted path to a function with a `solution_str` parameter is called that way
+(`VerlScore`), with the row's `extra_info`.
 """
 from __future__ import annotations
 
@@ -80,16 +83,57 @@ def get_reward_fn(name: str, **options: Any) -> RewardFn:
         raise ValueError(f"reward.fn={name!r} is a function; reward.fn_options only apply to built-ins and classes")
     if not callable(obj):
         raise ValueError(f"reward.fn={name!r} is not callable")
-    return obj
+    if not VerlScore.fits(obj):
+        return obj
+    return AsyncVerlScore(obj) if inspect.iscoroutinefunction(obj) else VerlScore(obj)
+
+
+class VerlScore:
+    """A verl-style `compute_score(data_source, solution_str, ground_truth, extra_info=None)` as a `RewardFn`: each
+    sample's data source, response text, ground truth and row `extra_info` (`sample.metadata`) by keyword. A class
+    rather than a closure, so it pickles for reward.executor=process (the function is pickled by reference)."""
+
+    def __init__(self, fn: Callable[..., Any]):
+        self.fn = fn
+        params = inspect.signature(fn).parameters
+        self.takes_extra = "extra_info" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+    @staticmethod
+    def fits(fn: Any) -> bool:
+        try:
+            return "solution_str" in inspect.signature(fn).parameters
+        except (TypeError, ValueError):  # (no signature: a builtin)
+            return False
+
+    def _kwargs(self, sample: Sample) -> dict[str, Any]:
+        kwargs = {"data_source": sample.data_source, "solution_str": sample.response_text,
+                  "ground_truth": sample.ground_truth}
+        if self.takes_extra:
+            kwargs["extra_info"] = sample.metadata.get("extra_info")
+        return kwargs
+
+    def __call__(self, sample: Sample) -> Any:
+        return self.fn(**self._kwargs(sample))
+
+
+class AsyncVerlScore(VerlScore):
+    """`VerlScore` of an `async def` compute_score (run on the reward pool's event loop)."""
+
+    async def __call__(self, sample: Sample) -> Any:
+        return await self.fn(**self._kwargs(sample))
 
 
 def as_result(value: Any, name: str = "reward fn") -> RewardResult:
-    """Normalise what a reward function returned."""
+    """Normalise what a reward function returned: a `RewardResult`, a number, or (verl's) a dict with "score"
+    (its other entries become the info)."""
     if isinstance(value, RewardResult):
         return value
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return RewardResult(float(value))
-    raise TypeError(f"{name} returned {type(value).__name__}; expected RewardResult or float")
+    if isinstance(value, dict) and isinstance(value.get("score"), (int, float)) and not isinstance(value["score"], bool):
+        return RewardResult(float(value["score"]), {k: v for k, v in value.items() if k != "score"})
+    raise TypeError(f"{name} returned {type(value).__name__}; expected RewardResult, a float or a dict with a "
+                    f"numeric 'score'")
 
 
 def is_async_fn(fn: Any) -> bool:
