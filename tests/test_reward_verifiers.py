@@ -134,3 +134,19 @@ def test_as_result_accepts_floats_and_verl_score_dicts() -> None:
     for value in ("1.0", True, {"score": "1"}, {"acc": 1.0}):
         with pytest.raises(TypeError, match="expected RewardResult, a float or a dict with a numeric 'score'"):
             as_result(value)
+
+
+async def verl_async_score(data_source, solution_str, ground_truth):
+    return float(solution_str.strip() == ground_truth)
+
+
+def test_an_async_verl_compute_score_runs_on_the_pools_loop() -> None:
+    """An `async def` verl compute_score (no extra_info parameter) stays async behind the adapter."""
+    import asyncio
+
+    from moeloop.reward.registry import is_async_fn
+    from moeloop.types import Sample
+    fn = get_reward_fn(f"{__name__}.verl_async_score")
+    assert is_async_fn(fn)
+    sample = Sample(prompt_ids=[1], response_text=" 12", ground_truth="12", metadata={"extra_info": {"x": 1}})
+    assert asyncio.run(fn(sample)) == 1.0
