@@ -305,23 +305,36 @@ def source_reward(sample) -> float:
 def test_validation_accuracy_per_data_source(model_dir, tmp_path):
     """Two held-out sources: each gets its own accuracy (acc/val/<source>) beside the overall one, and pass@k (the
     fraction of prompts any of the k samples solves), on 1 rank and on 2 (each rank scores its share of each
-    data.val_batch_size chunk; counts are summed). data.val_max_samples=8 leaves the last two rows out."""
+    data.val_batch_size chunk; counts are summed). data.val_max_samples=8 leaves the last two rows out.
+    trainer.log_val_generations=8 writes the first 8 held-out generations (by row, then sample) of each validation,
+    and trainer.rollout_data_dir each step's samples, every rank's, with their scores and advantages."""
     val = tmp_path / "val.jsonl"
     rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i), "data_source": "easy" if i < 3 or i > 7 else "hard"}
             for i in range(10)]
     val.write_text("".join(json.dumps(r) + "\n" for r in rows))
     extra = [f"data.val_files=[{val}]", "trainer.val_every=1", "trainer.steps=1", "trainer.val_samples=2",
-             "data.val_batch_size=3", "data.val_max_samples=8", "reward.fn=tests.test_rl_loop.source_reward"]
+             "data.val_batch_size=3", "data.val_max_samples=8", "reward.fn=tests.test_rl_loop.source_reward",
+             "trainer.log_val_generations=8"]
     expected = {"acc/val": (1.0, 2 / 5, 5 / 8), "acc/val_sampled": (1.0, 2 / 10, 8 / 16),
                 "acc/val_pass@2": (1.0, 2 / 5, 5 / 8)}
     for world, run_dir in ((1, tmp_path / "one"), (2, tmp_path / "two")):
+        dump = f"trainer.rollout_data_dir={run_dir / 'rollouts'}"
         if world == 1:
-            run_rl(_cfg(model_dir, run_dir, *extra))
+            run_rl(_cfg(model_dir, run_dir, *extra, dump))
         else:
-            run_ranks(_dp_rank_with, 2, model_dir, run_dir, *extra)
+            run_ranks(_dp_rank_with, 2, model_dir, run_dir, *extra, dump)
         last = [json.loads(line) for line in (run_dir / "val.jsonl").read_text().splitlines()][-1]
         for key, (easy, hard, overall) in expected.items():
             assert (last[f"{key}/easy"], last[f"{key}/hard"], last[key]) == pytest.approx((easy, hard, overall)), (world, key)
+        generations = [json.loads(line) for line in (run_dir / "val_generations.jsonl").read_text().splitlines()]
+        assert [(g["step"], g["index"], g["sample_index"]) for g in generations] == [
+            (step, i // 2, i % 2) for step in (0, 1) for i in range(8)], world
+        assert [g["score"] for g in generations[:8]] == [1.0] * 7 + [0.0]  # row 3's second sample
+        assert all(f"{g['index']}+{g['index']}=" in g["prompt"] for g in generations)
+        rollouts = [json.loads(line) for line in (run_dir / "rollouts" / "1.jsonl").read_text().splitlines()]
+        assert len(rollouts) == 16 and {r["step"] for r in rollouts} == {1}, world  # 4 prompts x 4 samples
+        assert all(r["score"] == 0.0 and isinstance(r["advantage"], float) and r["response"] is not None
+                   for r in rollouts)
 
 
 def test_critic_warmup_trains_only_the_critic_first(model_dir, tmp_path):

@@ -97,6 +97,8 @@ def test_generate_and_rl_report_bad_flags_files_and_fields(tmp_path, capsys):
              (["rl", "examples/tiny.yaml", "actor.optim.betas=[0.9]"],
               r"moeloop rl: actor.optim.betas: must be two values in \[0, 1\), got \[0.9\]"),
              (["rl", "examples/tiny.yaml", "data.val_batch_size=0"], "moeloop rl: data.val_batch_size: must be > 0"),
+             (["rl", "examples/tiny.yaml", "trainer.val_every=0", "trainer.log_val_generations=4"],
+              "moeloop rl: trainer.log_val_generations=4 needs trainer.val_every > 0"),
              (["rl", "examples/tiny.yaml", "data.val_max_samples=0"],
               r"moeloop rl: data.val_max_samples: must be -1 \(all\) or > 0"),
              (["rl", "examples/tiny.yaml", "data.val_files=[]"], "moeloop rl: trainer.val_every=100 needs held-out prompts"),

@@ -60,6 +60,9 @@ def validate(cfg: RunConfig) -> None:
     if cfg.trainer.val_every and not cfg.data.val_files:  # (it logged empty validation rows)
         raise InputError(f"trainer.val_every={cfg.trainer.val_every} needs held-out prompts in data.val_files; "
                          f"trainer.val_every=0 trains without validation")
+    if cfg.trainer.log_val_generations and not cfg.trainer.val_every:  # (it would log nothing)
+        raise InputError(f"trainer.log_val_generations={cfg.trainer.log_val_generations} needs trainer.val_every > 0 "
+                         f"(and data.val_files): it logs the generations of each validation")
     if cfg.algorithm.adv_estimator == "gae" and not cfg.critic.enable:
         raise InputError("algorithm.adv_estimator=gae needs critic.enable=true")
     if cfg.trainer.critic_warmup < 0 or (cfg.trainer.critic_warmup and not cfg.critic.enable):

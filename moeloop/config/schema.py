@@ -319,9 +319,11 @@ class TrainerSection:
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     critic_warmup: int = 0  # PPO: the first this-many steps train only the critic (verl's trainer.critic_warmup)
+    log_val_generations: int = 0  # the first N held-out generations of each validation -> <run_dir>/val_generations.jsonl
+    rollout_data_dir: str = ""  # non-empty: each RL step's samples (prompt, response, score...) -> <dir>/<step>.jsonl
 
     def check(self) -> None:
-        for name in ("steps", "epochs", "val_every", "val_samples"):
+        for name in ("steps", "epochs", "val_every", "val_samples", "log_val_generations"):
             _require(getattr(self, name) >= 0, f"trainer.{name}", "must be >= 0")
         _require(self.device in ("auto", "cpu", "cuda"), "trainer.device", f"must be auto|cpu|cuda, got {self.device!r}")
         sinks = ("console", "jsonl", "tensorboard", "wandb")

@@ -22,6 +22,7 @@ from moeloop.data.dataset import Example
 from moeloop.errors import InputError
 from moeloop.loop.env import (RunEnv, check_parallel_support, dtype_of, load_policy, load_tokenizer, resume_from,
                               training_steps)
+from moeloop.loop.dump import gather_records, sample_record, write_jsonl
 from moeloop.loop.export import export_hf
 from moeloop.loop.generation import RolloutWorker
 from moeloop.loop.metrics import MetricsLogger
@@ -90,34 +91,46 @@ class Components:
         return [self.rollout.params(r.n, r.temperature, r.top_p, r.top_k, _seed(self.cfg.trainer.seed, step, round_idx, p),
                                     ignore_eos=r.ignore_eos) for p in positions]
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self, step: int) -> dict[str, float]:
         """Held-out accuracy over the first `data.val_max_samples` rows (all by default), `data.val_batch_size`
         prompts a generate call (a sample is correct when its reward is >= 1): greedy, and the mean over
         `trainer.val_samples` samples per prompt at the rollout temperature (the policy RL optimises) with the
         fraction of prompts that any of them solves (`acc/val_pass@k`, verl's best@k); with several data sources
-        also each source's (`acc/val/<source>`, as verl logs per data source)."""
+        also each source's (`acc/val/<source>`, as verl logs per data source). With `trainer.log_val_generations`
+        = N, the first N generations (by row, then sample; the sampled ones when there are) go to
+        val_generations.jsonl, tagged with `step`."""
         if self.val is None:
             return {}
         d = self.cfg.data
         n = len(self.val) if d.val_max_samples < 0 else min(d.val_max_samples, len(self.val))
         sources = sorted({self.val[i].data_source for i in range(n)})  # the same list on every rank
         r, k = self.cfg.rollout, self.cfg.trainer.val_samples
-        out = self._accuracy(n, self.rollout.params(1, 0.0), sources, "acc/val")
+        records: list[dict[str, Any]] = []
+        out = self._accuracy(n, self.rollout.params(1, 0.0), sources, "acc/val", records=records if k == 0 else None)
         if k > 0:
             out.update(self._accuracy(n, self.rollout.params(k, r.temperature, r.top_p, r.top_k, seed=self.cfg.trainer.seed),
-                                      sources, "acc/val_sampled", f"acc/val_pass@{k}"))
+                                      sources, "acc/val_sampled", f"acc/val_pass@{k}", records))
+        if self.cfg.trainer.log_val_generations:
+            first = sorted(gather_records(records), key=lambda rec: (rec["index"], rec["sample_index"]))
+            if self.env.is_main:
+                write_jsonl(self.env.run_dir / "val_generations.jsonl",
+                            [dict(rec, step=step) for rec in first[:self.cfg.trainer.log_val_generations]], append=True)
         return out
 
     def _accuracy(self, num_prompts: int, params: SamplingParams, sources: list[str], key: str,
-                  pass_key: str = "") -> dict[str, float]:
-        """`key`: the fraction of correct samples; `pass_key` (when given): of prompts with a correct sample."""
+                  pass_key: str = "", records: list[dict[str, Any]] | None = None) -> dict[str, float]:
+        """`key`: the fraction of correct samples; `pass_key` (when given): of prompts with a correct sample.
+        `records`: each sample's `sample_record` (with its held-out row `index`) is appended there."""
         row = {source: i for i, source in enumerate(sources)}
         tallies = [[0.0] * (len(sources) + 1) for _ in range(4)]  # correct, samples, solved, prompts; per source, all
         step, rank, world = self.cfg.data.val_batch_size, self.env.rank, self.env.world_size
         for start in range(0, num_prompts, step):  # each rank generates its share of each chunk
-            share = [self.val[i] for i in range(start + rank, min(start + step, num_prompts), world)]
+            rows = range(start + rank, min(start + step, num_prompts), world)
+            share = [self.val[i] for i in rows]
             samples = self.rollout.generate(share, params, 0) if share else []
             self.rewards.score(samples)
+            if records is not None:
+                records += [sample_record(s, 0, index=rows[s.group_id]) for s in samples]
             solved: dict[int, bool] = {}
             for s in samples:
                 solved[s.group_id] = solved.get(s.group_id, False) or s.reward >= 1.0

@@ -23,6 +23,7 @@ from moeloop.algo.dapo import filter_uniform_groups, mask_truncated, overlong_pe
 from moeloop.algo.token_rewards import kl_in_reward_sums
 from moeloop.config import RunConfig
 from moeloop.loop.components import Components, build_components
+from moeloop.loop.dump import dump_rollouts
 from moeloop.loop.env import run_command
 from moeloop.loop.metrics import PhaseTimer, peak_memory_bytes
 from moeloop.loop.remote_rollout import half_threads
@@ -35,7 +36,7 @@ def run_rl(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
     c = build_components(cfg, resume)
     last: dict[str, float] = {}
     if c.start_step == 0 and cfg.trainer.val_every:
-        c.logger.log(0, c.evaluate(), "val.jsonl")
+        c.logger.log(0, c.evaluate(0), "val.jsonl")
     batches = RolloutAhead(c, cfg) if cfg.rollout.generates_ahead else RolloutInLine(c, cfg)
     try:
         for step in range(c.start_step, cfg.trainer.steps):
@@ -63,6 +64,8 @@ def _rl_step(c: Components, cfg: RunConfig, step: int, batches: RolloutInLine) -
     with timer("adv"):
         kl_metrics = kl_in_reward(c, cfg, samples) if cfg.algorithm.use_kl_in_reward else {}
         compute_advantages(samples, cfg.algorithm)
+    if cfg.trainer.rollout_data_dir:
+        dump_rollouts(cfg.trainer.rollout_data_dir, step + 1, samples, c.env.is_main)
     with timer("update_critic"):
         critic_metrics = c.critic.update(samples) if c.critic is not None else {}
     warming_up = c.critic is not None and step < cfg.trainer.critic_warmup  # the critic learns the policy's
@@ -71,7 +74,7 @@ def _rl_step(c: Components, cfg: RunConfig, step: int, batches: RolloutInLine) -
     batches.join(timer)  # async: the engine finishes the next batch on its weights before they change
     with timer("update_weights"):
         sync = c.syncer.push(c.actor.named_weights(), c.engine, version=step + 1)
-    val_metrics = c.evaluate() if cfg.trainer.val_every and (step + 1) % cfg.trainer.val_every == 0 else {}
+    val_metrics = c.evaluate(step + 1) if cfg.trainer.val_every and (step + 1) % cfg.trainer.val_every == 0 else {}
     with timer("save_checkpoint"):
         c.maybe_save(step + 1)
     last = {**batch_metrics(samples, timer.seconds, beside.get("gen")), **logprob_mismatch(samples),
