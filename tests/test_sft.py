@@ -209,3 +209,16 @@ def test_sft_validation_and_conversations_on_2_ranks_match_1_rank(model_dir, tmp
     assert [row["val/sft_loss"] for row in rows["two"]] == pytest.approx(losses, rel=1e-5)
     assert _losses(tmp_path / "two") == pytest.approx(_losses(tmp_path / "one"), rel=1e-5)
     assert [p.name for p in plot_run(tmp_path / "one")] == ["loss.png", "phases.png"]
+
+
+def test_a_fresh_run_in_the_data_directory_keeps_the_data(model_dir, tmp_path):
+    """A fresh run restarts its own JSONL files only: with trainer.run_dir the folder of the training data, the
+    data file survives (every *.jsonl there was deleted), and a second fresh run starts metrics.jsonl anew."""
+    data = _conversations(tmp_path / "rows.jsonl")
+    before = data.read_text()
+    for _ in range(2):
+        run_sft(_cfg(model_dir, tmp_path, f"data.train_files=[{data}]", "data.prompt_key=messages",
+                     "data.max_response_length=16", "trainer.steps=2", "data.train_batch_size=8",
+                     "actor.ppo_mini_batch_size=8"))
+        assert data.read_text() == before
+    assert len(_losses(tmp_path)) == 2

@@ -69,20 +69,24 @@ def _sink_module(sink: str, module: str):
                          f"leave {sink} out of trainer.log") from None
 
 
+RUN_FILES = ("metrics.jsonl", "val.jsonl", "val_generations.jsonl")  # the JSONL files a run writes in its run_dir
+
+
 class MetricsLogger:
     """`trainer.log` picks sinks: console, jsonl, tensorboard, wandb."""
 
     def __init__(self, run_dir: str | Path, sinks: list[str], enabled: bool = True, total_steps: int = 0,
                  append: bool = False):
-        """`append`: continue the run's JSONL files (resume); otherwise a fresh run starts them anew."""
+        """`append`: continue the run's JSONL files (resume); otherwise a fresh run starts them anew (`RUN_FILES`
+        only: other files in the run directory, a dataset say, are left alone)."""
         self.run_dir, self.sinks, self.enabled, self.total_steps = Path(run_dir), set(sinks), enabled, total_steps
         self._tb = self._wandb = self._bar = None
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if not append:
-            for old in self.run_dir.glob("*.jsonl"):
-                old.unlink()
+            for name in RUN_FILES:
+                (self.run_dir / name).unlink(missing_ok=True)
         if "tensorboard" in self.sinks:
             SummaryWriter = _sink_module("tensorboard", "torch.utils.tensorboard").SummaryWriter
             self._tb = SummaryWriter(str(self.run_dir / "tb"))
