@@ -60,6 +60,10 @@ def validate(cfg: RunConfig) -> None:
     if cfg.trainer.val_every and not cfg.data.val_files:  # (it logged empty validation rows)
         raise InputError(f"trainer.val_every={cfg.trainer.val_every} needs held-out prompts in data.val_files; "
                          f"trainer.val_every=0 trains without validation")
+    export = Path(cfg.trainer.run_dir) / "hf"  # (a resumed run reloads model.path, the KL reference among others)
+    if cfg.model.path != "???" and export.resolve() == Path(cfg.model.path).resolve():
+        raise InputError(f"trainer.run_dir={cfg.trainer.run_dir}: the run's HF export ({export}) would overwrite "
+                         f"model.path={cfg.model.path}, the model it starts from; pick another trainer.run_dir")
     if cfg.trainer.log_val_generations and not cfg.trainer.val_every:  # (it would log nothing)
         raise InputError(f"trainer.log_val_generations={cfg.trainer.log_val_generations} needs trainer.val_every > 0 "
                          f"(and data.val_files): it logs the generations of each validation")
