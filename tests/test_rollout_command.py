@@ -143,6 +143,10 @@ def test_generate_and_rl_report_bad_flags_files_and_fields(tmp_path, capsys):
     tool.write_text(json.dumps({"messages": [{"role": "tool", "content": "1+1="}]}) + "\n")
     cases.append((base[:2] + ["--prompts", str(tool), "--out", str(tmp_path / "o.jsonl")],
                   "moeloop generate: .*tool.jsonl:1: the chat template refuses these messages: unknown chat role tool"))
+    cases.append((base[:2] + ["--prompts", str(prompts), "--out", str(prompts)],
+                  "moeloop generate: --out .*p.jsonl: is the --prompts file"))
+    cases.append((["ckpt", "export", str(tmp_path), "--model", str(model_dir), "--out", str(model_dir)],
+                  "moeloop ckpt: --out .*: is the --model folder"))
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text("actor: [\n")
     cases.append((["rl", str(bad_yaml)], "moeloop rl: config .*bad.yaml: not valid YAML"))

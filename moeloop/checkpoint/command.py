@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from moeloop.checkpoint.manager import CheckpointManager
+from moeloop.errors import InputError
 
 
 def export_checkpoint(ckpt: str | Path, model_dir: str | Path, out_dir: str | Path) -> Path:
@@ -13,6 +14,8 @@ def export_checkpoint(ckpt: str | Path, model_dir: str | Path, out_dir: str | Pa
     from moeloop.model.tokenizer import load_folder_tokenizer
 
     load_folder_tokenizer(model_dir, "--model")  # the folder, its config.json and its tokenizer, checked first
+    if Path(out_dir).resolve() == Path(model_dir).resolve():  # (the export replaced the model it reads)
+        raise InputError(f"--out {out_dir}: is the --model folder; export to another folder")
     ckpt = Path(ckpt)
     if (ckpt / "latest").is_file():  # a checkpoint directory: take its newest complete save
         ckpt = CheckpointManager(ckpt).latest() or ckpt

@@ -107,6 +107,8 @@ def main(argv: list[str]) -> int:
     out = Path(args.out)
     if not out.parent.is_dir() or not os.access(out.parent, os.W_OK):  # checked before anything is generated
         raise InputError(f"--out {out}: {out.parent} is not a writable directory")
+    if out.resolve() == Path(args.prompts).resolve():  # (the completions replaced the prompts)
+        raise InputError(f"--out {out}: is the --prompts file; write the completions to another file")
     dtype = DTYPES[args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")]
     tokenizer = load_folder_tokenizer(args.model_dir, "model_dir")
     texts, prompt_ids = read_prompts(Path(args.prompts), tokenizer, args.max_tokens, args.max_model_len)
