@@ -125,7 +125,7 @@ class RewardServerSection:
 
 @dataclass
 class RewardSection:
-    fn: str = "arith"  # built-in name or dotted path "pkg.module.fn"
+    fn: str = "arith"  # built-in (math|format|arith|code|http|reward_model) or dotted path "pkg.module.fn"
     concurrency: int = 8
     timeout_s: float = 10.0
     retries: int = 2

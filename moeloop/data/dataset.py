@@ -132,6 +132,7 @@ class Example:
     response_ids: list[int] = field(default_factory=list)  # SFT target (ends with EOS or the template's end of turn)
     loss_mask: list[int] | None = None  # SFT: 1 on the response tokens learned (None: all of them)
     extra_info: Any = None  # the row's `extra_info` (verl's), for the reward function
+    messages: list[dict] | None = None  # the prompt as chat messages (a reward model renders them its own way)
 
 
 class PromptDataset:
@@ -191,9 +192,8 @@ class PromptDataset:
             return None
         limit = self.cfg.max_response_length
         response_ids, loss_mask = response_ids[:limit], loss_mask if loss_mask is None else loss_mask[:limit]
-        example = Example(ids, text, nested_field(row, self.cfg.answer_key), row.get("data_source", "") or "",
-                          response_ids, loss_mask, row.get("extra_info"))
-        return example
+        return Example(ids, text, nested_field(row, self.cfg.answer_key), row.get("data_source", "") or "",
+                       response_ids, loss_mask, row.get("extra_info"), chat_messages(prompt, where))
 
     def _conversation(self, prompt: Any, response: list | None,
                       where: str) -> tuple[str, list[int], list[int], list[int]]:

@@ -40,6 +40,8 @@ class RolloutWorker:
             sample.data_source = example.data_source
             if example.extra_info is not None:
                 sample.metadata["extra_info"] = example.extra_info
+            if example.messages is not None:
+                sample.metadata["messages"] = example.messages
             if completion.text is None:  # the engine decodes when it has a detokenizer (build_engine: the same call)
                 sample.response_text = self.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
         return samples

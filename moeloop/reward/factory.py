@@ -28,7 +28,8 @@ def _start_service(section: RewardSection) -> ServiceSupervisor:
     srv = section.server
     return ServiceSupervisor(srv.serve_fn, host=srv.host, port=srv.port, token=srv.token,
                              health_interval_s=srv.health_interval_s, startup_timeout_s=srv.startup_timeout_s,
-                             max_restarts=srv.max_restarts, concurrency=section.concurrency).start()
+                             max_restarts=srv.max_restarts, concurrency=section.concurrency,
+                             fn_options=section.fn_options).start()
 
 
 def _build_fn(section: RewardSection, supervisor: ServiceSupervisor | None) -> RewardFn:

@@ -3,6 +3,7 @@
     fn = get_reward_fn("math")                      # built-in
     fn = get_reward_fn("my_pkg.rewards.f1")         # user code: any callable(Sample) -> RewardResult
     fn = get_reward_fn("http", url="http://127.0.0.1:8011")
+    fn = get_reward_fn("reward_model", path="/models/rm")    # a transformers sequence classifier
 
 A reward function takes one `Sample` (prompt_text, response_text, response_ids, ground_truth,
 metadata, data_source) and returns a `RewardResult` (a float is accepted and wrapped). It may be
@@ -51,8 +52,13 @@ def _http(**options: Any) -> RewardFn:
     return RemoteReward(**options)
 
 
+def _reward_model(**options: Any) -> RewardFn:
+    from moeloop.reward.model_reward import model_reward
+    return model_reward(**options)
+
+
 BUILTIN_REWARDS: dict[str, Callable[..., RewardFn]] = {
-    "math": _math, "format": _format, "arith": _arith, "code": _code, "http": _http,
+    "math": _math, "format": _format, "arith": _arith, "code": _code, "http": _http, "reward_model": _reward_model,
 }
 GROUND_TRUTH_REWARDS = ("math", "arith", "code")  # the built-ins that score against the row's answer
 

@@ -1,6 +1,7 @@
 """The reward service: an aiohttp server exposing one reward function over HTTP.
 
     moeloop reward serve --fn math [--host 127.0.0.1] [--port 8011] [--token T] [--concurrency 16]
+    moeloop reward serve --fn reward_model --fn-options '{"path": "/models/rm", "device": "cuda"}'
 
 GET /health -> {"status": "ok", "fn": ..., "pid": ...}; POST /score -> batched scores (see wire.py).
 Bound to 127.0.0.1 unless told otherwise; with a token (flag or $MOELOOP_REWARD_TOKEN) every
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hmac
+import json
 import os
 import sys
 from typing import Any
@@ -78,11 +80,23 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     serve.add_argument("--port", type=_port, default=8011, help="0 = any free port")
     serve.add_argument("--token", default=os.environ.get("MOELOOP_REWARD_TOKEN", ""))
     serve.add_argument("--concurrency", type=int, default=16)
+    serve.add_argument("--fn-options", type=_json_object, default={},
+                       help="the function's options as a JSON object (reward.fn_options), e.g. a reward model's path")
     return parser.parse_args(argv)
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({err.msg})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(value).__name__}")
+    return value
+
+
 async def _serve(args: argparse.Namespace) -> None:
-    service = RewardService(get_reward_fn(args.fn), args.fn, args.token, args.concurrency)
+    service = RewardService(get_reward_fn(args.fn, **args.fn_options), args.fn, args.token, args.concurrency)
     runner = web.AppRunner(service.app(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port, reuse_address=True)

@@ -24,8 +24,10 @@ _READY_PREFIX = "listening on "
 class ServiceSupervisor:
     def __init__(self, fn: str, host: str = "127.0.0.1", port: int = 0, token: str = "",
                  health_interval_s: float = 0.5, startup_timeout_s: float = 60.0, max_restarts: int = 5,
-                 unhealthy_after: int = 3, concurrency: int = 16) -> None:
+                 unhealthy_after: int = 3, concurrency: int = 16, fn_options: dict | None = None) -> None:
+        """`fn_options`: the served function's options (`moeloop reward serve --fn-options`)."""
         self.fn, self.host, self.port, self.token = fn, host, port, token
+        self.fn_options = dict(fn_options or {})
         self.health_interval_s, self.startup_timeout_s = health_interval_s, startup_timeout_s
         self.max_restarts, self.unhealthy_after, self.concurrency = max_restarts, unhealthy_after, concurrency
         self.restarts = 0
@@ -87,6 +89,8 @@ class ServiceSupervisor:
     def _launch(self) -> None:
         cmd = [sys.executable, "-m", "moeloop", "reward", "serve", "--fn", self.fn, "--host", self.host,
                "--port", str(self.port), "--concurrency", str(self.concurrency)]
+        if self.fn_options:
+            cmd += ["--fn-options", json.dumps(self.fn_options)]
         env = {**os.environ, "MOELOOP_REWARD_TOKEN": self.token}
         with self._lock:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=env,
