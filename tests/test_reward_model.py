@@ -117,3 +117,36 @@ def test_reward_model_options_are_checked(rm_dir, tmp_path):
                                                num_attention_heads=4, num_key_value_heads=2, num_labels=2)).save_pretrained(two)
     with pytest.raises(InputError, match="a reward model has one output .num_labels=1., this one has 2"):
         get_reward_fn("reward_model", path=str(two))
+
+
+def test_a_supervised_local_service_serves_the_reward_model(rm_dir, monkeypatch):
+    """reward.server.serve_fn=reward_model: the supervisor starts `moeloop reward serve` with reward.fn_options, and
+    the pool scores through it over HTTP as the model does."""
+    import os
+    from pathlib import Path
+
+    from moeloop.config.schema import RewardSection, RewardServerSection
+    repo = Path(__file__).resolve().parents[1]
+    monkeypatch.setenv("PYTHONPATH", f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    section = RewardSection(fn="http", fn_options={"path": str(rm_dir)}, fallback="fail",
+                            server=RewardServerSection(serve_fn="reward_model"))
+    samples = _samples(6)
+    with RewardPool.from_config(section) as pool:
+        pool.score(samples)
+    fn = get_reward_fn("reward_model", path=str(rm_dir))
+    assert [s.reward for s in samples] == pytest.approx(_direct(rm_dir, [fn.text(s) for s in samples]), abs=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_reward_model_on_cuda_in_bf16_scores_as_on_the_cpu(rm_dir):
+    """device=cuda, dtype=bfloat16: the batched scores within bf16's rounding of the fp32 CPU model's."""
+    fn = get_reward_fn("reward_model", path=str(rm_dir), device="cuda", dtype="bfloat16")
+    samples = _samples(12)
+    pool = RewardPool(fn, concurrency=12, fallback="fail")
+    try:
+        pool.score(samples)
+    finally:
+        pool.close()
+    expected = _direct(rm_dir, [fn.text(s) for s in samples])
+    assert [s.reward for s in samples] == pytest.approx(expected, abs=0.02)
+    assert fn.num_forwards <= 2
