@@ -137,7 +137,8 @@ def test_a_supervised_local_service_serves_the_reward_model(rm_dir, monkeypatch)
     assert [s.reward for s in samples] == pytest.approx(_direct(rm_dir, [fn.text(s) for s in samples]), abs=1e-5)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_reward_model_on_cuda_in_bf16_scores_as_on_the_cpu(rm_dir):
     """device=cuda, dtype=bfloat16: the batched scores within bf16's rounding of the fp32 CPU model's."""
     fn = get_reward_fn("reward_model", path=str(rm_dir), device="cuda", dtype="bfloat16")
@@ -148,5 +149,5 @@ def test_the_reward_model_on_cuda_in_bf16_scores_as_on_the_cpu(rm_dir):
     finally:
         pool.close()
     expected = _direct(rm_dir, [fn.text(s) for s in samples])
-    assert [s.reward for s in samples] == pytest.approx(expected, abs=0.02)
+    assert [s.reward for s in samples] == pytest.approx(expected, abs=5e-3)
     assert fn.num_forwards <= 2
