@@ -1,6 +1,7 @@
 """The SFT entrance end to end on a tiny model: it learns, its HF export is directly the RL input, a resumed run
 equals the straight one, and `trainer.epochs` counts a partial last batch as a step."""
 import json
+import shutil
 
 import pytest
 import torch
@@ -213,12 +214,37 @@ def test_sft_validation_and_conversations_on_2_ranks_match_1_rank(model_dir, tmp
 
 def test_a_fresh_run_in_the_data_directory_keeps_the_data(model_dir, tmp_path):
     """A fresh run restarts its own JSONL files only: with trainer.run_dir the folder of the training data, the
-    data file survives (every *.jsonl there was deleted), and a second fresh run starts metrics.jsonl anew."""
+    data file survives (every *.jsonl there was deleted), and a second fresh run starts metrics.jsonl and
+    TensorBoard's events anew."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     data = _conversations(tmp_path / "rows.jsonl")
     before = data.read_text()
     for _ in range(2):
         run_sft(_cfg(model_dir, tmp_path, f"data.train_files=[{data}]", "data.prompt_key=messages",
                      "data.max_response_length=16", "trainer.steps=2", "data.train_batch_size=8",
-                     "actor.ppo_mini_batch_size=8"))
+                     "actor.ppo_mini_batch_size=8", "trainer.log=[jsonl,tensorboard]"))
         assert data.read_text() == before
     assert len(_losses(tmp_path)) == 2
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("sft_loss")] == [1, 2]
+
+
+def test_a_resumed_run_replaces_the_rows_logged_after_its_checkpoint(model_dir, tmp_path):
+    """A run stopped after step 5 with its newest checkpoint at step 4 logged step 5 once already: resumed, its
+    metrics.jsonl and TensorBoard hold each step once, and equal the straight run's."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    extra = ("trainer.log=[jsonl,tensorboard]", "checkpoint.save_every=2", "checkpoint.keep=5")
+    run_sft(_cfg(model_dir, tmp_path / "straight", *extra))
+    run_sft(_cfg(model_dir, tmp_path / "stopped", *extra, "trainer.steps=5"))
+    checkpoints = tmp_path / "stopped" / "checkpoints"
+    shutil.rmtree(checkpoints / "step_000005")
+    (checkpoints / "latest").write_text("step_000004")
+    run_sft(_cfg(model_dir, tmp_path / "stopped", *extra), resume=True)
+    rows = [json.loads(line) for line in (tmp_path / "stopped" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert _losses(tmp_path / "stopped") == _losses(tmp_path / "straight")
+    events = EventAccumulator(str(tmp_path / "stopped" / "tb"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("sft_loss")] == [1, 2, 3, 4, 5, 6]
+    assert [e.value for e in events.Scalars("sft_loss")] == pytest.approx(_losses(tmp_path / "straight"), rel=1e-6)

@@ -77,32 +77,59 @@ class MetricsLogger:
 
     def __init__(self, run_dir: str | Path, sinks: list[str], enabled: bool = True, total_steps: int = 0,
                  append: bool = False):
-        """`append`: continue the run's JSONL files (resume); otherwise a fresh run starts them anew (`RUN_FILES`
-        only: other files in the run directory, a dataset say, are left alone)."""
+        """`append`: continue the run's JSONL files and TensorBoard events (resume; `start_at` drops what they hold
+        past the step resumed from); otherwise a fresh run starts them anew (`RUN_FILES` and tb/'s event files only:
+        other files in the run directory, a dataset say, are left alone)."""
         self.run_dir, self.sinks, self.enabled, self.total_steps = Path(run_dir), set(sinks), enabled, total_steps
         self._tb = self._wandb = self._bar = None
+        self._append, self._started = append, False
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if "tensorboard" in self.sinks:
+            self._summary_writer = _sink_module("tensorboard", "torch.utils.tensorboard").SummaryWriter
         if not append:
             for name in RUN_FILES:
                 (self.run_dir / name).unlink(missing_ok=True)
-        if "tensorboard" in self.sinks:
-            SummaryWriter = _sink_module("tensorboard", "torch.utils.tensorboard").SummaryWriter
-            self._tb = SummaryWriter(str(self.run_dir / "tb"))
+            for old in (self.run_dir / "tb").glob("events.out.tfevents.*"):  # (TensorBoard would overlay them)
+                old.unlink()
         if "wandb" in self.sinks:
             self._wandb = _sink_module("wandb", "wandb").init(project="moeloop", dir=str(self.run_dir))
 
     def start_at(self, step: int) -> None:
-        """Open the console progress bar at `step` of `total_steps` (a resumed run starts part-way), as the run's
-        first step begins: the bar's rate then counts that step's time."""
+        """The run's steps start after `step`, as its first step begins. A resumed run's files first lose the rows
+        (and TensorBoard the events) past `step`: the run that stopped logged them after the checkpoint it resumes
+        from, and they are logged again. Opens the console progress bar at `step` of `total_steps`, so its rate
+        counts the first step's time."""
+        if self.enabled and not self._started:
+            self._started = True
+            if self._append:
+                self._drop_rows_after(step)
+            self._open_tb(purge_step=step + 1 if self._append else None)
+        self._open_bar(step)
+
+    def _open_bar(self, step: int) -> None:
         if self.enabled and "console" in self.sinks and self.total_steps and self._bar is None:
             from tqdm import tqdm
             self._bar = tqdm(total=self.total_steps, initial=step, dynamic_ncols=True, leave=True)
 
+    def _drop_rows_after(self, step: int) -> None:
+        for name in RUN_FILES:
+            path = self.run_dir / name
+            if path.is_file():
+                lines = [line for line in path.read_text().splitlines() if line.strip()]
+                kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
+                if len(kept) < len(lines):
+                    path.write_text("".join(line + "\n" for line in kept))
+
+    def _open_tb(self, purge_step: int | None = None) -> None:
+        if "tensorboard" in self.sinks and self._tb is None:
+            self._tb = self._summary_writer(str(self.run_dir / "tb"), purge_step=purge_step)
+
     def log(self, step: int, metrics: dict[str, float], file: str = "metrics.jsonl") -> None:
         if not self.enabled:
             return
+        self._open_tb()  # (logged before `start_at`: no purge)
         record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
         if "jsonl" in self.sinks:
             with open(self.run_dir / file, "a") as f:
@@ -132,7 +159,7 @@ class MetricsLogger:
         labels = {"val/sft_loss": "val_loss"}
         line = " ".join(f"{labels.get(k, k.split('/')[-1])}={record[k]:.4g}" for k in keys if k in record)
         if self._bar is None:  # (no `start_at` call: the bar starts at this step)
-            self.start_at(step - 1)
+            self._open_bar(step - 1)
         if self._bar is not None:
             self._bar.set_postfix_str(line, refresh=False)
             self._bar.update(1)
