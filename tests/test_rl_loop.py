@@ -410,3 +410,21 @@ def test_a_verl_parquet_dataset_and_compute_score_run_as_they_are(model_dir, tmp
     sample = Sample(prompt_ids=[1], data_source="verl/arith", response_text="4", ground_truth="4",
                     metadata={"extra_info": {"split": "train", "answer_copy": "4"}})
     assert fn(sample) == {"score": 1.0, "acc": True}
+
+
+def test_resume_from_a_chosen_checkpoint_replays_the_steps_after_it(model_dir, tmp_path):
+    """checkpoint.resume_from=<run>/checkpoints/step_000002 in a run that reached step 4: it goes on from step 2
+    (actor, critic, optimizer, data cursor), and its logs and weights then equal the straight run's. A folder that is
+    not a checkpoint is named."""
+    extra = ["algorithm.adv_estimator=gae", *GAE_CRITIC, "trainer.steps=4", "checkpoint.save_every=2",
+             "checkpoint.keep=5"]
+    run_rl(_cfg(model_dir, tmp_path / "a", *extra))
+    run_rl(_cfg(model_dir, tmp_path / "b", *extra))
+    run_rl(_cfg(model_dir, tmp_path / "b", *extra, f"checkpoint.resume_from={tmp_path / 'b' / 'checkpoints' / 'step_000002'}"))
+    assert [r["step"] for r in _rows(tmp_path / "b")] == [1, 2, 3, 4]
+    assert _metrics(tmp_path / "a") == _metrics(tmp_path / "b")
+    wa, wb = _weights(tmp_path / "a"), _weights(tmp_path / "b")
+    assert all(torch.equal(wa[n], wb[n]) for n in wa)
+    from moeloop.errors import InputError
+    with pytest.raises(InputError, match=r"checkpoint.resume_from=.*: not a checkpoint"):
+        run_rl(_cfg(model_dir, tmp_path / "c", *extra, f"checkpoint.resume_from={tmp_path / 'a'}"))

@@ -301,6 +301,7 @@ class CheckpointSection:
     export_hf_every: int = 0  # 0 = only at the end
     save_final: bool = True  # DCP checkpoint after the last step
     export_hf_final: bool = True  # HF export (re-loaded and compared) after the last step
+    resume_from: str = ""  # a step_N checkpoint to resume from, as --resume does from the newest (verl's resume_path)
 
     def check(self) -> None:
         _require(self.save_every >= 0, "checkpoint.save_every", "must be >= 0 (0 = only at the end)")

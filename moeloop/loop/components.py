@@ -9,6 +9,7 @@ checkpoint on `--resume`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -240,6 +241,14 @@ def check_ground_truths(cfg: RunConfig, files: list[str], data: PromptDataset | 
                          f"reward.fn={cfg.reward.fn} scores each response against it")
 
 
+def critic_checkpoint(actor_checkpoint: Path) -> Path:
+    """The critic's checkpoint saved with `actor_checkpoint` (critic/step_N beside it)."""
+    path = actor_checkpoint.parent / "critic" / actor_checkpoint.name
+    if not (path / "meta.json").is_file():
+        raise InputError(f"{actor_checkpoint}: no critic checkpoint saved with it ({path}), and critic.enable=true")
+    return path
+
+
 def build_components(cfg: RunConfig, resume: bool) -> Components:
     check_runtime_support(cfg)
     env = RunEnv.create(cfg)
@@ -273,7 +282,7 @@ def build_components(cfg: RunConfig, resume: bool) -> Components:
     if shares_weights(cfg):
         drain_before_step(actor.optimizer, engine)  # weights it shares change at the optimizer step
     ckpt = CheckpointManager(cfg.checkpoint.dir or env.run_dir / "checkpoints", cfg.checkpoint.keep)
-    latest = resume_from(ckpt, resume, env.is_main)
+    latest = resume_from(ckpt, resume, env.is_main, cfg.checkpoint.resume_from)
     c = Components(
         cfg=cfg, env=env, tokenizer=tokenizer, train=train, val=val,
         cursor=EpochCursor(len(train), cfg.data.seed, cfg.data.shuffle), actor=actor, ref=ref, critic=critic, engine=engine,
@@ -292,7 +301,7 @@ def build_components(cfg: RunConfig, resume: bool) -> Components:
         if "kl_ctrl" in meta:  # (checkpoints from before the controller: the configured coefficient)
             c.kl_ctrl.load_state_dict(meta["kl_ctrl"])
         if c.critic is not None:
-            c.critic_ckpt.load(c.critic_ckpt.latest(), c.critic.model, c.critic.optimizer)
+            c.critic_ckpt.load(critic_checkpoint(latest), c.critic.model, c.critic.optimizer)
         c.syncer.push(c.actor.named_weights(), c.engine, version=meta["step"])
     c.logger.start_at(c.start_step)
     return c

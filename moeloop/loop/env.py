@@ -106,9 +106,17 @@ def load_policy(cfg: RunConfig, device: torch.device | str = "cpu") -> torch.nn.
     return model
 
 
-def resume_from(ckpt, resume: bool, is_main: bool):
-    """The checkpoint a `--resume` run continues from: the newest in `ckpt`'s directory. With none there, None (the
-    run starts at step 0, as verl's auto resume does) and a note on stderr saying so."""
+def resume_from(ckpt, resume: bool, is_main: bool, path: str = ""):
+    """The checkpoint a run continues from: `path` (checkpoint.resume_from: a step_N directory, or a checkpoints
+    directory for its newest) when given; else with `--resume` the newest in `ckpt`'s directory, and with none there
+    None (the run starts at step 0, as verl's auto resume does) and a note on stderr saying so."""
+    if path:
+        chosen = Path(path)
+        if (chosen / "latest").is_file():
+            chosen = type(ckpt)(chosen).latest() or chosen
+        if not (chosen / "meta.json").is_file():
+            raise InputError(f"checkpoint.resume_from={path}: not a checkpoint (a step_N directory with meta.json)")
+        return chosen
     if not resume:
         return None
     latest = ckpt.latest()

@@ -42,7 +42,7 @@ def run_sft(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
     actor = Actor(model, cfg.actor, env.device, cfg.data.max_response_length, cfg.model.logprob_chunk_tokens, steps)
     ckpt = CheckpointManager(cfg.checkpoint.dir or env.run_dir / "checkpoints", cfg.checkpoint.keep)
     start = 0
-    if (latest := resume_from(ckpt, resume, env.is_main)) is not None:
+    if (latest := resume_from(ckpt, resume, env.is_main, cfg.checkpoint.resume_from)) is not None:
         meta = actor_state_load(ckpt, latest, actor, cursor)
         start = meta["step"]
     logger = MetricsLogger(env.run_dir, cfg.trainer.log, env.is_main, steps, append=start > 0)
