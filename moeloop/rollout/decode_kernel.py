@@ -9,7 +9,6 @@ Shapes: B sequences, H query heads, G kv heads, Dk/Dv head dims, N max blocks pe
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 
@@ -26,30 +25,14 @@ def triton_available() -> bool:
     return triton is not None
 
 
-@dataclass
-class FreshQK:
-    """The new token's q and k as a one-token q|k|v launch with the RoPE in it leaves them (`qkv_rope`), for the
-    paged decode to finish: u [B, H + G, Dh] fp32 = RoPE(w * raw) of the q heads, then the k heads; ssq [B, H + G,
-    NP] each head's partial sums of raw^2 (None: no q/k head norm); the new token's cache slots, the norm's eps,
-    the model dtype, H, and whether the lengths must be read after the wait (`lens_late`)."""
-    u_BXD: torch.Tensor
-    ssq_BXP: torch.Tensor | None
-    slots_B: torch.Tensor
-    eps: float
-    dtype: torch.dtype
-    num_heads: int
-    lens_late: bool = False
-
-
 if triton is not None:
     @triton.jit
     def _attend_block(q, m_i, l_i, acc, start, ctx_len, b, g, k_ptr, v_ptr, tables_ptr, scale,
                       s_ks, s_kg, s_vs, s_vg, s_tb, DK: tl.constexpr, DK_PAD: tl.constexpr, DV: tl.constexpr,
                       DV_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                      V_EARLY: tl.constexpr, s_new=None, FRESH: tl.constexpr = False):
+                      V_EARLY: tl.constexpr):
         """One online-softmax step over positions [start, start + BLOCK_N) (masked past ctx_len). V_EARLY: V is
-        read with K, both in flight at once (a split's one block: latency), not after the scores (registers).
-        FRESH: the last position's scores are s_new [QH_PAD] (its key is not in the cache yet)."""
+        read with K, both in flight at once (a split's one block: latency), not after the scores (registers)."""
         dk = tl.arange(0, DK_PAD)
         dv = tl.arange(0, DV_PAD)
         pos = start + tl.arange(0, BLOCK_N)
@@ -63,8 +46,6 @@ if triton is not None:
         if V_EARLY:
             v = tl.load(v_rows, mask=v_ok, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        if FRESH:  # (a select on the scores, not on the K tile: that one is the dot's operand)
-            s = tl.where((pos == ctx_len - 1)[None, :], s_new[:, None], s)
         s = tl.where(p_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked block before any real one
@@ -77,55 +58,24 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
-    def _fresh_qk(u_ptr, ssq_ptr, b, g, h, h_ok, dk, eps, QH: tl.constexpr, H: tl.constexpr, G, DK: tl.constexpr,
-                  NP: tl.constexpr, QK_NORM: tl.constexpr, dt: tl.constexpr):
-        """(q [QH_PAD, DK_PAD], k [DK_PAD]) of kv head g's query heads and key (`FreshQK`): u times 1 / rms of the
-        head's raw projection (QK_NORM; the sum of its NP partial sums of squares), rounded to dt."""
-        q_row = b * (H + G) + g * QH + h
-        k_row = b * (H + G) + H + g
-        u_q = tl.load(u_ptr + q_row[:, None] * DK + dk[None, :], mask=h_ok[:, None] & (dk[None, :] < DK), other=0.0)
-        u_k = tl.load(u_ptr + k_row * DK + dk, mask=dk < DK, other=0.0)
-        if QK_NORM:
-            j = tl.arange(0, NP)
-            ssq_q = tl.sum(tl.load(ssq_ptr + q_row[:, None] * NP + j[None, :], mask=h_ok[:, None], other=0.0), 1)
-            u_q = u_q * tl.rsqrt(ssq_q / DK + eps)[:, None]
-            u_k = u_k * tl.rsqrt(tl.sum(tl.load(ssq_ptr + k_row * NP + j), 0) / DK + eps)
-        return u_q.to(dt), u_k.to(dt)
-
-    @triton.jit
     def _paged_decode(q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, tables_ptr, lens_ptr, scale,
                       s_qb, s_qh, s_ks, s_kg, s_vs, s_vg, s_ob, s_oh, s_tb,
                       QH: tl.constexpr, QH_PAD: tl.constexpr, DK: tl.constexpr, DK_PAD: tl.constexpr,
                       DV: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                       PRECISION: tl.constexpr, NUM_SPLITS: tl.constexpr, CHUNK: tl.constexpr,
-                      DYNAMIC_LOOP: tl.constexpr, V_EARLY: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
-                      ssq_ptr=None, slots_ptr=None, qk_eps=0.0, FRESH: tl.constexpr = False, H: tl.constexpr = 1,
-                      QK_NORM: tl.constexpr = False, NP: tl.constexpr = 1, LENS_LATE: tl.constexpr = False):
-        """FRESH (`FreshQK`): q_ptr is u [B, H + G, DK] fp32 (q heads, then k heads) and ssq_ptr the heads' partial
-        sums of squares [B, H + G, NP] (QK_NORM); q and the new token's k are u / rms, rounded to the cache's
-        dtype, and the program whose split holds the new position stores that k at slots[b]. LENS_LATE: the
-        lengths are read after the wait (no kernel since the sampler that writes them triggered late)."""
+                      DYNAMIC_LOOP: tl.constexpr, V_EARLY: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
         pdl_launch_next(PDL, EARLY)
         b = tl.program_id(0)
         g = tl.program_id(1)
         sp = tl.program_id(2)
-        if not LENS_LATE:
-            ctx_len = tl.load(lens_ptr + b)  # (lengths and block tables: written before the step's first kernel)
+        ctx_len = tl.load(lens_ptr + b)  # (lengths and block tables: written before the step's first kernel)
         pdl_wait(PDL, EARLY)
-        if LENS_LATE:
-            ctx_len = tl.load(lens_ptr + b)
         h = tl.arange(0, QH_PAD)
         dk = tl.arange(0, DK_PAD)
         dv = tl.arange(0, DV_PAD)
         h_ok = h < QH
-        s_new = None
-        if FRESH:
-            q = tl.load(q_ptr + b * s_qb + (g * QH + h)[:, None] * s_qh + dk[None, :],
-                        mask=h_ok[:, None] & (dk[None, :] < DK), other=0.0).to(k_ptr.dtype.element_ty)
-            s_new = tl.zeros([QH_PAD], tl.float32)
-        else:
-            q = tl.load(q_ptr + b * s_qb + (g * QH + h)[:, None] * s_qh + dk[None, :],
-                        mask=h_ok[:, None] & (dk[None, :] < DK), other=0.0)
+        q = tl.load(q_ptr + b * s_qb + (g * QH + h)[:, None] * s_qh + dk[None, :],
+                    mask=h_ok[:, None] & (dk[None, :] < DK), other=0.0)
         m_i = tl.full([QH_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([QH_PAD], tl.float32)
         acc = tl.zeros([QH_PAD, DV_PAD], tl.float32)
@@ -133,12 +83,12 @@ if triton is not None:
             for start in range(0, ctx_len, BLOCK_N):
                 m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, start, ctx_len, b, g, k_ptr, v_ptr, tables_ptr, scale,
                                               s_ks, s_kg, s_vs, s_vg, s_tb, DK, DK_PAD, DV, DV_PAD,
-                                              BLOCK_SIZE, BLOCK_N, PRECISION, V_EARLY, s_new, FRESH)
+                                              BLOCK_SIZE, BLOCK_N, PRECISION, V_EARLY)
         else:  # static trip count: the interpreter cannot loop from a program-id-derived start
             for i in range(0, CHUNK, BLOCK_N):
                 m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, sp * CHUNK + i, ctx_len, b, g, k_ptr, v_ptr,
                                               tables_ptr, scale, s_ks, s_kg, s_vs, s_vg, s_tb, DK, DK_PAD, DV,
-                                              DV_PAD, BLOCK_SIZE, BLOCK_N, PRECISION, V_EARLY, s_new, FRESH)
+                                              DV_PAD, BLOCK_SIZE, BLOCK_N, PRECISION, V_EARLY)
         if NUM_SPLITS == 1:
             out = acc / l_i[:, None]
             tl.store(o_ptr + b * s_ob + (g * QH + h)[:, None] * s_oh + dv[None, :], out.to(o_ptr.dtype.element_ty),
@@ -174,7 +124,8 @@ V_EARLY = os.environ.get("MOELOOP_V_EARLY", "on").lower() != "off"
 _NUM_SMS: dict[torch.device, int] = {}
 
 
-MAX_SPLITS = 16  # context splits per (row, kv head) at most (`benchmarks/b1_tiles.py` sweeps it at B=1)
+# context splits per (row, kv head) at most (`benchmarks/b1_tiles.py` sweeps it at B=1)
+MAX_SPLITS = kernel_switch.env_tile("MOELOOP_MAX_SPLITS", (16,), powers_of_two=False)[0]
 
 
 def num_splits(device: torch.device, num_programs: int, max_len: int, block_n: int) -> int:
@@ -186,32 +137,39 @@ def num_splits(device: torch.device, num_programs: int, max_len: int, block_n: i
     return max(1, min(wanted, -(-max_len // block_n), MAX_SPLITS))
 
 
-PAGED_BLOCK_N = 64  # cached positions per loop step, and the split programs' chunk unit (`benchmarks/b1_tiles.py`)
+# cached positions per loop step, and the split programs' chunk unit (`benchmarks/b1_tiles.py`)
+PAGED_BLOCK_N = kernel_switch.env_tile("MOELOOP_PAGED_BLOCK_N", (64,))[0]
 # the paged decode's warps and software-pipeline stages (how many loop steps' K/V loads a one-split program keeps in
 # flight; a split program runs one step): triton's default 3 stages. At B=1 one pipelined program per kv head (no
 # merge launch) measured 43-54 us per forward slower than the splits at 3-6 stages and 4-8 warps, two splits 24 us
 # (H200, BENCHMARKS.md, session 15): four SMs cannot stream the context as fast as 24 programs
-PAGED_WARPS, PAGED_STAGES = 4, 3
+PAGED_WARPS = 4
+PAGED_STAGES = kernel_switch.env_tile("MOELOOP_PAGED_STAGES", (3,), powers_of_two=False)[0]
+# one row (B=1): 8 warps a program. H200, session 24: `b1_tiles.py` "defaults 0.3480 ms, paged_warps=8 0.3443 ms,
+# +3.7 us per forward"; rollout.py B=1 engine.step 2.877/2.877 against 2.896/2.899 ms per 8 steps (alternating).
+# B=32 and 256 with 8 warps read 60.2% / 61.8% of the roofline in that call (63.4% / 63.7% at 4 in session 23), so
+# more rows keep PAGED_WARPS
+PAGED_WARPS_ONE_ROW = kernel_switch.env_tile("MOELOOP_PAGED_WARPS_ONE_ROW", (8,))[0]
+# the split merge's warps a program: 1 (12 programs at B=1 for the reference model; its reductions over the splits
+# take 5 barriers at 4 warps, none at 1: sm_90 PTX). H200, session 25: `b1_tiles.py` "defaults 0.3457 ms,
+# merge_warps=1 0.3417 ms, +4.0 us per forward"; rollout.py engine.step in alternation, B=1 2.881/2.879/2.874 against
+# 2.890/2.884/2.879 ms per 8 steps, B=32 14.610/14.638 against 14.724/14.775 (B=256 runs one split, no merge)
+MERGE_WARPS = kernel_switch.env_tile("MOELOOP_MERGE_WARPS", (1,))[0]
 
 
 def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SGD: torch.Tensor, v_cache_SGDv: torch.Tensor,
                            block_tables_BN: torch.Tensor, context_lens_B: torch.Tensor, block_size: int,
-                           scale: float, block_n: int | None = None, split: bool = True,
-                           fresh: FreshQK | None = None) -> torch.Tensor:
+                           scale: float, block_n: int | None = None, split: bool = True) -> torch.Tensor:
     """Attention of each row's single query over its first context_lens_B[b] cached positions -> [B, H, Dv]
-    (`block_n`: default PAGED_BLOCK_N). `fresh`: q_BHD is ignored (None); the query and the new position's key come
-    from the q|k|v launch's `FreshQK`, and the kernel writes that key into the cache."""
+    (`block_n`: default PAGED_BLOCK_N). Split programs per kv group (`_paged_decode`), then the merge."""
     if triton is None:
         raise RuntimeError("paged_decode_attention needs triton")
-    if fresh is not None:
-        q_BHD = fresh.u_BXD[:, :fresh.num_heads]
     B, H, Dk = q_BHD.shape
     G, Dv = k_cache_SGD.shape[1], v_cache_SGDv.shape[2]
-    dtype = q_BHD.dtype if fresh is None else fresh.dtype
-    out = q_BHD.new_empty(B, H, Dv, dtype=dtype)
+    out = q_BHD.new_empty(B, H, Dv)
     qh = H // G
     block_n = max(16, min(PAGED_BLOCK_N if block_n is None else block_n, triton.next_power_of_2(block_size) * 8))
-    precision = "ieee" if dtype == torch.float32 else "tf32"
+    precision = "ieee" if q_BHD.dtype == torch.float32 else "tf32"
     max_len = block_tables_BN.shape[1] * block_size  # static: the grid must not depend on the lengths (graphs)
     splits = num_splits(q_BHD.device, B * G, max_len, block_n) if split else 1
     chunk = -(-max_len // splits // block_n) * block_n
@@ -219,12 +177,6 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SGD: torch.Tensor, v_cac
     dv_pad = max(16, triton.next_power_of_2(Dv))
     dest, m, l = out, out, out
     pdl = pdl_args(q_BHD, B)
-    early, extra = kernel_switch.PDL_EARLY, {}
-    if fresh is not None:  # it triggers late: the o_proj launch reads the residual (from the q|k|v launch) early
-        early = False
-        extra = dict(FRESH=True, H=H, slots_ptr=fresh.slots_B, LENS_LATE=fresh.lens_late, qk_eps=fresh.eps,
-                     QK_NORM=fresh.ssq_BXP is not None, ssq_ptr=fresh.ssq_BXP,
-                     NP=1 if fresh.ssq_BXP is None else fresh.ssq_BXP.shape[2])
     if splits > 1:
         dest = torch.empty(B, splits, H, Dv, dtype=torch.float32, device=q_BHD.device)
         m = torch.empty(B, splits, H, dtype=torch.float32, device=q_BHD.device)
@@ -236,10 +188,11 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SGD: torch.Tensor, v_cac
         QH=qh, QH_PAD=max(16, triton.next_power_of_2(qh)), DK=Dk, DK_PAD=max(16, triton.next_power_of_2(Dk)),
         DV=Dv, DV_PAD=dv_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         PRECISION=precision, NUM_SPLITS=splits, CHUNK=chunk, V_EARLY=V_EARLY and splits > 1,
-        EARLY=early, num_warps=PAGED_WARPS, num_stages=PAGED_STAGES, **pdl, **extra,
+        EARLY=kernel_switch.PDL_EARLY, num_warps=PAGED_WARPS_ONE_ROW if B == 1 else PAGED_WARPS,
+        num_stages=PAGED_STAGES, **pdl,
         DYNAMIC_LOOP=splits == 1 and not triton_interpreting())  # the interpreter: static trip counts only
     if splits > 1:
         _merge_splits[(B, H)](dest, m, l, out, out.stride(0), out.stride(1), H=H, DV=Dv, DV_PAD=dv_pad,
                               NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
-                              EARLY=kernel_switch.PDL_EARLY, num_warps=4, **pdl)
+                              EARLY=kernel_switch.PDL_EARLY, num_warps=MERGE_WARPS, **pdl)
     return out
