@@ -109,7 +109,7 @@ class UserRewardClass:
 
 
 def test_registry_builtins_and_dotted_paths() -> None:
-    assert set(BUILTIN_REWARDS) == {"math", "format", "arith", "code", "http"}
+    assert set(BUILTIN_REWARDS) == {"math", "format", "arith", "code", "http", "reward_model"}
     assert get_reward_fn("arith") is arith_reward
     fn = get_reward_fn(f"{__name__}.user_reward")
     assert fn(Sample(prompt_ids=[], response_text="abc")).score == 3
