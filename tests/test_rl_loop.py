@@ -371,12 +371,14 @@ def test_critic_learns_returns():
 
 def test_epochs_set_the_rl_step_count(model_dir, tmp_path):
     """trainer.epochs > 0 runs that many passes over the train rows, ceil(epochs * rows / data.train_batch_size) steps,
-    as SFT does (RL ignored it and ran trainer.steps)."""
+    as SFT does (RL ignored it and ran trainer.steps). The run directory's config.yaml holds the resolved count."""
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(6)))
     last = run_rl(_cfg(model_dir, tmp_path / "run", f"data.train_files=[{rows}]", "trainer.epochs=1",
                        "trainer.steps=50"))
     assert last["policy/version"] == 2 and len(_rows(tmp_path / "run")) == 2  # 6 rows in batches of 4
+    saved = load_config(tmp_path / "run" / "config.yaml")
+    assert (saved.trainer.steps, saved.trainer.epochs, saved.data.train_files) == (2, 1, [str(rows)])
 
 
 def verl_compute_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -428,3 +430,28 @@ def test_resume_from_a_chosen_checkpoint_replays_the_steps_after_it(model_dir, t
     from moeloop.errors import InputError
     with pytest.raises(InputError, match=r"checkpoint.resume_from=.*: not a checkpoint"):
         run_rl(_cfg(model_dir, tmp_path / "c", *extra, f"checkpoint.resume_from={tmp_path / 'a'}"))
+
+
+def test_wandb_gets_the_project_the_run_name_and_the_config(tmp_path, monkeypatch):
+    """trainer.log=[wandb]: wandb.init gets trainer.project_name, trainer.experiment_name (or the run directory's
+    name) and the resolved config, and each step's metrics go to wandb.log (a stand-in module records the calls)."""
+    import sys
+    import types
+
+    from moeloop.config import load_config
+    from moeloop.loop.metrics import MetricsLogger
+    calls = []
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kwargs: calls.append(("init", kwargs)) or types.SimpleNamespace(
+        log=lambda record, step: calls.append(("log", step, record)))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    for extra, name in ((["trainer.experiment_name=exp-1"], "exp-1"), ([], "myrun")):
+        calls.clear()
+        cfg = load_config("examples/tiny.yaml", ["trainer.log=[wandb]", "trainer.project_name=proj",
+                                                 f"trainer.run_dir={tmp_path / 'myrun'}", *extra])
+        logger = MetricsLogger.for_run(cfg, tmp_path / "myrun", True, append=False)
+        logger.log(1, {"reward/mean": 0.5})
+        (_, init), log = calls
+        assert (init["project"], init["name"], init["dir"]) == ("proj", name, str(tmp_path / "myrun"))
+        assert init["config"]["actor"]["optim"]["lr"] == 3e-4 and init["config"]["rollout"]["n"] == 16
+        assert log == ("log", 1, {"step": 1, "reward/mean": 0.5})

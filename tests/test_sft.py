@@ -31,7 +31,11 @@ def _losses(run_dir):
 
 
 def test_sft_learns_and_its_export_is_the_rl_input(model_dir, tmp_path):
-    run_sft(_cfg(model_dir, tmp_path / "sft"))
+    """... and the run directory's config.yaml is the resolved config the run ran (it loads back equal)."""
+    from moeloop.config import to_yaml
+    cfg = _cfg(model_dir, tmp_path / "sft")
+    run_sft(cfg)
+    assert to_yaml(load_config(tmp_path / "sft" / "config.yaml")) == to_yaml(cfg)
     losses = _losses(tmp_path / "sft")
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.5, losses
     before, after = load_pretrained(model_dir).state_dict(), load_pretrained(tmp_path / "sft" / "hf").state_dict()

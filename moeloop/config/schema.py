@@ -322,6 +322,8 @@ class TrainerSection:
     critic_warmup: int = 0  # PPO: the first this-many steps train only the critic (verl's trainer.critic_warmup)
     log_val_generations: int = 0  # the first N held-out generations of each validation -> <run_dir>/val_generations.jsonl
     rollout_data_dir: str = ""  # non-empty: each RL step's samples (prompt, response, score...) -> <dir>/<step>.jsonl
+    project_name: str = "moeloop"  # the W&B project
+    experiment_name: str = ""  # the W&B run name ("" = run_dir's folder name)
 
     def check(self) -> None:
         for name in ("steps", "epochs", "val_every", "val_samples", "log_val_generations"):

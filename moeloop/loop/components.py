@@ -22,7 +22,7 @@ from moeloop.data import EpochCursor, PromptDataset, load_rows
 from moeloop.data.dataset import Example
 from moeloop.errors import InputError
 from moeloop.loop.env import (RunEnv, check_parallel_support, dtype_of, load_policy, load_tokenizer, resume_from,
-                              training_steps)
+                              training_steps, write_run_config)
 from moeloop.loop.dump import gather_records, sample_record, write_jsonl
 from moeloop.loop.export import export_hf
 from moeloop.loop.generation import RolloutWorker
@@ -263,6 +263,7 @@ def build_components(cfg: RunConfig, resume: bool) -> Components:
         if data is not None:
             data.note_dropped(name, env.is_main)
     cfg.trainer.steps = training_steps(cfg, len(train))  # resolved once: every later use reads trainer.steps
+    write_run_config(cfg, env.run_dir, env.is_main)
     dtype = dtype_of(cfg.model.dtype)
     if env.device.type == "cpu":
         retain_freed_host_memory()  # gradients are freed and allocated again every step
@@ -290,7 +291,7 @@ def build_components(cfg: RunConfig, resume: bool) -> Components:
         rewards=RewardPool.from_config(cfg.reward),
         syncer=WeightSyncer(transport, cfg.sync.bucket_bytes, cfg.sync.verify),
         ckpt=ckpt,
-        logger=MetricsLogger(env.run_dir, cfg.trainer.log, env.is_main, cfg.trainer.steps, append=latest is not None),
+        logger=MetricsLogger.for_run(cfg, env.run_dir, env.is_main, append=latest is not None),
         kl_ctrl=KLController(cfg.algorithm),
     )
     if env.device.type == "cuda":

@@ -80,6 +80,17 @@ def dtype_of(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
+def write_run_config(cfg: RunConfig, run_dir: Path, is_main: bool) -> None:
+    """`<run_dir>/config.yaml`: the run's resolved, validated config (what `moeloop config show` prints), which
+    `moeloop sft|rl <run_dir>/config.yaml` runs again. Written whole, then renamed; by the main rank."""
+    if not is_main:
+        return
+    from moeloop.config import to_yaml
+    partial = run_dir / "config.yaml.tmp"
+    partial.write_text(to_yaml(cfg))
+    partial.replace(run_dir / "config.yaml")
+
+
 def load_tokenizer(cfg: RunConfig):
     """The tokenizer of the model folder at `model.path`. The folder is checked first: without it transformers
     would take the path for a hub id and fail with a message about repo names."""

@@ -14,7 +14,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -76,10 +76,11 @@ class MetricsLogger:
     """`trainer.log` picks sinks: console, jsonl, tensorboard, wandb."""
 
     def __init__(self, run_dir: str | Path, sinks: list[str], enabled: bool = True, total_steps: int = 0,
-                 append: bool = False):
+                 append: bool = False, wandb_init: dict | None = None):
         """`append`: continue the run's JSONL files and TensorBoard events (resume; `start_at` drops what they hold
         past the step resumed from); otherwise a fresh run starts them anew (`RUN_FILES` and tb/'s event files only:
-        other files in the run directory, a dataset say, are left alone)."""
+        other files in the run directory, a dataset say, are left alone). `wandb_init`: wandb.init's arguments
+        beyond `dir` (project, name, config)."""
         self.run_dir, self.sinks, self.enabled, self.total_steps = Path(run_dir), set(sinks), enabled, total_steps
         self._tb = self._wandb = self._bar = None
         self._append, self._started = append, False
@@ -94,7 +95,18 @@ class MetricsLogger:
             for old in (self.run_dir / "tb").glob("events.out.tfevents.*"):  # (TensorBoard would overlay them)
                 old.unlink()
         if "wandb" in self.sinks:
-            self._wandb = _sink_module("wandb", "wandb").init(project="moeloop", dir=str(self.run_dir))
+            self._wandb = _sink_module("wandb", "wandb").init(**{"project": "moeloop", **(wandb_init or {}),
+                                                                  "dir": str(self.run_dir)})
+
+    @classmethod
+    def for_run(cls, cfg: Any, run_dir: Path, is_main: bool, append: bool) -> "MetricsLogger":
+        """The logger of an SFT or RL run: `trainer.log`'s sinks over `trainer.steps`; W&B gets trainer.project_name,
+        trainer.experiment_name (or the run directory's name) and the resolved config as the run's config."""
+        from omegaconf import OmegaConf
+        t = cfg.trainer
+        wandb_init = {"project": t.project_name, "name": t.experiment_name or Path(run_dir).resolve().name,
+                      "config": OmegaConf.to_container(OmegaConf.structured(cfg))} if "wandb" in t.log else None
+        return cls(run_dir, t.log, is_main, t.steps, append=append, wandb_init=wandb_init)
 
     def start_at(self, step: int) -> None:
         """The run's steps start after `step`, as its first step begins. A resumed run's files first lose the rows

@@ -13,7 +13,7 @@ from moeloop.data import EpochCursor, PromptDataset, load_rows
 from moeloop.data.dataset import Example
 from moeloop.errors import InputError
 from moeloop.loop.env import (RunEnv, check_parallel_support, load_policy, load_tokenizer, resume_from, run_command,
-                              training_steps)
+                              training_steps, write_run_config)
 from moeloop.loop.export import export_hf
 from moeloop.loop.metrics import MetricsLogger, PhaseTimer, peak_memory_bytes
 from moeloop.train.actor import Actor
@@ -38,14 +38,15 @@ def run_sft(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
     cursor = EpochCursor(len(data), cfg.data.seed, cfg.data.shuffle)
     model = load_policy(cfg)
     model_cfg = model.cfg
-    steps = training_steps(cfg, len(data))
+    steps = cfg.trainer.steps = training_steps(cfg, len(data))  # resolved once, as RL's
+    write_run_config(cfg, env.run_dir, env.is_main)
     actor = Actor(model, cfg.actor, env.device, cfg.data.max_response_length, cfg.model.logprob_chunk_tokens, steps)
     ckpt = CheckpointManager(cfg.checkpoint.dir or env.run_dir / "checkpoints", cfg.checkpoint.keep)
     start = 0
     if (latest := resume_from(ckpt, resume, env.is_main, cfg.checkpoint.resume_from)) is not None:
         meta = actor_state_load(ckpt, latest, actor, cursor)
         start = meta["step"]
-    logger = MetricsLogger(env.run_dir, cfg.trainer.log, env.is_main, steps, append=start > 0)
+    logger = MetricsLogger.for_run(cfg, env.run_dir, env.is_main, append=start > 0)
     logger.start_at(start)
     timer, last = PhaseTimer(), {}
     val_every = cfg.trainer.val_every
