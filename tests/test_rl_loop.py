@@ -379,6 +379,9 @@ def test_epochs_set_the_rl_step_count(model_dir, tmp_path):
     assert last["policy/version"] == 2 and len(_rows(tmp_path / "run")) == 2  # 6 rows in batches of 4
     saved = load_config(tmp_path / "run" / "config.yaml")
     assert (saved.trainer.steps, saved.trainer.epochs, saved.data.train_files) == (2, 1, [str(rows)])
+    last = run_rl(_cfg(model_dir, tmp_path / "four", f"data.train_files=[{rows}]", "trainer.epochs=1",
+                       "data.train_max_samples=4"))  # the first 4 rows: one batch
+    assert last["policy/version"] == 1 and len(_rows(tmp_path / "four")) == 1
 
 
 def verl_compute_score(data_source, solution_str, ground_truth, extra_info=None):

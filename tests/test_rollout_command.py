@@ -101,6 +101,8 @@ def test_generate_and_rl_report_bad_flags_files_and_fields(tmp_path, capsys):
               "moeloop rl: trainer.log_val_generations=4 needs trainer.val_every > 0"),
              (["rl", "examples/tiny.yaml", "model.path=runs/x/hf", "trainer.run_dir=runs/x"],
               r"moeloop rl: trainer.run_dir=runs/x: the run's HF export \(runs/x/hf\) would overwrite model.path"),
+             (["rl", "examples/tiny.yaml", "data.train_max_samples=0"],
+              r"moeloop rl: data.train_max_samples: must be -1 \(all\) or > 0"),
              (["rl", "examples/tiny.yaml", "data.val_max_samples=0"],
               r"moeloop rl: data.val_max_samples: must be -1 \(all\) or > 0"),
              (["rl", "examples/tiny.yaml", "data.val_files=[]"], "moeloop rl: trainer.val_every=100 needs held-out prompts"),

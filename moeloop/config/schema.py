@@ -41,6 +41,7 @@ class DataSection:
     max_response_length: int = 64
     truncation: str = "error"  # error | left | right | drop : policy for prompts longer than max_prompt_length
     train_batch_size: int = 8  # prompts per step
+    train_max_samples: int = -1  # training rows used: the first this-many (-1 = all, as verl's)
     val_batch_size: int = 64  # held-out prompts per generate call of the validation
     val_max_samples: int = -1  # held-out prompts validated: the first this-many rows (-1 = all, as verl's)
     shuffle: bool = True
@@ -53,7 +54,8 @@ class DataSection:
         _require(self.max_prompt_length > 0, "data.max_prompt_length", "must be > 0")
         _require(self.max_response_length > 0, "data.max_response_length", "must be > 0")
         _require(self.val_batch_size > 0, "data.val_batch_size", "must be > 0")
-        _require(self.val_max_samples == -1 or self.val_max_samples > 0, "data.val_max_samples", "must be -1 (all) or > 0")
+        for name in ("train_max_samples", "val_max_samples"):
+            _require(getattr(self, name) == -1 or getattr(self, name) > 0, f"data.{name}", "must be -1 (all) or > 0")
 
 
 @dataclass

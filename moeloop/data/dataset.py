@@ -28,15 +28,18 @@ from moeloop.data.synthetic import parse_synthetic_spec
 from moeloop.errors import InputError
 
 
-def load_rows(files: list[str], seed: int = 0) -> list[dict]:
+def load_rows(files: list[str], seed: int = 0, limit: int = -1) -> list[dict]:
+    """The rows of `files` in order; the first `limit` of them (-1: all; data.train_max_samples, val_max_samples)."""
     rows: list[dict] = []
     for spec in files:
+        if 0 <= limit <= len(rows):
+            break
         if spec.startswith("synthetic:"):
             task, split = parse_synthetic_spec(spec)
             rows += [dict(r, _source=f"{spec}#{i}") for i, r in enumerate(task.rows(split, seed))]
         else:
             rows += _read_file(Path(spec))
-    return rows
+    return rows if limit < 0 else rows[:limit]
 
 
 def _read_file(path: Path) -> list[dict]:

@@ -93,7 +93,7 @@ class Components:
                                     ignore_eos=r.ignore_eos) for p in positions]
 
     def evaluate(self, step: int) -> dict[str, float]:
-        """Held-out accuracy over the first `data.val_max_samples` rows (all by default), `data.val_batch_size`
+        """Held-out accuracy over the held-out rows (the first `data.val_max_samples`), `data.val_batch_size`
         prompts a generate call (a sample is correct when its reward is >= 1): greedy, and the mean over
         `trainer.val_samples` samples per prompt at the rollout temperature (the policy RL optimises) with the
         fraction of prompts that any of them solves (`acc/val_pass@k`, verl's best@k); with several data sources
@@ -102,8 +102,7 @@ class Components:
         val_generations.jsonl, tagged with `step`."""
         if self.val is None:
             return {}
-        d = self.cfg.data
-        n = len(self.val) if d.val_max_samples < 0 else min(d.val_max_samples, len(self.val))
+        n = len(self.val)
         sources = sorted({self.val[i].data_source for i in range(n)})  # the same list on every rank
         r, k = self.cfg.rollout, self.cfg.trainer.val_samples
         records: list[dict[str, Any]] = []
@@ -256,8 +255,9 @@ def build_components(cfg: RunConfig, resume: bool) -> Components:
         raise InputError(f"actor.ppo_mini_batch_size={cfg.actor.ppo_mini_batch_size} must be divisible by the "
                          f"{env.world_size} data-parallel ranks")
     tokenizer = load_tokenizer(cfg)
-    train = PromptDataset(load_rows(cfg.data.train_files, cfg.data.seed), tokenizer, cfg.data)
-    val = PromptDataset(load_rows(cfg.data.val_files, cfg.data.seed), tokenizer, cfg.data) if cfg.data.val_files else None
+    d = cfg.data
+    train = PromptDataset(load_rows(d.train_files, d.seed, d.train_max_samples), tokenizer, d)
+    val = PromptDataset(load_rows(d.val_files, d.seed, d.val_max_samples), tokenizer, d) if d.val_files else None
     for name, files, data in (("data.train_files", cfg.data.train_files, train), ("data.val_files", cfg.data.val_files, val)):
         check_ground_truths(cfg, files, data)
         if data is not None:

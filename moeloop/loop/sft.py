@@ -27,14 +27,14 @@ def run_sft(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
         raise InputError(f"data.train_batch_size={cfg.data.train_batch_size} must be divisible by the "
                          f"{env.world_size} data-parallel ranks")
     tokenizer = load_tokenizer(cfg)
-    data = PromptDataset(load_rows(cfg.data.train_files, cfg.data.seed), tokenizer, cfg.data, with_response=True)
+    d = cfg.data
+    data = PromptDataset(load_rows(d.train_files, d.seed, d.train_max_samples), tokenizer, d, with_response=True)
     data.note_dropped("data.train_files", env.is_main)
     val = None
-    if cfg.data.val_files:  # each rank scores its slice of the held-out rows; the loss is summed over ranks
-        val = PromptDataset(load_rows(cfg.data.val_files, cfg.data.seed), tokenizer, cfg.data, with_response=True)
+    if d.val_files:  # each rank scores its slice of the held-out rows; the loss is summed over ranks
+        val = PromptDataset(load_rows(d.val_files, d.seed, d.val_max_samples), tokenizer, d, with_response=True)
         val.note_dropped("data.val_files", env.is_main)
-        num_val = len(val) if cfg.data.val_max_samples < 0 else min(cfg.data.val_max_samples, len(val))
-        val = [_sample(val[i], i) for i in range(env.rank, num_val, env.world_size)]
+        val = [_sample(val[i], i) for i in range(env.rank, len(val), env.world_size)]
     cursor = EpochCursor(len(data), cfg.data.seed, cfg.data.shuffle)
     model = load_policy(cfg)
     model_cfg = model.cfg
