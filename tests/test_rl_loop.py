@@ -458,3 +458,20 @@ def test_wandb_gets_the_project_the_run_name_and_the_config(tmp_path, monkeypatc
         assert (init["project"], init["name"], init["dir"]) == ("proj", name, str(tmp_path / "myrun"))
         assert init["config"]["actor"]["optim"]["lr"] == 3e-4 and init["config"]["rollout"]["n"] == 16
         assert log == ("log", 1, {"step": 1, "reward/mean": 0.5})
+
+
+def test_val_kwargs_set_the_sampled_validations_sampling(model_dir, tmp_path):
+    """rollout.val_kwargs.temperature=0: the sampled validation's k samples of a prompt are all the greedy one; by
+    default (the training rollout's temperature 1) they differ."""
+    extra = ["trainer.steps=0", "trainer.val_every=1", "trainer.val_samples=2", "data.val_files=[synthetic:arith-val]",
+             "data.val_max_samples=6", "trainer.log_val_generations=12"]
+
+    def responses(run_dir):
+        rows = [json.loads(line) for line in (run_dir / "val_generations.jsonl").read_text().splitlines()]
+        return [(rows[i]["response"], rows[i + 1]["response"]) for i in range(0, len(rows), 2)]
+    run_rl(_cfg(model_dir, tmp_path / "greedy", *extra, "rollout.val_kwargs.temperature=0"))
+    run_rl(_cfg(model_dir, tmp_path / "sampled", *extra))
+    assert len(responses(tmp_path / "greedy")) == 6 and all(a == b for a, b in responses(tmp_path / "greedy"))
+    assert any(a != b for a, b in responses(tmp_path / "sampled"))
+    val = json.loads((tmp_path / "greedy" / "val.jsonl").read_text().splitlines()[0])
+    assert val["acc/val_sampled"] == val["acc/val"]

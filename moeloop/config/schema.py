@@ -6,7 +6,7 @@ section live in that section's `check()`; cross-section rules live in `moeloop.c
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from moeloop.errors import InputError
 
@@ -59,6 +59,15 @@ class DataSection:
 
 
 @dataclass
+class ValKwargs:
+    """The sampled validation's sampling (verl's rollout.val_kwargs); None = the training rollout's value. Its sample
+    count is trainer.val_samples; the greedy validation always runs too."""
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+
+
+@dataclass
 class RolloutSection:
     n: int = 4
     temperature: float = 1.0
@@ -81,6 +90,13 @@ class RolloutSection:
     ignore_eos: bool = False  # generate exactly data.max_response_length tokens (benchmarks)
     async_scheduling: str = "auto"  # on | off | auto (on for CUDA): host work of step t+1 overlaps step t
     decode_steps: int = 0  # decode steps per host round trip (multi-step decode); 0 = auto: 8 on CUDA, else 1
+    val_kwargs: ValKwargs = field(default_factory=ValKwargs)
+
+    def val_sampling(self) -> tuple[float, float, int]:
+        """(temperature, top_p, top_k) of the sampled validation."""
+        v = self.val_kwargs
+        return (self.temperature if v.temperature is None else v.temperature, self.top_p if v.top_p is None else v.top_p,
+                self.top_k if v.top_k is None else v.top_k)
 
     @property
     def generates_ahead(self) -> bool:
@@ -103,6 +119,10 @@ class RolloutSection:
         _require(self.max_staleness >= 0, "rollout.max_staleness", "must be >= 0")
         _require(self.threads >= 0, "rollout.threads", "must be >= 0 (0 = the trainer's)")
         _require(self.kv_cache_bytes >= 0, "rollout.kv_cache_bytes", "must be >= 0 (0 = rollout.gpu_memory_utilization)")
+        temperature, top_p, top_k = self.val_sampling()
+        _require(temperature >= 0, "rollout.val_kwargs.temperature", "must be >= 0")
+        _require(0 < top_p <= 1, "rollout.val_kwargs.top_p", "must be in (0, 1]")
+        _require(top_k == -1 or top_k > 0, "rollout.val_kwargs.top_k", "must be -1 (off) or > 0")
         _require(self.device == "" or self.device == "cpu" or self.device.startswith("cuda"), "rollout.device",
                  f"must be empty (auto), cpu, cuda or cuda:N, got {self.device!r}")
 

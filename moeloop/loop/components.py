@@ -95,7 +95,8 @@ class Components:
     def evaluate(self, step: int) -> dict[str, float]:
         """Held-out accuracy over the held-out rows (the first `data.val_max_samples`), `data.val_batch_size`
         prompts a generate call (a sample is correct when its reward is >= 1): greedy, and the mean over
-        `trainer.val_samples` samples per prompt at the rollout temperature (the policy RL optimises) with the
+        `trainer.val_samples` samples per prompt (at `rollout.val_kwargs`, by default the training rollout's
+        sampling: the policy RL optimises) with the
         fraction of prompts that any of them solves (`acc/val_pass@k`, verl's best@k); with several data sources
         also each source's (`acc/val/<source>`, as verl logs per data source). With `trainer.log_val_generations`
         = N, the first N generations (by row, then sample; the sampled ones when there are) go to
@@ -104,11 +105,11 @@ class Components:
             return {}
         n = len(self.val)
         sources = sorted({self.val[i].data_source for i in range(n)})  # the same list on every rank
-        r, k = self.cfg.rollout, self.cfg.trainer.val_samples
+        (temperature, top_p, top_k), k = self.cfg.rollout.val_sampling(), self.cfg.trainer.val_samples
         records: list[dict[str, Any]] = []
         out = self._accuracy(n, self.rollout.params(1, 0.0), sources, "acc/val", records=records if k == 0 else None)
         if k > 0:
-            out.update(self._accuracy(n, self.rollout.params(k, r.temperature, r.top_p, r.top_k, seed=self.cfg.trainer.seed),
+            out.update(self._accuracy(n, self.rollout.params(k, temperature, top_p, top_k, seed=self.cfg.trainer.seed),
                                       sources, "acc/val_sampled", f"acc/val_pass@{k}", records))
         if self.cfg.trainer.log_val_generations:
             first = sorted(gather_records(records), key=lambda rec: (rec["index"], rec["sample_index"]))
