@@ -84,7 +84,8 @@ def test_the_reward_service_serves_a_reward_model(rm_dir):
 
 
 def test_an_rl_run_scores_its_samples_with_the_reward_model(rm_dir, tmp_path):
-    """reward.fn=reward_model in the loop: each dumped sample's score is the model's on its messages + response."""
+    """reward.fn=reward_model in the loop: each dumped sample's score is the model's on its messages + response, and
+    the validation logs the mean score (reward/val)."""
     from moeloop.config import load_config
     from moeloop.loop.rl import run_rl
     from moeloop.model.factory import init_model
@@ -94,8 +95,13 @@ def test_an_rl_run_scores_its_samples_with_the_reward_model(rm_dir, tmp_path):
         "trainer.log=[jsonl]", "data.train_files=[synthetic:arith]", "data.max_prompt_length=64",
         "data.max_response_length=4", "data.train_batch_size=4", "rollout.n=2", "actor.ppo_mini_batch_size=4",
         "reward.fn=reward_model", f"reward.fn_options.path={rm_dir}", "reward.fallback=fail", "reward.concurrency=16",
-        f"trainer.rollout_data_dir={tmp_path / 'dump'}", "checkpoint.save_final=false", "checkpoint.export_hf_final=false"])
+        f"trainer.rollout_data_dir={tmp_path / 'dump'}", "checkpoint.save_final=false", "checkpoint.export_hf_final=false",
+        "data.val_files=[synthetic:arith-val]", "data.val_max_samples=3", "trainer.val_every=1", "trainer.val_samples=0",
+        "trainer.log_val_generations=3"])
     run_rl(cfg)
+    val = [json.loads(line) for line in (tmp_path / "run" / "val.jsonl").read_text().splitlines()][-1]
+    greedy = [json.loads(line) for line in (tmp_path / "run" / "val_generations.jsonl").read_text().splitlines()][-3:]
+    assert val["reward/val"] == pytest.approx(sum(g["score"] for g in greedy) / 3)  # the mean score, not a count
     rows = [json.loads(line) for line in (tmp_path / "dump" / "1.jsonl").read_text().splitlines()]
     tokenizer = build_tokenizer()
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"].split("<|user|>")[1].split("\n")[0]},

@@ -316,7 +316,8 @@ def test_validation_accuracy_per_data_source(model_dir, tmp_path):
              "data.val_batch_size=3", "data.val_max_samples=8", "reward.fn=tests.test_rl_loop.source_reward",
              "trainer.log_val_generations=8"]
     expected = {"acc/val": (1.0, 2 / 5, 5 / 8), "acc/val_sampled": (1.0, 2 / 10, 8 / 16),
-                "acc/val_pass@2": (1.0, 2 / 5, 5 / 8)}
+                "acc/val_pass@2": (1.0, 2 / 5, 5 / 8), "reward/val": (1.0, 2 / 5, 5 / 8),
+                "reward/val_sampled": (1.0, 2 / 10, 8 / 16)}  # (rewards of 1 and 0: their mean is the accuracy)
     for world, run_dir in ((1, tmp_path / "one"), (2, tmp_path / "two")):
         dump = f"trainer.rollout_data_dir={run_dir / 'rollouts'}"
         if world == 1:

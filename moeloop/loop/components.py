@@ -120,10 +120,12 @@ class Components:
 
     def _accuracy(self, num_prompts: int, params: SamplingParams, sources: list[str], key: str,
                   pass_key: str = "", records: list[dict[str, Any]] | None = None) -> dict[str, float]:
-        """`key`: the fraction of correct samples; `pass_key` (when given): of prompts with a correct sample.
+        """`key`: the fraction of correct samples; `key` with reward/ for acc/: their mean reward (a reward model's
+        scores say more than its >= 1 count); `pass_key` (when given): the fraction of prompts with a correct sample.
         `records`: each sample's `sample_record` (with its held-out row `index`) is appended there."""
         row = {source: i for i, source in enumerate(sources)}
-        tallies = [[0.0] * (len(sources) + 1) for _ in range(4)]  # correct, samples, solved, prompts; per source, all
+        # correct, samples, solved, prompts, reward sum; per source, then all
+        tallies = [[0.0] * (len(sources) + 1) for _ in range(5)]
         step, rank, world = self.cfg.data.val_batch_size, self.env.rank, self.env.world_size
         for start in range(0, num_prompts, step):  # each rank generates its share of each chunk
             rows = range(start + rank, min(start + step, num_prompts), world)
@@ -138,15 +140,17 @@ class Components:
                 for i in (row[s.data_source], len(sources)):
                     tallies[0][i] += s.reward >= 1.0
                     tallies[1][i] += 1
+                    tallies[4][i] += s.reward
             for group, ok in solved.items():
                 for i in (row[share[group].data_source], len(sources)):
                     tallies[2][i] += ok
                     tallies[3][i] += 1
         totals = global_values([v for tally in tallies for v in tally])
         width = len(sources) + 1
-        correct, seen, solved_n, prompts = (totals[j * width:(j + 1) * width] for j in range(4))
+        correct, seen, solved_n, prompts, reward_sum = (totals[j * width:(j + 1) * width] for j in range(5))
         out: dict[str, float] = {}
-        for name, hits, count in ((key, correct, seen), (pass_key, solved_n, prompts))[:2 if pass_key else 1]:
+        named = [(key, correct, seen), (key.replace("acc/", "reward/"), reward_sum, seen)]
+        for name, hits, count in named + ([(pass_key, solved_n, prompts)] if pass_key else []):
             acc = [h / max(c, 1.0) for h, c in zip(hits, count)]
             out[name] = acc[-1]
             if len(sources) > 1:
