@@ -476,3 +476,14 @@ def test_val_kwargs_set_the_sampled_validations_sampling(model_dir, tmp_path):
     assert any(a != b for a, b in responses(tmp_path / "sampled"))
     val = json.loads((tmp_path / "greedy" / "val.jsonl").read_text().splitlines()[0])
     assert val["acc/val_sampled"] == val["acc/val"]
+
+
+def test_each_validation_prints_a_console_line(tmp_path, capsys):
+    """With the console sink a validation prints its metrics on a line of its own (step 0's was printed nowhere, so
+    an evaluation-only run, trainer.steps=0, showed nothing)."""
+    from moeloop.loop.metrics import MetricsLogger
+    logger = MetricsLogger(tmp_path, ["console"], total_steps=2)
+    logger.start_at(0)
+    logger.log(0, {"acc/val": 0.25, "acc/val_pass@4": 0.5}, "val.jsonl")
+    logger.close()
+    assert "validation at step 0: acc/val=0.25 acc/val_pass@4=0.5" in capsys.readouterr().out

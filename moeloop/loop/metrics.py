@@ -155,15 +155,19 @@ class MetricsLogger:
             self._wandb.log(record, step=step)
         if "console" in self.sinks and file == "metrics.jsonl":
             self._console(step, record)
+        elif "console" in self.sinks and file == "val.jsonl":  # (its own line: the step line shows acc/val only)
+            self.note(f"validation at step {step}: " + " ".join(f"{k}={v:.4g}" for k, v in record.items() if k != "step"),
+                      sys.stdout)
 
-    def note(self, text: str) -> None:
-        """One line on stderr (above the progress bar, which stays intact), from the main rank."""
+    def note(self, text: str, stream: Any = None) -> None:
+        """One line on stderr (or `stream`), above the progress bar, which stays intact; from the main rank."""
         if not self.enabled:
             return
+        stream = stream or sys.stderr
         if self._bar is not None:
-            self._bar.write(text, file=sys.stderr)
+            self._bar.write(text, file=stream)
         else:
-            print(text, file=sys.stderr, flush=True)
+            print(text, file=stream, flush=True)
 
     def _console(self, step: int, record: dict[str, float]) -> None:
         keys = ("reward/mean", "acc/train", "acc/val", "sft_loss", "val/sft_loss", "pg_loss", "kl_mean", "entropy",
