@@ -5,6 +5,7 @@ Bradley-Terry reward models of OpenRLHF, verl and TRL are) scoring each prompt a
       fn: reward_model
       fn_options: {path: /models/my-rm, device: cuda, dtype: bfloat16, max_batch: 64}
       concurrency: 64       # calls in flight: the most one forward can batch
+      timeout_s: 60         # a call's wait includes its batch's forward (and the one before it)
 
 It is an async reward function: the calls in flight on the reward pool's event loop (or the reward service's) are
 scored together, one padded forward per batch, in a thread, one forward at a time; calls that arrive during a
@@ -53,6 +54,7 @@ class ModelReward:
         self.num_forwards = 0
         self._pending: list[tuple[str, asyncio.Future]] = []
         self._forward_lock: asyncio.Lock | None = None
+        self._flushes: set[asyncio.Task] = set()  # (the loop keeps only weak references to its tasks)
 
     def text(self, sample: Sample) -> str:
         """What the reward model reads for `sample`."""
@@ -76,7 +78,9 @@ class ModelReward:
         future = loop.create_future()
         self._pending.append((self.text(sample), future))
         if len(self._pending) == 1:  # the first of a batch: its flush runs once the calls made with it have queued
-            loop.create_task(self._flush())
+            task = loop.create_task(self._flush())
+            self._flushes.add(task)
+            task.add_done_callback(self._flushes.discard)
         return await future
 
     async def _flush(self) -> None:
