@@ -420,14 +420,18 @@ def test_a_verl_parquet_dataset_and_compute_score_run_as_they_are(model_dir, tmp
 
 def test_resume_from_a_chosen_checkpoint_replays_the_steps_after_it(model_dir, tmp_path):
     """checkpoint.resume_from=<run>/checkpoints/step_000002 in a run that reached step 4: it goes on from step 2
-    (actor, critic, optimizer, data cursor), and its logs and weights then equal the straight run's. A folder that is
-    not a checkpoint is named."""
+    (actor, critic, optimizer, data cursor), and its logs (validation too: every 3 steps and at the last) and weights
+    then equal the straight run's. A folder that is not a checkpoint is named."""
     extra = ["algorithm.adv_estimator=gae", *GAE_CRITIC, "trainer.steps=4", "checkpoint.save_every=2",
-             "checkpoint.keep=5"]
+             "checkpoint.keep=5", "data.val_files=[synthetic:arith-val]", "data.val_max_samples=4", "trainer.val_every=3",
+             "trainer.val_samples=0"]
     run_rl(_cfg(model_dir, tmp_path / "a", *extra))
     run_rl(_cfg(model_dir, tmp_path / "b", *extra))
     run_rl(_cfg(model_dir, tmp_path / "b", *extra, f"checkpoint.resume_from={tmp_path / 'b' / 'checkpoints' / 'step_000002'}"))
     assert [r["step"] for r in _rows(tmp_path / "b")] == [1, 2, 3, 4]
+    validated = [[json.loads(line)["step"] for line in (tmp_path / r / "val.jsonl").read_text().splitlines()]
+                 for r in ("a", "b")]
+    assert validated == [[0, 3, 4], [0, 3, 4]]  # every 3 steps, and at the last
     assert _metrics(tmp_path / "a") == _metrics(tmp_path / "b")
     wa, wb = _weights(tmp_path / "a"), _weights(tmp_path / "b")
     assert all(torch.equal(wa[n], wb[n]) for n in wa)

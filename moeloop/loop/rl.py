@@ -74,7 +74,8 @@ def _rl_step(c: Components, cfg: RunConfig, step: int, batches: RolloutInLine) -
     batches.join(timer)  # async: the engine finishes the next batch on its weights before they change
     with timer("update_weights"):
         sync = c.syncer.push(c.actor.named_weights(), c.engine, version=step + 1)
-    val_metrics = c.evaluate(step + 1) if cfg.trainer.val_every and (step + 1) % cfg.trainer.val_every == 0 else {}
+    every, last_step = cfg.trainer.val_every, step + 1 == cfg.trainer.steps  # (the last step too, as verl's)
+    val_metrics = c.evaluate(step + 1) if every and ((step + 1) % every == 0 or last_step) else {}
     with timer("save_checkpoint"):
         c.maybe_save(step + 1)
     last = {**batch_metrics(samples, timer.seconds, beside.get("gen")), **logprob_mismatch(samples),
