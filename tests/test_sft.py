@@ -152,6 +152,8 @@ def test_sft_rows_in_trl_formats_learn_their_assistant_turns(capsys):
     refused({"prompt": user}, r"f:9: SFT row has no 'response' \(data.response_key\) and its messages have no assistant")
     refused({"prompt": "1+2="}, r"f:9: SFT row has no 'answer_text' \(data.response_key\)", response_key="answer_text")
     refused({"prompt": user, "response": [{"role": "user", "content": "x"}]}, "must hold assistant messages only")
+    refused({"prompt": "1+2=", "response": {"role": "assistant", "content": "3"}},
+            r"'response' \(data.response_key\) must be a string or a list of assistant messages, got dict")
     refused(rows[1], "needs the tokenizer's chat template", apply_chat_template=False)
     # a template that drops earlier assistant turns (as Qwen3's drops their reasoning) cannot be cut into turns
     forgetful = ("{%- for m in messages %}{%- if m['role'] != 'assistant' or loop.last %}"

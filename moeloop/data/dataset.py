@@ -188,6 +188,9 @@ class PromptDataset:
             if self.with_response:
                 if response is None:
                     raise InputError(f"{where}: SFT row has no {self.cfg.response_key!r} (data.response_key)")
+                if not isinstance(response, (str, int, float)):  # (a dict was trained on as its repr)
+                    raise InputError(f"{where}: {self.cfg.response_key!r} (data.response_key) must be a string or a "
+                                     f"list of assistant messages, got {type(response).__name__}")
                 response_ids = self.tokenizer(str(response), add_special_tokens=False)["input_ids"]
                 response_ids.append(self.tokenizer.eos_token_id)
         ids = self._truncate(ids, where)
