@@ -491,3 +491,31 @@ def test_each_validation_prints_a_console_line(tmp_path, capsys):
     logger.log(0, {"acc/val": 0.25, "acc/val_pass@4": 0.5}, "val.jsonl")
     logger.close()
     assert "validation at step 0: acc/val=0.25 acc/val_pass@4=0.5" in capsys.readouterr().out
+
+
+def length_reward(sample) -> float:
+    return len(sample.response_text) / 8
+
+
+def test_reward_fns_sum_their_weighted_scores(model_dir, tmp_path):
+    """reward.fns (TRL's reward_funcs + reward_weights): each sample's reward is the weighted sum of its components'
+    scores, each component's mean is logged as reward_fn/<name>, and the step's reward mean is their weighted sum.
+    Entries that are not {fn, weight, options, name} are named."""
+    from moeloop.errors import InputError
+    fns = "[{fn: tests.test_rl_loop.digit_reward}, {fn: tests.test_rl_loop.length_reward, weight: 0.5}]"
+    run_rl(_cfg(model_dir, tmp_path / "run", f"reward.fns={fns}", "trainer.steps=1",
+                f"trainer.rollout_data_dir={tmp_path / 'dump'}"))
+    rows = [json.loads(line) for line in (tmp_path / "dump" / "1.jsonl").read_text().splitlines()]
+    for r in rows:
+        digits, length = sum(ch.isdigit() for ch in r["response"]) / 4, len(r["response"]) / 8
+        assert r["reward_info"]["components"] == {"digit_reward": digits, "length_reward": length}
+        assert r["score"] == pytest.approx(digits + 0.5 * length)
+    (step,) = _rows(tmp_path / "run")
+    assert step["reward_fn/length_reward"] == pytest.approx(sum(len(r["response"]) / 8 for r in rows) / len(rows))
+    assert step["reward/mean"] == pytest.approx(step["reward_fn/digit_reward"] + 0.5 * step["reward_fn/length_reward"])
+    assert step["reward_fn/length_reward"] > 0
+    for fns, match in (("[{weight: 1}]", r"reward.fns\[0\]: must be an object with a reward function name"),
+                       ("[{fn: arith, wieght: 1}]", r"reward.fns\[0\]: unknown keys \['wieght'\]"),
+                       ("[{fn: arith}, {fn: arith}]", "a second component named 'arith'")):
+        with pytest.raises(InputError, match=match):
+            run_rl(_cfg(model_dir, tmp_path / "bad", f"reward.fns={fns}", "trainer.steps=1"))

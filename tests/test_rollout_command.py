@@ -161,6 +161,9 @@ def test_generate_and_rl_report_bad_flags_files_and_fields(tmp_path, capsys):
     cases.append((["rl", "examples/tiny.yaml", f"model.path={model_dir}", f"data.train_files=[{no_answers}]",
                    "data.val_files=[]", "trainer.val_every=0"],
                   "moeloop rl: data.answer_key='answer': no row of .*no_answers.jsonl has it, and reward.fn=arith"))
+    cases.append((["rl", "examples/tiny.yaml", f"model.path={model_dir}", f"data.train_files=[{no_answers}]",
+                   "data.val_files=[]", "trainer.val_every=0", "reward.fns=[{fn: format}, {fn: math, weight: 2}]"],
+                  "moeloop rl: data.answer_key='answer': no row of .*no_answers.jsonl has it, and reward.fn=math"))
     for argv, message in cases:
         assert cli_main(argv) == 2, argv
         err = capsys.readouterr().err

@@ -158,6 +158,8 @@ class RewardSection:
     breaker_failures: int = 10  # consecutive failures that open the circuit breaker; 0 = off
     breaker_reset_s: float = 5.0  # how long it stays open before one probe call
     fn_options: dict[str, Any] = field(default_factory=dict)  # passed to a built-in's factory, e.g. code: {sandbox: {cpu_s: 2}}
+    # several functions, the reward their weighted sum (replaces fn): [{fn, weight, options, name}] (reward.composite)
+    fns: list[Any] = field(default_factory=list)
     server: RewardServerSection = field(default_factory=RewardServerSection)
 
     def check(self) -> None:

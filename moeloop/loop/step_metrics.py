@@ -27,7 +27,30 @@ def batch_metrics(samples: list[Sample], phase_seconds: dict[str, float],
         "response/clip_ratio": truncated / max(n, 1),
         "throughput/samples_per_s": n / step_s, "throughput/tokens_per_s": num_tokens / step_s,
         "throughput/gen_tokens_per_s": len_sum / gen_s, "policy/staleness_max": staleness, "batch/samples": n,
+        **component_means(in_loss),
     }
+
+
+def component_means(samples: list[Sample]) -> dict[str, float]:
+    """`reward_fn/<name>`: each `reward.fns` component's mean score over the samples it scored (none: nothing).
+    Collective under DP when components exist (every rank has the same names: all run the same config)."""
+    names = sorted({name for s in samples for name in s.reward_info.get("components", {})})
+    names = sorted(set().union(*_all_ranks(names)))
+    if not names:
+        return {}
+    sums = [sum(s.reward_info["components"][n] for s in samples if n in s.reward_info.get("components", {}))
+            for n in names]
+    counts = [sum(n in s.reward_info.get("components", {}) for s in samples) for n in names]
+    totals = global_values(sums + counts)
+    return {f"reward_fn/{n}": totals[i] / max(totals[len(names) + i], 1.0) for i, n in enumerate(names)}
+
+
+def _all_ranks(names: list[str]) -> list[list[str]]:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [names]
+    gathered: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, names)
+    return gathered
 
 
 def logprob_mismatch(samples: list[Sample]) -> dict[str, float]:

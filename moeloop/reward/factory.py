@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 from moeloop.config.schema import RewardSection
+from moeloop.errors import InputError
 from moeloop.reward.breaker import CircuitBreaker
+from moeloop.reward.composite import CompositeReward
 from moeloop.reward.pool import RewardPool
 from moeloop.reward.registry import RewardFn, get_reward_fn
 from moeloop.reward.remote import RemoteReward
@@ -13,6 +15,9 @@ def build_pool(section: RewardSection) -> RewardPool:
     """`reward.server.serve_fn` set: start that function as a supervised local service, score via
     HTTP. Otherwise `reward.fn` (built-in or dotted path; `http` uses `reward.server.url`)."""
     section.check()
+    if section.fns and (section.server.serve_fn or section.fn == "http"):  # (checked before a service starts)
+        raise InputError("reward.fns: combines local functions; a reward service (reward.server.serve_fn, "
+                         "reward.fn=http) serves one function")
     supervisor = _start_service(section) if section.server.serve_fn else None
     fn = _build_fn(section, supervisor)
     pool = RewardPool(fn, concurrency=section.concurrency, timeout_s=section.timeout_s, retries=section.retries,
@@ -33,6 +38,8 @@ def _start_service(section: RewardSection) -> ServiceSupervisor:
 
 
 def _build_fn(section: RewardSection, supervisor: ServiceSupervisor | None) -> RewardFn:
+    if section.fns:
+        return CompositeReward(section.fns)
     if supervisor is not None:
         return RemoteReward(token=section.server.token, supervisor=supervisor)
     if section.fn == "http":
