@@ -514,6 +514,10 @@ def test_reward_fns_sum_their_weighted_scores(model_dir, tmp_path):
     assert step["reward_fn/length_reward"] == pytest.approx(sum(len(r["response"]) / 8 for r in rows) / len(rows))
     assert step["reward/mean"] == pytest.approx(step["reward_fn/digit_reward"] + 0.5 * step["reward_fn/length_reward"])
     assert step["reward_fn/length_reward"] > 0
+    run_ranks(_dp_rank_with, 2, model_dir, tmp_path / "two", f"reward.fns={fns}", "trainer.steps=1")  # (sums over ranks)
+    (two,) = _rows(tmp_path / "two")
+    assert [two[k] for k in ("reward_fn/digit_reward", "reward_fn/length_reward", "reward/mean")] == pytest.approx(
+        [step[k] for k in ("reward_fn/digit_reward", "reward_fn/length_reward", "reward/mean")], rel=1e-12)
     for fns, match in (("[{weight: 1}]", r"reward.fns\[0\]: must be an object with a reward function name"),
                        ("[{fn: arith, wieght: 1}]", r"reward.fns\[0\]: unknown keys \['wieght'\]"),
                        ("[{fn: arith}, {fn: arith}]", "a second component named 'arith'")):
