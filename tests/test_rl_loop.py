@@ -523,3 +523,5 @@ def test_reward_fns_sum_their_weighted_scores(model_dir, tmp_path):
                        ("[{fn: arith}, {fn: arith}]", "a second component named 'arith'")):
         with pytest.raises(InputError, match=match):
             run_rl(_cfg(model_dir, tmp_path / "bad", f"reward.fns={fns}", "trainer.steps=1"))
+    with pytest.raises(InputError, match="reward.executor=process: reward.fns runs its sync components in threads"):
+        run_rl(_cfg(model_dir, tmp_path / "bad", "reward.fns=[{fn: arith}]", "reward.executor=process"))

@@ -9,7 +9,8 @@
 Each component is a built-in or a dotted path, as `reward.fn` is (with its own `options`, as `reward.fn_options`).
 A sample's reward is the weighted sum; its `reward_info["components"]` holds each component's score under its name
 (`name`, by default the fn), which the loop logs as `reward_fn/<name>` means. A failing component fails the sample
-(the pool retries it, then falls back). Sync components run in threads; async ones on the pool's loop.
+(the pool retries it, then falls back). Sync components run in threads (so reward.executor=process is refused
+with them); async ones on the pool's loop.
 """
 from __future__ import annotations
 

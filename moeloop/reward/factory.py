@@ -18,6 +18,9 @@ def build_pool(section: RewardSection) -> RewardPool:
     if section.fns and (section.server.serve_fn or section.fn == "http"):  # (checked before a service starts)
         raise InputError("reward.fns: combines local functions; a reward service (reward.server.serve_fn, "
                          "reward.fn=http) serves one function")
+    if section.fns and section.executor == "process":
+        raise InputError("reward.executor=process: reward.fns runs its sync components in threads; use "
+                         "reward.executor=thread")
     supervisor = _start_service(section) if section.server.serve_fn else None
     fn = _build_fn(section, supervisor)
     pool = RewardPool(fn, concurrency=section.concurrency, timeout_s=section.timeout_s, retries=section.retries,
