@@ -307,7 +307,8 @@ def test_validation_accuracy_per_data_source(model_dir, tmp_path):
     fraction of prompts any of the k samples solves), on 1 rank and on 2 (each rank scores its share of each
     data.val_batch_size chunk; counts are summed). data.val_max_samples=8 leaves the last two rows out.
     trainer.log_val_generations=8 writes the first 8 held-out generations (by row, then sample) of each validation,
-    and trainer.rollout_data_dir each step's samples, every rank's, with their scores and advantages."""
+    and trainer.rollout_data_dir each step's samples, every rank's, with their scores and advantages. `moeloop plot`
+    draws the held-out curves."""
     val = tmp_path / "val.jsonl"
     rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i), "data_source": "easy" if i < 3 or i > 7 else "hard"}
             for i in range(10)]
@@ -336,6 +337,12 @@ def test_validation_accuracy_per_data_source(model_dir, tmp_path):
         assert len(rollouts) == 16 and {r["step"] for r in rollouts} == {1}, world  # 4 prompts x 4 samples
         assert all(r["score"] == 0.0 and isinstance(r["advantage"], float) and r["response"] is not None
                    for r in rollouts)
+    # `moeloop plot`: the held-out curves, pass@k among them, from step 0
+    from moeloop.loop.plot import curves, plot_run, read_metrics
+    one = curves(read_metrics(tmp_path / "one"), read_metrics(tmp_path / "one", "val.jsonl"))
+    assert set(one) == {"reward/mean", "acc/train", "acc/val", "acc/val_sampled", "acc/val_pass@2"}
+    assert one["acc/val_pass@2"] == ([(0, pytest.approx(5 / 8)), (1, pytest.approx(5 / 8))], "o")
+    assert [p.name for p in plot_run(tmp_path / "one")] == ["reward.png", "phases.png"]
 
 
 def test_critic_warmup_trains_only_the_critic_first(model_dir, tmp_path):

@@ -16,6 +16,23 @@ def read_metrics(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def curves(rows: list[dict], val_rows: list[dict]) -> dict[str, tuple[list[tuple[int, float]], str | None]]:
+    """The first chart's series, label -> ((step, value) points, marker): an RL run's reward and accuracy (the
+    held-out ones, pass@k among them, with markers), or an SFT run's train and held-out loss."""
+    passes = sorted({k for r in val_rows for k in r if k.startswith("acc/val_pass@") and k.count("/") == 1})
+    if any("sft_loss" in r for r in rows):
+        train_keys, val_keys = ("sft_loss",), ("val/sft_loss",)
+    else:
+        train_keys, val_keys = ("reward/mean", "acc/train"), ("acc/val", "acc/val_sampled", *passes)
+    out = {}
+    for keys, source, marker in ((train_keys, rows, None), (val_keys, val_rows, "o")):  # held out: from step 0
+        for key in keys:
+            points = [(r["step"], r[key]) for r in source if key in r]
+            if points:
+                out[key] = (points, marker)
+    return out
+
+
 def plot_run(run_dir: str | Path) -> list[Path]:
     import matplotlib
     matplotlib.use("Agg")
@@ -28,14 +45,8 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     written = []
     fig, ax = plt.subplots(figsize=(7, 4))
     sft = any("sft_loss" in r for r in rows)
-    train_keys, val_keys = (("sft_loss",), ("val/sft_loss",)) if sft else (("reward/mean", "acc/train"),
-                                                                          ("acc/val", "acc/val_sampled"))
-    curves = [(key, rows, None) for key in train_keys]
-    curves += [(key, val_rows, "o") for key in val_keys]  # held out, from step 0
-    for key, source, marker in curves:
-        pts = [(r["step"], r[key]) for r in source if key in r]
-        if pts:
-            ax.plot(*zip(*pts), marker=marker, label=key)
+    for key, (points, marker) in curves(rows, val_rows).items():
+        ax.plot(*zip(*points), marker=marker, label=key)
     ax.set_xlabel("step"), ax.set_ylabel("loss" if sft else "value"), ax.legend()
     ax.set_title("SFT loss" if sft else "reward and accuracy")
     written.append(run_dir / ("loss.png" if sft else "reward.png"))
