@@ -43,6 +43,20 @@ def test_grpo_std_normalised_by_hand():
     approx(samples[6].advantages, [3.0 / (1 + 1e-6)])  # single-sample group: mean 0, std 1 (verl)
 
 
+def test_grpo_with_the_batch_std_by_hand():
+    """algorithm.adv_std_scope=batch (TRL's scale_rewards="batch"): each group's centred scores over the unbiased std
+    of every in-loss score in the batch (the masked 100 left out)."""
+    samples = compute_advantages(grpo_batch(), AlgorithmSection(adv_estimator="grpo", adv_std_scope="batch"))
+    scores = [1.0, 0.0, 0.5, 2.0, 4.0, 3.0]
+    mean = sum(scores) / 6
+    std = (sum((x - mean) ** 2 for x in scores) / 5) ** 0.5  # 1.5411
+    approx(samples[0].advantages, [0.5 / (std + 1e-6)] * 2)
+    approx(samples[1].advantages, [-0.5 / (std + 1e-6), 0.0, -0.5 / (std + 1e-6)])
+    approx(samples[3].advantages, [0.0, 0.0])
+    approx(samples[5].advantages, [1.0 / (std + 1e-6)] * 2)
+    approx(samples[6].advantages, [3.0 / (std + 1e-6)])  # a single-sample group: mean 0 (verl), the batch's std
+
+
 def test_dr_grpo_no_std():
     samples = compute_advantages(grpo_batch(), AlgorithmSection(adv_estimator="grpo", norm_adv_by_std=False))
     approx(samples[0].advantages, [0.5, 0.5])

@@ -179,7 +179,8 @@ def test_dp2_matches_dp1(model_dir, tmp_path):
 
 GAE_CRITIC = ["critic.enable=true", "critic.optim.lr=1e-3", "algorithm.lam=0.95", "critic.ppo_mini_batch_size=2",
               "critic.max_tokens_per_micro_batch=72"]
-WHITENED = {"reinforce_pp": [], "reinforce_pp_baseline": [], "gae": GAE_CRITIC}
+WHITENED = {"reinforce_pp": [], "reinforce_pp_baseline": [], "gae": GAE_CRITIC,
+            "grpo": ["algorithm.norm_adv_by_std=true", "algorithm.adv_std_scope=batch"]}  # (the batch's score std)
 
 
 def _dp_rank_with(rank, world, model_dir, run_dir, *extra):
@@ -204,8 +205,9 @@ def _assert_dp2_matches_dp1(tmp_path):
 
 @pytest.mark.parametrize("estimator", list(WHITENED))
 def test_batch_whitened_estimators_dp2_match_dp1(model_dir, tmp_path, estimator):
-    """REINFORCE++ and GAE whiten advantages over the whole batch: under DP the mean and variance are taken over
-    every rank's tokens, so 2 ranks give 1 rank's update."""
+    """REINFORCE++ and GAE whiten advantages over the whole batch, and GRPO with adv_std_scope=batch divides by the
+    batch's score std: under DP these statistics are taken over every rank's samples, so 2 ranks give 1 rank's
+    update."""
     extra = [f"algorithm.adv_estimator={estimator}", *WHITENED[estimator]]
     _dp_rank_with(0, 1, model_dir, tmp_path / "one", *extra)
     run_ranks(_dp_rank_with, 2, model_dir, tmp_path / "two", *extra)

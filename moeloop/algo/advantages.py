@@ -70,17 +70,30 @@ def whiten(values: list[torch.Tensor], masks: list[torch.Tensor]) -> list[torch.
 
 
 def grpo(samples: list[Sample], cfg: AlgorithmSection) -> None:
-    """A_i = (s_i - mean_g) / (std_g + 1e-6) (unbiased std), or s_i - mean_g when not norm_adv_by_std (Dr.GRPO)."""
+    """A_i = (s_i - mean_g) / (std + 1e-6) (unbiased std), or s_i - mean_g when not norm_adv_by_std (Dr.GRPO). The
+    std is the group's (algorithm.adv_std_scope=group), or that of every in-loss score of the batch, all DP ranks'
+    (batch: TRL's scale_rewards="batch")."""
     scores: dict[int, float] = {}
+    batch_std = _batch_score_std(samples) if cfg.adv_std_scope == "batch" else None
     for members in _groups(samples).values():
         s = torch.tensor([sequence_score(samples[i]) for i in members], dtype=torch.float64)
         if len(s) == 1:
             mean, std = s.new_zeros(()), s.new_ones(())
         else:
             mean, std = s.mean(), s.std()
+        std = std if batch_std is None else batch_std
         adv = (s - mean) / (std + GRPO_EPS) if cfg.norm_adv_by_std else s - mean
         scores.update(zip(members, adv.tolist()))
     _write_outcome(samples, scores)
+
+
+def _batch_score_std(samples: list[Sample]) -> torch.Tensor:
+    """The unbiased std of every in-loss sample's score over the DP ranks' batch (0 for fewer than 2)."""
+    values = [sequence_score(s) for s in samples if s.in_loss]
+    total, count = global_values([sum(values), len(values)])
+    mean = total / count if count else 0.0
+    (squares,) = global_values([sum((v - mean) ** 2 for v in values)])
+    return torch.tensor((squares / (count - 1)) ** 0.5 if count > 1 else 0.0, dtype=torch.float64)
 
 
 def rloo(samples: list[Sample], cfg: AlgorithmSection) -> None:

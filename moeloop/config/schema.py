@@ -180,6 +180,7 @@ class RewardSection:
 class AlgorithmSection:
     adv_estimator: str = "grpo"  # grpo | rloo | reinforce_pp | reinforce_pp_baseline | gae
     norm_adv_by_std: bool = True  # False = Dr.GRPO
+    adv_std_scope: str = "group"  # grpo's std: group | batch (every score of the step's batch; TRL's scale_rewards)
     gamma: float = 1.0
     lam: float = 1.0
     use_kl_in_reward: bool = False
@@ -198,6 +199,7 @@ class AlgorithmSection:
     def check(self) -> None:
         ests = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")
         _require(self.adv_estimator in ests, "algorithm.adv_estimator", f"must be one of {'|'.join(ests)}")
+        _require(self.adv_std_scope in ("group", "batch"), "algorithm.adv_std_scope", "must be group|batch")
         _require(self.kl_penalty in ("k1", "k2", "k3", "low_var_kl"), "algorithm.kl_penalty", "must be k1|k2|k3|low_var_kl")
         _require(self.kl_ctrl in ("fixed", "adaptive"), "algorithm.kl_ctrl", "must be fixed|adaptive")
         _require(self.kl_target > 0, "algorithm.kl_target", "must be > 0")
