@@ -168,7 +168,9 @@ class PromptDataset:
         return self.examples[i]
 
     def render_prompt(self, prompt: str | list[dict], where: str = "prompt") -> str:
-        messages = chat_messages(prompt, where)
+        return self._render(chat_messages(prompt, where), where)
+
+    def _render(self, messages: list[dict], where: str) -> str:
         if self.cfg.apply_chat_template and getattr(self.tokenizer, "chat_template", None):
             return render_chat(self.tokenizer, messages, where)
         return "".join(m["content"] for m in messages)
@@ -178,11 +180,12 @@ class PromptDataset:
         if self.cfg.prompt_key not in row:
             raise InputError(f"{where}: row has no {self.cfg.prompt_key!r} (data.prompt_key)")
         prompt = row[self.cfg.prompt_key]
+        messages = chat_messages(prompt, where)
         response = row.get(self.cfg.response_key)
         if self.with_response and (isinstance(response, list) or response is None and isinstance(prompt, list)):
-            text, ids, response_ids, loss_mask = self._conversation(prompt, response, where)
+            text, ids, response_ids, loss_mask = self._conversation(messages, response, where)
         else:
-            text = self.render_prompt(prompt, where)
+            text = self._render(messages, where)
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             response_ids, loss_mask = [], None
             if self.with_response:
@@ -199,13 +202,13 @@ class PromptDataset:
         limit = self.cfg.max_response_length
         response_ids, loss_mask = response_ids[:limit], loss_mask if loss_mask is None else loss_mask[:limit]
         return Example(ids, text, nested_field(row, self.cfg.answer_key), row.get("data_source", "") or "",
-                       response_ids, loss_mask, row.get("extra_info"), chat_messages(prompt, where))
+                       response_ids, loss_mask, row.get("extra_info"), messages)
 
-    def _conversation(self, prompt: Any, response: list | None,
+    def _conversation(self, messages: list[dict], response: list | None,
                       where: str) -> tuple[str, list[int], list[int], list[int]]:
-        """An SFT row in a conversational format: (prompt text, prompt ids, response ids, their loss mask). The
-        prompt is the conversation up to the first learned turn's header; the response is the rest."""
-        messages = chat_messages(prompt, where)
+        """An SFT row in a conversational format (its prompt's `messages`): (prompt text, prompt ids, response ids,
+        their loss mask). The prompt is the conversation up to the first learned turn's header; the response is the
+        rest."""
         learn_from = 0
         if response is not None:
             learn_from = len(messages)

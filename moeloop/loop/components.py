@@ -238,9 +238,8 @@ def check_ground_truths(cfg: RunConfig, files: list[str], data: PromptDataset | 
     """A built-in reward that needs answers, over data where no row has `data.answer_key`, is a misnamed key (every
     sample's reward would fail and fall back): an InputError before the run starts. Rows missing only some answers
     fall back one by one, as the reward pool does for any failed sample."""
-    needs = [fn for fn in [cfg.reward.fn] if not cfg.reward.fns] + [e.get("fn") for e in cfg.reward.fns
-                                                                     if isinstance(e, dict)]
-    needs = [fn for fn in needs if fn in GROUND_TRUTH_REWARDS]
+    fns = [e.get("fn") for e in cfg.reward.fns if isinstance(e, dict)] or [cfg.reward.fn]
+    needs = [fn for fn in fns if fn in GROUND_TRUTH_REWARDS]
     if data is None or not needs:  # (an empty dataset is refused when built)
         return
     if all(e.ground_truth is None for e in data.examples):

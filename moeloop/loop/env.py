@@ -123,8 +123,9 @@ def resume_from(ckpt, resume: bool, is_main: bool, path: str = ""):
     None (the run starts at step 0, as verl's auto resume does) and a note on stderr saying so."""
     if path:
         chosen = Path(path)
-        if (chosen / "latest").is_file():
-            chosen = type(ckpt)(chosen).latest() or chosen
+        if (chosen / "latest").is_file():  # a checkpoints directory: its newest
+            from moeloop.checkpoint import CheckpointManager
+            chosen = CheckpointManager(chosen).latest() or chosen
         if not (chosen / "meta.json").is_file():
             raise InputError(f"checkpoint.resume_from={path}: not a checkpoint (a step_N directory with meta.json)")
         return chosen

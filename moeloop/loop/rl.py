@@ -29,6 +29,7 @@ from moeloop.loop.metrics import PhaseTimer, peak_memory_bytes
 from moeloop.loop.remote_rollout import half_threads
 from moeloop.loop.step_metrics import batch_metrics, logprob_mismatch
 from moeloop.parallel.collectives import global_values
+from moeloop.reward.composite import component_names
 from moeloop.types import Sample
 
 
@@ -78,7 +79,8 @@ def _rl_step(c: Components, cfg: RunConfig, step: int, batches: RolloutInLine) -
     val_metrics = c.evaluate(step + 1) if every and ((step + 1) % every == 0 or last_step) else {}
     with timer("save_checkpoint"):
         c.maybe_save(step + 1)
-    last = {**batch_metrics(samples, timer.seconds, beside.get("gen")), **logprob_mismatch(samples),
+    last = {**batch_metrics(samples, timer.seconds, beside.get("gen"), component_names(cfg.reward.fns)),
+            **logprob_mismatch(samples),
             **reward_metrics, **update_metrics, **critic_metrics, **val_metrics, **timer.pop(),
             **{f"time/{k}_beside": v for k, v in beside.items()},
             "sync/gb_per_s": sync.gb_per_s, "sync/bytes": sync.num_bytes, "policy/version": sync.version,

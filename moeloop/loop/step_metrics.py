@@ -2,16 +2,19 @@
 summed over DP ranks so the logged numbers describe the global batch."""
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch.distributed as dist
 
 from moeloop.parallel.collectives import global_values
 from moeloop.types import Sample
 
 
-def batch_metrics(samples: list[Sample], phase_seconds: dict[str, float],
-                  gen_seconds: float | None = None) -> dict[str, float]:
+def batch_metrics(samples: list[Sample], phase_seconds: dict[str, float], gen_seconds: float | None = None,
+                  reward_names: Sequence[str] = ()) -> dict[str, float]:
     """Collective under DP (every rank calls it). `phase_seconds`: the step's phases, one after another (their sum
-    is the step); `gen_seconds`: the generation's time when it ran beside them (async rollout), else phase "gen"."""
+    is the step); `gen_seconds`: the generation's time when it ran beside them (async rollout), else phase "gen";
+    `reward_names`: the reward.fns components (`component_means`)."""
     in_loss = [s for s in samples if s.in_loss]
     lengths = [len(s.response_ids) for s in samples]
     n, n_loss, reward_sum, correct, len_sum, num_tokens, truncated = global_values([
@@ -27,15 +30,13 @@ def batch_metrics(samples: list[Sample], phase_seconds: dict[str, float],
         "response/clip_ratio": truncated / max(n, 1),
         "throughput/samples_per_s": n / step_s, "throughput/tokens_per_s": num_tokens / step_s,
         "throughput/gen_tokens_per_s": len_sum / gen_s, "policy/staleness_max": staleness, "batch/samples": n,
-        **component_means(in_loss),
+        **component_means(in_loss, reward_names),
     }
 
 
-def component_means(samples: list[Sample]) -> dict[str, float]:
-    """`reward_fn/<name>`: each `reward.fns` component's mean score over the samples it scored (none: nothing).
-    Collective under DP when components exist (every rank has the same names: all run the same config)."""
-    names = sorted({name for s in samples for name in s.reward_info.get("components", {})})
-    names = sorted(set().union(*_all_ranks(names)))
+def component_means(samples: list[Sample], names: Sequence[str]) -> dict[str, float]:
+    """`reward_fn/<name>`: each `reward.fns` component's mean score over the samples it scored (no names: nothing).
+    Collective under DP when there are names (every rank has the same: all run the same config)."""
     if not names:
         return {}
     sums = [sum(s.reward_info["components"][n] for s in samples if n in s.reward_info.get("components", {}))
@@ -43,14 +44,6 @@ def component_means(samples: list[Sample]) -> dict[str, float]:
     counts = [sum(n in s.reward_info.get("components", {}) for s in samples) for n in names]
     totals = global_values(sums + counts)
     return {f"reward_fn/{n}": totals[i] / max(totals[len(names) + i], 1.0) for i, n in enumerate(names)}
-
-
-def _all_ranks(names: list[str]) -> list[list[str]]:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [names]
-    gathered: list[list[str]] = [[] for _ in range(dist.get_world_size())]
-    dist.all_gather_object(gathered, names)
-    return gathered
 
 
 def logprob_mismatch(samples: list[Sample]) -> dict[str, float]:

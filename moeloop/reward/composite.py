@@ -45,6 +45,11 @@ def component_specs(entries: list[Any]) -> list[tuple[str, str, float, dict]]:
     return specs
 
 
+def component_names(entries: list[Any]) -> list[str]:
+    """The names `reward.fns` logs its components under (`reward_fn/<name>`); none without entries."""
+    return [name for name, _, _, _ in component_specs(entries)]
+
+
 class CompositeReward:
     """The weighted sum of component reward functions; an async `RewardFn`."""
 
