@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Session 29's device calls. Run from the repository root with the project importable.
+#   tests: (nvidia-h200, about 9 minutes) the test files that session 28 changed, whole, with their CUDA cases (the
+#          reward model's bf16 case had never run on a GPU), and the CUDA rollout tests
+#   e2e:   (nvidia-h200, about 5 minutes) e2e against TRL on the H200, the goal's job, one repeat at this code
+set -u
+here="$(dirname "$0")"
+case "${1:-}" in
+tests)
+    FILES="tests/test_reward_model.py tests/test_rl_loop.py tests/test_sft.py tests/test_rollout_cuda.py \
+tests/test_rl_async.py tests/test_rl_disaggregated.py" bash "$here/gpu_suite.sh" 560
+    ;;
+e2e)
+    timeout 560 python3 benchmarks/e2e_vs_trl.py --size reference --device cuda --steps 6 --repeats 1 2>&1 \
+        | grep -v -i warn | tail -24
+    ;;
+*) echo "usage: $0 tests|e2e" >&2; exit 2 ;;
+esac
