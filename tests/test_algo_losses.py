@@ -3,6 +3,7 @@ micro-batch invariance of loss and gradients (float64, tolerance 1e-12 relative)
 from __future__ import annotations
 
 import math
+import re
 import random
 
 import pytest
@@ -10,8 +11,8 @@ import torch
 
 from moeloop.algo.aggregation import LOSS_AGG_MODES, aggregate_loss, loss_denominator
 from moeloop.algo.kl import kl_estimate
-from moeloop.algo.losses import (PolicyInputs, actor_loss, gspo_loss_T, metrics_to_floats, ppo_clip_loss_T,
-                                 reduce_metrics, value_loss)
+from moeloop.algo.losses import (PolicyInputs, actor_loss, cispo_loss_T, gspo_loss_T, metrics_to_floats, ppo_clip_loss_T,
+                                 reduce_metrics, sapo_loss_T, value_loss)
 from moeloop.config.schema import ActorSection, CriticSection
 from moeloop.train.packing import global_loss_denominators, pack_samples, split_micro_batches, unpack_response_values
 from moeloop.types import Sample
@@ -130,6 +131,97 @@ def test_truncated_importance_sampling_by_hand():
         actor_loss(PolicyInputs(logp, old, adv, mask, cu), cfg, denominator=3.0)
 
 
+def test_cispo_clips_the_weight_and_keeps_every_tokens_gradient():
+    """CISPO: loss -sg(clip(r, 1-low, 1+high)) A log pi; the gradient -w A at every token, also where PPO clips."""
+    ratio = [1.1, 1.5, 0.5, 0.05]
+    adv = t([1.0, 1.0, -1.0, -2.0])
+    old = t([-1.0, -2.0, -0.5, -3.0])
+    logp = (old + t([math.log(r) for r in ratio])).requires_grad_()
+    loss_T, ratio_T = cispo_loss_T(logp, old, adv, 1.0, 0.28)  # low 1: no lower bound (the paper's setting)
+    w = [1.1, 1.28, 0.5, 0.05]
+    torch.testing.assert_close(ratio_T, t(ratio))
+    torch.testing.assert_close(loss_T, t([-wi * a * lp for wi, a, lp in zip(w, [1.0, 1.0, -1.0, -2.0], logp.tolist())]))
+    loss_T.sum().backward()
+    torch.testing.assert_close(logp.grad, t([-1.1, -1.28, 0.5, 0.1]))  # PPO would give 0 at the clipped 1.5
+    two_sided, _ = cispo_loss_T(logp.detach(), old, adv, 0.2, 0.28)
+    assert float(two_sided[3]) == pytest.approx(-0.8 * -2.0 * float(logp[3]))  # weight clamped up to 1 - 0.2
+    cfg = ActorSection(policy_loss="cispo", clip_ratio_low=1.0, clip_ratio_high=0.28)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    loss, m = actor_loss(PolicyInputs(logp.detach(), old, adv, torch.ones(4, dtype=F64), cu), cfg, denominator=4.0)
+    assert float(loss) == pytest.approx(float(loss_T.sum()) / 4, rel=1e-12)
+    assert (m["pg_clipfrac_high"], m["pg_clipfrac_low"], m["pg_clipfrac_dual"]) == pytest.approx((0.25, 0.0, 0.0))
+    on_policy, _ = actor_loss(PolicyInputs(old.clone().requires_grad_(), old, adv, torch.ones(4, dtype=F64), cu),
+                              cfg, denominator=4.0)
+    assert float(on_policy) == pytest.approx(-sum(a * o for a, o in zip(adv.tolist(), old.tolist())) / 4, rel=1e-12)
+
+
+def test_sapo_soft_gate_by_hand():
+    """SAPO: loss -A (4 / tau) sigmoid(tau (r - 1)), tau_pos for A > 0 else tau_neg; at r = 1 its gradient is PPO's."""
+    def sig(x):
+        return 1 / (1 + math.exp(-x))
+    ratio, adv = [1.0, 1.5, 0.7, 1.0], [1.0, 1.0, -1.0, -2.0]
+    logp = t([math.log(r) for r in ratio]).requires_grad_()
+    loss_T, _ = sapo_loss_T(logp, torch.zeros(4, dtype=F64), t(adv), 1.0, 1.05)
+    taus = [1.0, 1.0, 1.05, 1.05]
+    expected = [-a * 4 / tau * sig(tau * (r - 1)) for a, r, tau in zip(adv, ratio, taus)]
+    torch.testing.assert_close(loss_T, t(expected), rtol=1e-12, atol=1e-12)
+    loss_T.sum().backward()  # d/dlogp = -A * 4 sig(1 - sig) * r
+    grads = [-a * 4 * sig(tau * (r - 1)) * (1 - sig(tau * (r - 1))) * r for a, r, tau in zip(adv, ratio, taus)]
+    torch.testing.assert_close(logp.grad, t(grads), rtol=1e-12, atol=1e-12)
+    assert float(logp.grad[0]) == pytest.approx(-1.0) and float(logp.grad[3]) == pytest.approx(2.0)  # PPO's -A r
+    assert 0 < -float(logp.grad[1]) < 1.5  # at r = 1.5: below PPO's unclipped -A r, above its clipped 0
+    cfg = ActorSection(policy_loss="sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05)
+    loss, _ = actor_loss(PolicyInputs(logp.detach(), torch.zeros(4, dtype=F64), t(adv), t([1, 1, 1, 0]),
+                                      torch.tensor([0, 4], dtype=torch.int32)), cfg, denominator=3.0)
+    assert float(loss) == pytest.approx(sum(expected[:3]) / 3, rel=1e-12)
+
+
+def importance_case():
+    """Two sequences [3 tokens, 2 tokens]; the last token of each is out of the loss. Token weights pi_old/pi_rollout
+    2, 0.25, e^9 (masked) | 3, 7 (masked). Ratios pi/pi_old are 1 (on-policy), so each token's PPO loss is -A."""
+    old = t([-1.0, -2.0, -0.5, -1.0, -1.5])
+    weights = [2.0, 0.25, math.exp(9.0), 3.0, 7.0]
+    rollout = old - t([math.log(w) for w in weights])
+    adv, mask = t([1.0, 1.0, 1.0, -2.0, -2.0]), t([1, 1, 0, 1, 0])
+    return PolicyInputs(old.clone(), old, adv, mask, torch.tensor([0, 3, 5], dtype=torch.int32),
+                        rollout_logprobs_T=rollout)
+
+
+@pytest.mark.parametrize("mode,floor,expected_w,frac_key,frac", [
+    ("token_truncate", 0.5, [2.0, 0.5, None, 2.5], "tis_capped_frac", 2 / 3),  # clamped into [0.5, 2.5]
+    ("token_mask", 0.5, [2.0, 0.0, None, 0.0], "tis_masked_frac", 2 / 3),  # 0.25 < floor, 3 > cap
+    ("sequence_truncate", 0.0, [0.5, 0.5, None, 2.5], "tis_capped_frac", 1 / 3),  # products 0.5 (loss tokens) and 3
+    ("sequence_mask", 0.0, [0.5, 0.5, None, 0.0], "tis_masked_frac", 1 / 3),
+])
+def test_rollout_importance_weight_modes_by_hand(mode, floor, expected_w, frac_key, frac):
+    inputs = importance_case()
+    cfg = ActorSection(tis_cap=2.5, tis_mode=mode, tis_floor=floor)
+    loss, m = actor_loss(inputs, cfg, denominator=3.0)
+    w = [expected_w[0], expected_w[1], expected_w[3]]
+    assert float(loss) == pytest.approx((-w[0] - w[1] + 2 * w[2]) / 3, rel=1e-12)
+    assert m["tis_weight"] == pytest.approx(sum(w) / 3, rel=1e-12)
+    assert m[frac_key] == pytest.approx(frac)
+
+
+def test_off_policy_sequences_with_negative_advantages_leave_the_loss():
+    """OPSM: sequence KL = mean over its loss tokens of (log pi_sampling - log pi). Seq 0 (A > 0) stays whatever its
+    KL; seq 1 (A < 0, KL 0.3) leaves at a threshold of 0.2 and stays at 0.4; seq 2 (A < 0, KL 0.1) stays."""
+    logp = t([-1.0, -1.0, -2.0, -2.0, -3.0])
+    rollout = logp + t([1.0, 1.0, 0.2, 0.4, 0.1])  # seq 0: KL 1.0; seq 1: (0.2 + 0.4) / 2 = 0.3; seq 2: 0.1
+    adv, mask = t([1.0, 1.0, -1.0, -1.0, -0.5]), t([1, 1, 1, 1, 1])
+    cu = torch.tensor([0, 2, 4, 5], dtype=torch.int32)
+    inputs = PolicyInputs(logp.clone().requires_grad_(), logp, adv, mask, cu, rollout_logprobs_T=rollout)
+    loss, m = actor_loss(inputs, ActorSection(off_policy_mask_threshold=0.2), denominator=5.0)
+    assert float(loss) == pytest.approx((-1 - 1 + 0.5) / 5, rel=1e-12)  # seq 1's two tokens (+1 each) are gone
+    assert m["opsm_masked_frac"] == pytest.approx(2 / 5)
+    loss.backward()
+    torch.testing.assert_close(inputs.logprobs_T.grad, t([-0.2, -0.2, 0.0, 0.0, 0.1]))
+    kept, m = actor_loss(inputs, ActorSection(off_policy_mask_threshold=0.4), denominator=5.0)
+    assert float(kept) == pytest.approx((-1 - 1 + 1 + 1 + 0.5) / 5, rel=1e-12) and m["opsm_masked_frac"] == 0.0
+    no_rollout = PolicyInputs(logp, logp - 1.0, adv, mask, cu)  # the old logprobs stand in: KL -1 everywhere
+    assert actor_loss(no_rollout, ActorSection(off_policy_mask_threshold=0.0), 5.0)[1]["opsm_masked_frac"] == 0.0
+
+
 def test_kl_loss_and_entropy_bonus():
     n = 4
     logp, ref = t([-1.0, -2.0, -0.5, -1.0]), t([-1.5, -1.0, -0.5, -3.0])
@@ -193,7 +285,7 @@ def run_cut(samples, num_micro: int, cfg: ActorSection):
         logp, ent = model_logprobs(weight, batch)
         logp.retain_grad()
         inputs = PolicyInputs(logp, batch.old_logprobs_T, batch.advantages_T, batch.loss_mask_T, batch.cu_seqlens,
-                              ref_logprobs_T=batch.ref_logprobs_T, entropy_T=ent)
+                              ref_logprobs_T=batch.ref_logprobs_T, entropy_T=ent, rollout_logprobs_T=batch.rollout_logprobs_T)
         loss, m = actor_loss(inputs, cfg, denom)
         loss.backward()
         total += loss.item()
@@ -202,12 +294,31 @@ def run_cut(samples, num_micro: int, cfg: ActorSection):
     return total, weight.grad.clone(), token_grads, reduce_metrics(metrics)
 
 
-@pytest.mark.parametrize("policy_loss", ["ppo", "gspo"])
+@pytest.mark.parametrize("policy_loss", ["ppo", "gspo", "cispo", "sapo"])
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_micro_batch_invariance(mode, policy_loss):
     samples = make_samples(seed=1)
     cfg = ActorSection(loss_agg_mode=mode, policy_loss=policy_loss, use_kl_loss=True, kl_loss_coef=0.1,
                        entropy_coeff=0.01, clip_ratio_low=0.2, clip_ratio_high=0.28)
+    check_micro_batch_invariance(samples, cfg)
+
+
+@pytest.mark.parametrize("tis_mode", ["token_mask", "sequence_truncate", "sequence_mask"])
+def test_micro_batch_invariance_of_sequence_weights_and_masks(tis_mode):
+    """The sequence-level weights and the off-policy mask read whole sequences: a cut never splits one."""
+    samples = make_samples(seed=3)
+    rng = random.Random(3)
+    for s in samples:
+        s.response_logprobs = [lp + rng.uniform(-0.6, 0.6) for lp in s.old_logprobs]
+    cfg = ActorSection(loss_agg_mode="seq-mean-token-mean", tis_cap=1.5, tis_mode=tis_mode, tis_floor=0.5,
+                       off_policy_mask_threshold=0.4)
+    ref_m = check_micro_batch_invariance(samples, cfg)
+    assert 0 < ref_m["opsm_masked_frac"] < 1
+    assert 0 < ref_m.get("tis_masked_frac", ref_m.get("tis_capped_frac")) < 1
+
+
+def check_micro_batch_invariance(samples, cfg: ActorSection) -> dict[str, float]:
+    policy_loss = cfg.policy_loss
     ref_loss, ref_grad, ref_tok, ref_m = run_cut(samples, 1, cfg)
     assert ref_grad.abs().sum() > 0
     if policy_loss == "ppo":
@@ -220,6 +331,7 @@ def test_micro_batch_invariance(mode, policy_loss):
             torch.testing.assert_close(tok[i], ref_tok[i], rtol=1e-12, atol=1e-12)
         for key in ref_m:
             assert math.isclose(m[key], ref_m[key], rel_tol=1e-9, abs_tol=1e-12), key
+    return ref_m
 
 
 def test_masked_sample_takes_no_part_in_loss():
@@ -235,3 +347,17 @@ def test_masked_sample_takes_no_part_in_loss():
     changed[5].reward_status = "scored"  # sanity: the same change does matter once the sample is in the loss
     loss3, _, _, _ = run_cut(changed, 3, cfg)
     assert loss3 != loss
+
+
+@pytest.mark.parametrize("override,message", [
+    ("actor.policy_loss=grpo", "actor.policy_loss: must be one of ppo|gspo|cispo|sapo"),
+    ("actor.tis_mode=sequence", "actor.tis_mode: must be one of token_truncate|token_mask|sequence_truncate"),
+    ("actor.sapo_tau_neg=0", "actor.sapo_tau_neg: must be > 0"),
+    ("actor.tis_floor=2.0", "actor.tis_floor: must be below actor.tis_cap (2.0)"),
+    ("actor.off_policy_mask_threshold=-1", "actor.off_policy_mask_threshold: must be >= 0"),
+])
+def test_bad_loss_settings_are_named(override, message):
+    from moeloop.config import load_config
+    from moeloop.errors import InputError
+    with pytest.raises(InputError, match=re.escape(message)):
+        load_config(None, ["model.path=m", "actor.tis_cap=2.0", override])

@@ -203,6 +203,20 @@ def _assert_dp2_matches_dp1(tmp_path):
         torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=5e-5)
 
 
+def test_cispo_with_sequence_weights_and_off_policy_masking_dp2_matches_dp1(model_dir, tmp_path):
+    """The newer policy losses run through the loop, their metrics logged, and 2 ranks give 1 rank's update: CISPO
+    with sequence-level masked rollout weights and off-policy sequence masking, two epochs so the policy moves."""
+    extra = ["actor.policy_loss=cispo", "actor.clip_ratio_low=1.0", "actor.clip_ratio_high=1.0", "actor.ppo_epochs=2",
+             "actor.tis_cap=2", "actor.tis_floor=0.5", "actor.tis_mode=sequence_mask",
+             "actor.off_policy_mask_threshold=1e-4"]  # thresholds far from fp32 noise (~1e-7), or a mask can flip
+    _dp_rank_with(0, 1, model_dir, tmp_path / "one", *extra)
+    run_ranks(_dp_rank_with, 2, model_dir, tmp_path / "two", *extra)
+    _assert_dp2_matches_dp1(tmp_path)
+    rows = _rows(tmp_path / "one")
+    assert all(0 <= r["opsm_masked_frac"] <= 1 and 0 <= r["tis_masked_frac"] <= 1 for r in rows)
+    assert any(r["opsm_masked_frac"] > 0 for r in rows)  # the second epoch's policy has moved off the sampling one
+
+
 @pytest.mark.parametrize("estimator", list(WHITENED))
 def test_batch_whitened_estimators_dp2_match_dp1(model_dir, tmp_path, estimator):
     """REINFORCE++ and GAE whiten advantages over the whole batch, and GRPO with adv_std_scope=batch divides by the

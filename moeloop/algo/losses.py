@@ -1,6 +1,6 @@
-"""Actor and critic losses on flat packed tokens: PPO clip (DAPO clip-higher, dual-clip), GSPO,
-truncated importance sampling of the rollout/trainer mismatch, KL-to-reference loss, entropy bonus, clipped
-value loss, all aggregated with a global denominator.
+"""Actor and critic losses on flat packed tokens: PPO clip (DAPO clip-higher, dual-clip), GSPO, CISPO, SAPO,
+importance weights of the rollout/trainer mismatch (truncated or masked, per token or per sequence), off-policy
+sequence masking, KL-to-reference loss, entropy bonus, clipped value loss, all aggregated with a global denominator.
 
 Usage per micro-batch (see moeloop.algo.aggregation and moeloop.train.packing):
     denom = global_loss_denominators(mini_batch_samples, cfg.loss_agg_mode, max_response_length)
@@ -76,13 +76,17 @@ def ppo_clip_loss_T(
     return torch.where(advantages_T < 0, dual, clipped), ratio
 
 
+def _per_token_seq_sum(values_T: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Each position's sequence total of `values_T`."""
+    return per_seq_sum(values_T, cu_seqlens)[seq_ids(cu_seqlens, values_T.shape[0]).to(values_T.device)]
+
+
 def gspo_ratio_T(logprobs_T: torch.Tensor, old_logprobs_T: torch.Tensor, loss_mask_T: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """GSPO token form s_it = sg[s_i] * pi_t / sg[pi_t], s_i = exp(mean_t log(pi_t / pi_old_t)) over the
     sequence's loss tokens: its value is the sequence ratio s_i, its gradient s_i * grad log pi_t."""
     mask = loss_mask_T.to(logprobs_T.dtype)
-    log_ratio_sum = per_seq_sum((logprobs_T - old_logprobs_T).detach() * mask, cu_seqlens)
-    seq_log_ratio = log_ratio_sum / per_seq_sum(mask, cu_seqlens).clamp(min=1)
-    token_seq_log_ratio = seq_log_ratio[seq_ids(cu_seqlens, logprobs_T.shape[0]).to(logprobs_T.device)]
+    log_ratio_sum = _per_token_seq_sum((logprobs_T - old_logprobs_T).detach() * mask, cu_seqlens)
+    token_seq_log_ratio = log_ratio_sum / _per_token_seq_sum(mask, cu_seqlens).clamp(min=1)
     log_ratio = logprobs_T - logprobs_T.detach() + token_seq_log_ratio
     return log_ratio.clamp(max=GSPO_LOG_RATIO_MAX).exp()
 
@@ -96,31 +100,80 @@ def gspo_loss_T(
     return torch.maximum(-advantages_T * ratio, -advantages_T * ratio.clamp(1 - clip_low, 1 + clip_high)), ratio
 
 
+def cispo_loss_T(
+    logprobs_T: torch.Tensor, old_logprobs_T: torch.Tensor, advantages_T: torch.Tensor, clip_low: float, clip_high: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token CISPO loss (MiniMax-M1) -sg(clip(r, 1-low, 1+high)) * A * log pi: the importance weight is clipped
+    and held fixed, so every token keeps the gradient -w A grad log pi, where PPO's clip zeroes it. Returns
+    (loss_T, ratio_T)."""
+    ratio = (logprobs_T - old_logprobs_T).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    return -ratio.clamp(1 - clip_low, 1 + clip_high) * advantages_T * logprobs_T, ratio
+
+
+def sapo_loss_T(
+    logprobs_T: torch.Tensor, old_logprobs_T: torch.Tensor, advantages_T: torch.Tensor, tau_pos: float, tau_neg: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token SAPO loss (Soft Adaptive Policy Optimization) -A * (4 / tau) * sigmoid(tau * (r - 1)), tau =
+    tau_pos where A > 0 else tau_neg: a smooth gate in place of the hard clip. Its gradient is -A grad r at r = 1
+    (PPO's on-policy gradient) and fades as r leaves 1. Returns (loss_T, ratio_T)."""
+    ratio = (logprobs_T - old_logprobs_T).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    tau = torch.full_like(ratio, tau_neg).masked_fill(advantages_T > 0, tau_pos)  # in the ratio's dtype
+    return -advantages_T * torch.sigmoid(tau * (ratio - 1)) * 4 / tau, ratio
+
+
 def _policy_loss_T(inputs: PolicyInputs, cfg: ActorSection) -> tuple[torch.Tensor, torch.Tensor]:
+    logp, old, adv = inputs.logprobs_T, inputs.old_logprobs_T, inputs.advantages_T
     if cfg.policy_loss == "ppo":
-        return ppo_clip_loss_T(inputs.logprobs_T, inputs.old_logprobs_T, inputs.advantages_T,
-                               cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c)
+        return ppo_clip_loss_T(logp, old, adv, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c)
     if cfg.policy_loss == "gspo":
-        return gspo_loss_T(inputs.logprobs_T, inputs.old_logprobs_T, inputs.advantages_T, inputs.loss_mask_T,
-                           inputs.cu_seqlens, cfg.clip_ratio_low, cfg.clip_ratio_high)
-    raise ValueError(f"actor.policy_loss={cfg.policy_loss!r}; expected ppo|gspo")
+        return gspo_loss_T(logp, old, adv, inputs.loss_mask_T, inputs.cu_seqlens, cfg.clip_ratio_low, cfg.clip_ratio_high)
+    if cfg.policy_loss == "cispo":
+        return cispo_loss_T(logp, old, adv, cfg.clip_ratio_low, cfg.clip_ratio_high)
+    if cfg.policy_loss == "sapo":
+        return sapo_loss_T(logp, old, adv, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
+    raise ValueError(f"actor.policy_loss={cfg.policy_loss!r}; expected ppo|gspo|cispo|sapo")
 
 
-def tis_weights_T(old_logprobs_T: torch.Tensor, rollout_logprobs_T: torch.Tensor, cap: float) -> torch.Tensor:
-    """Truncated importance weights min(pi_old / pi_rollout, cap) per token, no gradient (Yao et al. 2025, "Your
+def tis_weights_T(
+    old_logprobs_T: torch.Tensor, rollout_logprobs_T: torch.Tensor, cap: float, mode: str = "token_truncate",
+    floor: float = 0.0, loss_mask_T: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Importance weights pi_old / pi_rollout for the rollout/trainer mismatch, no gradient (Yao et al. 2025, "Your
     efficient RL framework secretly brings you off-policy RL training"): the rollout engine sampled the tokens, the
     loss's ratios are taken against the trainer's old logprobs, and the two differ by numerics (bf16 GEMM shapes,
-    kernels); this reweights each token's loss toward the trainer's distribution, capped to bound the variance."""
-    log_w = (old_logprobs_T - rollout_logprobs_T).detach().clamp(max=LOG_RATIO_CLAMP)
-    return log_w.exp().clamp(max=cap)
+    kernels, and for an MoE the experts a near tie routes to). token_*: one weight a token; sequence_*: the product
+    over the sequence's loss tokens (needs loss_mask_T, cu_seqlens). *_truncate clamps the weight into [floor, cap]
+    to bound the variance; *_mask zeroes the weights outside it (those tokens or sequences leave the loss)."""
+    log_w = (old_logprobs_T - rollout_logprobs_T).detach()
+    if mode.startswith("sequence"):
+        log_w = _per_token_seq_sum(log_w * loss_mask_T.to(log_w.dtype), cu_seqlens)
+    w = log_w.clamp(max=LOG_RATIO_CLAMP).exp()
+    if mode.endswith("truncate"):
+        return w.clamp(min=floor, max=cap)
+    return torch.where((w >= floor) & (w <= cap), w, 0.0)
+
+
+def off_policy_keep_T(inputs: PolicyInputs, threshold: float) -> torch.Tensor:
+    """Off-policy sequence masking (DeepSeek-V3.2): 0 at the tokens of a sequence whose advantage is negative and
+    whose mean KL(sampling || current) over its loss tokens, estimated as mean(log pi_sampling - log pi), exceeds
+    `threshold`; 1 elsewhere. The sampling policy is the rollout's logprobs when present, else the old ones."""
+    sampling = inputs.rollout_logprobs_T if inputs.rollout_logprobs_T is not None else inputs.old_logprobs_T
+    mask = inputs.loss_mask_T.to(inputs.logprobs_T.dtype)
+    kl_sum = _per_token_seq_sum((sampling - inputs.logprobs_T).detach() * mask, inputs.cu_seqlens)
+    seq_kl_T = kl_sum / _per_token_seq_sum(mask, inputs.cu_seqlens).clamp(min=1)
+    return ((inputs.advantages_T >= 0) | (seq_kl_T <= threshold)).to(inputs.logprobs_T.dtype)
 
 
 def _ratio_metrics(inputs: PolicyInputs, ratio_T: torch.Tensor, cfg: ActorSection) -> dict[str, torch.Tensor | float]:
     adv, mask, r = inputs.advantages_T, inputs.loss_mask_T, ratio_T.detach()
     dual = cfg.policy_loss == "ppo"
+    if cfg.policy_loss == "cispo":  # the weight is clipped whatever the advantage's sign
+        high, low = r > 1 + cfg.clip_ratio_high, r < 1 - cfg.clip_ratio_low
+    else:  # where PPO's clip takes the gradient away
+        high, low = (adv > 0) & (r > 1 + cfg.clip_ratio_high), (adv < 0) & (r < 1 - cfg.clip_ratio_low)
     return {
-        "pg_clipfrac_high": _masked_mean(((adv > 0) & (r > 1 + cfg.clip_ratio_high)).float(), mask),
-        "pg_clipfrac_low": _masked_mean(((adv < 0) & (r < 1 - cfg.clip_ratio_low)).float(), mask),
+        "pg_clipfrac_high": _masked_mean(high.float(), mask),
+        "pg_clipfrac_low": _masked_mean(low.float(), mask),
         "pg_clipfrac_dual": _masked_mean(((adv < 0) & (r > cfg.clip_ratio_c)).float(), mask) if dual else 0.0,
         "ppo_kl": _masked_mean(inputs.old_logprobs_T - inputs.logprobs_T, mask),
         "num_loss_tokens": mask.bool().sum(),
@@ -142,10 +195,19 @@ def actor_loss(inputs: PolicyInputs, cfg: ActorSection, denominator: float,
         if inputs.rollout_logprobs_T is None:
             raise ValueError("actor.tis_cap > 0 needs the rollout's logprobs (rollout_logprobs_T: "
                              "SamplingParams.logprobs on)")
-        w_T = tis_weights_T(inputs.old_logprobs_T, inputs.rollout_logprobs_T, cfg.tis_cap)
+        w_T = tis_weights_T(inputs.old_logprobs_T, inputs.rollout_logprobs_T, cfg.tis_cap, cfg.tis_mode,
+                            cfg.tis_floor, inputs.loss_mask_T, inputs.cu_seqlens)
         pg_T = pg_T * w_T
-        tis = {"tis_weight": _masked_mean(w_T, inputs.loss_mask_T),
-               "tis_capped_frac": _masked_mean((w_T >= cfg.tis_cap).float(), inputs.loss_mask_T)}
+        tis = {"tis_weight": _masked_mean(w_T, inputs.loss_mask_T)}
+        if cfg.tis_mode.endswith("truncate"):
+            clamped = (w_T >= cfg.tis_cap) | ((w_T <= cfg.tis_floor) if cfg.tis_floor > 0 else False)
+            tis["tis_capped_frac"] = _masked_mean(clamped.float(), inputs.loss_mask_T)
+        else:
+            tis["tis_masked_frac"] = _masked_mean((w_T == 0).float(), inputs.loss_mask_T)
+    if cfg.off_policy_mask_threshold is not None:
+        keep_T = off_policy_keep_T(inputs, cfg.off_policy_mask_threshold)
+        pg_T = pg_T * keep_T
+        tis["opsm_masked_frac"] = _masked_mean(1 - keep_T, inputs.loss_mask_T)
     pg_loss = agg(pg_T)
     loss, metrics = pg_loss, {"pg_loss": pg_loss.detach(), **_ratio_metrics(inputs, ratio_T, cfg), **tis}
     if cfg.use_kl_loss:

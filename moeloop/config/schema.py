@@ -247,7 +247,12 @@ class ActorSection:
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     clip_ratio_c: float = 3.0  # dual-clip lower bound for negative advantages
-    policy_loss: str = "ppo"  # ppo | gspo
+    # ppo (clip-higher, dual-clip) | gspo (sequence ratio) | cispo (MiniMax-M1: the IS weight clipped to
+    # [1 - clip_ratio_low, 1 + clip_ratio_high] and held fixed; clip_ratio_low 1 = no lower bound, the paper's)
+    # | sapo (a soft sigmoid gate of the ratio instead of a hard clip, temperatures sapo_tau_pos / sapo_tau_neg)
+    policy_loss: str = "ppo"
+    sapo_tau_pos: float = 1.0  # sapo: gate temperature for tokens with a positive advantage (TRL's default)
+    sapo_tau_neg: float = 1.05  # ... and for the rest
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
@@ -259,19 +264,38 @@ class ActorSection:
     # min(pi_old / pi_rollout, tis_cap), pi_old the trainer's old logprob, pi_rollout the engine's (verl's
     # tis_imp_ratio_cap, TRL's vllm_importance_sampling_cap); 0 = off
     tis_cap: float = 0.0
+    # token_truncate (above) | token_mask (tokens whose weight is outside [tis_floor, tis_cap] leave the loss, the
+    # rest keep their weight) | sequence_truncate / sequence_mask (one weight a sequence: the product of its tokens'
+    # ratios); TRL's vllm_importance_sampling_mode
+    tis_mode: str = "token_truncate"
+    tis_floor: float = 0.0  # lower bound of the weight (truncate: clamped up to it; mask: below it = masked)
+    # off-policy sequence masking (DeepSeek-V3.2; TRL's off_policy_mask_threshold): a sequence with a negative
+    # advantage whose mean per-token KL(sampling policy || current policy) exceeds this leaves the policy loss;
+    # the sampling policy is the rollout's logprobs when present, else the old ones. None = off
+    off_policy_mask_threshold: Optional[float] = None
     offload: OffloadSection = field(default_factory=OffloadSection)
 
     def check(self, prefix: str = "actor") -> None:
         modes = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
         _require(self.loss_agg_mode in modes, f"{prefix}.loss_agg_mode", f"must be one of {'|'.join(modes)}")
-        _require(self.policy_loss in ("ppo", "gspo"), f"{prefix}.policy_loss", "must be ppo|gspo")
+        losses = ("ppo", "gspo", "cispo", "sapo")
+        _require(self.policy_loss in losses, f"{prefix}.policy_loss", f"must be one of {'|'.join(losses)}")
+        _require(self.sapo_tau_pos > 0, f"{prefix}.sapo_tau_pos", "must be > 0")
+        _require(self.sapo_tau_neg > 0, f"{prefix}.sapo_tau_neg", "must be > 0")
+        tis_modes = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+        _require(self.tis_mode in tis_modes, f"{prefix}.tis_mode", f"must be one of {'|'.join(tis_modes)}")
+        _require(self.tis_floor >= 0, f"{prefix}.tis_floor", "must be >= 0")
+        _require(not self.tis_cap or self.tis_floor < self.tis_cap, f"{prefix}.tis_floor",
+                 f"must be below {prefix}.tis_cap ({self.tis_cap})")
+        _require(self.off_policy_mask_threshold is None or self.off_policy_mask_threshold >= 0,
+                 f"{prefix}.off_policy_mask_threshold", "must be >= 0 (or null = off)")
         _require(self.kl_loss_type in ("k1", "k2", "k3", "low_var_kl"), f"{prefix}.kl_loss_type", "must be k1|k2|k3|low_var_kl")
         _require(self.ppo_epochs >= 1, f"{prefix}.ppo_epochs", "must be >= 1")
         _require(self.max_tokens_per_micro_batch > 0, f"{prefix}.max_tokens_per_micro_batch", "must be > 0")
         _require(self.clip_ratio_c > 1.0, f"{prefix}.clip_ratio_c", "must be > 1 (dual-clip bound)")
         _require(self.tis_cap >= 0, f"{prefix}.tis_cap", "must be >= 0 (0 = off)")
         _require(self.ppo_mini_batch_size >= 1, f"{prefix}.ppo_mini_batch_size", "must be >= 1")
-        _require(0 <= self.clip_ratio_low < 1, f"{prefix}.clip_ratio_low", "must be in [0, 1)")
+        _require(0 <= self.clip_ratio_low <= 1, f"{prefix}.clip_ratio_low", "must be in [0, 1]")
         _require(self.clip_ratio_high >= 0, f"{prefix}.clip_ratio_high", "must be >= 0")
         _require(self.grad_clip >= 0, f"{prefix}.grad_clip", "must be >= 0 (0 = no clipping)")
         _require(self.kl_loss_coef >= 0, f"{prefix}.kl_loss_coef", "must be >= 0")
