@@ -14,7 +14,8 @@ def sized_engine(model: nn.Module, batch: int, prompt_len: int, new_tokens: int,
     `rollout`: further `RolloutSection` fields."""
     total = prompt_len + new_tokens
     blocks = batch * -(-total // 16) + 8
-    kv = int(1.2 * blocks * kv_bytes_per_block(model.cfg, 16, next(model.parameters()).dtype))
+    per_block = kv_bytes_per_block(model.cfg, 16, next(model.parameters()).dtype, rollout.get("record_routes", False))
+    kv = int(1.2 * blocks * per_block)
     cfg = RolloutSection(max_num_seqs=batch, max_num_batched_tokens=max(8192, batch * prompt_len), block_size=16,
                          kv_cache_bytes=kv, max_model_len=total, **rollout)
     return Engine(model, cfg, eos_token_ids=[])

@@ -37,6 +37,9 @@ class Sample:
     returns: list[float] | None = None
     values: list[float] | None = None
     loss_mask: list[int] | None = None
+    # router replay: int16 [num_tokens - 1, MoE layers, K], the experts that computed each position but the last
+    # (the rollout engine's for R3, the old-logprob pass's for R2); None = route afresh
+    routed_experts: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -88,6 +88,9 @@ class RolloutSection:
     # data.max_prompt_length + data.max_response_length
     max_model_len: int = 4096
     ignore_eos: bool = False  # generate exactly data.max_response_length tokens (benchmarks)
+    # each completion carries the experts that computed each of its positions (Completion.routed_experts); on for
+    # actor.router_replay=R3. The decode then takes the module forward, not the fused one (slower on CUDA)
+    record_routes: bool = False
     async_scheduling: str = "auto"  # on | off | auto (on for CUDA): host work of step t+1 overlaps step t
     decode_steps: int = 0  # decode steps per host round trip (multi-step decode); 0 = auto: 8 on CUDA, else 1
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
@@ -273,6 +276,9 @@ class ActorSection:
     # advantage whose mean per-token KL(sampling policy || current policy) exceeds this leaves the policy loss;
     # the sampling policy is the rollout's logprobs when present, else the old ones. None = off
     off_policy_mask_threshold: Optional[float] = None
+    # router replay (moeloop.model.routes): off | R2 (the old-logprob pass records each token's experts, the update
+    # replays them) | R3 (the rollout engine records them, the old-logprob pass and the update replay them)
+    router_replay: str = "off"
     offload: OffloadSection = field(default_factory=OffloadSection)
 
     def check(self, prefix: str = "actor") -> None:
@@ -282,6 +288,7 @@ class ActorSection:
         _require(self.policy_loss in losses, f"{prefix}.policy_loss", f"must be one of {'|'.join(losses)}")
         _require(self.sapo_tau_pos > 0, f"{prefix}.sapo_tau_pos", "must be > 0")
         _require(self.sapo_tau_neg > 0, f"{prefix}.sapo_tau_neg", "must be > 0")
+        _require(self.router_replay in ("off", "R2", "R3"), f"{prefix}.router_replay", "must be off|R2|R3")
         tis_modes = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
         _require(self.tis_mode in tis_modes, f"{prefix}.tis_mode", f"must be one of {'|'.join(tis_modes)}")
         _require(self.tis_floor >= 0, f"{prefix}.tis_floor", "must be >= 0")

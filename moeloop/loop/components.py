@@ -191,7 +191,8 @@ def _seed(*parts: int) -> int:
 
 def build_engine(cfg: RunConfig, model: torch.nn.Module, tokenizer: Any) -> Engine:
     """The colocated engine on its own copy of the weights, sized for prompt + response."""
-    rollout_cfg = replace(cfg.rollout, max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length)
+    rollout_cfg = replace(cfg.rollout, max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
+                          record_routes=cfg.rollout.record_routes or cfg.actor.router_replay == "R3")
     return Engine(model, rollout_cfg, eos_token_ids=[tokenizer.eos_token_id], seed=cfg.trainer.seed,
                   detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
 

@@ -26,12 +26,17 @@ class MoE(nn.Module):
             self.shared_experts = GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
         self.stats: RouterStats | None = None
         self.record_stats = True
+        self.moe_index = 0  # among the model's MoE blocks (set by the model): its row of a route tape
+
 
     def clear_stats(self) -> None:
         self.stats = None
 
-    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        routing = self.gate(x_TD)
+    def forward(self, x_TD: torch.Tensor, routes=None) -> torch.Tensor:
+        """`routes`: a route tape (`moeloop.model.routes`) to replay this block's experts from and record them to."""
+        routing = self.gate(x_TD, routes.replay(self.moe_index) if routes is not None else None)
+        if routes is not None:
+            routes.record(self.moe_index, routing.ids_TK)
         counts_E = expert_counts(routing.ids_TK, self.experts.num_experts) if self.record_stats else None
         y_TD = self.experts(x_TD, routing.ids_TK, routing.weights_TK, counts_E)
         if hasattr(self, "shared_experts"):

@@ -15,6 +15,7 @@ P_i: mean normalised router score, softmax probs or sigmoid scores / their sum).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +55,11 @@ def load_balance_loss(stats: list[RouterStats]) -> torch.Tensor:
     return (f_E * p_E).sum() * f_E.shape[0]
 
 
+def _replayed(own_TK: torch.Tensor, replay_TK: torch.Tensor, valid_T: Optional[torch.Tensor]) -> torch.Tensor:
+    replay_TK = replay_TK.to(own_TK.device, own_TK.dtype)
+    return replay_TK if valid_T is None else torch.where(valid_T[:, None], replay_TK, own_TK)
+
+
 class Router(nn.Module):
     """`weight` [E, D]; DeepSeek-V3 adds the persistent buffer `e_score_correction_bias` [E] (kept in fp32 math)."""
 
@@ -67,24 +73,31 @@ class Router(nn.Module):
         if self.scoring_func == "sigmoid":
             self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts))
 
-    def forward(self, x_TD: torch.Tensor) -> Routing:
+    def forward(self, x_TD: torch.Tensor, replay: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None) -> Routing:
+        """`replay` = (ids [T, K], valid [T] or None): route to those experts (at the valid rows; the own top-k
+        elsewhere), weighted by this router's scores of them (`moeloop.model.routes`)."""
         if self.scoring_func == "sigmoid":
-            return self._route_sigmoid(F.linear(x_TD.float(), self.weight.float()))
-        return self._route_softmax(F.linear(x_TD, self.weight))
+            return self._route_sigmoid(F.linear(x_TD.float(), self.weight.float()), replay)
+        return self._route_softmax(F.linear(x_TD, self.weight), replay)
 
-    def _route_softmax(self, logits_TE: torch.Tensor) -> Routing:
+    def _route_softmax(self, logits_TE: torch.Tensor, replay=None) -> Routing:
         probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
         weights_TK, ids_TK = torch.topk(probs_TE, self.top_k, dim=-1)
+        if replay is not None:
+            ids_TK = _replayed(ids_TK, *replay)
+            weights_TK = probs_TE.gather(1, ids_TK)
         if self.norm_topk_prob:
             weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
         return Routing(ids_TK, weights_TK * self.routed_scaling_factor, probs_TE)
 
-    def _route_sigmoid(self, logits_TE: torch.Tensor) -> Routing:
+    def _route_sigmoid(self, logits_TE: torch.Tensor, replay=None) -> Routing:
         scores_TE = logits_TE.sigmoid()
         choice_TE = scores_TE + self.e_score_correction_bias.float()
         if self.n_group > 1:
             choice_TE = self._mask_groups(choice_TE)
         ids_TK = torch.topk(choice_TE, self.top_k, dim=-1, sorted=False)[1]
+        if replay is not None:
+            ids_TK = _replayed(ids_TK, *replay)
         weights_TK = scores_TE.gather(1, ids_TK)
         if self.norm_topk_prob:
             weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)

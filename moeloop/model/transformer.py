@@ -41,6 +41,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x_TD: torch.Tensor, rope: RopeTables, attn: AttentionContext) -> torch.Tensor:
         x_TD = x_TD + self.self_attn(self.input_layernorm(x_TD), rope, attn)
+        routes = getattr(attn, "routes", None)  # a route tape rides on the context (router replay)
+        if routes is not None and isinstance(self.mlp, MoE):
+            return x_TD + self.mlp(self.post_attention_layernorm(x_TD), routes)
         return x_TD + self.mlp(self.post_attention_layernorm(x_TD))
 
 
@@ -52,6 +55,8 @@ class DecoderStack(nn.Module):
         pad = cfg.pad_token_id if cfg.pad_token_id is not None and 0 <= cfg.pad_token_id < cfg.vocab_size else None
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=pad)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, experts_impl) for i in range(cfg.num_layers))
+        for i, block in enumerate(layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)):
+            block.moe_index = i
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 

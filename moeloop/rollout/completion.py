@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from moeloop.types import FinishReason, Sample
 
@@ -27,6 +28,9 @@ class Completion:
     text: str | None = None
     num_preemptions: int = 0
     metadata: dict = field(default_factory=dict)
+    # rollout.record_routes: int16 [len(prompt_ids) + len(response_ids) - 1, MoE layers, K], the experts that
+    # computed each position the engine ran (every one but the last token's); None otherwise
+    routed_experts: Any = None
 
 
 def completions_to_samples(completions: list[Completion], group_ids: dict[str, int] | None = None) -> list[Sample]:
@@ -38,6 +42,6 @@ def completions_to_samples(completions: list[Completion], group_ids: dict[str, i
     return [Sample(prompt_ids=list(c.prompt_ids), response_ids=list(c.response_ids),
                    response_logprobs=None if c.logprobs is None else list(c.logprobs),
                    finish_reason=c.finish_reason, group_id=group_ids[c.request_id],
-                   policy_version=c.policy_version, response_text=c.text or "",
+                   policy_version=c.policy_version, response_text=c.text or "", routed_experts=c.routed_experts,
                    metadata={"request_id": c.request_id, "sample_index": c.sample_index})
             for c in completions]

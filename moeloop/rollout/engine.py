@@ -56,14 +56,15 @@ class Engine:
         param = next(model.parameters())
         mcfg = model.cfg
         # the fused decode's derived weights, allocated before the KV budget is taken
-        derived = derive_decode_weights(model) if decode_weights_apply(model) else []
+        # (none when recording routes: that decode takes the module forward, `ModelRunner.fused_ok`)
+        derived = derive_decode_weights(model) if decode_weights_apply(model) and not cfg.record_routes else []
         budget = kv_budget_bytes(cfg.kv_cache_bytes, cfg.gpu_memory_utilization, param.device)
-        per_block = kv_bytes_per_block(mcfg, cfg.block_size, param.dtype)
+        per_block = kv_bytes_per_block(mcfg, cfg.block_size, param.dtype, cfg.record_routes)
         num_blocks = budget // per_block - 1  # one scratch block
         if num_blocks < 1:
             raise InputError(f"rollout.kv_cache_bytes: a KV budget of {budget} bytes holds {budget // per_block} blocks of "
                              f"{per_block} bytes; the engine needs at least 2 (one is scratch)")
-        self.cache = KVCache(mcfg, num_blocks, cfg.block_size, param.dtype, param.device)
+        self.cache = KVCache(mcfg, num_blocks, cfg.block_size, param.dtype, param.device, cfg.record_routes)
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         steps = cfg.decode_steps or (8 if param.device.type == "cuda" else 1)
@@ -165,7 +166,7 @@ class Engine:
         commit, finish_reason, version = self.blocks.commit, self._finish_reason, self.policy_version  # hot loop
         for seq in launched.seqs:
             commit(seq)
-        done = []
+        done, route_slots = [], []
         finished = SequenceStatus.FINISHED
         for k, tokens in enumerate(tokens_KB):  # multi-step decode: step by step, so a stop drops what follows it
             logprobs = logprobs_KB[k] if logprobs_KB is not None else None
@@ -176,8 +177,12 @@ class Engine:
                 seq.append(tokens[j], logprobs[j] if seq.params.logprobs else None, version)
                 reason = finish_reason(seq)
                 if reason is not None:
+                    if self.cache.routes is not None:  # its slots, before its blocks go
+                        route_slots.append(self._route_slots(seq))
                     self.scheduler.finish(seq, reason)
                     done.append(self._completion(seq))
+        if route_slots:
+            self._attach_routes(done, route_slots)
         return done
 
     def _finish_reason(self, seq: Sequence) -> str | None:
@@ -190,6 +195,22 @@ class Engine:
         if num_tokens - seq.num_prompt_tokens >= p.max_tokens or num_tokens >= self.cfg.max_model_len:
             return "length"
         return None
+
+    def _route_slots(self, seq: Sequence) -> list[int]:
+        """The KV slots of the sequence's positions but the last (those the engine computed)."""
+        bs, table = self.cache.block_size, seq.block_table
+        return [table[p // bs] * bs + p % bs for p in range(len(seq.token_ids) - 1)]
+
+    def _attach_routes(self, completions: list[Completion], slots: list[list[int]]) -> None:
+        """Each completion's recorded experts, int16 [positions, L_moe, K], read from its slots in one gather and
+        one copy home (a shared prompt block holds the routes its first computation wrote, as it holds its K/V; the
+        blocks freed since are not written before the next launch)."""
+        flat = torch.tensor([s for seq_slots in slots for s in seq_slots], dtype=torch.int64)
+        routes_SLK = self.cache.routes.index_select(1, flat.to(self.cache.routes.device)).transpose(0, 1).cpu().numpy()
+        start = 0
+        for completion, seq_slots in zip(completions, slots):
+            completion.routed_experts = routes_SLK[start:start + len(seq_slots)]
+            start += len(seq_slots)
 
     def _completion(self, seq: Sequence) -> Completion:
         """The completion of a finished (or aborted) sample; its request stops being live with its last one."""

@@ -12,9 +12,21 @@ from moeloop.errors import InputError
 from moeloop.model.config import ModelConfig
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+ROUTE_DTYPE = torch.int16  # expert ids of the route buffer (rollout.record_routes)
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, record_routes: bool = False) -> int:
     per_token = cfg.num_kv_heads * (cfg.qk_head_dim + cfg.attn_v_head_dim) * cfg.num_layers
-    return per_token * block_size * torch.empty((), dtype=dtype).element_size()
+    kv = per_token * block_size * torch.empty((), dtype=dtype).element_size()
+    return kv + (route_bytes_per_token(cfg) * block_size if record_routes else 0)
+
+
+def route_bytes_per_token(cfg: ModelConfig) -> int:
+    return num_moe_layers(cfg) * cfg.num_experts_per_tok * torch.empty((), dtype=ROUTE_DTYPE).element_size()
+
+
+def num_moe_layers(cfg: ModelConfig) -> int:
+    return sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
 
 
 def kv_budget_bytes(kv_cache_bytes: int, gpu_memory_utilization: float, device: torch.device,
@@ -30,7 +42,7 @@ def kv_budget_bytes(kv_cache_bytes: int, gpu_memory_utilization: float, device: 
 
 class KVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str):
+                 device: torch.device | str, record_routes: bool = False):
         if num_blocks < 1:
             raise InputError(f"KV budget gives {num_blocks} blocks; need at least 1 "
                              f"({kv_bytes_per_block(cfg, block_size, dtype)} bytes per block)")
@@ -40,6 +52,11 @@ class KVCache:
         self.dtype, self.device = dtype, torch.device(device)
         self.k: torch.Tensor | None = None  # [L, num_slots, G, Dk]
         self.v: torch.Tensor | None = None
+        # record_routes: the experts of each slot's token per MoE layer, [L_moe, num_slots, K] (router replay R3)
+        self.route_shape = (num_moe_layers(cfg), cfg.num_experts_per_tok) if record_routes else None
+        if self.route_shape is not None and not self.route_shape[0]:
+            raise InputError("rollout.record_routes: the model has no MoE layer, so there are no routes to record")
+        self.routes: torch.Tensor | None = None
         self.allocate()
 
     @property
@@ -56,15 +73,18 @@ class KVCache:
 
     @property
     def num_bytes(self) -> int:
-        return 0 if self.k is None else self.k.nbytes + self.v.nbytes
+        return 0 if self.k is None else self.k.nbytes + self.v.nbytes + (0 if self.routes is None else self.routes.nbytes)
 
     def allocate(self) -> None:
         # zeros, not empty: padded/masked reads must never see NaN garbage (0 * NaN = NaN in the PV product)
         shape = (self.num_layers, self.num_slots, self.num_kv_heads)
         self.k = torch.zeros(*shape, self.k_dim, dtype=self.dtype, device=self.device)
         self.v = torch.zeros(*shape, self.v_dim, dtype=self.dtype, device=self.device)
+        if self.route_shape is not None:
+            L, K = self.route_shape
+            self.routes = torch.zeros(L, self.num_slots, K, dtype=ROUTE_DTYPE, device=self.device)
 
     def free(self) -> None:
-        self.k = self.v = None
+        self.k = self.v = self.routes = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

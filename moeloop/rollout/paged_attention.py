@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from moeloop.model.attention import PackedAttention, cu_seqlens_from_lengths
+from moeloop.model.routes import SlotRoutes
 from moeloop.rollout.decode_kernel import paged_decode_attention
 from moeloop.rollout.kv_cache import KVCache
 from moeloop.transfer import to_device
@@ -50,6 +51,8 @@ def slots_of(block_table_N: torch.Tensor, positions: torch.Tensor, block_size: i
 class PagedAttention:
     def __init__(self, cache: KVCache, meta: AttentionMetadata, use_kernel: bool = False):
         self.cache, self.meta, self.use_kernel = cache, meta, use_kernel
+        # rollout.record_routes: the MoE blocks write their experts at this forward's slots (router replay R3)
+        self.routes = None if cache.routes is None else SlotRoutes(cache.routes, meta.slot_mapping_T)
         self._gather: tuple[torch.Tensor, torch.Tensor] | None = None
         self._fresh = _fresh_prefills(meta)
 

@@ -70,7 +70,9 @@ class ModelRunner:
         self.use_kernel = kernels_apply(next(model.parameters()))  # CUDA, triton, the switch on
         self.max_blocks_per_seq = -(-max_model_len // cache.block_size)
         self._moe_blocks = [m for m in model.modules() if isinstance(m, MoE)]
-        self.fused_ok = fused_supported(model)  # the fused decode forward applies (used with the kernels)
+        # the fused decode forward applies (used with the kernels); it routes inside its kernels, so recording the
+        # routes takes the module forward
+        self.fused_ok = fused_supported(model) and cache.routes is None
         self.graphs: DecodeGraphs | None = None
         if self.use_kernel and not enforce_eager:
             self.graphs = DecodeGraphs(model, cache, max_num_seqs, self.max_blocks_per_seq, fused=self.fused_ok)
@@ -261,7 +263,7 @@ class ModelRunner:
                 dst += range(seq.block_table[num_full] * bs, seq.block_table[num_full] * bs + tail)
         if src:
             src_S, dst_S = to_device(src, self.device), to_device(dst, self.device)
-            for kv_LSGD in (self.cache.k, self.cache.v):
+            for kv_LSGD in (self.cache.k, self.cache.v) + ((self.cache.routes,) if self.cache.routes is not None else ()):
                 kv_LSGD.index_copy_(1, dst_S, kv_LSGD.index_select(1, src_S))
 
     def _prepare(self, batch: ScheduledBatch):

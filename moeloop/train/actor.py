@@ -24,10 +24,12 @@ from moeloop.algo.advantages import response_mask_values
 from moeloop.algo.losses import SHARE_KEYS, PolicyInputs, actor_loss, metrics_to_floats, reduce_metrics
 from moeloop.config.schema import ActorSection
 from moeloop.model.attention import GatheredAttention, PackedAttention, RowMap, gather_rows
+from moeloop.model.routes import RouteTape
 from moeloop.parallel.collectives import global_values
 from moeloop.parallel.fsdp import apply_fsdp, build_dp_mesh
 from moeloop.train.head import LogprobHead
-from moeloop.train.packing import PackedBatch, global_loss_denominators, pack_samples, split_micro_batches
+from moeloop.train.packing import (PackedBatch, global_loss_denominators, pack_samples, split_micro_batches,
+                                   unpack_routes)
 from moeloop.types import Sample
 
 
@@ -55,8 +57,9 @@ class PolicyForward:
         if mesh is not None:
             apply_fsdp(model, mesh, param_dtype)
 
-    def forward_batch(self, batch: PackedBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self.model.lm_head(packed_hidden(self.model, batch), batch.labels_T, 1.0, with_entropy)
+    def forward_batch(self, batch: PackedBatch, with_entropy: bool,
+                      routes: RouteTape | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.model.lm_head(packed_hidden(self.model, batch, routes), batch.labels_T, 1.0, with_entropy)
 
     def micro_batches(self, samples: list[Sample]) -> list[list[int]]:
         """Token-budget cut, padded with empty micro-batches to the max count over DP ranks."""
@@ -74,13 +77,18 @@ class PolicyForward:
             yield part, pack_samples(part or [dummy_sample()]).to(self.device)
 
     @torch.no_grad()
-    def compute_logprobs(self, samples: list[Sample], field: str) -> None:
-        """Teacher-forced logprob of each response token, written to `sample.<field>` (a list)."""
+    def compute_logprobs(self, samples: list[Sample], field: str, routes: str = "off") -> None:
+        """Teacher-forced logprob of each response token, written to `sample.<field>` (a list). `routes`: "replay"
+        routes through each sample's `routed_experts`, "record" sets them to the experts this pass chose."""
         self.model.eval()
         for part, batch in self.packed_micro_batches(samples):
-            logprobs_T, _ = self.forward_batch(batch, with_entropy=False)
+            tape = route_tape(batch, routes)
+            logprobs_T, _ = self.forward_batch(batch, with_entropy=False, routes=tape)
             for seq, sample in enumerate(part):
                 setattr(sample, field, logprobs_T[batch.response_slice(seq)].float().cpu().tolist())
+            if routes == "record" and part and tape.recorded:
+                for sample, recorded in zip(part, unpack_routes(batch, tape.stacked())):
+                    sample.routed_experts = recorded
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full tensor) in state_dict order; collective under FSDP (all ranks iterate)."""
@@ -88,14 +96,29 @@ class PolicyForward:
             yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
 
 
-def packed_hidden(model: nn.Module, batch: PackedBatch) -> torch.Tensor:
+def packed_hidden(model: nn.Module, batch: PackedBatch, routes: RouteTape | None = None) -> torch.Tensor:
     """Final hidden states [T, D] of the packed positions; with a compact stream the model runs on its U rows
-    only and they are gathered back (the head then sees every position as before)."""
+    only and they are gathered back (the head then sees every position as before). `routes`: a route tape for
+    the MoE blocks (router replay)."""
     if batch.stream is None:
-        return model(batch.input_ids_T, batch.position_ids_T, PackedAttention(batch.cu_seqlens))
+        ctx = PackedAttention(batch.cu_seqlens)
+        ctx.routes = routes
+        return model(batch.input_ids_T, batch.position_ids_T, ctx)
     st = batch.stream
-    hidden_UD = model(st.input_ids_U, st.position_ids_U, GatheredAttention(batch.cu_seqlens, st.gather_T, st.owner_U))
+    ctx = GatheredAttention(batch.cu_seqlens, st.gather_T, st.owner_U)
+    ctx.routes = routes
+    hidden_UD = model(st.input_ids_U, st.position_ids_U, ctx)
     return gather_rows(hidden_UD, RowMap.of_gather(st.gather_T, st.owner_U))
+
+
+def route_tape(batch: PackedBatch, mode: str) -> RouteTape | None:
+    """The route tape of a pass: "record" the experts chosen, "replay" the batch's routes (when it carries any),
+    "off" none."""
+    if mode == "record":
+        return RouteTape(record=True)
+    if mode == "replay" and batch.replay_routes is not None:
+        return RouteTape(batch.replay_routes, batch.replay_valid)
+    return None
 
 
 def global_metrics(local: dict[str, float]) -> dict[str, float]:
@@ -162,7 +185,8 @@ class Actor(PolicyForward):
         denominator = max(denominator, 1.0)
         per_micro: list[dict[str, float]] = []
         for part, batch in self.packed_micro_batches(samples):
-            logprobs_T, entropy_T = self.forward_batch(batch, with_entropy=True)  # entropy: bonus and metric
+            tape = route_tape(batch, "replay" if self.cfg.router_replay != "off" else "off")
+            logprobs_T, entropy_T = self.forward_batch(batch, with_entropy=True, routes=tape)  # entropy: bonus, metric
             old = batch.old_logprobs_T if batch.old_logprobs_T is not None else logprobs_T.detach()
             inputs = PolicyInputs(logprobs_T, old, batch.advantages_T, batch.loss_mask_T, batch.cu_seqlens,
                                   batch.ref_logprobs_T, entropy_T, batch.rollout_logprobs_T)

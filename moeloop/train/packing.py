@@ -60,6 +60,10 @@ class PackedBatch:
     returns_T: Optional[torch.Tensor] = None
     values_T: Optional[torch.Tensor] = None
     stream: Optional["TokenStream"] = None  # the rows the model runs on; None = every position
+    # router replay, on the rows the model runs on (the stream's, else every position): expert ids [L, rows, K]
+    # and where they hold ([rows] bool; None = everywhere); None when no sample carries routes
+    replay_routes: Optional[torch.Tensor] = None
+    replay_valid: Optional[torch.Tensor] = None
 
     @property
     def num_tokens(self) -> int:
@@ -188,7 +192,42 @@ def pack_samples(samples: list[Sample], dtype: torch.dtype = torch.float32, comp
         setattr(batch, packed_name, _pack_field(samples, sample_name, dtype))
     if compact:
         batch.stream = compact_stream(samples, batch.input_ids_T, batch.position_ids_T, cu)
+    _pack_routes(batch, samples)
     return batch
+
+
+def _pack_routes(batch: PackedBatch, samples: list[Sample]) -> None:
+    """`batch.replay_routes` / `replay_valid` from the samples' `routed_experts` (positions without one, such as
+    each sequence's last, route afresh)."""
+    carried = [s.routed_experts for s in samples if s.routed_experts is not None]
+    if not carried:
+        return
+    shape = carried[0].shape[1:]
+    routes_TLK = np.zeros((batch.num_tokens, *shape), dtype=np.int64)
+    valid_T = np.zeros(batch.num_tokens, dtype=bool)
+    for i, (s, start) in enumerate(zip(samples, batch.cu_seqlens.tolist())):
+        r = s.routed_experts
+        if r is None:
+            continue
+        if r.shape[1:] != shape or len(r) > s.num_tokens:
+            raise ValueError(f"sample {i}: routed_experts has shape {tuple(r.shape)}; expected at most "
+                             f"{s.num_tokens} positions of {tuple(shape)} (the other samples')")
+        routes_TLK[start:start + len(r)] = r
+        valid_T[start:start + len(r)] = True
+    if batch.stream is not None:
+        rows = batch.stream.owner_U.numpy()
+        routes_TLK, valid_T = routes_TLK[rows], valid_T[rows]
+    batch.replay_routes = torch.from_numpy(np.ascontiguousarray(routes_TLK.transpose(1, 0, 2)))
+    batch.replay_valid = None if valid_T.all() else torch.from_numpy(valid_T)
+
+
+def unpack_routes(batch: PackedBatch, routes_LUK: torch.Tensor) -> list[np.ndarray]:
+    """Per sequence, the recorded expert ids of its positions but the last, int16 [num_tokens - 1, L, K], from the
+    ids a forward recorded on the batch's rows (the inverse of `_pack_routes`)."""
+    routes_LTK = routes_LUK if batch.stream is None else routes_LUK[:, batch.stream.gather_T.to(routes_LUK.device)]
+    routes_TLK = routes_LTK.transpose(0, 1).to(torch.int16).cpu().numpy()
+    bounds = batch.cu_seqlens.tolist()
+    return [routes_TLK[start:end - 1] for start, end in zip(bounds[:-1], bounds[1:])]
 
 
 def unpack_response_values(batch: PackedBatch, values_T: torch.Tensor) -> list[torch.Tensor]:
