@@ -3,6 +3,7 @@
 #   tests: (nvidia-h200, about 9 minutes) the test files that session 28 changed, whole, with their CUDA cases (the
 #          reward model's bf16 case had never run on a GPU), and the CUDA rollout tests
 #   e2e:   (nvidia-h200, about 5 minutes) e2e against TRL on the H200, the goal's job, one repeat at this code
+#   replay: router replay's CUDA test and measurements (below)
 set -u
 here="$(dirname "$0")"
 case "${1:-}" in
@@ -14,5 +15,17 @@ e2e)
     timeout 560 python3 benchmarks/e2e_vs_trl.py --size reference --device cuda --steps 6 --repeats 1 2>&1 \
         | grep -v -i warn | tail -24
     ;;
-*) echo "usage: $0 tests|e2e" >&2; exit 2 ;;
+replay)
+    # (nvidia-h200, about 7 minutes) router replay on the GPU: its CUDA test, the CUDA cases of the two files the
+    # first call's time limit cut, the logprob mismatch with and without R3, and the decode cost of recording
+    python3 -m pytest -q -p no:cacheprovider tests/test_router_replay.py tests/test_rl_loop.py \
+        tests/test_rl_disaggregated.py -k "cuda" 2>&1 | tail -4
+    timeout 200 python3 benchmarks/router_replay.py --device cuda --size reference --batch 32 --repeats 2 2>&1 \
+        | grep -v -i warn
+    for flag in "" --record-routes; do
+        timeout 150 python3 benchmarks/rollout.py --device cuda --size reference --batch 32,256 --skip-hf --repeats 2 \
+            $flag 2>&1 | grep -v -i warn | tail -4
+    done
+    ;;
+*) echo "usage: $0 tests|e2e|replay" >&2; exit 2 ;;
 esac
