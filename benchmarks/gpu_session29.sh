@@ -4,6 +4,7 @@
 #          reward model's bf16 case had never run on a GPU), and the CUDA rollout tests
 #   e2e:   (nvidia-h200, about 5 minutes) e2e against TRL on the H200, the goal's job, one repeat at this code
 #   replay: router replay's CUDA test and measurements (below)
+#   e2e_replay: what R3 costs a whole RL step (below)
 set -u
 here="$(dirname "$0")"
 case "${1:-}" in
@@ -27,5 +28,14 @@ replay)
             $flag 2>&1 | grep -v -i warn | tail -4
     done
     ;;
-*) echo "usage: $0 tests|e2e|replay" >&2; exit 2 ;;
+e2e_replay)
+    # (nvidia-h200, about 4 minutes) what R3 costs a whole RL step: the goal's job, moeloop alone, without and with
+    # actor.router_replay=R3 (the recording engine, the update replaying the rollout's routes)
+    for set in actor.router_replay=off actor.router_replay=R3; do
+        echo "== $set"
+        timeout 270 python3 benchmarks/e2e_vs_trl.py --size reference --device cuda --steps 6 --repeats 1 \
+            --frameworks moeloop --moeloop-set $set 2>&1 | grep -v -i warn | grep -E "median over|moeloop:|gen "
+    done
+    ;;
+*) echo "usage: $0 tests|e2e|replay|e2e_replay" >&2; exit 2 ;;
 esac
