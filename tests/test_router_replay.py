@@ -15,6 +15,7 @@ from moeloop.errors import InputError
 from moeloop.model.attention import PackedAttention
 from moeloop.model.routes import RouteTape
 from moeloop.rollout import SamplingParams, completions_to_samples
+from moeloop.rollout.decode_kernel import triton_available
 from moeloop.rollout.kv_cache import kv_bytes_per_block
 from moeloop.train.actor import Actor
 from moeloop.train.packing import pack_samples
@@ -66,13 +67,13 @@ def test_the_engine_records_the_experts_the_trainer_chooses(arch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_the_engine_records_through_graphs_multistep_decode_and_async_scheduling():
-    """The CUDA engine's default path (decode graphs, 8 decode steps a launch, async scheduling) with recording on:
-    the module forward replaces the fused one, and the recorded experts are the trainer's (fp32; a near tie may
-    round the other way on another kernel, so at least 99% of the (position, layer) choices)."""
+    """The CUDA engine's default path (decode graphs over the fused decode forward, 8 decode steps a launch, async
+    scheduling) with recording on: the recorded experts are the trainer's (fp32; a near tie may round the other way
+    on another kernel, so at least 99% of the (position, layer) choices)."""
     model = tiny_model().cuda()
     engine = make_engine(model, record_routes=True)
     runner = engine.runner
-    assert runner.graphs is not None and runner.decode_steps == 8 and engine.async_scheduling and not runner.fused_ok
+    assert runner.graphs is not None and runner.decode_steps == 8 and engine.async_scheduling and runner.fused_ok
     outs = engine.generate(prompts(8), SamplingParams(n=2, temperature=1.0, max_tokens=20, seed=1))
     agree = total = 0
     for o in outs:
@@ -83,6 +84,22 @@ def test_on_cuda_the_engine_records_through_graphs_multistep_decode_and_async_sc
         agree, total = agree + int(same.all(-1).sum()), total + same.shape[0] * same.shape[1]
         torch.testing.assert_close(torch.tensor(o.logprobs), logp[len(o.prompt_ids) - 1:], atol=1e-4, rtol=0)
     assert agree / total >= 0.99, (agree, total)
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed (CPU torch wheel)")
+def test_the_fused_decode_forward_records_the_same_routes():
+    """The fused decode forward (the Triton kernels; on CPU under the interpreter) records at each slot the experts
+    its own top-k kernel chose: the module forward's, with the same tokens and logprobs."""
+    model = tiny_model()
+    ps, params = prompts(4, seed=7), SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=2)
+    runs = []
+    for kernels in (False, True):
+        engine = make_engine(model, enforce_eager=True, record_routes=True)
+        engine.runner.use_kernel = kernels
+        runs.append(engine.generate(ps, params))
+    for fused, plain in zip(*runs):
+        assert fused.response_ids == plain.response_ids
+        np.testing.assert_array_equal(fused.routed_experts, plain.routed_experts)
 
 
 def test_an_engine_of_a_dense_model_has_no_routes_to_record():

@@ -89,7 +89,8 @@ class RolloutSection:
     max_model_len: int = 4096
     ignore_eos: bool = False  # generate exactly data.max_response_length tokens (benchmarks)
     # each completion carries the experts that computed each of its positions (Completion.routed_experts); on for
-    # actor.router_replay=R3. The decode then takes the module forward, not the fused one (slower on CUDA)
+    # actor.router_replay=R3. The fused decode then routes in a kernel of its own (the expert kernels' folded
+    # ranking and the composed B=1 router keep their ids in registers)
     record_routes: bool = False
     async_scheduling: str = "auto"  # on | off | auto (on for CUDA): host work of step t+1 overlaps step t
     decode_steps: int = 0  # decode steps per host round trip (multi-step decode); 0 = auto: 8 on CUDA, else 1

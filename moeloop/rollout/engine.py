@@ -56,8 +56,7 @@ class Engine:
         param = next(model.parameters())
         mcfg = model.cfg
         # the fused decode's derived weights, allocated before the KV budget is taken
-        # (none when recording routes: that decode takes the module forward, `ModelRunner.fused_ok`)
-        derived = derive_decode_weights(model) if decode_weights_apply(model) and not cfg.record_routes else []
+        derived = derive_decode_weights(model) if decode_weights_apply(model) else []
         budget = kv_budget_bytes(cfg.kv_cache_bytes, cfg.gpu_memory_utilization, param.device)
         per_block = kv_bytes_per_block(mcfg, cfg.block_size, param.dtype, cfg.record_routes)
         num_blocks = budget // per_block - 1  # one scratch block

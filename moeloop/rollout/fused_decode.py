@@ -622,6 +622,7 @@ def _decode_layers(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Tensor, c
     pending = (None if embed_fold else stack.embed_tokens(ids_T), None, layers[0].input_layernorm)
     slots_T = ctx.meta.slot_mapping_T
     T = ids_T.shape[0]
+    routes = ctx.routes  # rollout.record_routes: every MoE layer's expert ids in memory, written at the slots
     for i, layer in enumerate(layers):
         attn = layer.self_attn
         linears = [attn.q_proj, attn.k_proj, attn.v_proj]
@@ -637,7 +638,7 @@ def _decode_layers(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Tensor, c
         attn_TA = ctx.attend_cached(i, q_THD, attn.scale).reshape(T, -1)
         mlp = layer.mlp
         norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else stack.norm
-        composed = composed_router(layer, attn_TA, res_TD)
+        composed = composed_router(layer, attn_TA, res_TD) if routes is None else None  # (its ids stay in-kernel)
         if composed is not None:  # o_proj, the residual add and the raw router logits in one launch
             x_TD, z_TE = o_proj_router(attn_TA, res_TD, composed)
             pending = (routed_experts(mlp, x_TD, z_TE, layer.post_attention_layernorm), x_TD, norm)
@@ -650,13 +651,15 @@ def _decode_layers(model: nn.Module, ids_T: torch.Tensor, pos_T: torch.Tensor, c
             continue
         if norm_fold_applies(o_TD, [mlp.gate], ROUTER_TILE[0]):  # the router's projection applies the norm, stores y
             (logits_TE,), y_TD, res_TD = normed_row_linear(*pending, [mlp.gate], want_y=True, tile=ROUTER_TILE)
-            if routed_experts_apply(y_TD, mlp):  # the expert kernels rank the logits themselves
+            if routes is None and routed_experts_apply(y_TD, mlp):  # the expert kernels rank the logits themselves
                 pending = (routed_experts(mlp, y_TD, logits_TE), res_TD, norm)
                 continue
             ids_TK, wts_TK = route_softmax_topk(mlp, logits_TE)
         else:
             y_TD, res_TD = add_rmsnorm(*pending)
             ids_TK, wts_TK = route(mlp, y_TD)
+        if routes is not None:
+            routes.record(mlp.moe_index, ids_TK)
         if uses_grouped_rows(y_TD, ids_TK):  # the weighted sum of the expert rows happens in the add + norm
             rows_SD, dest_S = grouped_expert_rows(mlp.experts, y_TD, ids_TK)
             y_TD, res_TD = add_rmsnorm(rows_SD, res_TD, norm, (dest_S.view(ids_TK.shape), wts_TK))

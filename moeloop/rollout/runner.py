@@ -70,9 +70,7 @@ class ModelRunner:
         self.use_kernel = kernels_apply(next(model.parameters()))  # CUDA, triton, the switch on
         self.max_blocks_per_seq = -(-max_model_len // cache.block_size)
         self._moe_blocks = [m for m in model.modules() if isinstance(m, MoE)]
-        # the fused decode forward applies (used with the kernels); it routes inside its kernels, so recording the
-        # routes takes the module forward
-        self.fused_ok = fused_supported(model) and cache.routes is None
+        self.fused_ok = fused_supported(model)  # the fused decode forward applies (used with the kernels)
         self.graphs: DecodeGraphs | None = None
         if self.use_kernel and not enforce_eager:
             self.graphs = DecodeGraphs(model, cache, max_num_seqs, self.max_blocks_per_seq, fused=self.fused_ok)

@@ -61,7 +61,8 @@ class PackedBatch:
     values_T: Optional[torch.Tensor] = None
     stream: Optional["TokenStream"] = None  # the rows the model runs on; None = every position
     # router replay, on the rows the model runs on (the stream's, else every position): expert ids [L, rows, K]
-    # and where they hold ([rows] bool; None = everywhere); None when no sample carries routes
+    # (int16 as recorded: a quarter of the bytes to the device; the router widens them there) and where they hold
+    # ([rows] bool; None = everywhere); None when no sample carries routes
     replay_routes: Optional[torch.Tensor] = None
     replay_valid: Optional[torch.Tensor] = None
 
@@ -203,7 +204,7 @@ def _pack_routes(batch: PackedBatch, samples: list[Sample]) -> None:
     if not carried:
         return
     shape = carried[0].shape[1:]
-    routes_TLK = np.zeros((batch.num_tokens, *shape), dtype=np.int64)
+    routes_TLK = np.zeros((batch.num_tokens, *shape), dtype=np.int16)
     valid_T = np.zeros(batch.num_tokens, dtype=bool)
     for i, (s, start) in enumerate(zip(samples, batch.cu_seqlens.tolist())):
         r = s.routed_experts
