@@ -361,3 +361,13 @@ def test_bad_loss_settings_are_named(override, message):
     from moeloop.errors import InputError
     with pytest.raises(InputError, match=re.escape(message)):
         load_config(None, ["model.path=m", "actor.tis_cap=2.0", override])
+
+
+def test_a_bare_off_or_on_reaches_the_switch_fields(tmp_path):
+    """YAML reads off / on as bools; the fields whose values are off|on|... take them back as those words."""
+    from moeloop.config import load_config
+    cfg = load_config(None, ["model.path=m", "actor.router_replay=off", "rollout.async_scheduling=on"])
+    assert (cfg.actor.router_replay, cfg.rollout.async_scheduling) == ("off", "on")
+    (tmp_path / "c.yaml").write_text("model: {path: m}\nrollout: {async_scheduling: off}\nactor: {router_replay: R3}\n")
+    cfg = load_config(tmp_path / "c.yaml")
+    assert (cfg.actor.router_replay, cfg.rollout.async_scheduling) == ("R3", "off")

@@ -30,8 +30,22 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     except yaml.YAMLError as err:  # the file is not YAML (OmegaConf.load parses with PyYAML)
         raise InputError(f"config {path}: not valid YAML ({' '.join(str(err).split())})") from None
     cfg: RunConfig = OmegaConf.to_object(base)  # type: ignore[assignment]
+    _yaml_switches(cfg)
     validate(cfg)
     return cfg
+
+
+SWITCH_FIELDS = (("rollout", "async_scheduling"), ("actor", "router_replay"), ("critic", "router_replay"))
+
+
+def _yaml_switches(cfg: RunConfig) -> None:
+    """YAML reads a bare off / on (no / yes) as a bool, which a str field then holds as "False" / "True": the
+    fields whose values include off take them back as off / on."""
+    for section_name, name in SWITCH_FIELDS:
+        section = getattr(cfg, section_name)
+        value = getattr(section, name)
+        if value in ("False", "True"):
+            setattr(section, name, "off" if value == "False" else "on")
 
 
 def _explain(err: OmegaConfBaseException) -> str:
