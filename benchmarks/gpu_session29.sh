@@ -4,7 +4,8 @@
 #          reward model's bf16 case had never run on a GPU), and the CUDA rollout tests
 #   e2e:   (nvidia-h200, about 5 minutes) e2e against TRL on the H200, the goal's job, one repeat at this code
 #   replay: router replay's CUDA test and measurements (below)
-#   e2e_replay: what R3 costs a whole RL step (below)
+#   e2e_replay: what R3 costs a whole RL step (below; its "off" run failed on the YAML bool, fixed since)
+#   final: the same after the fused decode forward learnt to record (below)
 set -u
 here="$(dirname "$0")"
 case "${1:-}" in
@@ -37,5 +38,17 @@ e2e_replay)
             --frameworks moeloop --moeloop-set $set 2>&1 | grep -v -i warn | grep -E "median over|moeloop:|gen "
     done
     ;;
-*) echo "usage: $0 tests|e2e|replay|e2e_replay" >&2; exit 2 ;;
+final)
+    # (nvidia-h200, about 5 minutes) after the fused decode forward learnt to record: the CUDA test, the mismatch
+    # and the recording engine's rate, and R3's cost in a whole RL step (off, then R3)
+    python3 -m pytest -q -p no:cacheprovider tests/test_router_replay.py -k "cuda" 2>&1 | tail -2
+    timeout 150 python3 benchmarks/router_replay.py --device cuda --size reference --batch 32 --repeats 2 2>&1 \
+        | grep -v -i warn
+    for set in actor.router_replay=off actor.router_replay=R3; do
+        echo "== $set"
+        timeout 120 python3 benchmarks/e2e_vs_trl.py --size reference --device cuda --steps 6 --repeats 1 \
+            --frameworks moeloop --moeloop-set $set 2>&1 | grep -v -i warn | grep -E "median over|moeloop:|gen |rror"
+    done
+    ;;
+*) echo "usage: $0 tests|e2e|replay|e2e_replay|final" >&2; exit 2 ;;
 esac
