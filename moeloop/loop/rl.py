@@ -203,8 +203,9 @@ def fill_old_logprobs(c: Components, cfg: RunConfig, samples: list[Sample], off_
         return
     on_policy = (cfg.actor.ppo_epochs == 1 and cfg.actor.ppo_mini_batch_size == cfg.data.train_batch_size
                  and not cfg.algorithm.use_kl_in_reward and not cfg.actor.force_old_logprob_pass)
-    if not on_policy:  # router replay: R2 records the routes here, R3 replays the rollout's
-        c.actor.compute_logprobs(samples, "old_logprobs", {"R2": "record", "R3": "replay"}.get(cfg.actor.router_replay, "off"))
+    if not on_policy:  # router replay: R2 records the experts here, R3 replays the rollout's
+        routes = {"R2": "record", "R3": "replay"}.get(cfg.actor.router_replay, "off")
+        c.actor.compute_logprobs(samples, "old_logprobs", routes)
 
 
 def collect_batch(c: Components, cfg: RunConfig, timer: PhaseTimer, step: int) -> tuple[list[Sample], dict[str, float]]:

@@ -28,7 +28,6 @@ class MoE(nn.Module):
         self.record_stats = True
         self.moe_index = 0  # among the model's MoE blocks (set by the model): its row of a route tape
 
-
     def clear_stats(self) -> None:
         self.stats = None
 

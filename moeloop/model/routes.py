@@ -7,7 +7,8 @@ holds the choice fixed and lets the router's probabilities of the chosen experts
   later mini-batches and epochs see the routing their old logprobs saw.
 - R3 (rollout routing replay, Ma et al. 2025): the rollout engine records the routes of every token it computed
   and the trainer's passes replay them, so the trainer's logprobs are taken through the experts that sampled.
-A tape travels on the attention context (`ctx.routes`) and the MoE blocks read it by their `moe_index`.
+A tape travels on the attention context (`ctx.routes`) and the MoE blocks read it by their `moe_index`. The
+reference model and the critic route afresh: they are other networks, and the replayed experts are the policy's.
 Shapes: L MoE layers, T rows of the forward, K experts per token.
 """
 from __future__ import annotations
@@ -18,8 +19,9 @@ import torch
 
 
 class RouteTape:
-    """Training side. `replay_LTK` (int64): each MoE layer takes those expert ids at the rows where `valid_T`
-    holds (every row when None) and its own top-k elsewhere. `record`: each layer's choice is kept (`stacked`)."""
+    """Training side. `replay_LTK` (any integer dtype): each MoE layer takes those expert ids at the rows where
+    `valid_T` holds (every row when None) and its own top-k elsewhere. `record`: each layer's choice is kept
+    (`stacked`)."""
 
     def __init__(self, replay_LTK: Optional[torch.Tensor] = None, valid_T: Optional[torch.Tensor] = None,
                  record: bool = False):

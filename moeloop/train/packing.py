@@ -199,7 +199,8 @@ def pack_samples(samples: list[Sample], dtype: torch.dtype = torch.float32, comp
 
 def _pack_routes(batch: PackedBatch, samples: list[Sample]) -> None:
     """`batch.replay_routes` / `replay_valid` from the samples' `routed_experts` (positions without one, such as
-    each sequence's last, route afresh)."""
+    each sequence's last, route afresh). A prompt the stream runs once takes its first sample's routes: the engine
+    computed a group's prompt once, so they are every sample's."""
     carried = [s.routed_experts for s in samples if s.routed_experts is not None]
     if not carried:
         return
