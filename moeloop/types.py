@@ -32,6 +32,7 @@ class Sample:
     reward_info: dict[str, Any] = field(default_factory=dict)
     # filled by the trainer / algorithm, per response token
     old_logprobs: list[float] | None = None
+    old_entropy: list[float] | None = None  # the old policy's entropy at each response token (actor.top_entropy_quantile)
     ref_logprobs: list[float] | None = None
     advantages: list[float] | None = None
     returns: list[float] | None = None

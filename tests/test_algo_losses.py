@@ -6,6 +6,7 @@ import math
 import re
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -220,6 +221,37 @@ def test_off_policy_sequences_with_negative_advantages_leave_the_loss():
     assert float(kept) == pytest.approx((-1 - 1 + 1 + 1 + 0.5) / 5, rel=1e-12) and m["opsm_masked_frac"] == 0.0
     no_rollout = PolicyInputs(logp, logp - 1.0, adv, mask, cu)  # the old logprobs stand in: KL -1 everywhere
     assert actor_loss(no_rollout, ActorSection(off_policy_mask_threshold=0.0), 5.0)[1]["opsm_masked_frac"] == 0.0
+
+
+def test_top_entropy_selection_keeps_its_tokens_in_the_policy_term_only():
+    """pg_keep_T zeroes the policy-gradient term of the tokens it drops; KL and entropy keep every token, and the
+    denominator is unchanged."""
+    logp, ref, ent = t([-1.0, -2.0, -0.5, -1.0]), t([-1.5, -1.0, -0.5, -3.0]), t([0.5, 1.0, 1.5, 2.0])
+    adv, keep = t([1.0, -2.0, 3.0, 4.0]), t([0, 1, 1, 0])
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    cfg = ActorSection(use_kl_loss=True, kl_loss_type="k1", kl_loss_coef=0.1, entropy_coeff=0.01)
+    loss, m = actor_loss(PolicyInputs(logp, logp.clone(), adv, t([1, 1, 1, 0]), cu, ref, ent, pg_keep_T=keep), cfg, 3.0)
+    pg = (2.0 - 3.0) / 3  # tokens 1 and 2 (ratio 1: -A); token 3 is out of the loss mask
+    assert m["pg_loss"] == pytest.approx(pg) and m["pg_token_kept_frac"] == pytest.approx(2 / 3)
+    assert float(loss) == pytest.approx(pg + 0.1 * (-0.5 / 3) - 0.01 * 1.0, rel=1e-12)
+
+
+def test_entropy_threshold_is_the_quantile_of_the_loss_tokens():
+    from moeloop.train.actor import entropy_threshold
+    rng = random.Random(0)
+    samples = make_samples(seed=4)
+    for s in samples:
+        s.old_entropy = [rng.uniform(0, 3) for _ in s.response_ids]
+    kept = [e for s in samples if s.in_loss for e, m in zip(s.old_entropy, s.loss_mask) if m]
+    assert len(kept) < sum(len(s.response_ids) for s in samples)  # a masked sample and masked tokens are left out
+    for top in (0.2, 0.5, 0.9):
+        assert entropy_threshold(samples, top) == pytest.approx(float(np.quantile(kept, 1 - top)), rel=1e-12)
+        share = sum(e >= entropy_threshold(samples, top) for e in kept) / len(kept)
+        assert abs(share - top) <= 1 / len(kept) + 1e-12  # the top fraction, to one token
+    assert entropy_threshold([], 0.2) == float("-inf")
+    samples[0].old_entropy = None
+    with pytest.raises(ValueError, match="old_entropy"):
+        entropy_threshold(samples, 0.2)
 
 
 def test_kl_loss_and_entropy_bonus():

@@ -217,6 +217,17 @@ def test_cispo_with_sequence_weights_and_off_policy_masking_dp2_matches_dp1(mode
     assert any(r["opsm_masked_frac"] > 0 for r in rows)  # the second epoch's policy has moved off the sampling one
 
 
+def test_top_entropy_selection_dp2_matches_dp1(model_dir, tmp_path):
+    """actor.top_entropy_quantile=0.5: the threshold is taken over every rank's loss tokens (2 ranks give 1 rank's
+    update), from the old-logprob pass's entropies, which runs for them although the update is on-policy."""
+    extra = ["actor.top_entropy_quantile=0.5", "actor.ppo_mini_batch_size=4"]
+    _dp_rank_with(0, 1, model_dir, tmp_path / "one", *extra)
+    run_ranks(_dp_rank_with, 2, model_dir, tmp_path / "two", *extra)
+    _assert_dp2_matches_dp1(tmp_path)
+    for r in _rows(tmp_path / "one"):
+        assert 0.5 <= r["pg_token_kept_frac"] <= 0.6 and r["time/old_log_prob"] > 0
+
+
 @pytest.mark.parametrize("estimator", list(WHITENED))
 def test_batch_whitened_estimators_dp2_match_dp1(model_dir, tmp_path, estimator):
     """REINFORCE++ and GAE whiten advantages over the whole batch, and GRPO with adv_std_scope=batch divides by the

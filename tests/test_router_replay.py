@@ -228,3 +228,34 @@ def test_router_replay_through_the_loop_dp2_matches_dp1(tmp_path, mode, monkeypa
     run_ranks(_dp_rank_with, 2, model_dir, tmp_path / "two", *extra)
     _assert_dp2_matches_dp1(tmp_path)
     assert len(_rows(tmp_path / "one")) == 4
+
+
+def test_r3_routes_come_from_an_engine_process_and_from_the_rollout_thread(tmp_path, monkeypatch):
+    """rollout.mode=disaggregated (the engine in a process of its own, on-policy): the completions bring their
+    routes through the pipe and the run is bit for bit the colocated R3 run. rollout.mode=async (a thread
+    generating one step ahead): every update replays too."""
+    from moeloop.loop.rl import run_rl
+    from moeloop.model.factory import init_model
+    from tests.test_rl_async import ASYNC
+    from tests.test_rl_loop import _cfg, _metrics, _weights
+    import moeloop.train.actor as actor_module
+    replayed = []
+    real = actor_module.route_tape
+
+    def spy(batch, mode):
+        tape = real(batch, mode)
+        replayed.append(tape is not None and tape.replay_LTK is not None)
+        return tape
+    monkeypatch.setattr(actor_module, "route_tape", spy)
+    model_dir = init_model("qwen3_moe", "tiny", tmp_path / "m", seed=3)
+    r3 = ("actor.router_replay=R3", "actor.ppo_epochs=2")
+    run_rl(_cfg(model_dir, tmp_path / "apart", *r3, "rollout.mode=disaggregated", "rollout.max_staleness=0"))
+    assert replayed and all(replayed)
+    replayed.clear()
+    run_rl(_cfg(model_dir, tmp_path / "col", *r3))
+    assert _metrics(tmp_path / "apart") == _metrics(tmp_path / "col")
+    wa, wc = _weights(tmp_path / "apart"), _weights(tmp_path / "col")
+    assert all(torch.equal(wa[name], wc[name]) for name in wa)
+    replayed.clear()
+    run_rl(_cfg(model_dir, tmp_path / "ahead", *r3, *ASYNC))
+    assert replayed and all(replayed)

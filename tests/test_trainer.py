@@ -1,5 +1,7 @@
 """The trainer: micro-batch invariance of the update, DP=2/4 == DP=1 on the same global batch,
 logprobs equal to a naive forward, and the compact-stream forward equal to the full packed one."""
+import random
+
 import pytest
 import torch
 
@@ -138,3 +140,18 @@ def test_tis_at_the_cap_scales_the_update_by_the_cap():
     start = _params(tiny_model())
     for name in start:
         torch.testing.assert_close(capped[name] - start[name], 1.5 * (base[name] - start[name]), rtol=1e-4, atol=1e-6)
+
+
+def test_top_entropy_selection_is_the_same_however_the_mini_batch_is_cut():
+    """actor.top_entropy_quantile: one threshold for the mini-batch (from the old entropies), so one or several
+    micro-batches give the same step; the selection changes the step."""
+    samples = rl_batch()
+    rng = random.Random(5)
+    for s in samples:
+        s.old_entropy = [rng.uniform(0, 3) for _ in s.response_ids]
+    whole = _train(10_000, samples, steps=1, top_entropy_quantile=0.3)[1]
+    cut = _train(max(s.num_tokens for s in samples), samples, steps=1, top_entropy_quantile=0.3)[1]
+    every = _train(10_000, samples, steps=1)[1]
+    for name in whole:
+        torch.testing.assert_close(cut[name], whole[name], rtol=1e-5, atol=1e-6)
+    assert any(not torch.allclose(whole[name], every[name]) for name in whole)

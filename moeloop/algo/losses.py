@@ -38,10 +38,12 @@ class PolicyInputs:
     ref_logprobs_T: Optional[torch.Tensor] = None  # needed when use_kl_loss
     entropy_T: Optional[torch.Tensor] = None  # needed when entropy_coeff != 0
     rollout_logprobs_T: Optional[torch.Tensor] = None  # the engine's logprobs; needed when tis_cap > 0
+    pg_keep_T: Optional[torch.Tensor] = None  # 0/1: the tokens the policy-gradient term keeps (top-entropy selection)
 
     def check(self) -> None:
         shape = self.logprobs_T.shape
-        for name in ("old_logprobs_T", "advantages_T", "loss_mask_T", "ref_logprobs_T", "entropy_T", "rollout_logprobs_T"):
+        for name in ("old_logprobs_T", "advantages_T", "loss_mask_T", "ref_logprobs_T", "entropy_T", "rollout_logprobs_T",
+                     "pg_keep_T"):
             value = getattr(self, name)
             if value is not None and value.shape != shape:
                 raise ValueError(f"{name} has shape {tuple(value.shape)}, logprobs_T has {tuple(shape)}")
@@ -204,6 +206,9 @@ def actor_loss(inputs: PolicyInputs, cfg: ActorSection, denominator: float,
             tis["tis_capped_frac"] = _masked_mean(clamped.float(), inputs.loss_mask_T)
         else:
             tis["tis_masked_frac"] = _masked_mean((w_T == 0).float(), inputs.loss_mask_T)
+    if inputs.pg_keep_T is not None:  # the KL and entropy terms keep every token
+        pg_T = pg_T * inputs.pg_keep_T
+        tis["pg_token_kept_frac"] = _masked_mean(inputs.pg_keep_T, inputs.loss_mask_T)
     if cfg.off_policy_mask_threshold is not None:
         keep_T = off_policy_keep_T(inputs, cfg.off_policy_mask_threshold)
         pg_T = pg_T * keep_T

@@ -280,6 +280,10 @@ class ActorSection:
     # router replay (moeloop.model.routes): off | R2 (the old-logprob pass records each token's experts, the update
     # replays them) | R3 (the rollout engine records them, the old-logprob pass and the update replay them)
     router_replay: str = "off"
+    # < 1: only this top fraction of a mini-batch's loss tokens by entropy (the old policy's, over every DP rank)
+    # takes part in the policy-gradient term (Wang et al. 2025, "Beyond the 80/20 rule"; TRL's
+    # top_entropy_quantile); the KL and entropy terms keep every token, the denominators are unchanged
+    top_entropy_quantile: float = 1.0
     offload: OffloadSection = field(default_factory=OffloadSection)
 
     def check(self, prefix: str = "actor") -> None:
@@ -290,6 +294,7 @@ class ActorSection:
         _require(self.sapo_tau_pos > 0, f"{prefix}.sapo_tau_pos", "must be > 0")
         _require(self.sapo_tau_neg > 0, f"{prefix}.sapo_tau_neg", "must be > 0")
         _require(self.router_replay in ("off", "R2", "R3"), f"{prefix}.router_replay", "must be off|R2|R3")
+        _require(0 < self.top_entropy_quantile <= 1, f"{prefix}.top_entropy_quantile", "must be in (0, 1] (1 = off)")
         tis_modes = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
         _require(self.tis_mode in tis_modes, f"{prefix}.tis_mode", f"must be one of {'|'.join(tis_modes)}")
         _require(self.tis_floor >= 0, f"{prefix}.tis_floor", "must be >= 0")

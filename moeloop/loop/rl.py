@@ -196,16 +196,19 @@ def fill_old_logprobs(c: Components, cfg: RunConfig, samples: list[Sample], off_
     """Old-policy logprobs: from the rollout (bypass, and always for an `off_policy` batch: the policy that
     sampled it is the old one), recomputed, or — when the update is exactly on-policy (one epoch, one mini-batch,
     no KL-in-reward) — left unset: the actor then uses its own detached logprobs, which is the same gradient
-    without a second forward pass."""
-    if not cfg.actor.recompute_old_logprobs or off_policy:
+    without a second forward pass. With actor.top_entropy_quantile < 1 the pass always runs, for the old policy's
+    entropies (`sample.old_entropy`)."""
+    bypass = not cfg.actor.recompute_old_logprobs or off_policy
+    if bypass:
         for s in samples:
             s.old_logprobs = list(s.response_logprobs)
-        return
     on_policy = (cfg.actor.ppo_epochs == 1 and cfg.actor.ppo_mini_batch_size == cfg.data.train_batch_size
                  and not cfg.algorithm.use_kl_in_reward and not cfg.actor.force_old_logprob_pass)
-    if not on_policy:  # router replay: R2 records the experts here, R3 replays the rollout's
+    entropy = cfg.actor.top_entropy_quantile < 1  # the token selection reads the old policy's entropies
+    if entropy or not (bypass or on_policy):  # router replay: R2 records the experts here, R3 replays the rollout's
         routes = {"R2": "record", "R3": "replay"}.get(cfg.actor.router_replay, "off")
-        c.actor.compute_logprobs(samples, "old_logprobs", routes)
+        c.actor.compute_logprobs(samples, None if bypass else "old_logprobs", routes,
+                                 entropy_field="old_entropy" if entropy else None)
 
 
 def collect_batch(c: Components, cfg: RunConfig, timer: PhaseTimer, step: int) -> tuple[list[Sample], dict[str, float]]:

@@ -77,15 +77,21 @@ class PolicyForward:
             yield part, pack_samples(part or [dummy_sample()]).to(self.device)
 
     @torch.no_grad()
-    def compute_logprobs(self, samples: list[Sample], field: str, routes: str = "off") -> None:
-        """Teacher-forced logprob of each response token, written to `sample.<field>` (a list). `routes`: "replay"
-        routes through each sample's `routed_experts`, "record" sets them to the experts this pass chose."""
+    def compute_logprobs(self, samples: list[Sample], field: str | None, routes: str = "off",
+                         entropy_field: str | None = None) -> None:
+        """Teacher-forced logprob of each response token, written to `sample.<field>` (a list; None: not written).
+        `routes`: "replay" routes through each sample's `routed_experts`, "record" sets them to the experts this
+        pass chose. `entropy_field`: each response token's entropy is written there too."""
         self.model.eval()
         for part, batch in self.packed_micro_batches(samples):
             tape = route_tape(batch, routes)
-            logprobs_T, _ = self.forward_batch(batch, with_entropy=False, routes=tape)
+            logprobs_T, entropy_T = self.forward_batch(batch, with_entropy=entropy_field is not None, routes=tape)
             for seq, sample in enumerate(part):
-                setattr(sample, field, logprobs_T[batch.response_slice(seq)].float().cpu().tolist())
+                rows = batch.response_slice(seq)
+                if field is not None:
+                    setattr(sample, field, logprobs_T[rows].float().cpu().tolist())
+                if entropy_field is not None:
+                    setattr(sample, entropy_field, entropy_T[rows].float().cpu().tolist())
             if routes == "record" and part and tape.recorded:
                 for sample, recorded in zip(part, unpack_routes(batch, tape.stacked())):
                     sample.routed_experts = recorded
@@ -119,6 +125,27 @@ def route_tape(batch: PackedBatch, mode: str) -> RouteTape | None:
     if mode == "replay" and batch.replay_routes is not None:
         return RouteTape(batch.replay_routes, batch.replay_valid)
     return None
+
+
+def entropy_threshold(samples: list[Sample], top_fraction: float) -> float:
+    """The entropy at and above which a loss token is in the top `top_fraction` of the mini-batch's loss tokens over
+    every DP rank (torch.quantile's linear interpolation, as TRL's); -inf with none."""
+    local = [e for s in samples for e, m in zip(_old_entropy(s), response_mask_values(s)) if m]
+    values = local
+    if dp_size() > 1:
+        gathered: list[list[float]] = [[] for _ in range(dp_size())]
+        dist.all_gather_object(gathered, local)
+        values = [e for part in gathered for e in part]
+    if not values:
+        return float("-inf")
+    return float(torch.quantile(torch.tensor(values, dtype=torch.float64), 1.0 - top_fraction))
+
+
+def _old_entropy(sample: Sample) -> list[float]:
+    if sample.old_entropy is None:
+        raise ValueError("actor.top_entropy_quantile < 1 needs each sample's old_entropy (the old-logprob pass "
+                         "writes it: moeloop.loop.rl.fill_old_logprobs)")
+    return sample.old_entropy
 
 
 def global_metrics(local: dict[str, float]) -> dict[str, float]:
@@ -184,12 +211,18 @@ class Actor(PolicyForward):
         denominator = all_reduce_scalar(global_loss_denominators(samples, self.cfg.loss_agg_mode, self.max_response_length))
         denominator = max(denominator, 1.0)
         per_micro: list[dict[str, float]] = []
+        top = self.cfg.top_entropy_quantile
+        threshold = entropy_threshold(samples, top) if top < 1 else None  # one for the mini-batch: cut-invariant
         for part, batch in self.packed_micro_batches(samples):
             tape = route_tape(batch, "replay" if self.cfg.router_replay != "off" else "off")
             logprobs_T, entropy_T = self.forward_batch(batch, with_entropy=True, routes=tape)  # entropy: bonus, metric
             old = batch.old_logprobs_T if batch.old_logprobs_T is not None else logprobs_T.detach()
+            keep = None
+            if threshold is not None:  # the dummy micro-batch of a rank with no work carries no entropies
+                keep = (torch.zeros_like(old) if batch.old_entropy_T is None
+                        else (batch.old_entropy_T >= threshold).to(old.dtype))
             inputs = PolicyInputs(logprobs_T, old, batch.advantages_T, batch.loss_mask_T, batch.cu_seqlens,
-                                  batch.ref_logprobs_T, entropy_T, batch.rollout_logprobs_T)
+                                  batch.ref_logprobs_T, entropy_T, batch.rollout_logprobs_T, keep)
             loss, m = actor_loss(inputs, self.cfg, denominator, host_metrics=False)
             (loss * dp_size()).backward()  # FSDP averages gradients over DP; the loss is already global
             if part:

@@ -33,6 +33,7 @@ from moeloop.types import Sample
 
 PER_TOKEN_FIELDS = {  # PackedBatch field -> Sample field (one value per response token)
     "old_logprobs_T": "old_logprobs",
+    "old_entropy_T": "old_entropy",
     "ref_logprobs_T": "ref_logprobs",
     "rollout_logprobs_T": "response_logprobs",
     "advantages_T": "advantages",
@@ -54,6 +55,7 @@ class PackedBatch:
     prompt_lens: list[int]
     response_lens: list[int]
     old_logprobs_T: Optional[torch.Tensor] = None
+    old_entropy_T: Optional[torch.Tensor] = None
     ref_logprobs_T: Optional[torch.Tensor] = None
     rollout_logprobs_T: Optional[torch.Tensor] = None
     advantages_T: Optional[torch.Tensor] = None
