@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from moeloop.config import load_config
+from moeloop.errors import InputError
 from moeloop.loop.rl import run_rl
 from moeloop.model.factory import init_model
 from moeloop.model.hf_io import load_pretrained
@@ -215,6 +216,39 @@ def test_cispo_with_sequence_weights_and_off_policy_masking_dp2_matches_dp1(mode
     rows = _rows(tmp_path / "one")
     assert all(0 <= r["opsm_masked_frac"] <= 1 and 0 <= r["tis_masked_frac"] <= 1 for r in rows)
     assert any(r["opsm_masked_frac"] > 0 for r in rows)  # the second epoch's policy has moved off the sampling one
+
+
+def test_the_reference_moves_toward_the_actor_and_resumes(model_dir, tmp_path):
+    """actor.ref_sync_steps=2, alpha 0.5: after steps 2 and 4 ref = 0.5 actor + 0.5 ref (checked against the actor's
+    export after step 4); a run stopped at step 2 and resumed saves and reloads the moved reference, so its metrics
+    equal the straight run's (KL loss on, so the reference shapes every update)."""
+    ref_sync = ("actor.use_kl_loss=true", "actor.kl_loss_coef=0.5", "actor.ref_sync_steps=2",
+                "actor.ref_sync_alpha=0.5")
+    seen = {}
+    import moeloop.loop.rl as rl_module
+    real = rl_module.mix_into
+
+    def spy(target, source, alpha):
+        before = {n: p.detach().clone() for n, p in target.named_parameters()}
+        real(target, source, alpha)
+        seen[len(seen)] = (before, {n: p.detach().clone() for n, p in target.named_parameters()},
+                           {n: p.detach().clone() for n, p in source.named_parameters()})
+    rl_module.mix_into = spy
+    try:
+        run_rl(_cfg(model_dir, tmp_path / "a", *ref_sync))
+    finally:
+        rl_module.mix_into = real
+    assert len(seen) == 2  # after steps 2 and 4
+    before, after, actor = seen[1]
+    for name in after:
+        torch.testing.assert_close(after[name], 0.5 * actor[name] + 0.5 * before[name], rtol=1e-6, atol=1e-7)
+    assert [r["ref/synced"] for r in _rows(tmp_path / "a")] == [0.0, 1.0, 0.0, 1.0]
+    run_rl(_cfg(model_dir, tmp_path / "b", *ref_sync, f"trainer.steps={STEPS // 2}"))
+    assert (tmp_path / "b" / "checkpoints" / "ref" / "step_000002" / "meta.json").is_file()
+    run_rl(_cfg(model_dir, tmp_path / "b", *ref_sync), resume=True)
+    assert _metrics(tmp_path / "a") == _metrics(tmp_path / "b")
+    with pytest.raises(InputError, match="ref_sync_steps=2 moves the reference policy, which only a KL term reads"):
+        _cfg(model_dir, tmp_path / "c", "actor.ref_sync_steps=2")
 
 
 def test_top_entropy_selection_dp2_matches_dp1(model_dir, tmp_path):

@@ -155,3 +155,14 @@ def test_top_entropy_selection_is_the_same_however_the_mini_batch_is_cut():
     for name in whole:
         torch.testing.assert_close(cut[name], whole[name], rtol=1e-5, atol=1e-6)
     assert any(not torch.allclose(whole[name], every[name]) for name in whole)
+
+
+def test_mix_into_moves_each_parameter_toward_the_source():
+    from moeloop.train.actor import mix_into
+    target, source = tiny_model(seed=1), tiny_model(seed=2)
+    start = _params(target)
+    mix_into(target, source, 0.25)
+    for name, p in target.named_parameters():
+        torch.testing.assert_close(p.detach(), 0.75 * start[name] + 0.25 * dict(source.named_parameters())[name].detach())
+    mix_into(target, source, 1.0)
+    assert all(torch.equal(p, q) for p, q in zip(target.parameters(), source.parameters()))

@@ -81,6 +81,9 @@ def validate(cfg: RunConfig) -> None:
     if cfg.trainer.log_val_generations and not cfg.trainer.val_every:  # (it would log nothing)
         raise InputError(f"trainer.log_val_generations={cfg.trainer.log_val_generations} needs trainer.val_every > 0 "
                          f"(and data.val_files): it logs the generations of each validation")
+    if cfg.actor.ref_sync_steps and not (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward):
+        raise InputError(f"actor.ref_sync_steps={cfg.actor.ref_sync_steps} moves the reference policy, which only a "
+                         f"KL term reads: set actor.use_kl_loss=true or algorithm.use_kl_in_reward=true")
     if cfg.algorithm.adv_estimator == "gae" and not cfg.critic.enable:
         raise InputError("algorithm.adv_estimator=gae needs critic.enable=true")
     if cfg.trainer.critic_warmup < 0 or (cfg.trainer.critic_warmup and not cfg.critic.enable):

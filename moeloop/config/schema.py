@@ -260,6 +260,10 @@ class ActorSection:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
+    # > 0: every this-many steps the reference policy moves toward the actor, ref = alpha * actor + (1 - alpha) * ref
+    # (TRL's sync_ref_model with ref_model_sync_steps / ref_model_mixup_alpha; alpha 1 = ProRL's reference reset)
+    ref_sync_steps: int = 0
+    ref_sync_alpha: float = 1.0
     entropy_coeff: float = 0.0
     grad_clip: float = 1.0
     recompute_old_logprobs: bool = True  # False = bypass: take old logprobs from the rollout
@@ -294,6 +298,8 @@ class ActorSection:
         _require(self.sapo_tau_pos > 0, f"{prefix}.sapo_tau_pos", "must be > 0")
         _require(self.sapo_tau_neg > 0, f"{prefix}.sapo_tau_neg", "must be > 0")
         _require(self.router_replay in ("off", "R2", "R3"), f"{prefix}.router_replay", "must be off|R2|R3")
+        _require(self.ref_sync_steps >= 0, f"{prefix}.ref_sync_steps", "must be >= 0 (0 = off)")
+        _require(0 < self.ref_sync_alpha <= 1, f"{prefix}.ref_sync_alpha", "must be in (0, 1]")
         _require(0 < self.top_entropy_quantile <= 1, f"{prefix}.top_entropy_quantile", "must be in (0, 1] (1 = off)")
         tis_modes = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
         _require(self.tis_mode in tis_modes, f"{prefix}.tis_mode", f"must be one of {'|'.join(tis_modes)}")

@@ -169,6 +169,8 @@ class Components:
                              kl_ctrl=self.kl_ctrl.state_dict())
             if self.critic is not None:
                 self.critic_ckpt.save(step, self.critic.model, self.critic.optimizer, {"step": step})
+            if self.ref is not None and self.cfg.actor.ref_sync_steps:  # the reference moves: it is state too
+                self.beside_ckpt("ref").save(step, self.ref.model, None, {"step": step})
         hf_every = self.cfg.checkpoint.export_hf_every
         if (hf_every and step % hf_every == 0) or (last and self.cfg.checkpoint.export_hf_final):
             export_hf(self.actor.named_weights(), self.actor.model.cfg, self.env.run_dir / "hf",
@@ -176,7 +178,11 @@ class Components:
 
     @property
     def critic_ckpt(self) -> CheckpointManager:
-        return CheckpointManager(self.ckpt.directory / "critic", self.ckpt.keep)
+        return self.beside_ckpt("critic")
+
+    def beside_ckpt(self, name: str) -> CheckpointManager:
+        """The checkpoints of another model saved with the actor's (<dir>/<name>/step_N)."""
+        return CheckpointManager(self.ckpt.directory / name, self.ckpt.keep)
 
     def finish(self) -> None:
         self.logger.close()
@@ -248,11 +254,11 @@ def check_ground_truths(cfg: RunConfig, files: list[str], data: PromptDataset | 
                          f"reward.fn={needs[0]} scores each response against it")
 
 
-def critic_checkpoint(actor_checkpoint: Path) -> Path:
-    """The critic's checkpoint saved with `actor_checkpoint` (critic/step_N beside it)."""
-    path = actor_checkpoint.parent / "critic" / actor_checkpoint.name
+def beside_checkpoint(actor_checkpoint: Path, name: str, why: str) -> Path:
+    """Another model's checkpoint saved with `actor_checkpoint` (<name>/step_N beside it); `why` it is needed."""
+    path = actor_checkpoint.parent / name / actor_checkpoint.name
     if not (path / "meta.json").is_file():
-        raise InputError(f"{actor_checkpoint}: no critic checkpoint saved with it ({path}), and critic.enable=true")
+        raise InputError(f"{actor_checkpoint}: no {name} checkpoint saved with it ({path}), and {why}")
     return path
 
 
@@ -310,7 +316,12 @@ def build_components(cfg: RunConfig, resume: bool) -> Components:
         if "kl_ctrl" in meta:  # (checkpoints from before the controller: the configured coefficient)
             c.kl_ctrl.load_state_dict(meta["kl_ctrl"])
         if c.critic is not None:
-            c.critic_ckpt.load(critic_checkpoint(latest), c.critic.model, c.critic.optimizer)
+            c.critic_ckpt.load(beside_checkpoint(latest, "critic", "critic.enable=true"), c.critic.model,
+                               c.critic.optimizer)
+        if c.ref is not None and cfg.actor.ref_sync_steps and c.start_step >= cfg.actor.ref_sync_steps:
+            path = beside_checkpoint(latest, "ref", f"actor.ref_sync_steps={cfg.actor.ref_sync_steps} has moved the "
+                                     f"reference policy since step {cfg.actor.ref_sync_steps}")
+            c.beside_ckpt("ref").load(path, c.ref.model, None)
         c.syncer.push(c.actor.named_weights(), c.engine, version=meta["step"])
     c.logger.start_at(c.start_step)
     return c

@@ -30,6 +30,7 @@ from moeloop.loop.remote_rollout import half_threads
 from moeloop.loop.step_metrics import batch_metrics, logprob_mismatch
 from moeloop.parallel.collectives import global_values
 from moeloop.reward.composite import component_names
+from moeloop.train.actor import mix_into
 from moeloop.types import Sample
 
 
@@ -75,6 +76,9 @@ def _rl_step(c: Components, cfg: RunConfig, step: int, batches: RolloutInLine) -
     batches.join(timer)  # async: the engine finishes the next batch on its weights before they change
     with timer("update_weights"):
         sync = c.syncer.push(c.actor.named_weights(), c.engine, version=step + 1)
+        ref_synced = c.ref is not None and c.cfg.actor.ref_sync_steps and (step + 1) % c.cfg.actor.ref_sync_steps == 0
+        if ref_synced:
+            mix_into(c.ref.model, c.actor.model, cfg.actor.ref_sync_alpha)
     every, last_step = cfg.trainer.val_every, step + 1 == cfg.trainer.steps  # (the last step too, as verl's)
     val_metrics = c.evaluate(step + 1) if every and ((step + 1) % every == 0 or last_step) else {}
     with timer("save_checkpoint"):
@@ -85,7 +89,8 @@ def _rl_step(c: Components, cfg: RunConfig, step: int, batches: RolloutInLine) -
             **{f"time/{k}_beside": v for k, v in beside.items()},
             "sync/gb_per_s": sync.gb_per_s, "sync/bytes": sync.num_bytes, "policy/version": sync.version,
             "policy/sample_lag": step - min((s.policy_version for s in samples), default=step),
-            "memory/peak_bytes": peak_memory_bytes(c.env.device), "memory/planned_peak_bytes": c.planned_peak_bytes}
+            "memory/peak_bytes": peak_memory_bytes(c.env.device), "memory/planned_peak_bytes": c.planned_peak_bytes,
+            **({"ref/synced": float(bool(ref_synced))} if c.cfg.actor.ref_sync_steps else {})}
     last.update(kl_metrics)
     c.logger.log(step + 1, last)
     if val_metrics:

@@ -117,6 +117,22 @@ def packed_hidden(model: nn.Module, batch: PackedBatch, routes: RouteTape | None
     return gather_rows(hidden_UD, RowMap.of_gather(st.gather_T, st.owner_U))
 
 
+@torch.no_grad()
+def mix_into(target: nn.Module, source: nn.Module, alpha: float) -> None:
+    """target <- alpha * source + (1 - alpha) * target, parameter by parameter (alpha 1: a copy). The two models
+    have the same parameter names and, under FSDP, the same sharding: each rank mixes its own shards."""
+    sources = dict(source.named_parameters())
+    targets = dict(target.named_parameters())
+    if sources.keys() != targets.keys():
+        raise ValueError(f"mix_into: the models' parameters differ ({sorted(set(sources) ^ set(targets))[:3]} ...)")
+    for name, p in targets.items():
+        s = sources[name].detach().to(p.dtype)
+        if alpha == 1.0:
+            p.copy_(s)
+        else:
+            p.lerp_(s, alpha)
+
+
 def route_tape(batch: PackedBatch, mode: str) -> RouteTape | None:
     """The route tape of a pass: "record" the experts chosen, "replay" the batch's routes (when it carries any),
     "off" none."""
