@@ -30,6 +30,7 @@ class Sample:
     reward: float = 0.0
     reward_status: RewardStatus = "pending"
     reward_info: dict[str, Any] = field(default_factory=dict)
+    baseline: float | None = None  # ReMax: the reward of the prompt's greedy response (None: it fell back)
     # filled by the trainer / algorithm, per response token
     old_logprobs: list[float] | None = None
     old_entropy: list[float] | None = None  # the old policy's entropy at each response token (actor.top_entropy_quantile)

@@ -134,6 +134,21 @@ def test_reinforce_pp_baseline():
     approx(samples[3].advantages, [0.0, 0.0, 0.0])
 
 
+def test_remax_subtracts_the_greedy_reward():
+    """ReMax: return minus the prompt's greedy reward at every counted token (gamma 1: the return is the reward);
+    gamma 0.5 discounts the outcome reward back from the last token; no baseline, or a masked sample: zero."""
+    samples = [S(1.0, 0, 2, baseline=0.25), S(0.0, 0, 3, baseline=0.25, loss_mask=[1, 0, 1]), S(2.0, 1, 1),
+               S(5.0, 2, 2, masked=True, baseline=1.0)]
+    compute_advantages(samples, AlgorithmSection(adv_estimator="remax"))
+    approx(samples[0].advantages, [0.75, 0.75])
+    approx(samples[1].advantages, [-0.25, 0.0, -0.25])
+    approx(samples[2].advantages, [0.0])  # its greedy response's reward fell back
+    approx(samples[3].advantages, [0.0, 0.0])
+    approx(samples[0].returns, [1.0, 1.0])
+    discounted = compute_advantages([S(1.0, 0, 3, baseline=0.1)], AlgorithmSection(adv_estimator="remax", gamma=0.5))
+    approx(discounted[0].advantages, [0.25 - 0.1, 0.5 - 0.1, 1.0 - 0.1])
+
+
 def test_gae_by_hand():
     samples = [S(1.0, 0, 3, values=[0.5, 0.4, 0.2]), S(0.0, 1, 1, values=[0.3]), S(5.0, 2, 2, masked=True)]
     compute_advantages(samples, AlgorithmSection(adv_estimator="gae", gamma=0.9, lam=0.8))

@@ -251,6 +251,32 @@ def test_the_reference_moves_toward_the_actor_and_resumes(model_dir, tmp_path):
         _cfg(model_dir, tmp_path / "c", "actor.ref_sync_steps=2")
 
 
+def test_remax_baselines_are_the_greedy_rewards_and_dp2_matches_dp1(model_dir, tmp_path, monkeypatch):
+    """algorithm.adv_estimator=remax: each prompt's baseline is the reward of its greedy response (checked at step 1
+    against a greedy generate of the starting model), the mean is logged, and 2 ranks give 1 rank's update."""
+    import moeloop.loop.rl as rl_module
+    from moeloop.loop.components import build_components
+    seen = []
+    real = rl_module.compute_advantages
+    monkeypatch.setattr(rl_module, "compute_advantages",
+                        lambda samples, cfg: seen.append([(s.prompt_ids, s.baseline) for s in samples]) or real(samples, cfg))
+    remax = ("algorithm.adv_estimator=remax",)
+    _dp_rank_with(0, 1, model_dir, tmp_path / "one", *remax)
+    c = build_components(_cfg(model_dir, tmp_path / "greedy"), resume=False)
+    try:
+        prompts = list(dict.fromkeys(tuple(p) for p, _ in seen[0]))
+        greedy = c.rollout.generate([c.train[i] for i in range(len(c.train)) if tuple(c.train[i].prompt_ids) in prompts],
+                                    c.rollout.params(1, 0.0), 0)
+    finally:
+        c.finish()
+    want = {tuple(g.prompt_ids): digit_reward(g) for g in greedy}
+    assert len(want) == len(prompts) == 4 and {tuple(p): b for p, b in seen[0]} == want
+    rows = _rows(tmp_path / "one")
+    assert rows[0]["reward/baseline_rate"] == pytest.approx(sum(want.values()) / 4)
+    run_ranks(_dp_rank_with, 2, model_dir, tmp_path / "two", *remax)
+    _assert_dp2_matches_dp1(tmp_path)
+
+
 def test_top_entropy_selection_dp2_matches_dp1(model_dir, tmp_path):
     """actor.top_entropy_quantile=0.5: the threshold is taken over every rank's loss tokens (2 ranks give 1 rank's
     update), from the old-logprob pass's entropies, which runs for them although the update is on-policy."""

@@ -1,5 +1,6 @@
 """Advantage estimators over a batch of `Sample`: grpo (and Dr.GRPO), rloo, reinforce_pp,
-reinforce_pp_baseline and gae; each writes per-response-token `sample.advantages` (gae also `returns`).
+reinforce_pp_baseline, gae and remax; each writes per-response-token `sample.advantages` (gae, reinforce_pp and
+remax also `returns`).
 
 Semantics follow verl's core_algos. Masked samples (`not sample.in_loss`) are left out of every
 group baseline and batch statistic and get zero advantages. A group (same `group_id`) with a
@@ -167,12 +168,25 @@ def gae(samples: list[Sample], cfg: AlgorithmSection) -> None:
         sample.advantages = adv.tolist()
 
 
+def remax(samples: list[Sample], cfg: AlgorithmSection) -> None:
+    """ReMax (Li et al. 2023): A_t = G_t - b, G the discounted token-level return (KL-shaped rewards if applied) and
+    b the reward of the prompt's greedy response (`sample.baseline`); no whitening (verl's remax). A sample whose
+    baseline fell back (None) gets zero advantages: there is nothing to compare it with."""
+    for sample in samples:
+        mask = response_mask(sample)
+        returns = discounted_returns(token_rewards(sample), mask, cfg.gamma) * mask
+        baseline = sample.baseline if sample.baseline is not None and sample.in_loss else None
+        sample.returns = returns.tolist()
+        sample.advantages = ((returns - baseline) * mask if baseline is not None else mask * 0.0).tolist()
+
+
 ADV_ESTIMATORS: dict[str, Callable[[list[Sample], AlgorithmSection], None]] = {
     "grpo": grpo,
     "rloo": rloo,
     "reinforce_pp": reinforce_pp,
     "reinforce_pp_baseline": reinforce_pp_baseline,
     "gae": gae,
+    "remax": remax,
 }
 
 

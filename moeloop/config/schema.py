@@ -182,7 +182,9 @@ class RewardSection:
 
 @dataclass
 class AlgorithmSection:
-    adv_estimator: str = "grpo"  # grpo | rloo | reinforce_pp | reinforce_pp_baseline | gae
+    # grpo | rloo | reinforce_pp | reinforce_pp_baseline | gae | remax (each prompt also gets a greedy response,
+    # whose reward is its samples' baseline; ReMax, verl's remax)
+    adv_estimator: str = "grpo"
     norm_adv_by_std: bool = True  # False = Dr.GRPO
     adv_std_scope: str = "group"  # grpo's std: group | batch (every score of the step's batch; TRL's scale_rewards)
     gamma: float = 1.0
@@ -201,7 +203,7 @@ class AlgorithmSection:
     mask_truncated: bool = False  # DAPO overlong filtering: responses cut at the length limit leave the loss
 
     def check(self) -> None:
-        ests = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")
+        ests = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae", "remax")
         _require(self.adv_estimator in ests, "algorithm.adv_estimator", f"must be one of {'|'.join(ests)}")
         _require(self.adv_std_scope in ("group", "batch"), "algorithm.adv_std_scope", "must be group|batch")
         _require(self.kl_penalty in ("k1", "k2", "k3", "low_var_kl"), "algorithm.kl_penalty", "must be k1|k2|k3|low_var_kl")

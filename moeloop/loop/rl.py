@@ -226,10 +226,22 @@ def collect_batch(c: Components, cfg: RunConfig, timer: PhaseTimer, step: int) -
 
 def _generate_and_score(c: Components, cfg: RunConfig, timer: PhaseTimer, step: int, round_idx: int,
                         examples: list, positions: list[int]) -> tuple[list[Sample], dict[str, float]]:
+    remax = cfg.algorithm.adv_estimator == "remax"
     with timer("gen"):
-        fresh = c.rollout.generate(examples, c.train_params(step, round_idx, positions), c.next_group_base(len(examples)))
+        params, k = c.train_params(step, round_idx, positions), len(examples)
+        base = c.next_group_base(2 * k if remax else k)
+        if remax:  # each prompt's greedy response too, in the same generate call (groups base + k ...)
+            both = c.rollout.generate(examples + examples, params + [c.rollout.params(1, 0.0)] * k, base)
+            fresh, greedy = [s for s in both if s.group_id < base + k], [s for s in both if s.group_id >= base + k]
+        else:
+            fresh = c.rollout.generate(examples, params, base)
     with timer("reward"):
         stats = c.rewards.score(fresh)
+        if remax:
+            c.rewards.score(greedy)  # (its own fallbacks: those prompts' samples get no advantage)
+            baselines = {s.group_id - k: s.reward if s.in_loss else None for s in greedy}
+            for s in fresh:
+                s.baseline = baselines[s.group_id]
         if stats.errors:  # (reward.fallback=fail raised already)
             c.logger.note(f"step {step + 1}: {len(stats.errors)} of {len(fresh)} rewards fell back "
                           f"(reward.fallback={cfg.reward.fallback}); first error: {stats.errors[0]}")
@@ -238,7 +250,10 @@ def _generate_and_score(c: Components, cfg: RunConfig, timer: PhaseTimer, step: 
                              cfg.algorithm.overlong_penalty_factor)
         if cfg.algorithm.mask_truncated:  # (how many: response/clip_ratio)
             mask_truncated(fresh)
-    return fresh, stats.metrics()
+    metrics = stats.metrics()
+    if remax:  # a sum over the samples, so reward/baseline_rate is their prompts' mean greedy reward
+        metrics["reward/baseline"] = sum(s.baseline or 0.0 for s in fresh)
+    return fresh, metrics
 
 
 def _dynamic_batch(c: Components, cfg: RunConfig, timer: PhaseTimer, step: int) -> tuple[list[Sample], dict[str, float]]:
