@@ -576,6 +576,23 @@ def test_val_kwargs_set_the_sampled_validations_sampling(model_dir, tmp_path):
     assert val["acc/val_sampled"] == val["acc/val"]
 
 
+def test_val_before_train_false_skips_the_step_0_validation(model_dir, tmp_path):
+    """trainer.val_before_train=false: validations at steps 2 and 4 only; true (the default): step 0 too; a
+    validate-only run (trainer.steps=0) validates whatever it says."""
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(3)))
+    extra = (f"data.val_files=[{val}]", "trainer.val_every=2", "trainer.val_samples=0", "reward.fn=arith")
+    for flag, want in (("false", [2, 4]), ("true", [0, 2, 4])):
+        run_rl(_cfg(model_dir, tmp_path / flag, *extra, f"trainer.val_before_train={flag}"))
+        assert [r["step"] for r in _rows_of(tmp_path / flag / "val.jsonl")] == want
+    run_rl(_cfg(model_dir, tmp_path / "only", *extra, "trainer.val_before_train=false", "trainer.steps=0"))
+    assert [r["step"] for r in _rows_of(tmp_path / "only" / "val.jsonl")] == [0]
+
+
+def _rows_of(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
 def test_each_validation_prints_a_console_line(tmp_path, capsys):
     """With the console sink a validation prints its metrics on a line of its own (step 0's was printed nowhere, so
     an evaluation-only run, trainer.steps=0, showed nothing)."""

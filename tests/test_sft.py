@@ -216,6 +216,8 @@ def test_sft_validation_and_conversations_on_2_ranks_match_1_rank(model_dir, tmp
     assert [row["val/sft_loss"] for row in rows["two"]] == pytest.approx(losses, rel=1e-5)
     assert _losses(tmp_path / "two") == pytest.approx(_losses(tmp_path / "one"), rel=1e-5)
     assert [p.name for p in plot_run(tmp_path / "one")] == ["loss.png", "phases.png"]
+    _sft_rank(0, 1, model_dir, tmp_path / "late", *extra, "trainer.val_before_train=false")
+    assert [json.loads(line)["step"] for line in (tmp_path / "late" / "val.jsonl").read_text().splitlines()] == [2, 4, 5]
 
 
 def test_a_fresh_run_in_the_data_directory_keeps_the_data(model_dir, tmp_path):

@@ -385,6 +385,7 @@ class TrainerSection:
     steps: int = 10
     epochs: int = 0  # > 0: passes over data.train_files instead of trainer.steps (SFT and RL; loop.env.training_steps)
     val_every: int = 0
+    val_before_train: bool = True  # validate at step 0 too (verl's name); a run of trainer.steps=0 always does
     val_samples: int = 4  # samples per held-out prompt for the sampled accuracy (0 = greedy only)
     log: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
     run_dir: str = "runs/default"

@@ -37,7 +37,7 @@ from moeloop.types import Sample
 def run_rl(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
     c = build_components(cfg, resume)
     last: dict[str, float] = {}
-    if c.start_step == 0 and cfg.trainer.val_every:
+    if c.start_step == 0 and cfg.trainer.val_every and (cfg.trainer.val_before_train or cfg.trainer.steps == 0):
         c.logger.log(0, c.evaluate(0), "val.jsonl")
     batches = RolloutAhead(c, cfg) if cfg.rollout.generates_ahead else RolloutInLine(c, cfg)
     try:

@@ -50,7 +50,7 @@ def run_sft(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
     logger.start_at(start)
     timer, last = PhaseTimer(), {}
     val_every = cfg.trainer.val_every
-    if val is not None and val_every and start == 0:
+    if val is not None and val_every and start == 0 and (cfg.trainer.val_before_train or steps == 0):
         logger.log(0, actor.sft_eval(val), "val.jsonl")
     per_rank = cfg.data.train_batch_size // env.world_size
     for step in range(start, steps):
