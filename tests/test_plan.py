@@ -134,6 +134,48 @@ def test_async_keeps_the_engine_beside_the_trainer_in_every_phase():
     assert not any("GPUs for rollout" in p for p in plan.problems) and plan.offload_s == 0.0
 
 
+def test_the_kl_reference_and_the_critic_are_planned_in_every_phase():
+    """A KL term keeps a reference model on the GPU (model.dtype, sharded as the actor's weights), and PPO's critic
+    its own weights, grads and optimizer: both were missing from the ledger, so a KL or PPO run could OOM past the
+    planned peak."""
+    base = load_config(DSV3, ["actor.use_kl_loss=false", "algorithm.use_kl_in_reward=false"])
+    layout = Layout.from_section(base.parallel)
+    stats = model_stats(ModelConfig.from_hf_dict(dict(base.plan.hf_config)))
+    plain = memory_ledger(base, stats, layout)
+    assert plain.entries["ref_weights"] == plain.entries["critic_state"] == 0.0
+    kl = memory_ledger(load_config(DSV3, ["actor.use_kl_loss=true", "model.dtype=bfloat16", "plan.weight_bytes=4"]),
+                       stats, layout)
+    assert kl.entries["ref_weights"] == pytest.approx(kl.entries["weights"] / 2)  # bf16 copy of fp32 weights
+    ppo = memory_ledger(load_config(DSV3, ["actor.use_kl_loss=false", "algorithm.use_kl_in_reward=false",
+                                           "critic.enable=true", "algorithm.adv_estimator=gae",
+                                           "critic.max_tokens_per_micro_batch=16384"]), stats, layout)
+    state = plain.entries["weights"] + plain.entries["grads"] + plain.entries["optimizer"]
+    assert ppo.entries["critic_state"] == pytest.approx(state)
+    for phase in plain.phases:
+        assert {"ref_weights", "critic_state"} <= set(kl.phases[phase])
+        assert ppo.phase_bytes(phase) == pytest.approx(plain.phase_bytes(phase) + state)
+
+
+def test_the_step_time_counts_the_passes_and_responses_the_loop_runs():
+    """The old-logprob pass only when the loop runs it (not for an exactly on-policy update, always for the
+    top-entropy selection); ReMax's greedy response per prompt in generation and reward; the checkpoint holds the
+    critic's state and a moving reference."""
+    from moeloop.plan.step_time import old_logprob_pass
+    base = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "actor.ppo_epochs=1", "actor.use_kl_loss=false",
+            "algorithm.use_kl_in_reward=false"]
+    assert not old_logprob_pass(load_config(DSV3, base))
+    assert old_logprob_pass(load_config(DSV3, base + ["actor.ppo_mini_batch_size=4"]))
+    assert old_logprob_pass(load_config(DSV3, base + ["actor.top_entropy_quantile=0.2"]))
+    assert not old_logprob_pass(load_config(DSV3, base + ["actor.ppo_epochs=2", "actor.recompute_old_logprobs=false"]))
+    plain, remax = build_plan(load_config(DSV3, base)), build_plan(load_config(DSV3, base + ["algorithm.adv_estimator=remax"]))
+    n = load_config(DSV3, base).rollout.n
+    assert remax.phases_s["gen"] == pytest.approx(plain.phases_s["gen"] * (n + 1) / n)
+    kl = base[:-2] + ["actor.use_kl_loss=true"]
+    moving = build_plan(load_config(DSV3, kl + ["actor.ref_sync_steps=10"]))
+    fixed = build_plan(load_config(DSV3, kl))
+    assert moving.checkpoint["state_gb"] > fixed.checkpoint["state_gb"]
+
+
 def test_step_time_overlaps_generation_only_when_generated_ahead_elsewhere():
     """Generated ahead on devices of its own (disaggregated, max_staleness >= 1), gen + reward overlap the trainer
     side and the push waits for both; otherwise (async too: it shares the training GPUs' HBM) every phase runs in

@@ -3,7 +3,9 @@
 Entries (bytes per rank of the worst pipeline stage): weights, grads, optimizer, activations, logits,
 comm_buffers (all-gather / reduce buckets, FSDP unsharded layer, EP all-to-all), sync_buffers, rollout_weights
 (with the fused decode's packed copies, `decode_pack_bytes`), rollout_kv (colocated engine at its memory fraction),
-reserve. `plan.given_gb` replaces any of them.
+ref_weights (the KL reference, a second copy of the weights in model.dtype, sharded as the actor's), critic_state
+(PPO's critic: weights, grads and optimizer as the actor's), reserve. `plan.given_gb` replaces any of them. The
+reference and the critic stay on the GPU in every phase.
 Phases are the moments an entry set is live at once:
     train           weights + grads + optimizer (unless offloaded) + activations + logits + comm_buffers
     optimizer_step  weights + grads + optimizer (unless the step runs on CPU) + comm_buffers
@@ -27,8 +29,9 @@ from moeloop.plan.activations import (BF16, alltoall_bytes, logits_bytes, stage_
 
 GB = 1e9
 ENTRIES = ("weights", "grads", "optimizer", "activations", "logits", "comm_buffers", "sync_buffers",
-           "rollout_weights", "rollout_kv", "reserve")
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+           "rollout_weights", "rollout_kv", "ref_weights", "critic_state", "reserve")
+RESIDENT_COPIES = ("ref_weights", "critic_state")  # live in every phase
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 @dataclass
@@ -73,7 +76,7 @@ class StateBytes:
 
 def state_bytes(cfg: RunConfig) -> StateBytes:
     """Bytes per parameter; 0 in plan means torch AdamW in model.dtype (states in the parameter dtype)."""
-    d = _DTYPE_BYTES.get(cfg.model.dtype, 4)
+    d = DTYPE_BYTES.get(cfg.model.dtype, 4)
     p = cfg.plan
     return StateBytes(p.weight_bytes or d, p.grad_bytes or d, p.optimizer_bytes or 2 * d)
 
@@ -153,6 +156,7 @@ def _stage_ledger(cfg: RunConfig, stats: ModelStats, layout: Layout, stage: int,
     entries = _state_entries(cfg, stats, layout, stage)
     entries.update(_work_entries(cfg, stats, layout, stage))
     entries.update(_rollout_entries(cfg, stats, layout, colocated))
+    entries.update(_other_models(cfg, stats, layout, stage))
     entries["reserve"] = cfg.plan.reserve_gb * GB
     given = _apply_given(cfg, entries)
     ledger = Ledger(stage, entries, _phases(cfg, colocated), given)
@@ -174,6 +178,16 @@ def state_parts(cfg: RunConfig, stats: ModelStats, layout: Layout, stage: int) -
 
 def _state_entries(cfg: RunConfig, stats: ModelStats, layout: Layout, stage: int) -> dict[str, float]:
     return {name: d + e for name, (d, e) in state_parts(cfg, stats, layout, stage).items()}
+
+
+def _other_models(cfg: RunConfig, stats: ModelStats, layout: Layout, stage: int) -> dict[str, float]:
+    """The KL reference (with actor.use_kl_loss or algorithm.use_kl_in_reward: loaded in model.dtype, sharded as the
+    actor's weights) and the critic (critic.enable: its own weights, grads and optimizer, the actor's sizes)."""
+    state = _state_entries(cfg, stats, layout, stage)
+    params_per_rank = state["weights"] / state_bytes(cfg).weights
+    uses_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+    return {"ref_weights": params_per_rank * DTYPE_BYTES.get(cfg.model.dtype, 4) if uses_ref else 0.0,
+            "critic_state": sum(state.values()) if cfg.critic.enable else 0.0}
 
 
 LENT_BUFFERS = 2  # `sync.transport.LENT_BUFFERS` (the planner imports no torch; tests/test_plan.py checks they agree)
@@ -258,7 +272,7 @@ def _phases(cfg: RunConfig, colocated: bool) -> dict[str, tuple[str, ...]]:
     if colocated and cfg.rollout.mode == "async":
         engine = ("rollout_weights", "rollout_kv")
         phases = {name: tuple(e for e in members if e not in engine) + engine for name, members in phases.items()}
-    return phases
+    return {name: members + RESIDENT_COPIES for name, members in phases.items()}
 
 
 def _add_cpu(cfg: RunConfig, layout: Layout, ledger: Ledger) -> None:

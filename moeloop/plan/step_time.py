@@ -1,8 +1,9 @@
 """Step-time model: the phase shares seed 002 section 6 says to watch instead of MFU.
 
-    gen            response tokens / decode roofline of the rollout share (x decode_efficiency)
-    reward         samples * plan.reward_s_per_sample / reward.concurrency
-    old_log_prob   forward FLOPs (when recomputed) / (train GPUs * peak * plan.mfu)
+    gen            response tokens / decode roofline of the rollout share (x decode_efficiency); ReMax adds a
+                   greedy response per prompt
+    reward         samples * plan.reward_s_per_sample / reward.concurrency (ReMax: its greedy responses too)
+    old_log_prob   forward FLOPs when the pass runs (`old_logprob_pass`) / (train GPUs * peak * plan.mfu)
     ref            forward FLOPs (with a KL term)     / same
     update_actor   train FLOPs * ppo_epochs          / same
     update_weights sync bytes / the configured transport (disaggregated: CUDA IPC over NVLink, `build.sync_transport`)
@@ -27,6 +28,7 @@ def step_phases(cfg: RunConfig, stats: ModelStats, train_gpus: int, decode_token
                 sync_s: float, offload_s: float) -> dict[str, float]:
     """Seconds per phase of one RL step."""
     samples = cfg.data.train_batch_size * cfg.rollout.n
+    generated = samples + (cfg.data.train_batch_size if cfg.algorithm.adv_estimator == "remax" else 0)
     response = cfg.plan.avg_response_tokens or cfg.data.max_response_length
     seq = avg_seq_tokens(cfg)
     tokens = samples * seq
@@ -35,14 +37,25 @@ def step_phases(cfg: RunConfig, stats: ModelStats, train_gpus: int, decode_token
     train = tokens * stats.train_flops_per_token(seq, cfg.model.gradient_checkpointing) * cfg.actor.ppo_epochs / flops_s
     use_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
     return {
-        "gen": samples * response / decode_tokens_per_s if decode_tokens_per_s > 0 else 0.0,
-        "reward": samples * cfg.plan.reward_s_per_sample / cfg.reward.concurrency,
-        "old_log_prob": fwd if cfg.actor.recompute_old_logprobs else 0.0,
+        "gen": generated * response / decode_tokens_per_s if decode_tokens_per_s > 0 else 0.0,
+        "reward": generated * cfg.plan.reward_s_per_sample / cfg.reward.concurrency,
+        "old_log_prob": fwd if old_logprob_pass(cfg) else 0.0,
         "ref": fwd if use_ref else 0.0,
         "update_actor": train,
         "update_weights": sync_s,
         "offload": offload_s,
     }
+
+
+def old_logprob_pass(cfg: RunConfig) -> bool:
+    """Whether the RL loop's old-logprob pass runs (`loop.rl.fill_old_logprobs`): recomputed and not exactly
+    on-policy (one epoch, one mini-batch, no KL in the reward), or for the top-entropy selection's entropies. (An
+    async batch takes the rollout's logprobs: that pass then runs for the entropies alone.)"""
+    a = cfg.actor
+    on_policy = (a.ppo_epochs == 1 and a.ppo_mini_batch_size == cfg.data.train_batch_size
+                 and not cfg.algorithm.use_kl_in_reward and not a.force_old_logprob_pass)
+    bypass = not a.recompute_old_logprobs or cfg.rollout.generates_ahead
+    return a.top_entropy_quantile < 1 or not (bypass or on_policy)
 
 
 def step_seconds(phases: dict[str, float], ahead: bool) -> float:
