@@ -102,6 +102,33 @@ def test_the_fused_decode_forward_records_the_same_routes():
         np.testing.assert_array_equal(fused.routed_experts, plain.routed_experts)
 
 
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed (CPU torch wheel)")
+def test_one_sequence_records_through_its_own_router_launch(monkeypatch):
+    """B=1: the composed o_proj + router launch keeps its expert ids in the expert kernels, so a recording engine
+    passes it over (no `o_proj_router` call) and records its own top-k's ids: the module forward's routes, tokens
+    and logprobs."""
+    from moeloop.rollout import decode_packs, fused_decode
+    monkeypatch.setattr(decode_packs, "ROUTER_COMPOSE", True)
+    calls, real = [], fused_decode.o_proj_router
+    monkeypatch.setattr(fused_decode, "o_proj_router", lambda *a: calls.append(1) or real(*a))
+    model = tiny_model()
+    assert len(decode_packs.pack_routers(model)) == len(model.model.layers)
+    ps, params = prompts(1, seed=5), SamplingParams(n=1, temperature=1.0, max_tokens=5, seed=2)
+    runs = []
+    for kernels in (False, True):
+        engine = make_engine(model, enforce_eager=True, record_routes=True)
+        engine.runner.use_kernel = kernels
+        runs.append(engine.generate(ps, params)[0])
+    plain, fused = runs
+    assert not calls and fused.response_ids == plain.response_ids
+    np.testing.assert_array_equal(fused.routed_experts, plain.routed_experts)
+    torch.testing.assert_close(torch.tensor(fused.logprobs), torch.tensor(plain.logprobs), atol=1e-5, rtol=0)
+    engine = make_engine(model, enforce_eager=True)  # without recording the composed launch runs
+    engine.runner.use_kernel = True
+    engine.generate(ps, params)
+    assert calls
+
+
 def test_an_engine_of_a_dense_model_has_no_routes_to_record():
     with pytest.raises(InputError, match="no MoE layer"):
         make_engine(tiny_model("llama_tied"), record_routes=True)
