@@ -6,6 +6,7 @@
 #   replay: router replay's CUDA test and measurements (below)
 #   e2e_replay: what R3 costs a whole RL step (below; its "off" run failed on the YAML bool, fixed since)
 #   final: the same after the fused decode forward learnt to record (below)
+#   last: R3's cost in an RL step at the session's final code (below)
 set -u
 here="$(dirname "$0")"
 case "${1:-}" in
@@ -50,5 +51,13 @@ final)
             --frameworks moeloop --moeloop-set $set 2>&1 | grep -v -i warn | grep -E "median over|moeloop:|gen |rror"
     done
     ;;
-*) echo "usage: $0 tests|e2e|replay|e2e_replay|final" >&2; exit 2 ;;
+last)
+    # (nvidia-h200, about 3 minutes) the session's final code: R3's cost in an RL step with the routes sent as int16
+    for set in actor.router_replay=off actor.router_replay=R3; do
+        echo "== $set"
+        timeout 100 python3 benchmarks/e2e_vs_trl.py --size reference --device cuda --steps 5 --repeats 1 \
+            --frameworks moeloop --moeloop-set $set 2>&1 | grep -v -i warn | grep -E "median over|moeloop:|gen |rror"
+    done
+    ;;
+*) echo "usage: $0 tests|e2e|replay|e2e_replay|final|last" >&2; exit 2 ;;
 esac
