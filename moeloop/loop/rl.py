@@ -76,7 +76,8 @@ def _rl_step(c: Components, cfg: RunConfig, step: int, batches: RolloutInLine) -
     batches.join(timer)  # async: the engine finishes the next batch on its weights before they change
     with timer("update_weights"):
         sync = c.syncer.push(c.actor.named_weights(), c.engine, version=step + 1)
-        ref_synced = c.ref is not None and c.cfg.actor.ref_sync_steps and (step + 1) % c.cfg.actor.ref_sync_steps == 0
+        every_ref = cfg.actor.ref_sync_steps  # the reference moves toward the policy (verified: a KL term reads it)
+        ref_synced = bool(c.ref is not None and every_ref and (step + 1) % every_ref == 0)
         if ref_synced:
             mix_into(c.ref.model, c.actor.model, cfg.actor.ref_sync_alpha)
     every, last_step = cfg.trainer.val_every, step + 1 == cfg.trainer.steps  # (the last step too, as verl's)
@@ -90,7 +91,7 @@ def _rl_step(c: Components, cfg: RunConfig, step: int, batches: RolloutInLine) -
             "sync/gb_per_s": sync.gb_per_s, "sync/bytes": sync.num_bytes, "policy/version": sync.version,
             "policy/sample_lag": step - min((s.policy_version for s in samples), default=step),
             "memory/peak_bytes": peak_memory_bytes(c.env.device), "memory/planned_peak_bytes": c.planned_peak_bytes,
-            **({"ref/synced": float(bool(ref_synced))} if c.cfg.actor.ref_sync_steps else {})}
+            **({"ref/synced": float(ref_synced)} if every_ref else {})}
     last.update(kl_metrics)
     c.logger.log(step + 1, last)
     if val_metrics:
