@@ -251,6 +251,15 @@ def test_the_reference_moves_toward_the_actor_and_resumes(model_dir, tmp_path):
         _cfg(model_dir, tmp_path / "c", "actor.ref_sync_steps=2")
 
 
+def test_the_reference_moves_on_its_shards_under_dp2(model_dir, tmp_path):
+    """Under FSDP each rank mixes its own shards of the reference: 2 ranks give 1 rank's run."""
+    ref_sync = ("actor.use_kl_loss=true", "actor.kl_loss_coef=0.5", "actor.ref_sync_steps=1", "actor.ref_sync_alpha=0.5")
+    _dp_rank_with(0, 1, model_dir, tmp_path / "one", *ref_sync)
+    run_ranks(_dp_rank_with, 2, model_dir, tmp_path / "two", *ref_sync)
+    _assert_dp2_matches_dp1(tmp_path)
+    assert [r["ref/synced"] for r in _rows(tmp_path / "two")] == [1.0] * STEPS
+
+
 def test_remax_baselines_are_the_greedy_rewards_and_dp2_matches_dp1(model_dir, tmp_path, monkeypatch):
     """algorithm.adv_estimator=remax: each prompt's baseline is the reward of its greedy response (checked at step 1
     against a greedy generate of the starting model), the mean is logged, and 2 ranks give 1 rank's update."""

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 
 def build_dp_mesh(device_type: str) -> DeviceMesh | None:
@@ -30,3 +30,12 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | No
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model.lm_head, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def reshard(model: nn.Module) -> None:
+    """Every FSDP module of `model` back to its sharded parameters. The root keeps its own parameters (embedding,
+    final norm) gathered after a forward, as plain tensors, until its next backward or this call; code that reads
+    the parameters as shards (`train.actor.mix_into`) calls it first. A no-op without FSDP."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

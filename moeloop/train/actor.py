@@ -26,7 +26,7 @@ from moeloop.config.schema import ActorSection
 from moeloop.model.attention import GatheredAttention, PackedAttention, RowMap, gather_rows
 from moeloop.model.routes import RouteTape
 from moeloop.parallel.collectives import global_values
-from moeloop.parallel.fsdp import apply_fsdp, build_dp_mesh
+from moeloop.parallel.fsdp import apply_fsdp, build_dp_mesh, reshard
 from moeloop.train.head import LogprobHead
 from moeloop.train.packing import (PackedBatch, global_loss_denominators, pack_samples, split_micro_batches,
                                    unpack_routes)
@@ -121,6 +121,8 @@ def packed_hidden(model: nn.Module, batch: PackedBatch, routes: RouteTape | None
 def mix_into(target: nn.Module, source: nn.Module, alpha: float) -> None:
     """target <- alpha * source + (1 - alpha) * target, parameter by parameter (alpha 1: a copy). The two models
     have the same parameter names and, under FSDP, the same sharding: each rank mixes its own shards."""
+    reshard(target)  # (a forward leaves the root's own parameters gathered)
+    reshard(source)
     sources = dict(source.named_parameters())
     targets = dict(target.named_parameters())
     if sources.keys() != targets.keys():
