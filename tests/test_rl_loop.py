@@ -252,12 +252,20 @@ def test_the_reference_moves_toward_the_actor_and_resumes(model_dir, tmp_path):
 
 
 def test_the_reference_moves_on_its_shards_under_dp2(model_dir, tmp_path):
-    """Under FSDP each rank mixes its own shards of the reference: 2 ranks give 1 rank's run."""
-    ref_sync = ("actor.use_kl_loss=true", "actor.kl_loss_coef=0.5", "actor.ref_sync_steps=1", "actor.ref_sync_alpha=0.5")
+    """Under FSDP each rank mixes its own shards of the reference: 2 ranks give 1 rank's run. The 2-rank run stops
+    after step 3 (the reference last ran a forward, moved at step 2) and resumes: its checkpoint holds the moved
+    reference's shards, and the resumed run ends as the straight one."""
+    ref_sync = ("actor.use_kl_loss=true", "actor.kl_loss_coef=0.5", "actor.ref_sync_steps=2", "actor.ref_sync_alpha=0.5")
     _dp_rank_with(0, 1, model_dir, tmp_path / "one", *ref_sync)
-    run_ranks(_dp_rank_with, 2, model_dir, tmp_path / "two", *ref_sync)
+    run_ranks(_dp_rank_with, 2, model_dir, tmp_path / "two", *ref_sync, "trainer.steps=3")
+    run_ranks(_dp_rank_resumed, 2, model_dir, tmp_path / "two", *ref_sync)
     _assert_dp2_matches_dp1(tmp_path)
-    assert [r["ref/synced"] for r in _rows(tmp_path / "two")] == [1.0] * STEPS
+    assert [r["ref/synced"] for r in _rows(tmp_path / "two")] == [0.0, 1.0, 0.0, 1.0]
+
+
+def _dp_rank_resumed(rank, world, model_dir, run_dir, *extra):
+    run_rl(_cfg(model_dir, run_dir, "actor.optim.lr=1e-4", *extra), resume=True)
+    return True
 
 
 def test_remax_baselines_are_the_greedy_rewards_and_dp2_matches_dp1(model_dir, tmp_path, monkeypatch):
