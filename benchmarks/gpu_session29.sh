@@ -9,6 +9,14 @@
 #   last: R3's cost in an RL step at the session's final code (below)
 set -u
 here="$(dirname "$0")"
+
+r3_step_cost() {  # STEPS TIMEOUT_S: the goal's e2e job, moeloop alone, actor.router_replay off then R3
+    for set in actor.router_replay=off actor.router_replay=R3; do
+        echo "== $set"
+        timeout "$2" python3 benchmarks/e2e_vs_trl.py --size reference --device cuda --steps "$1" --repeats 1 \
+            --frameworks moeloop --moeloop-set $set 2>&1 | grep -v -i warn | grep -E "median over|moeloop:|gen |rror"
+    done
+}
 case "${1:-}" in
 tests)
     FILES="tests/test_reward_model.py tests/test_rl_loop.py tests/test_sft.py tests/test_rollout_cuda.py \
@@ -33,11 +41,7 @@ replay)
 e2e_replay)
     # (nvidia-h200, about 4 minutes) what R3 costs a whole RL step: the goal's job, moeloop alone, without and with
     # actor.router_replay=R3 (the recording engine, the update replaying the rollout's routes)
-    for set in actor.router_replay=off actor.router_replay=R3; do
-        echo "== $set"
-        timeout 270 python3 benchmarks/e2e_vs_trl.py --size reference --device cuda --steps 6 --repeats 1 \
-            --frameworks moeloop --moeloop-set $set 2>&1 | grep -v -i warn | grep -E "median over|moeloop:|gen "
-    done
+    r3_step_cost 6 270
     ;;
 final)
     # (nvidia-h200, about 5 minutes) after the fused decode forward learnt to record: the CUDA test, the mismatch
@@ -45,19 +49,11 @@ final)
     python3 -m pytest -q -p no:cacheprovider tests/test_router_replay.py -k "cuda" 2>&1 | tail -2
     timeout 150 python3 benchmarks/router_replay.py --device cuda --size reference --batch 32 --repeats 2 2>&1 \
         | grep -v -i warn
-    for set in actor.router_replay=off actor.router_replay=R3; do
-        echo "== $set"
-        timeout 120 python3 benchmarks/e2e_vs_trl.py --size reference --device cuda --steps 6 --repeats 1 \
-            --frameworks moeloop --moeloop-set $set 2>&1 | grep -v -i warn | grep -E "median over|moeloop:|gen |rror"
-    done
+    r3_step_cost 6 120
     ;;
 last)
     # (nvidia-h200, about 3 minutes) the session's final code: R3's cost in an RL step with the routes sent as int16
-    for set in actor.router_replay=off actor.router_replay=R3; do
-        echo "== $set"
-        timeout 100 python3 benchmarks/e2e_vs_trl.py --size reference --device cuda --steps 5 --repeats 1 \
-            --frameworks moeloop --moeloop-set $set 2>&1 | grep -v -i warn | grep -E "median over|moeloop:|gen |rror"
-    done
+    r3_step_cost 5 100
     ;;
 *) echo "usage: $0 tests|e2e|replay|e2e_replay|final|last" >&2; exit 2 ;;
 esac
