@@ -91,7 +91,7 @@ def test_the_fused_decode_forward_records_the_same_routes():
     """The fused decode forward (the Triton kernels; on CPU under the interpreter) records at each slot the experts
     its own top-k kernel chose: the module forward's, with the same tokens and logprobs."""
     model = tiny_model()
-    ps, params = prompts(4, seed=7), SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=2)
+    ps, params = prompts(2, seed=7), SamplingParams(n=2, temperature=1.0, max_tokens=4, seed=2)  # 3 fused decode steps
     runs = []
     for kernels in (False, True):
         engine = make_engine(model, enforce_eager=True, record_routes=True)
