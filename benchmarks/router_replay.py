@@ -25,7 +25,7 @@ from moeloop.model.factory import build_model
 from moeloop.model.routes import RouteTape
 from moeloop.rollout import SamplingParams, completions_to_samples
 from moeloop.train.actor import packed_hidden
-from moeloop.train.packing import pack_samples
+from moeloop.train.packing import pack_samples, unpack_routes
 from sized_engine import sized_engine
 
 
@@ -65,12 +65,7 @@ def trainer_logprobs(model, samples, replay: bool, per_batch: int) -> tuple[np.n
             logits = model.compute_logits(rows).float()
             ids = torch.tensor(sample.response_ids, device=logits.device)
             logps.append(torch.log_softmax(logits, -1).gather(1, ids[:, None])[:, 0].cpu().numpy())
-        recorded = tape.stacked()
-        if batch.stream is not None:
-            recorded = recorded[:, batch.stream.gather_T]
-        recorded = recorded.transpose(0, 1).cpu().numpy()
-        bounds = batch.cu_seqlens.tolist()
-        routes += [recorded[s:e - 1] for s, e in zip(bounds[:-1], bounds[1:])]
+        routes += unpack_routes(batch, tape.stacked())
     return np.concatenate(logps), routes
 
 

@@ -160,7 +160,8 @@ def test_the_step_time_counts_the_passes_and_responses_the_loop_runs():
     """The old-logprob pass only when the loop runs it (not for an exactly on-policy update, always for the
     top-entropy selection); ReMax's greedy response per prompt in generation and reward; the checkpoint holds the
     critic's state and a moving reference."""
-    from moeloop.plan.step_time import old_logprob_pass
+    def old_logprob_pass(cfg):
+        return cfg.old_logprob_pass(cfg.rollout.generates_ahead)
     base = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "actor.ppo_epochs=1", "actor.use_kl_loss=false",
             "algorithm.use_kl_in_reward=false"]
     assert not old_logprob_pass(load_config(DSV3, base))

@@ -218,26 +218,25 @@ def test_cispo_with_sequence_weights_and_off_policy_masking_dp2_matches_dp1(mode
     assert any(r["opsm_masked_frac"] > 0 for r in rows)  # the second epoch's policy has moved off the sampling one
 
 
-def test_the_reference_moves_toward_the_actor_and_resumes(model_dir, tmp_path):
-    """actor.ref_sync_steps=2, alpha 0.5: after steps 2 and 4 ref = 0.5 actor + 0.5 ref (checked against the actor's
-    export after step 4); a run stopped at step 2 and resumed saves and reloads the moved reference, so its metrics
-    equal the straight run's (KL loss on, so the reference shapes every update)."""
+def test_the_reference_moves_toward_the_actor_and_resumes(model_dir, tmp_path, monkeypatch):
+    """actor.ref_sync_steps=2, alpha 0.5: after steps 2 and 4 ref = 0.5 actor + 0.5 ref (the parameters before and
+    after the step-4 mix, against the actor's at that moment); a run stopped at step 2 and resumed saves and reloads
+    the moved reference, so its metrics equal the straight run's (KL loss on, so the reference shapes every update)."""
     ref_sync = ("actor.use_kl_loss=true", "actor.kl_loss_coef=0.5", "actor.ref_sync_steps=2",
                 "actor.ref_sync_alpha=0.5")
-    seen = {}
     import moeloop.loop.rl as rl_module
-    real = rl_module.mix_into
+    seen, real = [], rl_module.mix_into
+
+    def params(model):
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
 
     def spy(target, source, alpha):
-        before = {n: p.detach().clone() for n, p in target.named_parameters()}
+        before = params(target)
         real(target, source, alpha)
-        seen[len(seen)] = (before, {n: p.detach().clone() for n, p in target.named_parameters()},
-                           {n: p.detach().clone() for n, p in source.named_parameters()})
-    rl_module.mix_into = spy
-    try:
-        run_rl(_cfg(model_dir, tmp_path / "a", *ref_sync))
-    finally:
-        rl_module.mix_into = real
+        seen.append((before, params(target), params(source)))
+    monkeypatch.setattr(rl_module, "mix_into", spy)
+    run_rl(_cfg(model_dir, tmp_path / "a", *ref_sync))
+    monkeypatch.undo()
     assert len(seen) == 2  # after steps 2 and 4
     before, after, actor = seen[1]
     for name in after:

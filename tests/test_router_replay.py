@@ -228,13 +228,9 @@ def test_r2_updates_replay_the_routes_of_the_old_logprob_pass(monkeypatch):
     assert all(s.routed_experts is r for s, r in zip(samples, recorded))
 
 
-@pytest.mark.parametrize("mode", ["R2", "R3"])
-def test_router_replay_through_the_loop_dp2_matches_dp1(tmp_path, mode, monkeypatch):
-    """Each step's passes: R3 replays the rollout's routes in the old-logprob pass and in both epochs' updates; R2
-    records in the old-logprob pass and replays in the updates. 4 steps x 2 mini-batches x 2 epochs."""
-    from tests.test_rl_loop import _assert_dp2_matches_dp1, _dp_rank_with, _rows
-    from tests.dist import run_ranks
-    from moeloop.model.factory import init_model
+@pytest.fixture
+def tape_passes(monkeypatch):
+    """(mode, whether it replays routes) of every actor pass's route tape (`train.actor.route_tape`), in order."""
     import moeloop.train.actor as actor_module
     passes = []
     real = actor_module.route_tape
@@ -244,6 +240,17 @@ def test_router_replay_through_the_loop_dp2_matches_dp1(tmp_path, mode, monkeypa
         passes.append((mode, tape is not None and tape.replay_LTK is not None))
         return tape
     monkeypatch.setattr(actor_module, "route_tape", spy)
+    return passes
+
+
+@pytest.mark.parametrize("mode", ["R2", "R3"])
+def test_router_replay_through_the_loop_dp2_matches_dp1(tmp_path, mode, tape_passes):
+    """Each step's passes: R3 replays the rollout's routes in the old-logprob pass and in both epochs' updates; R2
+    records in the old-logprob pass and replays in the updates. 4 steps x 2 mini-batches x 2 epochs."""
+    from tests.test_rl_loop import _assert_dp2_matches_dp1, _dp_rank_with, _rows
+    from tests.dist import run_ranks
+    from moeloop.model.factory import init_model
+    passes = tape_passes
     model_dir = init_model("qwen3_moe", "tiny", tmp_path / "m", seed=3)
     extra = [f"actor.router_replay={mode}", "actor.ppo_epochs=2"]
     _dp_rank_with(0, 1, model_dir, tmp_path / "one", *extra)
@@ -257,7 +264,7 @@ def test_router_replay_through_the_loop_dp2_matches_dp1(tmp_path, mode, monkeypa
     assert len(_rows(tmp_path / "one")) == 4
 
 
-def test_r3_routes_come_from_an_engine_process_and_from_the_rollout_thread(tmp_path, monkeypatch):
+def test_r3_routes_come_from_an_engine_process_and_from_the_rollout_thread(tmp_path, tape_passes):
     """rollout.mode=disaggregated (the engine in a process of its own, on-policy): the completions bring their
     routes through the pipe and the run is bit for bit the colocated R3 run. rollout.mode=async (a thread
     generating one step ahead): every update replays too."""
@@ -265,24 +272,15 @@ def test_r3_routes_come_from_an_engine_process_and_from_the_rollout_thread(tmp_p
     from moeloop.model.factory import init_model
     from tests.test_rl_async import ASYNC
     from tests.test_rl_loop import _cfg, _metrics, _weights
-    import moeloop.train.actor as actor_module
-    replayed = []
-    real = actor_module.route_tape
-
-    def spy(batch, mode):
-        tape = real(batch, mode)
-        replayed.append(tape is not None and tape.replay_LTK is not None)
-        return tape
-    monkeypatch.setattr(actor_module, "route_tape", spy)
     model_dir = init_model("qwen3_moe", "tiny", tmp_path / "m", seed=3)
     r3 = ("actor.router_replay=R3", "actor.ppo_epochs=2")
     run_rl(_cfg(model_dir, tmp_path / "apart", *r3, "rollout.mode=disaggregated", "rollout.max_staleness=0"))
-    assert replayed and all(replayed)
-    replayed.clear()
+    assert tape_passes and all(replayed for _, replayed in tape_passes)
+    tape_passes.clear()
     run_rl(_cfg(model_dir, tmp_path / "col", *r3))
     assert _metrics(tmp_path / "apart") == _metrics(tmp_path / "col")
     wa, wc = _weights(tmp_path / "apart"), _weights(tmp_path / "col")
     assert all(torch.equal(wa[name], wc[name]) for name in wa)
-    replayed.clear()
+    tape_passes.clear()
     run_rl(_cfg(model_dir, tmp_path / "ahead", *r3, *ASYNC))
-    assert replayed and all(replayed)
+    assert tape_passes and all(replayed for _, replayed in tape_passes)

@@ -182,6 +182,35 @@ def _ratio_metrics(inputs: PolicyInputs, ratio_T: torch.Tensor, cfg: ActorSectio
     }
 
 
+def _weighted_and_masked(pg_T: torch.Tensor, inputs: PolicyInputs,
+                         cfg: ActorSection) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The policy-gradient term times the rollout importance weights (actor.tis_cap), the top-entropy selection
+    (`inputs.pg_keep_T`) and the off-policy sequence mask, with their metrics."""
+    metrics: dict[str, torch.Tensor] = {}
+    mask = inputs.loss_mask_T
+    if cfg.tis_cap > 0:
+        if inputs.rollout_logprobs_T is None:
+            raise ValueError("actor.tis_cap > 0 needs the rollout's logprobs (rollout_logprobs_T: "
+                             "SamplingParams.logprobs on)")
+        w_T = tis_weights_T(inputs.old_logprobs_T, inputs.rollout_logprobs_T, cfg.tis_cap, cfg.tis_mode,
+                            cfg.tis_floor, mask, inputs.cu_seqlens)
+        pg_T = pg_T * w_T
+        metrics["tis_weight"] = _masked_mean(w_T, mask)
+        if cfg.tis_mode.endswith("truncate"):
+            clamped = (w_T >= cfg.tis_cap) | (w_T <= cfg.tis_floor) if cfg.tis_floor > 0 else w_T >= cfg.tis_cap
+            metrics["tis_capped_frac"] = _masked_mean(clamped.float(), mask)
+        else:
+            metrics["tis_masked_frac"] = _masked_mean((w_T == 0).float(), mask)
+    if inputs.pg_keep_T is not None:  # the KL and entropy terms keep every token
+        pg_T = pg_T * inputs.pg_keep_T
+        metrics["pg_token_kept_frac"] = _masked_mean(inputs.pg_keep_T, mask)
+    if cfg.off_policy_mask_threshold is not None:
+        keep_T = off_policy_keep_T(inputs, cfg.off_policy_mask_threshold)
+        pg_T = pg_T * keep_T
+        metrics["opsm_masked_frac"] = _masked_mean(1 - keep_T, mask)
+    return pg_T, metrics
+
+
 def actor_loss(inputs: PolicyInputs, cfg: ActorSection, denominator: float,
                host_metrics: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
     """pg_loss + kl_loss_coef * kl_loss - entropy_coeff * entropy, each aggregated with
@@ -192,29 +221,9 @@ def actor_loss(inputs: PolicyInputs, cfg: ActorSection, denominator: float,
         return aggregate_loss(values_T, inputs.loss_mask_T, inputs.cu_seqlens, cfg.loss_agg_mode, denominator)
 
     pg_T, ratio_T = _policy_loss_T(inputs, cfg)
-    tis: dict[str, torch.Tensor] = {}
-    if cfg.tis_cap > 0:
-        if inputs.rollout_logprobs_T is None:
-            raise ValueError("actor.tis_cap > 0 needs the rollout's logprobs (rollout_logprobs_T: "
-                             "SamplingParams.logprobs on)")
-        w_T = tis_weights_T(inputs.old_logprobs_T, inputs.rollout_logprobs_T, cfg.tis_cap, cfg.tis_mode,
-                            cfg.tis_floor, inputs.loss_mask_T, inputs.cu_seqlens)
-        pg_T = pg_T * w_T
-        tis = {"tis_weight": _masked_mean(w_T, inputs.loss_mask_T)}
-        if cfg.tis_mode.endswith("truncate"):
-            clamped = (w_T >= cfg.tis_cap) | ((w_T <= cfg.tis_floor) if cfg.tis_floor > 0 else False)
-            tis["tis_capped_frac"] = _masked_mean(clamped.float(), inputs.loss_mask_T)
-        else:
-            tis["tis_masked_frac"] = _masked_mean((w_T == 0).float(), inputs.loss_mask_T)
-    if inputs.pg_keep_T is not None:  # the KL and entropy terms keep every token
-        pg_T = pg_T * inputs.pg_keep_T
-        tis["pg_token_kept_frac"] = _masked_mean(inputs.pg_keep_T, inputs.loss_mask_T)
-    if cfg.off_policy_mask_threshold is not None:
-        keep_T = off_policy_keep_T(inputs, cfg.off_policy_mask_threshold)
-        pg_T = pg_T * keep_T
-        tis["opsm_masked_frac"] = _masked_mean(1 - keep_T, inputs.loss_mask_T)
+    pg_T, token_metrics = _weighted_and_masked(pg_T, inputs, cfg)
     pg_loss = agg(pg_T)
-    loss, metrics = pg_loss, {"pg_loss": pg_loss.detach(), **_ratio_metrics(inputs, ratio_T, cfg), **tis}
+    loss, metrics = pg_loss, {"pg_loss": pg_loss.detach(), **_ratio_metrics(inputs, ratio_T, cfg), **token_metrics}
     if cfg.use_kl_loss:
         if inputs.ref_logprobs_T is None:
             raise ValueError("actor.use_kl_loss needs ref_logprobs_T")

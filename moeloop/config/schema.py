@@ -484,3 +484,18 @@ class RunConfig:
     trainer: TrainerSection = field(default_factory=TrainerSection)
     hardware: HardwareSection = field(default_factory=HardwareSection)
     plan: PlanSection = field(default_factory=PlanSection)
+
+    def old_logprobs_from_rollout(self, off_policy: bool) -> bool:
+        """The update's old logprobs are the rollout engine's: bypass, and always for an `off_policy` batch (the
+        policy that sampled it is the old one)."""
+        return not self.actor.recompute_old_logprobs or off_policy
+
+    def old_logprob_pass(self, off_policy: bool) -> bool:
+        """Whether the RL loop's old-logprob pass runs (`loop.rl.fill_old_logprobs`; the planner times it): to
+        recompute the old logprobs unless the update is exactly on-policy (one epoch, one mini-batch, no KL in the
+        reward: its own detached logprobs are the same gradient), and always for the top-entropy selection's
+        entropies."""
+        a = self.actor
+        on_policy = (a.ppo_epochs == 1 and a.ppo_mini_batch_size == self.data.train_batch_size
+                     and not self.algorithm.use_kl_in_reward and not a.force_old_logprob_pass)
+        return a.top_entropy_quantile < 1 or not (self.old_logprobs_from_rollout(off_policy) or on_policy)

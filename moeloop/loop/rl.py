@@ -204,14 +204,12 @@ def fill_old_logprobs(c: Components, cfg: RunConfig, samples: list[Sample], off_
     no KL-in-reward) — left unset: the actor then uses its own detached logprobs, which is the same gradient
     without a second forward pass. With actor.top_entropy_quantile < 1 the pass always runs, for the old policy's
     entropies (`sample.old_entropy`)."""
-    bypass = not cfg.actor.recompute_old_logprobs or off_policy
+    bypass = cfg.old_logprobs_from_rollout(off_policy)
     if bypass:
         for s in samples:
             s.old_logprobs = list(s.response_logprobs)
-    on_policy = (cfg.actor.ppo_epochs == 1 and cfg.actor.ppo_mini_batch_size == cfg.data.train_batch_size
-                 and not cfg.algorithm.use_kl_in_reward and not cfg.actor.force_old_logprob_pass)
     entropy = cfg.actor.top_entropy_quantile < 1  # the token selection reads the old policy's entropies
-    if entropy or not (bypass or on_policy):  # router replay: R2 records the experts here, R3 replays the rollout's
+    if cfg.old_logprob_pass(off_policy):  # router replay: R2 records the experts here, R3 replays the rollout's
         routes = {"R2": "record", "R3": "replay"}.get(cfg.actor.router_replay, "off")
         c.actor.compute_logprobs(samples, None if bypass else "old_logprobs", routes,
                                  entropy_field="old_entropy" if entropy else None)

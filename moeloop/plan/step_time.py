@@ -3,7 +3,7 @@
     gen            response tokens / decode roofline of the rollout share (x decode_efficiency); ReMax adds a
                    greedy response per prompt
     reward         samples * plan.reward_s_per_sample / reward.concurrency (ReMax: its greedy responses too)
-    old_log_prob   forward FLOPs when the pass runs (`old_logprob_pass`) / (train GPUs * peak * plan.mfu)
+    old_log_prob   forward FLOPs when the pass runs (`RunConfig.old_logprob_pass`) / (train GPUs * peak * plan.mfu)
     ref            forward FLOPs (with a KL term)     / same
     update_actor   train FLOPs * ppo_epochs          / same
     update_weights sync bytes / the configured transport (disaggregated: CUDA IPC over NVLink, `build.sync_transport`)
@@ -39,23 +39,12 @@ def step_phases(cfg: RunConfig, stats: ModelStats, train_gpus: int, decode_token
     return {
         "gen": generated * response / decode_tokens_per_s if decode_tokens_per_s > 0 else 0.0,
         "reward": generated * cfg.plan.reward_s_per_sample / cfg.reward.concurrency,
-        "old_log_prob": fwd if old_logprob_pass(cfg) else 0.0,
+        "old_log_prob": fwd if cfg.old_logprob_pass(cfg.rollout.generates_ahead) else 0.0,
         "ref": fwd if use_ref else 0.0,
         "update_actor": train,
         "update_weights": sync_s,
         "offload": offload_s,
     }
-
-
-def old_logprob_pass(cfg: RunConfig) -> bool:
-    """Whether the RL loop's old-logprob pass runs (`loop.rl.fill_old_logprobs`): recomputed and not exactly
-    on-policy (one epoch, one mini-batch, no KL in the reward), or for the top-entropy selection's entropies. (An
-    async batch takes the rollout's logprobs: that pass then runs for the entropies alone.)"""
-    a = cfg.actor
-    on_policy = (a.ppo_epochs == 1 and a.ppo_mini_batch_size == cfg.data.train_batch_size
-                 and not cfg.algorithm.use_kl_in_reward and not a.force_old_logprob_pass)
-    bypass = not a.recompute_old_logprobs or cfg.rollout.generates_ahead
-    return a.top_entropy_quantile < 1 or not (bypass or on_policy)
 
 
 def step_seconds(phases: dict[str, float], ahead: bool) -> float:

@@ -40,6 +40,7 @@ from moeloop.rollout.completion import Completion
 from moeloop.rollout.decode_packs import derive_decode_weights
 from moeloop.rollout.fused_decode import decode_weights_apply
 from moeloop.rollout.kv_cache import KVCache, kv_budget_bytes, kv_bytes_per_block
+from moeloop.rollout.paged_attention import slots_of
 from moeloop.rollout.runner import LaunchedStep, ModelRunner
 from moeloop.rollout.sampling_params import SamplingParams
 from moeloop.rollout.scheduler import ScheduledBatch, Scheduler
@@ -177,7 +178,7 @@ class Engine:
                 reason = finish_reason(seq)
                 if reason is not None:
                     if self.cache.routes is not None:  # its slots, before its blocks go
-                        route_slots.append(self._route_slots(seq))
+                        route_slots.append(self._computed_slots(seq))
                     self.scheduler.finish(seq, reason)
                     done.append(self._completion(seq))
         if route_slots:
@@ -195,17 +196,16 @@ class Engine:
             return "length"
         return None
 
-    def _route_slots(self, seq: Sequence) -> list[int]:
+    def _computed_slots(self, seq: Sequence) -> torch.Tensor:
         """The KV slots of the sequence's positions but the last (those the engine computed)."""
-        bs, table = self.cache.block_size, seq.block_table
-        return [table[p // bs] * bs + p % bs for p in range(len(seq.token_ids) - 1)]
+        return slots_of(torch.tensor(seq.block_table), torch.arange(len(seq.token_ids) - 1), self.cache.block_size)
 
-    def _attach_routes(self, completions: list[Completion], slots: list[list[int]]) -> None:
-        """Each completion's recorded experts, int16 [positions, L_moe, K], read from its slots in one gather and
-        one copy home (a shared prompt block holds the routes its first computation wrote, as it holds its K/V; the
-        blocks freed since are not written before the next launch)."""
-        flat = torch.tensor([s for seq_slots in slots for s in seq_slots], dtype=torch.int64)
-        routes_SLK = self.cache.routes.index_select(1, flat.to(self.cache.routes.device)).transpose(0, 1).cpu().numpy()
+    def _attach_routes(self, completions: list[Completion], slots: list[torch.Tensor]) -> None:
+        """Each completion's recorded experts, int16 [positions, L_moe, K], read from its `_computed_slots` in one
+        gather and one copy home (a shared prompt block holds the routes its first computation wrote, as it holds its
+        K/V; the blocks freed since are not written before the next launch)."""
+        flat = torch.cat(slots).to(self.cache.routes.device)
+        routes_SLK = self.cache.routes.index_select(1, flat).transpose(0, 1).cpu().numpy()
         start = 0
         for completion, seq_slots in zip(completions, slots):
             completion.routed_experts = routes_SLK[start:start + len(seq_slots)]

@@ -18,15 +18,8 @@ ROUTE_DTYPE = torch.int16  # expert ids of the route buffer (rollout.record_rout
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, record_routes: bool = False) -> int:
     per_token = cfg.num_kv_heads * (cfg.qk_head_dim + cfg.attn_v_head_dim) * cfg.num_layers
     kv = per_token * block_size * torch.empty((), dtype=dtype).element_size()
-    return kv + (route_bytes_per_token(cfg) * block_size if record_routes else 0)
-
-
-def route_bytes_per_token(cfg: ModelConfig) -> int:
-    return num_moe_layers(cfg) * cfg.num_experts_per_tok * torch.empty((), dtype=ROUTE_DTYPE).element_size()
-
-
-def num_moe_layers(cfg: ModelConfig) -> int:
-    return sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    routes = len(cfg.moe_layers) * cfg.num_experts_per_tok * torch.empty((), dtype=ROUTE_DTYPE).element_size()
+    return kv + (routes * block_size if record_routes else 0)
 
 
 def kv_budget_bytes(kv_cache_bytes: int, gpu_memory_utilization: float, device: torch.device,
@@ -53,7 +46,7 @@ class KVCache:
         self.k: torch.Tensor | None = None  # [L, num_slots, G, Dk]
         self.v: torch.Tensor | None = None
         # record_routes: the experts of each slot's token per MoE layer, [L_moe, num_slots, K] (router replay R3)
-        self.route_shape = (num_moe_layers(cfg), cfg.num_experts_per_tok) if record_routes else None
+        self.route_shape = (len(cfg.moe_layers), cfg.num_experts_per_tok) if record_routes else None
         if self.route_shape is not None and not self.route_shape[0]:
             raise InputError("rollout.record_routes: the model has no MoE layer, so there are no routes to record")
         self.routes: torch.Tensor | None = None
