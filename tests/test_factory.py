@@ -55,7 +55,9 @@ def test_tokenizer_and_chat_template(tiny):
     ids = tok(prompt, add_special_tokens=False)["input_ids"]
     assert ids[0] == tok.bos_token_id and tok.convert_ids_to_tokens(ids[-1]) == "<|assistant|>"
     with pytest.raises(Exception, match="unknown chat role"):
-        tok.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
+        tok.apply_chat_template([{"role": "function", "content": "x"}], tokenize=False)
+    tool = tok.apply_chat_template(msgs + [{"role": "tool", "content": "5"}], tokenize=False, add_generation_prompt=True)
+    assert tool.endswith("<|assistant|>4<eos><|user|><tool_response>5</tool_response>\n<|assistant|>")
 
 
 def test_same_seed_gives_identical_files(tmp_path):

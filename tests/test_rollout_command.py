@@ -142,9 +142,9 @@ def test_generate_and_rl_report_bad_flags_files_and_fields(tmp_path, capsys):
     cases.append((["init-model", "--arch", "qwen3_moe", "--out", str(prompts)],  # FileExistsError before
                   "moeloop init-model: --out .*p.jsonl: exists and is not a directory"))
     tool = tmp_path / "tool.jsonl"  # a role the tiny models' chat template refuses (a jinja2 TemplateError before)
-    tool.write_text(json.dumps({"messages": [{"role": "tool", "content": "1+1="}]}) + "\n")
+    tool.write_text(json.dumps({"messages": [{"role": "function", "content": "1+1="}]}) + "\n")
     cases.append((base[:2] + ["--prompts", str(tool), "--out", str(tmp_path / "o.jsonl")],
-                  "moeloop generate: .*tool.jsonl:1: the chat template refuses these messages: unknown chat role tool"))
+                  "moeloop generate: .*tool.jsonl:1: the chat template refuses these messages: unknown chat role function"))
     cases.append((base[:2] + ["--prompts", str(prompts), "--out", str(prompts)],
                   "moeloop generate: --out .*p.jsonl: is the --prompts file"))
     cases.append((["ckpt", "export", str(tmp_path), "--model", str(model_dir), "--out", str(model_dir)],

@@ -16,29 +16,13 @@ from typing import Callable
 
 import torch
 
-from moeloop.algo.token_rewards import sequence_score, token_rewards
+from moeloop.algo.token_rewards import response_mask, sequence_score, token_rewards
 from moeloop.config.schema import AlgorithmSection
 from moeloop.parallel.collectives import global_values
 from moeloop.types import Sample
 
 GRPO_EPS = 1e-6  # added to the group std
 WHITEN_EPS = 1e-8  # added to the batch variance inside rsqrt (verl masked_whiten)
-
-
-def response_mask(sample: Sample) -> torch.Tensor:
-    """Float64 [R] 0/1 mask of the response tokens that count: `sample.loss_mask` if set, all ones
-    otherwise, all zeros for a masked sample."""
-    return torch.tensor(response_mask_values(sample), dtype=torch.float64)
-
-
-def response_mask_values(sample: Sample) -> list:
-    """`response_mask` as a Python list (packing many samples converts once for all of them)."""
-    num = len(sample.response_ids)
-    if not sample.in_loss or sample.loss_mask is None:
-        return [float(sample.in_loss)] * num
-    if len(sample.loss_mask) != num:
-        raise ValueError(f"loss_mask has {len(sample.loss_mask)} values for {num} response tokens")
-    return sample.loss_mask
 
 
 def _groups(samples: list[Sample]) -> dict[int, list[int]]:
@@ -108,15 +92,26 @@ def rloo(samples: list[Sample], cfg: AlgorithmSection) -> None:
     _write_outcome(samples, scores)
 
 
+def over_actions(fn, mask: torch.Tensor, *series: torch.Tensor) -> torch.Tensor:
+    """`fn` of the series at the tokens in the loss only (the policy's actions), scattered back; 0 elsewhere. The
+    tokens out of the loss are transparent: a multi-turn sample's tool turns (`loop.multi_turn`) are the
+    environment's, so returns and GAE run from the action before them to the action after them (verl's multi-turn
+    GAE does the same)."""
+    keep = mask.bool()
+    out = torch.zeros_like(series[0])
+    out[keep] = fn(*(x[keep] for x in series))
+    return out
+
+
 def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """G_t = r_t + gamma * G_{t+1}, the running return reset after unmasked tokens (verl)."""
-    returns = torch.zeros_like(rewards)
-    running = torch.zeros((), dtype=rewards.dtype)
-    for t in reversed(range(len(rewards))):
-        running = rewards[t] + gamma * running
-        returns[t] = running
-        running = running * mask[t]
-    return returns
+    """G_t = r_t + gamma * G_{t+1} over the tokens in the loss (`over_actions`); 0 at the others."""
+    def returns_of(r: torch.Tensor) -> torch.Tensor:
+        out, running = torch.zeros_like(r), torch.zeros((), dtype=r.dtype)
+        for t in reversed(range(len(r))):
+            running = r[t] + gamma * running
+            out[t] = running
+        return out
+    return over_actions(returns_of, mask, rewards)
 
 
 def reinforce_pp(samples: list[Sample], cfg: AlgorithmSection) -> None:
@@ -162,7 +157,7 @@ def gae(samples: list[Sample], cfg: AlgorithmSection) -> None:
         if sample.values is None or len(sample.values) != len(sample.response_ids):
             raise ValueError(f"sample {i}: gae needs one critic value per response token in sample.values")
         values = torch.tensor(sample.values, dtype=torch.float64)
-        raw.append(gae_one(token_rewards(sample), values, cfg.gamma, cfg.lam))
+        raw.append(over_actions(lambda r, v: gae_one(r, v, cfg.gamma, cfg.lam), masks[i], token_rewards(sample), values))
         sample.returns = (raw[-1] + values).tolist()
     for sample, adv in zip(samples, whiten(raw, masks)):
         sample.advantages = adv.tolist()

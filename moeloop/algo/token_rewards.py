@@ -16,6 +16,22 @@ from moeloop.types import Sample
 TOKEN_REWARDS_KEY = "token_rewards"
 
 
+def response_mask(sample: Sample) -> torch.Tensor:
+    """Float64 [R] 0/1 mask of the response tokens that count: `sample.loss_mask` if set, all ones
+    otherwise, all zeros for a masked sample."""
+    return torch.tensor(response_mask_values(sample), dtype=torch.float64)
+
+
+def response_mask_values(sample: Sample) -> list:
+    """`response_mask` as a Python list (packing many samples converts once for all of them)."""
+    num = len(sample.response_ids)
+    if not sample.in_loss or sample.loss_mask is None:
+        return [float(sample.in_loss)] * num
+    if len(sample.loss_mask) != num:
+        raise ValueError(f"loss_mask has {len(sample.loss_mask)} values for {num} response tokens")
+    return sample.loss_mask
+
+
 def token_rewards(sample: Sample) -> torch.Tensor:
     """Float64 [R] rewards per response token: the KL-shaped ones if set, else the score on the last token."""
     shaped = sample.metadata.get(TOKEN_REWARDS_KEY)
@@ -61,8 +77,9 @@ def kl_in_reward_sums(samples: list[Sample], cfg: AlgorithmSection, coef: float 
         ref = torch.tensor(sample.ref_logprobs, dtype=torch.float64)
         if len(old) != len(sample.response_ids):
             raise ValueError(f"sample {i}: {len(old)} old_logprobs for {len(sample.response_ids)} response tokens")
-        kl = kl_estimate(old, ref, cfg.kl_penalty)
+        mask = torch.tensor(response_mask_values(sample), dtype=torch.float64)  # (a tool turn's tokens: no KL)
+        kl = kl_estimate(old, ref, cfg.kl_penalty) * mask
         sample.metadata.pop(TOKEN_REWARDS_KEY, None)
         sample.metadata[TOKEN_REWARDS_KEY] = (token_rewards(sample) - coef * kl).tolist()
-        kl_sum, num_tokens = kl_sum + float(kl.sum()), num_tokens + len(kl)
+        kl_sum, num_tokens = kl_sum + float(kl.sum()), num_tokens + int(mask.sum())
     return kl_sum, num_tokens

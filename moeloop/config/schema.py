@@ -68,6 +68,36 @@ class ValKwargs:
 
 
 @dataclass
+class MultiTurnSection:
+    """Multi-turn tool calling (verl's rollout.multi_turn): an assistant turn that calls tools (Hermes format by
+    default: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`) gets their results as a tool turn of the chat
+    template, and the sample goes on, up to `max_turns` assistant turns within data.max_response_length tokens in all.
+    The tool turns' tokens are in the response but out of the loss (`Sample.loss_mask`)."""
+    tools: list[str] = field(default_factory=list)  # built-in names (calculator) or dotted paths to fn(**arguments)
+    max_turns: int = 1  # assistant turns per sample; > 1 (with tools) turns multi-turn on
+    parser: str = "hermes"  # how tool calls are read from a turn's text: hermes, or a dotted path fn(text) -> calls
+    max_tokens_per_turn: int = 0  # an assistant turn's tokens at most (0 = the response budget left)
+    max_tool_response_tokens: int = 256  # a tool turn's tokens at most (its results' text is cut to fit)
+    timeout_s: float = 10.0  # a tool call's time; past it, the call's result is an error message
+    concurrency: int = 8  # tool calls running at once
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_turns > 1
+
+    def check(self) -> None:
+        _require(self.max_turns >= 1, "rollout.multi_turn.max_turns", "must be >= 1")
+        _require(self.max_turns == 1 or bool(self.tools), "rollout.multi_turn.tools",
+                 "must name at least one tool when rollout.multi_turn.max_turns > 1")
+        _require(not self.tools or self.max_turns > 1, "rollout.multi_turn.max_turns",
+                 "must be > 1 when rollout.multi_turn.tools are set (1 turn never sees a tool's result)")
+        _require(self.max_tokens_per_turn >= 0, "rollout.multi_turn.max_tokens_per_turn", "must be >= 0 (0 = all left)")
+        _require(self.max_tool_response_tokens > 0, "rollout.multi_turn.max_tool_response_tokens", "must be > 0")
+        _require(self.timeout_s > 0, "rollout.multi_turn.timeout_s", "must be > 0")
+        _require(self.concurrency >= 1, "rollout.multi_turn.concurrency", "must be >= 1")
+
+
+@dataclass
 class RolloutSection:
     n: int = 4
     temperature: float = 1.0
@@ -95,6 +125,7 @@ class RolloutSection:
     async_scheduling: str = "auto"  # on | off | auto (on for CUDA): host work of step t+1 overlaps step t
     decode_steps: int = 0  # decode steps per host round trip (multi-step decode); 0 = auto: 8 on CUDA, else 1
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
+    multi_turn: MultiTurnSection = field(default_factory=MultiTurnSection)
 
     def val_sampling(self) -> tuple[float, float, int]:
         """(temperature, top_p, top_k) of the sampled validation."""
@@ -129,6 +160,7 @@ class RolloutSection:
         _require(top_k == -1 or top_k > 0, "rollout.val_kwargs.top_k", "must be -1 (off) or > 0")
         _require(self.device == "" or self.device == "cpu" or self.device.startswith("cuda"), "rollout.device",
                  f"must be empty (auto), cpu, cuda or cuda:N, got {self.device!r}")
+        self.multi_turn.check()
 
 
 @dataclass

@@ -187,6 +187,7 @@ class Components:
     def finish(self) -> None:
         self.logger.close()
         self.rewards.close()
+        self.rollout.close()
         if isinstance(self.engine, RemoteEngine):
             self.engine.close()
 
@@ -301,7 +302,7 @@ def build_components(cfg: RunConfig, resume: bool) -> Components:
     c = Components(
         cfg=cfg, env=env, tokenizer=tokenizer, train=train, val=val,
         cursor=EpochCursor(len(train), cfg.data.seed, cfg.data.shuffle), actor=actor, ref=ref, critic=critic, engine=engine,
-        rollout=RolloutWorker(engine, tokenizer, cfg.data.max_response_length, env.rank),
+        rollout=RolloutWorker(engine, tokenizer, cfg.data.max_response_length, env.rank, cfg.rollout.multi_turn),
         rewards=RewardPool.from_config(cfg.reward),
         syncer=WeightSyncer(transport, cfg.sync.bucket_bytes, cfg.sync.verify),
         ckpt=ckpt,

@@ -27,7 +27,7 @@ from moeloop.loop.dump import dump_rollouts
 from moeloop.loop.env import run_command
 from moeloop.loop.metrics import PhaseTimer, peak_memory_bytes
 from moeloop.loop.remote_rollout import half_threads
-from moeloop.loop.step_metrics import batch_metrics, logprob_mismatch
+from moeloop.loop.step_metrics import batch_metrics, logprob_mismatch, tool_metrics
 from moeloop.parallel.collectives import global_values
 from moeloop.reward.composite import component_names
 from moeloop.train.actor import mix_into
@@ -86,6 +86,7 @@ def _rl_step(c: Components, cfg: RunConfig, step: int, batches: RolloutInLine) -
         c.maybe_save(step + 1)
     last = {**batch_metrics(samples, timer.seconds, beside.get("gen"), component_names(cfg.reward.fns)),
             **logprob_mismatch(samples),
+            **(tool_metrics(samples) if cfg.rollout.multi_turn.enabled else {}),
             **reward_metrics, **update_metrics, **critic_metrics, **val_metrics, **timer.pop(),
             **{f"time/{k}_beside": v for k, v in beside.items()},
             "sync/gb_per_s": sync.gb_per_s, "sync/bytes": sync.num_bytes, "policy/version": sync.version,

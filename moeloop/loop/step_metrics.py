@@ -2,6 +2,7 @@
 summed over DP ranks so the logged numbers describe the global batch."""
 from __future__ import annotations
 
+from itertools import repeat
 from typing import Sequence
 
 import torch.distributed as dist
@@ -49,10 +50,23 @@ def component_means(samples: list[Sample], names: Sequence[str]) -> dict[str, fl
 def logprob_mismatch(samples: list[Sample]) -> dict[str, float]:
     """|engine logprob - trainer logprob| over response tokens: the training-inference mismatch that
     silently corrupts importance ratios when weight sync or numerics go wrong."""
-    diffs = [abs(a - b) for s in samples if s.response_logprobs and s.old_logprobs
-             for a, b in zip(s.response_logprobs, s.old_logprobs)]
+    diffs = [abs(a - b) for s in samples if s.response_logprobs and s.old_logprobs  # (a tool turn's: not sampled)
+             for a, b, m in zip(s.response_logprobs, s.old_logprobs, s.loss_mask or repeat(1)) if m]
     total, count = global_values([sum(diffs), len(diffs)])
     (worst,) = global_values([max(diffs, default=0.0)], dist.ReduceOp.MAX)
     if not count:  # old logprobs not computed (on-policy update): nothing measured, nothing logged
         return {}
     return {"rollout/logprob_diff_mean": total / count, "rollout/logprob_diff_max": worst}
+
+
+def tool_metrics(samples: list[Sample]) -> dict[str, float]:
+    """Multi-turn rollouts (`loop.multi_turn`): assistant turns and tool calls per sample, the fraction of calls that
+    failed (an error, a timeout, an unknown tool or an unreadable call), and the fraction of response tokens that are
+    the tools' (out of the loss). Collective under DP."""
+    n, turns, calls, errors, tool_tokens, tokens = global_values([
+        len(samples), sum(s.metadata.get("turns", 1) for s in samples), sum(s.metadata.get("tool_calls", 0) for s in samples),
+        sum(s.metadata.get("tool_errors", 0) for s in samples),
+        sum(s.metadata.get("tool_tokens", 0) for s in samples),
+        sum(len(s.response_ids) for s in samples)])
+    return {"rollout/turns_mean": turns / max(n, 1), "rollout/tool_calls_per_sample": calls / max(n, 1),
+            "rollout/tool_error_rate": errors / max(calls, 1), "rollout/tool_token_frac": tool_tokens / max(tokens, 1)}

@@ -19,14 +19,16 @@ ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assis
 SPECIAL_TOKENS = [PAD, BOS, EOS, UNK, *ROLE_TOKENS.values()]
 CHARACTERS = string.digits + string.ascii_letters + string.punctuation + " \n"
 
-# <bos><|system|>...\n<|user|>...\n<|assistant|>...<eos>  and, with add_generation_prompt, a trailing <|assistant|>
+# <bos><|system|>...\n<|user|>...\n<|assistant|>...<eos>  and, with add_generation_prompt, a trailing <|assistant|>;
+# a tool's result (role tool, multi-turn rollouts) is a user line <|user|><tool_response>...</tool_response>\n
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{%- for message in messages %}"
-    "{%- if message['role'] not in ['system', 'user', 'assistant'] %}"
-    "{{ raise_exception('unknown chat role ' ~ message['role'] ~ ' (expected system, user or assistant)') }}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
+    "{{ raise_exception('unknown chat role ' ~ message['role'] ~ ' (expected system, user, assistant or tool)') }}"
     "{%- endif %}"
-    "{{ '<|' ~ message['role'] ~ '|>' ~ message['content'] }}"
+    "{%- if message['role'] == 'tool' %}{{ '<|user|><tool_response>' ~ message['content'] ~ '</tool_response>' }}"
+    "{%- else %}{{ '<|' ~ message['role'] ~ '|>' ~ message['content'] }}{%- endif %}"
     "{%- if message['role'] == 'assistant' %}{{ eos_token }}{% else %}{{ '\\n' }}{% endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"

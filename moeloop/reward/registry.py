@@ -63,17 +63,18 @@ BUILTIN_REWARDS: dict[str, Callable[..., RewardFn]] = {
 GROUND_TRUTH_REWARDS = ("math", "arith", "code")  # the built-ins that score against the row's answer
 
 
-def import_by_path(path: str) -> Any:
-    """Import "pkg.module.attr"; errors say which part was not found."""
+def import_by_path(path: str, what: str = "reward.fn", builtins: Any = BUILTIN_REWARDS) -> Any:
+    """Import "pkg.module.attr"; errors name the config field `what` (whose built-ins are `builtins`) and say which
+    part was not found."""
     module_name, _, attr = path.rpartition(".")
     if not module_name:
-        raise InputError(f"reward.fn={path!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}) nor a dotted path pkg.module.fn")
+        raise InputError(f"{what}={path!r} is neither a built-in ({', '.join(builtins)}) nor a dotted path pkg.module.fn")
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise InputError(f"reward.fn={path!r}: cannot import module {module_name!r}: {err}") from None
+        raise InputError(f"{what}={path!r}: cannot import module {module_name!r}: {err}") from None
     if not hasattr(module, attr):
-        raise InputError(f"reward.fn={path!r}: module {module_name!r} has no attribute {attr!r}")
+        raise InputError(f"{what}={path!r}: module {module_name!r} has no attribute {attr!r}")
     return getattr(module, attr)
 
 

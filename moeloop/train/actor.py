@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from moeloop.algo.advantages import response_mask_values
+from moeloop.algo.token_rewards import response_mask_values
 from moeloop.algo.losses import SHARE_KEYS, PolicyInputs, actor_loss, metrics_to_floats, reduce_metrics
 from moeloop.config.schema import ActorSection
 from moeloop.model.attention import GatheredAttention, PackedAttention, RowMap, gather_rows

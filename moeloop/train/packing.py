@@ -26,7 +26,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from moeloop.algo.advantages import response_mask, response_mask_values
+from moeloop.algo.token_rewards import response_mask, response_mask_values
 from moeloop.algo.aggregation import loss_denominator
 from moeloop.transfer import upload
 from moeloop.types import Sample

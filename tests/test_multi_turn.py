@@ -1,0 +1,210 @@
+"""Multi-turn tool calling (moeloop.loop.tools, moeloop.loop.multi_turn): tool calls read from Hermes blocks, tools
+that fail or hang answer with an error text, the tool turn is the chat template's, and through the engine each
+sample's assistant turns carry the logprobs (and the routes) of a whole-sequence forward while its tool turns are
+out of the loss; through the RL loop 2 ranks equal 1."""
+import asyncio
+import json
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from moeloop.config.load import load_config
+from moeloop.config.schema import MultiTurnSection
+from moeloop.data.dataset import Example
+from moeloop.errors import InputError
+from moeloop.loop.generation import RolloutWorker
+from moeloop.loop.tools import ToolCall, ToolRunner, ToolTurn, calculator, parse_hermes
+from moeloop.model.tokenizer import build_tokenizer
+from moeloop.rollout import SamplingParams
+from moeloop.algo.advantages import discounted_returns, gae_one, over_actions
+from tests.test_rollout_engine import make_engine, tiny_model
+from tests.test_router_replay import own_routes
+
+
+def always_calls(text: str) -> list[ToolCall]:
+    """A parser for a random model, which writes no tool calls: every turn asks the calculator for 2+3."""
+    return [ToolCall("calculator", {"expression": "2+3"})]
+
+
+def test_hermes_calls_are_read_and_a_malformed_one_becomes_an_error_text():
+    text = ('I will add. <tool_call>{"name": "calculator", "arguments": {"expression": "12+7"}}</tool_call> and '
+            '<tool_call>\n{"name": "search", "arguments": "{\\"q\\": \\"x\\"}"}\n</tool_call>'
+            '<tool_call>{"name": "calculator", "arguments": {"expression": </tool_call><tool_call>[1]</tool_call>')
+    calls = parse_hermes(text)
+    assert [(c.name, c.arguments, c.error is None) for c in calls[:2]] == [
+        ("calculator", {"expression": "12+7"}, True), ("search", {"q": "x"}, True)]
+    assert calls[2].error.startswith("error: the tool call is not valid JSON")
+    assert calls[3].error == 'error: a tool call is {"name": string, "arguments": object}'
+    assert parse_hermes("no calls here, <tool_call> unclosed") == []
+
+
+def test_the_calculator_does_arithmetic_and_nothing_else():
+    assert calculator("12*(3+4)") == "84" and calculator("7/2") == "3.5" and calculator("-8//3") == "-3"
+    for bad in ["2**100000", "__import__('os').system('true')", "x+1", "1" * 201]:
+        with pytest.raises(ValueError, match="calculator"):
+            calculator(bad)
+
+
+def slow(seconds: float) -> str:
+    time.sleep(seconds)
+    return "late"
+
+
+async def async_echo(text: str) -> str:
+    await asyncio.sleep(0)
+    return text.upper()
+
+
+def test_a_tool_that_raises_hangs_or_is_unknown_answers_with_an_error_and_the_rest_run():
+    runner = ToolRunner({"calculator": calculator, "slow": slow, "echo": async_echo, "items": lambda: [1, 2]},
+                        timeout_s=0.3, concurrency=4)
+    calls = [ToolCall("calculator", {"expression": "1+2"}), ToolCall("calculator", {"expression": "os"}),
+             ToolCall("slow", {"seconds": 5}), ToolCall("nope"), ToolCall("", error="error: unread"),
+             ToolCall("echo", {"text": "hi"}), ToolCall("items"), ToolCall("calculator", {"wrong": 1})]
+    start = time.perf_counter()
+    results = runner.run(calls)
+    assert time.perf_counter() - start < 3
+    assert [r.status for r in results] == ["ok", "error", "timeout", "unknown_tool", "parse_error", "ok", "ok", "error"]
+    assert [results[i].text for i in (0, 5, 6)] == ["3", "HI", "[1, 2]"]
+    assert results[1].text.startswith("error: calculator raised ValueError: calculator: 'os' is not arithmetic")
+    assert results[2].text == "error: slow did not answer within 0.3 s"
+    assert results[3].text == "error: no tool named 'nope' (tools: calculator, slow, echo, items)"
+    assert results[4].text == "error: unread"
+    assert "unexpected keyword argument 'wrong'" in results[7].text
+    runner.close()
+
+
+def test_the_tool_turn_is_the_chat_templates_and_is_cut_to_fit():
+    tok = build_tokenizer()
+    turn = ToolTurn(tok)
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=False)  # noqa: E731
+    assert decode(turn.ids(["5"], closes_turn=True)) == "<|user|><tool_response>5</tool_response>\n<|assistant|>"
+    assert decode(turn.ids(["5", "x"], closes_turn=False)) == \
+        "<eos><|user|><tool_response>5</tool_response>\n<|user|><tool_response>x</tool_response>\n<|assistant|>"
+    overhead = len(turn.ids([""], True))
+    cut = turn.fitted(["a" * 100], True, overhead + 20)
+    assert len(cut) <= overhead + 20 and decode(cut).startswith("<|user|><tool_response>aaaa")
+    assert len(turn.fitted(["a" * 10], True, overhead + 20)) == overhead + 10  # fits: left as it is
+    tok.chat_template = "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no') }}{% endif %}" \
+                        "{{ m['content'] }}{% endfor %}"
+    with pytest.raises(InputError, match="chat template cannot render a tool message"):
+        ToolTurn(tok)
+
+
+def test_returns_and_gae_pass_over_the_tokens_out_of_the_loss():
+    """A tool turn's tokens are the environment's: the return and the GAE of the actions around them are those of
+    the actions alone."""
+    rewards = torch.tensor([0.1, 0.0, 0.0, -0.2, 1.0], dtype=torch.float64)
+    values = torch.tensor([0.3, 9.0, 9.0, 0.5, 0.7], dtype=torch.float64)
+    mask = torch.tensor([1, 0, 0, 1, 1], dtype=torch.float64)
+    g = 0.9
+    returns = discounted_returns(rewards, mask, g)
+    assert returns.tolist() == pytest.approx([0.1 + g * (-0.2 + g * 1.0), 0, 0, -0.2 + g * 1.0, 1.0])
+    adv = over_actions(lambda r, v: gae_one(r, v, g, 0.8), mask, rewards, values)
+    d = [0.1 + g * 0.5 - 0.3, -0.2 + g * 0.7 - 0.5, 1.0 - 0.7]  # deltas of the three actions
+    want = [d[0] + g * 0.8 * (d[1] + g * 0.8 * d[2]), 0, 0, d[1] + g * 0.8 * d[2], d[2]]
+    assert adv.tolist() == pytest.approx(want)
+
+
+def _multi_turn(**kw) -> MultiTurnSection:
+    cfg = MultiTurnSection(**{"tools": ["calculator"], "max_turns": 3, "parser": "tests.test_multi_turn.always_calls",
+                              **kw})
+    cfg.check()
+    return cfg
+
+
+def _examples(num: int) -> list[Example]:
+    g = torch.Generator().manual_seed(7)
+    return [Example(prompt_ids=torch.randint(3, 100, (int(n),), generator=g).tolist(), prompt_text="", ground_truth="", data_source="t")
+            for n in torch.randint(3, 12, (num,), generator=g)]
+
+
+def test_samples_go_through_tool_turns_with_the_logprobs_and_routes_of_a_whole_forward():
+    """Assistant turns of at most 3 tokens, tool turns of the calculator's answer, 80 tokens in all: every sample has
+    2 or 3 assistant turns (the third when the budget leaves room), ends with one, and its loss mask is 0 exactly on
+    the tool turns, whose tokens are the chat template's. The engine's logprobs and recorded routes of the assistant
+    tokens equal a whole-sequence forward's, though each turn after the first was its own request (served from the
+    prefix cache); the same seeds give the same samples in another batch."""
+    tok = build_tokenizer()
+    model = tiny_model()
+    engine = make_engine(model, record_routes=True, max_model_len=96)
+    engine.detokenize = lambda ids: tok.decode(ids, skip_special_tokens=True)
+    worker = RolloutWorker(engine, tok, 80, multi_turn=_multi_turn(max_tokens_per_turn=3))
+    examples = _examples(4)
+    samples = worker.generate(examples, SamplingParams(n=3, temperature=1.0, max_tokens=80, seed=11), 0)
+    assert engine.blocks.num_prefix_hit_blocks > 0
+    tool_text = tok.decode(worker.turns.tool_turn.ids(["5"], closes_turn=False), skip_special_tokens=False)
+    assert len(samples) == 12 and {s.group_id for s in samples} == {0, 1, 2, 3}
+    for s in samples:
+        mask = s.loss_mask
+        assert len(mask) == len(s.response_ids) == len(s.response_logprobs) <= 80 and mask[-1] == 1
+        runs = "".join(map(str, mask)).replace("0", " ").split()
+        assert s.metadata["turns"] == len(runs) == s.metadata["tool_calls"] + 1 and s.metadata["turns"] >= 2
+        assert all(len(r) <= 3 for r in runs) and s.metadata["tool_errors"] == 0
+        tool_ids = [t for t, m in zip(s.response_ids, mask) if m == 0]
+        assert tok.decode(tool_ids, skip_special_tokens=False).replace("<eos>", "") == \
+            tool_text.replace("<eos>", "") * (s.metadata["turns"] - 1)
+        tokens = s.prompt_ids + s.response_ids
+        routes, logp = own_routes(model, tokens)
+        want = logp[len(s.prompt_ids) - 1:]
+        keep = torch.tensor(mask, dtype=torch.bool)
+        torch.testing.assert_close(torch.tensor(s.response_logprobs)[keep], want[keep], atol=1e-5, rtol=0)
+        assert s.routed_experts.shape[0] == len(tokens) - 1
+        np.testing.assert_array_equal(np.sort(s.routed_experts, -1), np.sort(routes[:, :-1].transpose(0, 1).numpy(), -1))
+    again = worker.generate(examples[2:] + examples[:2], [SamplingParams(n=3, temperature=1.0, max_tokens=80, seed=11)] * 4, 0)
+    assert [s.response_ids for s in again] == [s.response_ids for s in samples[6:] + samples[:6]]
+    worker.close()
+
+
+def test_a_tool_turn_that_leaves_no_room_ends_the_sample_and_max_turns_bounds_it():
+    tok = build_tokenizer()
+    engine = make_engine(tiny_model(), max_model_len=96)
+    overhead = len(ToolTurn(tok).ids(["5"], closes_turn=False))
+    worker = RolloutWorker(engine, tok, 3 + overhead, multi_turn=_multi_turn(max_tokens_per_turn=3))  # no room after
+    for s in worker.generate(_examples(2), SamplingParams(n=2, max_tokens=3 + overhead, seed=1), 0):
+        assert s.loss_mask == [1, 1, 1] and s.finish_reason == "length" and s.metadata["tool_calls"] == 1
+    worker = RolloutWorker(engine, tok, 90, multi_turn=_multi_turn(max_tokens_per_turn=2, max_turns=2))
+    for s in worker.generate(_examples(2), SamplingParams(n=2, max_tokens=90, seed=1), 0):
+        assert s.metadata["turns"] == 2 and s.loss_mask[-2:] == [1, 1] and s.loss_mask.count(1) == 4
+
+
+def test_multi_turn_config_errors_name_the_field():
+    cases = [(dict(max_turns=3), "rollout.multi_turn.tools: must name at least one tool"),
+             (dict(tools=["calculator"]), "rollout.multi_turn.max_turns: must be > 1"),
+             (dict(tools=["calculator"], max_turns=2, timeout_s=0), "rollout.multi_turn.timeout_s: must be > 0")]
+    for fields, message in cases:
+        with pytest.raises(InputError, match=message):
+            MultiTurnSection(**fields).check()
+    cfg = load_config("examples/tiny.yaml", ["rollout.multi_turn.tools=[calculator]", "rollout.multi_turn.max_turns=4"])
+    assert cfg.rollout.multi_turn.tools == ["calculator"] and cfg.rollout.multi_turn.enabled
+    with pytest.raises(InputError, match="rollout.multi_turn.tools: must name at least one tool"):
+        load_config("examples/tiny.yaml", ["rollout.multi_turn.max_turns=4"])
+    with pytest.raises(InputError, match=r"rollout.multi_turn.tools='nope' is neither a built-in \(calculator\)"):
+        RolloutWorker(make_engine(tiny_model()), build_tokenizer(), 8, multi_turn=_multi_turn(tools=["nope"]))
+    with pytest.raises(InputError, match="rollout.multi_turn.parser='tests.test_multi_turn.nothing': module"):
+        RolloutWorker(make_engine(tiny_model()), build_tokenizer(), 8,
+                      multi_turn=_multi_turn(parser="tests.test_multi_turn.nothing"))
+
+
+def test_multi_turn_through_the_loop_dp2_matches_dp1(tmp_path):
+    """The RL loop with tool turns: each step's tool metrics, the tool tokens out of the loss (their logprobs in the
+    rollout are 0, the trainer's are not: the measured mismatch stays that of the assistant tokens alone), and 2
+    ranks give 1 rank's update."""
+    from tests.test_rl_loop import _assert_dp2_matches_dp1, _dp_rank_with, _rows
+    from tests.dist import run_ranks
+    from moeloop.model.factory import init_model
+    model_dir = init_model("qwen3_moe", "tiny", tmp_path / "m", seed=3)
+    extra = ["rollout.multi_turn.tools=[calculator]", "rollout.multi_turn.max_turns=3",
+             "rollout.multi_turn.parser=tests.test_multi_turn.always_calls", "rollout.multi_turn.max_tokens_per_turn=3",
+             "data.max_response_length=48", "actor.max_tokens_per_micro_batch=120", "actor.ppo_epochs=2"]
+    _dp_rank_with(0, 1, model_dir, tmp_path / "one", *extra)
+    rows = _rows(tmp_path / "one")
+    assert all(r["rollout/turns_mean"] >= 2 and r["rollout/tool_calls_per_sample"] >= 1 for r in rows)
+    assert all(r["rollout/tool_error_rate"] == 0 and 0.5 < r["rollout/tool_token_frac"] < 1 for r in rows)
+    assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in rows)
+    run_ranks(_dp_rank_with, 2, model_dir, tmp_path / "two", *extra)
+    _assert_dp2_matches_dp1(tmp_path)
+    dumped = json.loads((tmp_path / "one" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert dumped["policy/version"] == len(rows)
