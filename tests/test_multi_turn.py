@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from moeloop.config.load import load_config
-from moeloop.config.schema import MultiTurnSection
+from moeloop.config.schema import DataSection, MultiTurnSection
+from moeloop.data.dataset import PromptDataset
 from moeloop.data.dataset import Example
 from moeloop.errors import InputError
 from moeloop.loop.generation import RolloutWorker
-from moeloop.loop.tools import ToolCall, ToolRunner, ToolTurn, calculator, parse_hermes
+from moeloop.loop.tools import BUILTIN_TOOLS, ToolCall, ToolRunner, ToolTurn, calculator, parse_hermes, tool_schemas
 from moeloop.model.tokenizer import build_tokenizer
 from moeloop.rollout import SamplingParams
 from moeloop.algo.advantages import discounted_returns, gae_one, over_actions
@@ -87,6 +88,26 @@ def test_the_tool_turn_is_the_chat_templates_and_is_cut_to_fit():
     cut = turn.fitted(["a" * 100], True, overhead + 20)
     assert len(cut) <= overhead + 20 and decode(cut).startswith("<|user|><tool_response>aaaa")
     assert len(turn.fitted(["a" * 10], True, overhead + 20)) == overhead + 10  # fits: left as it is
+    # a template in Qwen's shape: each turn ends with EOS and a newline, tools' results are grouped into one user turn,
+    # and the tools' schemas are listed in the system turn
+    tok.chat_template = (
+        "{%- if tools %}{{ '<|system|>tools:' }}{% for t in tools %}{{ ' ' ~ t['function']['name'] }}{% endfor %}"
+        "{{ eos_token ~ '\\n' }}{% endif %}"
+        "{%- for m in messages %}{%- if m['role'] == 'tool' %}"
+        "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|user|>' }}{% endif %}"
+        "{{ '<tool_response>' ~ m['content'] ~ '</tool_response>' }}"
+        "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ eos_token ~ '\\n' }}{% endif %}"
+        "{%- else %}{{ '<|' ~ m['role'] ~ '|>' ~ m['content'] ~ eos_token ~ '\\n' }}{% endif %}{% endfor %}"
+        "{%- if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+    qwen = ToolTurn(tok)
+    assert decode(qwen.ids(["5", "x"], closes_turn=True)) == \
+        "\n<|user|><tool_response>5</tool_response><tool_response>x</tool_response><eos>\n<|assistant|>"
+    assert decode(qwen.ids(["5"], closes_turn=False)).startswith("<eos>\n<|user|>")
+    rows = [{"prompt": "2+3?", "answer": "5"}]
+    data = PromptDataset(rows, tok, DataSection(answer_key="answer"), tools=tool_schemas(BUILTIN_TOOLS))
+    assert data[0].prompt_text == "<|system|>tools: calculator<eos>\n<|user|>2+3?<eos>\n<|assistant|>"
+    with pytest.raises(InputError, match="rollout.multi_turn.tools: slow: no schema .*no docstring"):
+        tool_schemas({"slow": slow})
     tok.chat_template = "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no') }}{% endif %}" \
                         "{{ m['content'] }}{% endfor %}"
     with pytest.raises(InputError, match="chat template cannot render a tool message"):

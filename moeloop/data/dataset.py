@@ -94,13 +94,16 @@ def chat_messages(prompt: Any, where: str) -> list[dict]:
     return prompt
 
 
-def render_chat(tokenizer: Any, messages: list[dict], where: str, add_generation_prompt: bool = True) -> str:
-    """`messages` through the tokenizer's chat template (by default with the generation prompt); a template that
-    refuses them (an unknown role, say) is an InputError naming `where` (file:line)."""
+def render_chat(tokenizer: Any, messages: list[dict], where: str, add_generation_prompt: bool = True,
+                tools: list[dict] | None = None) -> str:
+    """`messages` through the tokenizer's chat template (by default with the generation prompt; `tools`: the JSON
+    schemas of the tools the model may call, for templates that list them); a template that refuses them (an unknown
+    role, say) is an InputError naming `where` (file:line)."""
     from jinja2 import TemplateError  # (transformers renders chat templates with jinja2)
 
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             tools=tools)
     except TemplateError as err:
         raise InputError(f"{where}: the chat template refuses these messages: {err}") from None
 
@@ -141,8 +144,10 @@ class Example:
 class PromptDataset:
     """Tokenized rows; `examples[i]` is row i after the truncation policy."""
 
-    def __init__(self, rows: list[dict], tokenizer: Any, cfg: DataSection, with_response: bool = False):
-        self.tokenizer, self.cfg, self.with_response = tokenizer, cfg, with_response
+    def __init__(self, rows: list[dict], tokenizer: Any, cfg: DataSection, with_response: bool = False,
+                 tools: list[dict] | None = None):
+        """`tools`: JSON schemas of the tools of a multi-turn rollout, which the chat template lists in each prompt."""
+        self.tokenizer, self.cfg, self.with_response, self.tools = tokenizer, cfg, with_response, tools
         self.examples: list[Example] = []
         self.num_dropped = 0
         for row in rows:
@@ -172,7 +177,7 @@ class PromptDataset:
 
     def _render(self, messages: list[dict], where: str) -> str:
         if self.cfg.apply_chat_template and getattr(self.tokenizer, "chat_template", None):
-            return render_chat(self.tokenizer, messages, where)
+            return render_chat(self.tokenizer, messages, where, tools=self.tools)
         return "".join(m["content"] for m in messages)
 
     def _encode(self, row: dict) -> Example | None:

@@ -66,8 +66,11 @@ _OPS: dict[type, Callable] = {ast.Add: operator.add, ast.Sub: operator.sub, ast.
 
 
 def calculator(expression: str) -> str:
-    """The built-in tool: the value of an arithmetic expression (numbers, + - * / // %, parentheses; no names, no
-    powers), as text."""
+    """The value of an arithmetic expression: numbers, + - * / // % and parentheses (no names, no powers).
+
+    Args:
+        expression: the expression, e.g. "12*(3+4)"
+    """
     def value(node: ast.AST) -> int | float:
         if isinstance(node, ast.Constant) and type(node.value) in (int, float):
             return node.value
@@ -94,6 +97,21 @@ def load_tools(names: list[str]) -> dict[str, Callable[..., Any]]:
             raise InputError(f"rollout.multi_turn.tools: {name!r} is not callable")
         tools[name.rpartition(".")[2]] = fn
     return tools
+
+
+def tool_schemas(tools: dict[str, Callable[..., Any]]) -> list[dict]:
+    """The JSON schema of each tool (transformers' `get_json_schema`: from its type hints and Google-style docstring),
+    which chat templates that know tools list in the prompt, as TRL's and verl's do."""
+    from transformers.utils import get_json_schema
+
+    schemas = []
+    for name, fn in tools.items():
+        try:
+            schemas.append(get_json_schema(fn))
+        except Exception as err:
+            raise InputError(f"rollout.multi_turn.tools: {name}: no schema for the prompt's tool list ({err}); a tool "
+                             f"needs type hints and a docstring with an Args: section") from None
+    return schemas
 
 
 def load_parser(name: str) -> Callable[[str], list[ToolCall]]:
