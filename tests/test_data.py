@@ -67,8 +67,8 @@ def test_bad_rows_name_the_file_and_line(tmp_path, tokenizer):
     for prompt, message in ((7, "a prompt must be a string or a non-empty list of chat messages, got int"),
                             ([{"role": "user", "content": 3}], "message 0 must be an object with string 'role' and "
                                                                "'content'"),
-                            ([{"role": "tool", "content": "a"}], "the chat template refuses these messages: unknown "
-                                                                 "chat role tool")):
+                            ([{"role": "function", "content": "a"}], "the chat template refuses these messages: unknown "
+                                                                 "chat role function")):
         with pytest.raises(InputError, match=f"p.jsonl:2: {re.escape(message)}"):
             PromptDataset(load_rows([_write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a"}, {"prompt": prompt}])]),
                           tokenizer, DataSection())
