@@ -142,14 +142,17 @@ def _examples(num: int) -> list[Example]:
             for n in torch.randint(3, 12, (num,), generator=g)]
 
 
-def test_samples_go_through_tool_turns_with_the_logprobs_and_routes_of_a_whole_forward():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_samples_go_through_tool_turns_with_the_logprobs_and_routes_of_a_whole_forward(device):
     """Assistant turns of at most 3 tokens, tool turns of the calculator's answer, 80 tokens in all: every sample has
     2 or 3 assistant turns (the third when the budget leaves room), ends with one, and its loss mask is 0 exactly on
     the tool turns, whose tokens are the chat template's. The engine's logprobs and recorded routes of the assistant
     tokens equal a whole-sequence forward's, though each turn after the first was its own request (served from the
-    prefix cache); the same seeds give the same samples in another batch."""
+    prefix cache); the same seeds give the same samples in another batch. On CUDA through the engine's default path
+    (decode graphs, multi-step decode, async scheduling): logprobs within 1e-4, 99% of the routes (near ties)."""
     tok = build_tokenizer()
-    model = tiny_model()
+    model = tiny_model().to(device)
     engine = make_engine(model, record_routes=True, max_model_len=96)
     engine.detokenize = lambda ids: tok.decode(ids, skip_special_tokens=True)
     worker = RolloutWorker(engine, tok, 80, multi_turn=_multi_turn(max_tokens_per_turn=3))
@@ -158,6 +161,7 @@ def test_samples_go_through_tool_turns_with_the_logprobs_and_routes_of_a_whole_f
     assert engine.blocks.num_prefix_hit_blocks > 0
     tool_text = tok.decode(worker.turns.tool_turn.ids(["5"], closes_turn=False), skip_special_tokens=False)
     assert len(samples) == 12 and {s.group_id for s in samples} == {0, 1, 2, 3}
+    tol, agree, total = (1e-5 if device == "cpu" else 1e-4), 0, 0
     for s in samples:
         mask = s.loss_mask
         assert len(mask) == len(s.response_ids) == len(s.response_logprobs) <= 80 and mask[-1] == 1
@@ -171,11 +175,14 @@ def test_samples_go_through_tool_turns_with_the_logprobs_and_routes_of_a_whole_f
         routes, logp = own_routes(model, tokens)
         want = logp[len(s.prompt_ids) - 1:]
         keep = torch.tensor(mask, dtype=torch.bool)
-        torch.testing.assert_close(torch.tensor(s.response_logprobs)[keep], want[keep], atol=1e-5, rtol=0)
+        torch.testing.assert_close(torch.tensor(s.response_logprobs)[keep], want[keep], atol=tol, rtol=0)
         assert s.routed_experts.shape[0] == len(tokens) - 1
-        np.testing.assert_array_equal(np.sort(s.routed_experts, -1), np.sort(routes[:, :-1].transpose(0, 1).numpy(), -1))
-    again = worker.generate(examples[2:] + examples[:2], [SamplingParams(n=3, temperature=1.0, max_tokens=80, seed=11)] * 4, 0)
-    assert [s.response_ids for s in again] == [s.response_ids for s in samples[6:] + samples[:6]]
+        same = np.sort(s.routed_experts, -1) == np.sort(routes[:, :-1].transpose(0, 1).numpy(), -1)
+        agree, total = agree + int(same.all(-1).sum()), total + same.shape[0] * same.shape[1]
+    assert agree == total if device == "cpu" else agree / total >= 0.99, (agree, total)
+    if device == "cpu":  # (on CUDA another batch may round a near tie the other way)
+        again = worker.generate(examples[2:] + examples[:2], [SamplingParams(n=3, temperature=1.0, max_tokens=80, seed=11)] * 4, 0)
+        assert [s.response_ids for s in again] == [s.response_ids for s in samples[6:] + samples[:6]]
     worker.close()
 
 
