@@ -33,13 +33,21 @@ def dense_reference(q, k, v, scale):
                                           scale=scale, enable_gqa=True).transpose(0, 1)
 
 
-def test_mixed_stream_over_scattered_blocks_matches_dense():
+# (context length, new tokens this step): decode rows, prefills with a cached prefix, a fresh prefill
+MIXED = {"one cached chunk": [(9, 1), (3, 1), (13, 5), (6, 6), (17, 1)],
+         "cached chunks batched": [(9, 1), (13, 5), (6, 6), (20, 3), (17, 1), (11, 4), (5, 2)],
+         "cached chunks too far apart to pad": [(9, 1), (13, 5), (70, 2), (9, 4), (6, 6), (17, 1)]}
+
+
+@pytest.mark.parametrize("case", list(MIXED))
+def test_mixed_stream_over_scattered_blocks_matches_dense(case):
+    """Every row's attention equals a dense causal attention over its whole sequence; chunks that continue a cached
+    prefix run as one padded SDPA (`CachedPrefills`) when there are several of similar size, else one each."""
     torch.manual_seed(0)
     kv = cache()
     free = list(range(kv.num_blocks))
     random.Random(0).shuffle(free)
-    # (context length, new tokens this step): decode rows, a prefill with cached prefix, a fresh prefill
-    seqs = [(9, 1), (3, 1), (13, 5), (6, 6), (17, 1)]
+    seqs = MIXED[case]
     full = [(torch.randn(L, H, DK), torch.randn(L, G, DK), torch.randn(L, G, DV)) for L, _ in seqs]
     tables = [[free.pop() for _ in range(-(-L // BS))] for L, _ in seqs]
     for (L, n), (q, k, v), table in zip(seqs, full, tables):  # earlier steps wrote the cached prefix
@@ -52,8 +60,7 @@ def test_mixed_stream_over_scattered_blocks_matches_dense():
         if n == 1:
             decode_rows.append(start)
         else:
-            ctx_slots = None if L == n else slots_of(torch.tensor(table), torch.arange(L), BS)
-            prefills.append(PrefillChunk(start, n, L, ctx_slots))
+            prefills.append(PrefillChunk(start, n, L, None if L == n else table))
         start += n
     dec = [i for i, (L, n) in enumerate(seqs) if n == 1]
     width = max(len(tables[i]) for i in dec)
@@ -64,7 +71,9 @@ def test_mixed_stream_over_scattered_blocks_matches_dense():
     q = torch.cat([f[0][L - n:] for (L, n), f in zip(seqs, full)])
     k = torch.cat([f[1][L - n:] for (L, n), f in zip(seqs, full)])
     v = torch.cat([f[2][L - n:] for (L, n), f in zip(seqs, full)])
-    out = PagedAttention(kv, meta).attend(0, q, k, v, 0.3)
+    attention = PagedAttention(kv, meta)
+    assert (attention._cached is not None) == (case == "cached chunks batched")
+    out = attention.attend(0, q, k, v, 0.3)
     ref = torch.cat([dense_reference(f[0][L - n:], f[1], f[2], 0.3) for (L, n), f in zip(seqs, full)])
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 

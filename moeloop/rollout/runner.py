@@ -21,7 +21,7 @@ from moeloop.rollout.fused_decode import fused_decode_forward, fused_decode_logi
 from moeloop.rollout.kv_cache import KVCache
 from moeloop.rollout.moe_kernel import decode_moe
 from moeloop.rollout.multistep import decode_steps, step_sampler
-from moeloop.rollout.paged_attention import AttentionMetadata, PagedAttention, PrefillChunk, slots_of
+from moeloop.rollout.paged_attention import AttentionMetadata, PagedAttention, PrefillChunk
 from moeloop.rollout.sampler import Sampler, SamplingTensors, row_keys
 from moeloop.rollout.sampling_params import SamplingParams
 from moeloop.rollout.scheduler import ScheduledBatch
@@ -291,12 +291,8 @@ class ModelRunner:
             block_tables_BN=_pad_tables(decode_tables, dev),
             context_lens_B=to_device(decode_lens, dev, torch.int32),
             max_decode_len=max(decode_lens, default=0), prefills=[])
-        for start, n, ctx_len, table in prefills:
-            slots_L = None
-            if ctx_len > n:
-                table_N = to_device(table, dev)
-                slots_L = slots_of(table_N, torch.arange(ctx_len, device=dev), bs)
-            meta.prefills.append(PrefillChunk(start, n, ctx_len, slots_L))
+        meta.prefills = [PrefillChunk(start, n, ctx_len, table if ctx_len > n else None)
+                         for start, n, ctx_len, table in prefills]
         ids_T, pos_T = to_device(ids, dev), to_device(pos, dev)
         return ids_T, pos_T, meta.slot_mapping_T, meta, last_rows
 
