@@ -601,7 +601,8 @@ def test_repetition_penalty_and_min_p_reach_every_sampling_params(model_dir, tmp
     real = RolloutWorker.generate
 
     def spy(self, examples, params, group_base):
-        seen.update((p.temperature, p.repetition_penalty, p.min_p) for p in (params if isinstance(params, list) else [params]))
+        for p in params if isinstance(params, list) else [params]:
+            seen.add((p.temperature, p.repetition_penalty, p.min_p))
         return real(self, examples, params, group_base)
     monkeypatch.setattr(RolloutWorker, "generate", spy)
     run_rl(_cfg(model_dir, tmp_path / "run", "trainer.steps=1", "algorithm.adv_estimator=remax",

@@ -145,7 +145,7 @@ def run_reference(model, outs, params_of) -> None:
 
 
 MIXED = [SamplingParams(n=3, temperature=0.8, repetition_penalty=1.4, min_p=0.05, max_tokens=9, seed=1),
-         SamplingParams(n=2, temperature=1.0, max_tokens=14, seed=2),  # no options: longer, so it decodes alone at the end
+         SamplingParams(n=2, temperature=1.0, max_tokens=14, seed=2),  # no options; longer: decodes alone at the end
          SamplingParams(temperature=0, repetition_penalty=1.6, max_tokens=9),
          SamplingParams(n=2, temperature=1.2, min_p=0.15, top_k=40, max_tokens=9, seed=3),
          SamplingParams(n=2, temperature=0.9, repetition_penalty=0.6, max_tokens=9, seed=4),  # < 1 rewards repeats
@@ -203,7 +203,8 @@ def test_options_off_build_nothing_and_keep_multistep(monkeypatch, spies):
     """With no row penalised or min-p sampled (min-p on a greedy row is no option), no processing tensor is built
     and multi-step decode runs; the same request's tokens are those it gets in a batch with penalised rows."""
     model = tiny_model()
-    plain = [SamplingParams(n=2, temperature=1.0, max_tokens=10, seed=2), SamplingParams(temperature=0, min_p=0.3, max_tokens=10)]
+    plain = [SamplingParams(n=2, temperature=1.0, max_tokens=10, seed=2),
+             SamplingParams(temperature=0, min_p=0.3, max_tokens=10)]
     real = runner_module.processing_fields
     monkeypatch.setattr(runner_module, "processing_fields", lambda *a: pytest.fail("built for an options-free batch"))
     out = make_engine(model, decode_steps=4).generate(mixed_prompts()[:2], plain)

@@ -74,7 +74,8 @@ def _check_sampling(s: RolloutSection | ValKwargs, prefix: str) -> None:
     _require(s.temperature >= 0, f"{prefix}.temperature", "must be >= 0")
     _require(0 < s.top_p <= 1, f"{prefix}.top_p", "must be in (0, 1]")
     _require(s.top_k == -1 or s.top_k > 0, f"{prefix}.top_k", "must be -1 (off) or > 0")
-    _require(0 < s.repetition_penalty < float("inf"), f"{prefix}.repetition_penalty", "must be finite and > 0 (1 = off)")
+    _require(0 < s.repetition_penalty < float("inf"), f"{prefix}.repetition_penalty",
+             "must be finite and > 0 (1 = off)")
     _require(0 <= s.min_p <= 1, f"{prefix}.min_p", "must be in [0, 1] (0 = off)")
 
 
@@ -114,7 +115,8 @@ class RolloutSection:
     def val_sampling(self) -> ValKwargs:
         """The validation's sampling: `val_kwargs` with each None replaced by the training rollout's value."""
         v = self.val_kwargs
-        return ValKwargs(**{f.name: getattr(self if getattr(v, f.name) is None else v, f.name) for f in fields(ValKwargs)})
+        return ValKwargs(**{f.name: getattr(self if getattr(v, f.name) is None else v, f.name)
+                            for f in fields(ValKwargs)})
 
     @property
     def generates_ahead(self) -> bool:

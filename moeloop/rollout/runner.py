@@ -375,7 +375,8 @@ def _pending_samples(seqs: list[Sequence], prev: LaunchedStep | None) -> Pending
     for j, seq in enumerate(seqs):
         if seq.num_pending and seq.params.repetition_penalty != 1:
             if prev is None or prev.num_steps != 1 or seq.num_pending != 1 or seq.seq_id not in prev.row_of:
-                raise RuntimeError(f"sequence {seq.seq_id}: {seq.num_pending} pending tokens not all from the last step")
+                raise RuntimeError(f"sequence {seq.seq_id}: {seq.num_pending} pending tokens, not one from the last "
+                                   "step")
             dst.append(j)
             src.append(prev.row_of[seq.seq_id])
     return (dst, src, prev.tokens_B) if dst else None
