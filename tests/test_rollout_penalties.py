@@ -26,7 +26,7 @@ from tests.test_rollout_engine import make_engine, prompts, teacher_forced_logpr
 def hf_scores(logits_V: torch.Tensor, history: list[int], p: SamplingParams) -> torch.Tensor:
     """transformers' processing of one row, in `generate`'s order: the repetition penalty, then (sampled rows)
     temperature, top-k, min-p."""
-    ids = torch.tensor([history], dtype=torch.long)
+    ids = torch.tensor([history], dtype=torch.long, device=logits_V.device)
     scores = logits_V[None].clone()
     if p.repetition_penalty != 1:
         scores = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(ids, scores)
@@ -125,9 +125,9 @@ def test_seen_tokens_take_a_pending_token_from_the_device():
     assert torch.equal(pending, full)
 
 
-def run_reference(model, outs, params_of) -> None:
+def run_reference(model, outs, params_of, atol: float = 1e-5) -> None:
     """Every completion's tokens == the step-by-step reference from the teacher-forced logits of its sequence so
-    far; its logprobs == the raw model's, teacher-forced."""
+    far; its logprobs == the raw model's, teacher-forced (to `atol`)."""
     for o in outs:
         p = params_of[o.request_id]
         ids = torch.tensor(o.prompt_ids + o.response_ids, device=next(model.parameters()).device)
@@ -141,7 +141,7 @@ def run_reference(model, outs, params_of) -> None:
             assert token == want, (o.request_id, o.sample_index, t)
             history.append(token)
         ref = teacher_forced_logprobs(model, o.prompt_ids, o.response_ids)
-        torch.testing.assert_close(torch.tensor(o.logprobs), ref.cpu(), atol=1e-5, rtol=0)
+        torch.testing.assert_close(torch.tensor(o.logprobs), ref.cpu(), atol=atol, rtol=0)
 
 
 MIXED = [SamplingParams(n=3, temperature=0.8, repetition_penalty=1.4, min_p=0.05, max_tokens=9, seed=1),
@@ -157,8 +157,7 @@ def mixed_prompts() -> list[list[int]]:
     return [p + p[:4] for p in ps]  # repeated prompt tokens
 
 
-@pytest.fixture
-def spies(monkeypatch):
+def spy_launches(monkeypatch) -> dict:
     """num_steps of every launch, and the number of penalised rows whose last token came from the device."""
     seen = dict(steps=[], pending=0)
     launch, pending = ModelRunner.launch, runner_module._pending_samples
@@ -177,6 +176,21 @@ def spies(monkeypatch):
     return seen
 
 
+@pytest.fixture
+def spies(monkeypatch):
+    return spy_launches(monkeypatch)
+
+
+def generate_mixed(engine, model, atol: float = 1e-5) -> None:
+    """Run the `MIXED` requests to the end, step by step, and check them against `run_reference`."""
+    ids = [engine.add_request(p, sp) for p, sp in zip(mixed_prompts(), MIXED)]
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert len(outs) == sum(p.n for p in MIXED) and engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    run_reference(model, outs, dict(zip(ids, MIXED)), atol)
+
+
 @pytest.mark.parametrize("async_scheduling,decode_steps,tight", [("off", 1, False), ("on", 1, False),
                                                                  ("on", 4, False), ("off", 4, True)])
 def test_engine_tokens_equal_the_step_by_step_reference(spies, async_scheduling, decode_steps, tight):
@@ -186,12 +200,7 @@ def test_engine_tokens_equal_the_step_by_step_reference(spies, async_scheduling,
     model = tiny_model()
     kw = dict(kv_cache_bytes=13 * kv_bytes_per_block(model.cfg, 4, torch.float32)) if tight else {}
     engine = make_engine(model, async_scheduling=async_scheduling, decode_steps=decode_steps, **kw)
-    ids = [engine.add_request(p, sp) for p, sp in zip(mixed_prompts(), MIXED)]
-    outs = []
-    while engine.has_unfinished():
-        outs += engine.step()
-    assert len(outs) == sum(p.n for p in MIXED) and engine.blocks.num_free_blocks == engine.blocks.num_blocks
-    run_reference(model, outs, dict(zip(ids, MIXED)))
+    generate_mixed(engine, model)
     assert (spies["pending"] > 0) == (async_scheduling == "on")
     if decode_steps > 1 and not tight:
         assert decode_steps in spies["steps"]  # once only options-free rows are left
