@@ -592,6 +592,26 @@ def test_val_kwargs_set_the_sampled_validations_sampling(model_dir, tmp_path):
     assert val["acc/val_sampled"] == val["acc/val"]
 
 
+def test_repetition_penalty_and_min_p_reach_every_sampling_params(model_dir, tmp_path, monkeypatch):
+    """rollout.repetition_penalty and min_p reach the training rollouts, rollout.val_kwargs' (the penalty set there,
+    min-p inherited) the sampled validation; the greedy responses take the penalty and no min-p: ReMax's baselines
+    the rollout's, the greedy validation the validation's."""
+    from moeloop.loop.generation import RolloutWorker
+    seen = set()
+    real = RolloutWorker.generate
+
+    def spy(self, examples, params, group_base):
+        for p in params if isinstance(params, list) else [params]:
+            seen.add((p.temperature, p.repetition_penalty, p.min_p))
+        return real(self, examples, params, group_base)
+    monkeypatch.setattr(RolloutWorker, "generate", spy)
+    run_rl(_cfg(model_dir, tmp_path / "run", "trainer.steps=1", "algorithm.adv_estimator=remax",
+                "rollout.repetition_penalty=1.3", "rollout.min_p=0.05", "rollout.val_kwargs.repetition_penalty=1.1",
+                "trainer.val_every=1", "trainer.val_samples=2", "data.val_files=[synthetic:arith-val]",
+                "data.val_max_samples=2"))
+    assert seen == {(1.0, 1.3, 0.05), (0.0, 1.3, 0.0), (0.0, 1.1, 0.0), (1.0, 1.1, 0.05)}
+
+
 def test_val_before_train_false_skips_the_step_0_validation(model_dir, tmp_path):
     """trainer.val_before_train=false: validations at steps 2 and 4 only; true (the default): step 0 too; a
     validate-only run (trainer.steps=0) validates whatever it says."""

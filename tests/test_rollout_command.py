@@ -17,7 +17,8 @@ def test_generate_command_writes_completions(tmp_path, capsys):
                        json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     out = tmp_path / "o.jsonl"
     rc = cli_main(["generate", str(model_dir), "--prompts", str(prompts), "--out", str(out), "--n", "2",
-                   "--max-tokens", "5", "--temperature", "0.8", "--top-k", "10", "--seed", "3"])
+                   "--max-tokens", "5", "--temperature", "0.8", "--top-k", "10", "--seed", "3",
+                   "--repetition-penalty", "1.2", "--min-p", "0.05"])
     assert rc == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 4 and rows[0]["prompt"] == "1+1=" and "hi" in rows[2]["prompt"]
@@ -84,6 +85,8 @@ def test_generate_and_rl_report_bad_flags_files_and_fields(tmp_path, capsys):
     prompts.write_text(json.dumps({"prompt": "1+1="}) + "\n")
     base = ["generate", str(model_dir), "--out", str(tmp_path / "o.jsonl")]
     cases = [(base + ["--prompts", str(prompts), "--top-p", "1.5"], r"SamplingParams.top_p must be in \(0, 1\]"),
+             (base + ["--prompts", str(prompts), "--min-p", "1.5"], r"SamplingParams.min_p must be in \[0, 1\]"),
+             (base + ["--prompts", str(prompts), "--repetition-penalty", "0"], "SamplingParams.repetition_penalty must"),
              (base + ["--prompts", str(prompts), "--stop", ""], "SamplingParams.stop: an empty stop string"),
              (base + ["--prompts", str(prompts), "--stop-token-id", "100000"], r"stop_token_ids must be in \[0, 128\)"),
              (base + ["--prompts", str(prompts), "--n", "0"], "SamplingParams.n must be >= 1"),

@@ -5,7 +5,7 @@ section live in that section's `check()`; cross-section rules live in `moeloop.c
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 from moeloop.errors import InputError
@@ -65,6 +65,18 @@ class ValKwargs:
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     top_k: Optional[int] = None
+    repetition_penalty: Optional[float] = None
+    min_p: Optional[float] = None
+
+
+def _check_sampling(s: RolloutSection | ValKwargs, prefix: str) -> None:
+    """The sampling fields of the rollout or its resolved val_kwargs (`RolloutSection.val_sampling`)."""
+    _require(s.temperature >= 0, f"{prefix}.temperature", "must be >= 0")
+    _require(0 < s.top_p <= 1, f"{prefix}.top_p", "must be in (0, 1]")
+    _require(s.top_k == -1 or s.top_k > 0, f"{prefix}.top_k", "must be -1 (off) or > 0")
+    _require(0 < s.repetition_penalty < float("inf"), f"{prefix}.repetition_penalty",
+             "must be finite and > 0 (1 = off)")
+    _require(0 <= s.min_p <= 1, f"{prefix}.min_p", "must be in [0, 1] (0 = off)")
 
 
 @dataclass
@@ -103,6 +115,10 @@ class RolloutSection:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    # HF/vLLM semantics and order (`SamplingParams`); greedy responses (the greedy validation, ReMax's baselines) take
+    # the repetition penalty too, not min-p
+    repetition_penalty: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     block_size: int = 16
@@ -127,11 +143,11 @@ class RolloutSection:
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
     multi_turn: MultiTurnSection = field(default_factory=MultiTurnSection)
 
-    def val_sampling(self) -> tuple[float, float, int]:
-        """(temperature, top_p, top_k) of the sampled validation."""
+    def val_sampling(self) -> ValKwargs:
+        """The validation's sampling: `val_kwargs` with each None replaced by the training rollout's value."""
         v = self.val_kwargs
-        return (self.temperature if v.temperature is None else v.temperature, self.top_p if v.top_p is None else v.top_p,
-                self.top_k if v.top_k is None else v.top_k)
+        return ValKwargs(**{f.name: getattr(self if getattr(v, f.name) is None else v, f.name)
+                            for f in fields(ValKwargs)})
 
     @property
     def generates_ahead(self) -> bool:
@@ -140,9 +156,7 @@ class RolloutSection:
 
     def check(self) -> None:
         _require(self.n >= 1, "rollout.n", "must be >= 1")
-        _require(self.temperature >= 0, "rollout.temperature", "must be >= 0")
-        _require(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
-        _require(self.top_k == -1 or self.top_k > 0, "rollout.top_k", "must be -1 (off) or > 0")
+        _check_sampling(self, "rollout")
         _require(self.mode in ("colocated", "disaggregated", "async"), "rollout.mode", "must be colocated|disaggregated|async")
         _require(0 < self.gpu_memory_utilization < 1, "rollout.gpu_memory_utilization", "must be in (0, 1)")
         _require(self.block_size > 0, "rollout.block_size", "must be > 0")
@@ -154,10 +168,7 @@ class RolloutSection:
         _require(self.max_staleness >= 0, "rollout.max_staleness", "must be >= 0")
         _require(self.threads >= 0, "rollout.threads", "must be >= 0 (0 = the trainer's)")
         _require(self.kv_cache_bytes >= 0, "rollout.kv_cache_bytes", "must be >= 0 (0 = rollout.gpu_memory_utilization)")
-        temperature, top_p, top_k = self.val_sampling()
-        _require(temperature >= 0, "rollout.val_kwargs.temperature", "must be >= 0")
-        _require(0 < top_p <= 1, "rollout.val_kwargs.top_p", "must be in (0, 1]")
-        _require(top_k == -1 or top_k > 0, "rollout.val_kwargs.top_k", "must be -1 (off) or > 0")
+        _check_sampling(self.val_sampling(), "rollout.val_kwargs")
         _require(self.device == "" or self.device == "cpu" or self.device.startswith("cuda"), "rollout.device",
                  f"must be empty (auto), cpu, cuda or cuda:N, got {self.device!r}")
         self.multi_turn.check()

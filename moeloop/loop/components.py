@@ -91,7 +91,13 @@ class Components:
         not depend on how prompts are spread over DP ranks, so N ranks generate what one rank would."""
         r = self.cfg.rollout
         return [self.rollout.params(r.n, r.temperature, r.top_p, r.top_k, _seed(self.cfg.trainer.seed, step, round_idx, p),
-                                    ignore_eos=r.ignore_eos) for p in positions]
+                                    ignore_eos=r.ignore_eos, repetition_penalty=r.repetition_penalty, min_p=r.min_p)
+                for p in positions]
+
+    def greedy_params(self, repetition_penalty: float) -> SamplingParams:
+        """One greedy response a prompt (the greedy validation, ReMax's baselines): the repetition penalty applies to
+        greedy decoding too (as in transformers and vLLM); min-p does not."""
+        return self.rollout.params(1, 0.0, repetition_penalty=repetition_penalty)
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Held-out accuracy over the held-out rows (the first `data.val_max_samples`), `data.val_batch_size`
@@ -106,12 +112,14 @@ class Components:
             return {}
         n = len(self.val)
         sources = sorted({self.val[i].data_source for i in range(n)})  # the same list on every rank
-        (temperature, top_p, top_k), k = self.cfg.rollout.val_sampling(), self.cfg.trainer.val_samples
+        v, k = self.cfg.rollout.val_sampling(), self.cfg.trainer.val_samples
         records: list[dict[str, Any]] = []
-        out = self._accuracy(n, self.rollout.params(1, 0.0), sources, "acc/val", records=records if k == 0 else None)
+        out = self._accuracy(n, self.greedy_params(v.repetition_penalty), sources, "acc/val",
+                             records=records if k == 0 else None)
         if k > 0:
-            out.update(self._accuracy(n, self.rollout.params(k, temperature, top_p, top_k, seed=self.cfg.trainer.seed),
-                                      sources, "acc/val_sampled", f"acc/val_pass@{k}", records))
+            sampled = self.rollout.params(k, v.temperature, v.top_p, v.top_k, seed=self.cfg.trainer.seed,
+                                          repetition_penalty=v.repetition_penalty, min_p=v.min_p)
+            out.update(self._accuracy(n, sampled, sources, "acc/val_sampled", f"acc/val_pass@{k}", records))
         if self.cfg.trainer.log_val_generations:
             first = sorted(gather_records(records), key=lambda rec: (rec["index"], rec["sample_index"]))
             if self.env.is_main:

@@ -26,9 +26,10 @@ class RolloutWorker:
             if multi_turn is not None and multi_turn.enabled else None
 
     def params(self, n: int, temperature: float, top_p: float = 1.0, top_k: int = -1, seed: int | None = None,
-               ignore_eos: bool = False) -> SamplingParams:
+               ignore_eos: bool = False, repetition_penalty: float = 1.0, min_p: float = 0.0) -> SamplingParams:
         """`ignore_eos`: generate exactly max_response_length tokens (benchmarks)."""
-        return SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=self.max_response_length,
+        return SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                              repetition_penalty=repetition_penalty, max_tokens=self.max_response_length,
                               stop_token_ids=() if ignore_eos else self.eos_ids, seed=seed, logprobs=True,
                               ignore_eos=ignore_eos)
 

@@ -231,7 +231,8 @@ def _generate_and_score(c: Components, cfg: RunConfig, timer: PhaseTimer, step: 
         params, k = c.train_params(step, round_idx, positions), len(examples)
         base = c.next_group_base(2 * k if remax else k)
         if remax:  # each prompt's greedy response too, in the same generate call (groups base + k ...)
-            both = c.rollout.generate(examples + examples, params + [c.rollout.params(1, 0.0)] * k, base)
+            greedy_params = [c.greedy_params(cfg.rollout.repetition_penalty)] * k
+            both = c.rollout.generate(examples + examples, params + greedy_params, base)
             fresh, greedy = [s for s in both if s.group_id < base + k], [s for s in both if s.group_id >= base + k]
         else:
             fresh = c.rollout.generate(examples, params, base)

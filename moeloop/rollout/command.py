@@ -1,8 +1,8 @@
 """`moeloop generate`: sample completions for a JSONL file of prompts with the rollout engine.
 
     moeloop generate MODEL_DIR --prompts p.jsonl --out o.jsonl [--temperature T] [--top-p P] [--top-k K]
-                     [--max-tokens N] [--n N] [--seed S] [--stop STR ...] [--stop-token-id ID ...] [--ignore-eos]
-                     [--device cpu|cuda] [--dtype float32|bfloat16]
+                     [--min-p P] [--repetition-penalty R] [--max-tokens N] [--n N] [--seed S] [--stop STR ...]
+                     [--stop-token-id ID ...] [--ignore-eos] [--device cpu|cuda] [--dtype float32|bfloat16]
 
 Input lines: {"prompt": "..."} or {"messages": [...]} (chat template of MODEL_DIR's tokenizer).
 Output lines: prompt, sample_index, completion (text), response_token_ids, logprobs, finish_reason, policy_version.
@@ -48,6 +48,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--min-p", type=float, default=0.0, help="0 = off")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off (transformers/vLLM semantics)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--n", type=int, default=1, help="samples per prompt")
     p.add_argument("--seed", type=int, default=0, help="request i uses seed + i")
@@ -114,8 +116,9 @@ def main(argv: list[str]) -> int:
     texts, prompt_ids = read_prompts(Path(args.prompts), tokenizer, args.max_tokens, args.max_model_len)
     # the flags checked before the model loads
     params = [SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                             max_tokens=args.max_tokens, seed=args.seed + i, stop=tuple(args.stop),
-                             stop_token_ids=tuple(args.stop_token_id), ignore_eos=args.ignore_eos)
+                             min_p=args.min_p, repetition_penalty=args.repetition_penalty, max_tokens=args.max_tokens,
+                             seed=args.seed + i, stop=tuple(args.stop), stop_token_ids=tuple(args.stop_token_id),
+                             ignore_eos=args.ignore_eos)
               for i in range(len(prompt_ids))]
     model = load_pretrained(args.model_dir, dtype=dtype, device=args.device)
     cfg_eos = model.cfg.eos_token_id

@@ -1,6 +1,7 @@
 """`ModelRunner`: owns the model's device tensors for a step — packs the scheduled chunks into one flat
 stream, builds the paged-attention metadata, runs the forward (or a captured CUDA graph for decode-only
-batches), and samples the sequences that reached their last token.
+batches), and samples the sequences that reached their last token (a batch with a repetition penalty or min-p also
+gets those rows' tensors, `logit_processors`).
 """
 # T tokens in the step, B sampled sequences, V vocab, N blocks per sequence
 from __future__ import annotations
@@ -19,6 +20,7 @@ from moeloop.rollout.cuda_graphs import CaptureFailed, DecodeGraphs
 from moeloop.rollout.decode_packs import DerivedWeights
 from moeloop.rollout.fused_decode import fused_decode_forward, fused_decode_logits, fused_supported
 from moeloop.rollout.kv_cache import KVCache
+from moeloop.rollout.logit_processors import PendingTokens, processing_fields
 from moeloop.rollout.moe_kernel import decode_moe
 from moeloop.rollout.multistep import decode_steps, step_sampler
 from moeloop.rollout.paged_attention import AttentionMetadata, PagedAttention, PrefillChunk
@@ -127,7 +129,7 @@ class ModelRunner:
             self._copy_fork_tails(batch)
         if logits_TV is None:
             return step
-        st = self._sampling_tensors(sampled)
+        st = self._sampling_tensors(sampled, prev)
         want_logprobs = any(s.params.logprobs for s in sampled)
         tokens_B, logprobs_B = self.sampler(logits_TV, st, want_logprobs)
         out_XB = torch.empty(1 if logprobs_B is None else 2, len(tokens_B), dtype=torch.float64, device=self.device)
@@ -296,10 +298,14 @@ class ModelRunner:
         ids_T, pos_T = to_device(ids, dev), to_device(pos, dev)
         return ids_T, pos_T, meta.slot_mapping_T, meta, last_rows
 
-    def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
-        """The rows' sampling tensors on the device (one step)."""
+    def _sampling_tensors(self, seqs: list[Sequence], prev: LaunchedStep | None = None) -> SamplingTensors:
+        """The rows' sampling tensors on the device (one step); with a repetition penalty or min-p in some row,
+        their tensors too (a penalised row's last token may still be in `prev.tokens_B` only)."""
         floats, ints, flags = self._sampling_host(seqs)
-        return SamplingTensors.packed(upload(floats, self.device), upload(ints, self.device), flags)
+        st = SamplingTensors.packed(upload(floats, self.device), upload(ints, self.device), flags)
+        if not any(s.params.processes_logits for s in seqs):
+            return st
+        return replace(st, **processing_fields(seqs, _pending_samples(seqs, prev), self.vocab_size, self.device))
 
     def _sampling_host(self, seqs: list[Sequence], steps: int = 1) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """Host tensors of the rows' sampling: floats [2, B] (temperatures, top-ps), ints [1 + steps, B] (top-ks,
@@ -355,6 +361,20 @@ def _pending_inputs(batch: ScheduledBatch, prev: LaunchedStep | None) -> InputPa
             dst.append(row)
             src.append(j)
         row += n
+    return (dst, src, prev.tokens_B) if dst else None
+
+
+def _pending_samples(seqs: list[Sequence], prev: LaunchedStep | None) -> PendingTokens | None:
+    """Rows of the penalised sequences whose last token `prev` sampled and the host does not hold yet, with their rows
+    in prev.tokens_B (one token at most: a batch with a penalised row runs one step a launch)."""
+    dst, src = [], []
+    for j, seq in enumerate(seqs):
+        if seq.num_pending and seq.params.repetition_penalty != 1:
+            if prev is None or prev.num_steps != 1 or seq.num_pending != 1 or seq.seq_id not in prev.row_of:
+                raise RuntimeError(f"sequence {seq.seq_id}: {seq.num_pending} pending tokens, not one from the last "
+                                   "step")
+            dst.append(j)
+            src.append(prev.row_of[seq.seq_id])
     return (dst, src, prev.tokens_B) if dst else None
 
 

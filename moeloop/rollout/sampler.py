@@ -1,4 +1,5 @@
-"""`Sampler`: next tokens from logits (greedy / temperature / top-k / top-p) and their fp32 logprobs.
+"""`Sampler`: next tokens from logits (greedy / temperature / top-k / top-p / min-p, repetition penalty) and their fp32
+logprobs (always the raw logits').
 
 Randomness is counter-based, not a shared generator: the noise for a row is a hash of
 (sequence seed, response-token index, vocab id), so a sample depends only on its own seed and
@@ -6,6 +7,8 @@ position — never on batch composition, preemption or step order. Sampling uses
 trick: argmax(filtered_logits / T + Gumbel(u)) is a draw from softmax(filtered_logits / T).
 One rule in every path (torch or kernels, any batch): top-k keeps the first k tokens under (logit descending, vocab
 id ascending) (`ranked_topk`), and among equal Gumbel scores the smallest vocab id wins.
+A batch with a repetition penalty or min-p (`logit_processors`) draws in torch ops over the full vocab
+(`Sampler._processed`); every other batch takes the paths below, those tensors absent.
 Shapes: B rows (sequences sampled this step), V vocab.
 """
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 
 from moeloop.model.kernel_switch import kernels_apply
 from moeloop.rollout.gumbel_kernel import StepRecord, gumbel_sample, topk_gumbel_argmax
+from moeloop.rollout.logit_processors import min_p_drop, penalise_repetitions
 from moeloop.rollout.topk_kernel import ranked_candidates, topk_sample
 
 _M32 = 0xFFFFFFFF
@@ -89,6 +93,14 @@ class SamplingTensors:
     max_top_k: int | None = None  # host max of top_ks_B; small -> sample among `ranked_topk` candidates (no sort)
     any_greedy: bool = True  # some row has temperature 0 (False: no greedy argmax needed)
     any_top_p: bool = True  # some row has top_p < 1 (False: no nucleus mask needed)
+    # `logit_processors.processing_fields`; single-step batches only (a batch with them runs one step a launch)
+    penalties_B: torch.Tensor | None = None  # fp32 repetition penalties (1 = off); None: no row has one
+    seen_BV: torch.Tensor | None = None  # bool: the token ids in each penalised row's sequence so far
+    min_ps_B: torch.Tensor | None = None  # fp32 (0 = off); None: no sampled row has min-p
+
+    @property
+    def processes_logits(self) -> bool:
+        return self.penalties_B is not None or self.min_ps_B is not None
 
     @classmethod
     def packed(cls, floats_2B: torch.Tensor, ints_XB: torch.Tensor, flags: dict) -> "SamplingTensors":
@@ -146,6 +158,25 @@ def filter_logits(logits_BV: torch.Tensor, top_ks_B: torch.Tensor, top_ps_B: tor
     return torch.empty_like(logits_BV).scatter_(-1, order_BV, sorted_BV)
 
 
+def penalised_logits(logits_BV: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """fp32 logits with the rows' repetition penalties applied (`penalise_repetitions`); a greedy row's token is
+    their argmax."""
+    z_BV = logits_BV.float()
+    return z_BV if st.penalties_B is None else penalise_repetitions(z_BV, st.seen_BV, st.penalties_B)
+
+
+def processed_scores(z_BV: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """The scores whose argmax with Gumbel noise added is a sampled row's draw, from the penalised logits z_BV, in
+    transformers' order: top-k/top-p (`filter_logits`: top-p's mass under the temperature-1 softmax of z_BV, as
+    without a penalty), division by the temperature (1 on greedy rows), min-p on that (-inf where filtered)."""
+    scores_BV = filter_logits(z_BV, st.top_ks_B, st.top_ps_B) if st.any_filter else z_BV
+    temps_B = torch.where(st.temperatures_B > 0, st.temperatures_B, torch.ones_like(st.temperatures_B))
+    scores_BV = scores_BV / temps_B[:, None]
+    if st.min_ps_B is not None:
+        scores_BV = scores_BV.masked_fill(min_p_drop(scores_BV, st.min_ps_B), float("-inf"))
+    return scores_BV
+
+
 def _sample_top_k(logits_BV: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """`filter_logits` + Gumbel-max restricted to each row's `max_top_k` first logits (`ranked_topk`; noise by vocab
     id, so the draw equals the full-vocab one). Top-p mass is measured under the full softmax, as `filter_logits`
@@ -176,6 +207,8 @@ class Sampler:
         widen each value exactly); the torch path works on an fp32 copy. Same tokens either way; the same logprobs
         too, except from the one-launch draws (`topk_sample`, `gumbel_sample`: their own fp32 log-softmax, within
         ~1e-6)."""
+        if st.processes_logits:
+            return self._processed(logits_BV, st, want_logprobs)
         if not kernels_apply(logits_BV):
             logits_BV = logits_BV.float()
         if st.all_greedy:
@@ -194,6 +227,19 @@ class Sampler:
             sampled_B = (z_BV / temps_B[:, None] + gumbel_BV).argmax(dim=-1)
         tokens_B = torch.where(st.temperatures_B > 0, sampled_B, logits_BV.argmax(dim=-1)) if st.any_greedy else sampled_B
         return self._with_logprobs(logits_BV, tokens_B, want_logprobs)
+
+    def _processed(self, logits_BV: torch.Tensor, st: SamplingTensors,
+                   want_logprobs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The draw of a batch with a repetition penalty or min-p: the argmax of the penalised logits on greedy rows,
+        Gumbel-max over the full vocab of `processed_scores` on the others (the noise of every path); logprobs of
+        the raw logits."""
+        z_BV = penalised_logits(logits_BV, st)
+        tokens_B = z_BV.argmax(dim=-1)
+        if not st.all_greedy:
+            gumbel_BV = -torch.log(-torch.log(uniform_noise(st.keys_B, z_BV.shape[-1])))
+            sampled_B = (processed_scores(z_BV, st) + gumbel_BV).argmax(dim=-1)
+            tokens_B = torch.where(st.temperatures_B > 0, sampled_B, tokens_B)
+        return self._with_logprobs(logits_BV.float(), tokens_B, want_logprobs)
 
     @staticmethod
     def _one_launch(logits_BV: torch.Tensor, st: SamplingTensors,

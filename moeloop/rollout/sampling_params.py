@@ -1,4 +1,5 @@
-"""`SamplingParams`: how one request is sampled (n, temperature, top-k/top-p, stops, seed, logprobs)."""
+"""`SamplingParams`: how one request is sampled (n, temperature, top-k/top-p/min-p, repetition penalty, stops, seed,
+logprobs)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,16 +11,25 @@ from moeloop.errors import InputError
 class SamplingParams:
     """Per-request sampling settings.
 
-    temperature 0 means greedy. top_k -1 and top_p 1.0 are off. `seed` makes the request reproducible
-    whatever else is in the batch: sample i of the request draws its noise from (seed, i, token index)
-    only. `seed=None` takes a fresh seed from the engine's seed sequence. Logprobs, when on, are always
-    those of the raw model distribution at temperature 1 (see `Completion`), not of the sampling one.
+    temperature 0 means greedy. top_k -1, top_p 1.0, min_p 0 and repetition_penalty 1.0 are off. They apply in
+    transformers' `generate` order: the repetition penalty on the raw logits (HF `RepetitionPenaltyLogitsProcessor`,
+    vLLM: every token id in the sequence so far, prompt and response, has its logit divided by the penalty when
+    > 0, else multiplied; a greedy row takes the argmax of the penalised logits), then temperature, top-k, top-p,
+    min-p (HF `MinPLogitsWarper`: drop a token whose probability under the temperature-scaled softmax is below
+    min_p times the largest; greedy rows are not affected). Top-p's mass is measured under the temperature-1
+    softmax of the (penalised) logits, as the sampler always has (`sampler.nucleus_drop`). `seed` makes the
+    request reproducible whatever else is in the batch: sample i of the request draws its noise from (seed, i,
+    token index) only. `seed=None` takes a fresh seed from the engine's seed sequence. Logprobs, when on, are
+    always those of the raw model distribution at temperature 1 (see `Completion`), not of the sampling one (nor
+    of the penalised logits).
     """
 
     n: int = 1
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
     max_tokens: int = 64
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # stop strings; need a detokenize callback on the engine
@@ -38,6 +48,11 @@ class SamplingParams:
             raise InputError(f"SamplingParams.top_k must be -1 (off) or > 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise InputError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise InputError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
+        if not 0 < self.repetition_penalty < float("inf"):
+            raise InputError(f"SamplingParams.repetition_penalty must be finite and > 0 (1 = off), got "
+                             f"{self.repetition_penalty}")
         if self.max_tokens < 1:
             raise InputError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
         if any(not s for s in self.stop):
@@ -48,3 +63,9 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def processes_logits(self) -> bool:
+        """A repetition penalty, or min-p on a sampled row: its logits are processed before the draw, in torch ops
+        (`Sampler`; its batches run one decode step a launch)."""
+        return self.repetition_penalty != 1 or (self.min_p > 0 and self.temperature != 0)
