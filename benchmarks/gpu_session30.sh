@@ -18,6 +18,20 @@ turns)
             $flag 2>&1 | grep -v -i warn | tail -3
     done
     ;;
+sampling)
+    # (nvidia-h200, about 6 minutes) the CUDA tests of repetition_penalty / min_p, of multi-turn and the rollout's;
+    # tool turns again after cached prefill chunks run as one SDPA (the first call: 3x slower with the prefix cache);
+    # what the penalties cost the engine (one decode step a launch, torch sampling over the full vocab)
+    python3 -m pytest -q -p no:cacheprovider tests/test_rollout_cuda.py tests/test_multi_turn.py \
+        tests/test_rollout_penalties.py tests/test_rollout_paged_attention.py 2>&1 | tail -3
+    timeout 120 python3 benchmarks/tool_turns.py --device cuda --size reference --batch 128 --turns 4 \
+        --turn-tokens 64 --repeats 2 2>&1 | grep -v -i warn
+    for flags in "" "--repetition-penalty 1.1" "--min-p 0.05" "--repetition-penalty 1.1 --min-p 0.05"; do
+        echo "== $flags"
+        timeout 100 python3 benchmarks/rollout.py --device cuda --size reference --batch 1,256 --skip-hf \
+            --repeats 2 --top-k 0 $flags 2>&1 | grep -v -i warn | grep "^| [0-9]"
+    done
+    ;;
 *)
     echo "usage: $0 turns|sampling" >&2; exit 2
     ;;

@@ -94,14 +94,16 @@ def walls(run, n: int, device: str, repeats: int) -> tuple[list[float], list[flo
 
 def bench_moeloop(model, prompts: list[list[int]], new_tokens: int, device: str, repeats: int,
                   step_times: bool = False, decode_steps: int = 0,
-                  top_k: int = 50, record_routes: bool = False) -> tuple[float, float, float | None]:
+                  top_k: int = 50, record_routes: bool = False,
+                  penalties: dict | None = None) -> tuple[float, float, float | None]:
     """(fastest wall of the full runs, of the 1-token runs, with `step_times` the engine.step median per decode step
     in seconds: the median launch's ms over the steps a launch runs, K, or None)."""
     B, P = len(prompts), len(prompts[0])
     engine = sized_engine(model, B, P, new_tokens, decode_steps=decode_steps, record_routes=record_routes)
 
     def run(n: int):
-        outs = engine.generate(prompts, SamplingParams(temperature=1.0, top_k=top_k or -1, max_tokens=n, seed=0))
+        outs = engine.generate(prompts, SamplingParams(temperature=1.0, top_k=top_k or -1, max_tokens=n, seed=0,
+                                                       **(penalties or {})))
         assert all(len(o.response_ids) == n for o in outs)
         engine.blocks.reset_prefix_cache()  # the next call prefills again, like the first
 
@@ -166,6 +168,8 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=50, help="both engines' top-k (0: none, as RL samples)")
     ap.add_argument("--record-routes", action="store_true", help="rollout.record_routes (router replay R3: the "
                     "module decode forward, each completion's experts read back)")
+    ap.add_argument("--repetition-penalty", type=float, default=1.0, help="moeloop's sampling (1: off)")
+    ap.add_argument("--min-p", type=float, default=0.0, help="moeloop's sampling (0: off)")
     ap.add_argument("--step-times", action="store_true", help="also print the spread of engine.step host times")
     ap.add_argument("--decode-steps", type=int, default=0, help="rollout.decode_steps (0: auto, 8 on CUDA; 1: one "
                     "decode step per launch)")
@@ -192,7 +196,8 @@ def main() -> None:
     for B in [int(b) for b in args.batch.split(",")]:
         prompts = torch.randint(3, model.cfg.vocab_size, (B, args.prompt_len), generator=g).tolist()
         full, one, step_s = bench_moeloop(model, prompts, args.new_tokens, args.device, args.repeats,
-                                          args.step_times, args.decode_steps, args.top_k, args.record_routes)
+                                          args.step_times, args.decode_steps, args.top_k, args.record_routes,
+                                          dict(repetition_penalty=args.repetition_penalty, min_p=args.min_p))
         decode = B * (args.new_tokens - 1) / (full - one)
         hf_decode = float("nan")
         if hf is not None:
