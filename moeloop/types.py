@@ -48,6 +48,12 @@ class Sample:
         return len(self.prompt_ids) + len(self.response_ids)
 
     @property
+    def answer_text(self) -> str:
+        """The text an answer is read from: a multi-turn sample's last assistant turn (its tool calls and the tools'
+        results come before it, so a tool's output is never taken for the answer), else the whole response."""
+        return self.metadata.get("final_turn_text", self.response_text)
+
+    @property
     def in_loss(self) -> bool:
         """A masked sample (its reward fell back under the `mask` policy) takes no part in the loss."""
         return self.reward_status != "masked"

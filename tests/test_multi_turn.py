@@ -236,3 +236,44 @@ def test_multi_turn_through_the_loop_dp2_matches_dp1(tmp_path):
     _assert_dp2_matches_dp1(tmp_path)
     dumped = json.loads((tmp_path / "one" / "metrics.jsonl").read_text().splitlines()[-1])
     assert dumped["policy/version"] == len(rows)
+
+
+class ScriptedEngine:
+    """An engine whose turns are scripted texts (by turn), for the real Hermes parser and calculator."""
+
+    def __init__(self, tok, turns: list[str]):
+        self.tok, self.turns, self.calls = tok, turns, []
+
+    def generate(self, prompts, params):
+        from moeloop.rollout.completion import Completion
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        self.calls.append(prompts)
+        text = self.turns[len(self.calls) - 1]
+        ids = self.tok.encode(text, add_special_tokens=False) + [self.tok.eos_token_id]
+        return [Completion(str(i), j, p, ids[:sp.max_tokens], [-0.5] * min(len(ids), sp.max_tokens), "stop", 0, text)
+                for i, (p, sp) in enumerate(zip(prompts, params)) for j in range(sp.n)]
+
+
+def test_the_sft_conversation_of_the_tool_task_is_what_a_multi_turn_rollout_sees():
+    """synthetic:mul-tools: the SFT response (a Hermes call to the calculator, its result, the answer) has the
+    tokens a multi-turn rollout of that call makes, learned exactly on the assistant turns; the reward reads the last
+    assistant turn (`Sample.answer_text`), so an empty answer after the tool's right result scores 0."""
+    from moeloop.data.dataset import load_rows
+    from moeloop.reward.rules import arith_reward
+    tok = build_tokenizer()
+    row = load_rows(["synthetic:mul-tools"])[0]
+    sft = PromptDataset([row], tok, DataSection(max_response_length=160), with_response=True)[0]
+    call = row["response"][0]["content"]
+    cfg = MultiTurnSection(tools=["calculator"], max_turns=3)
+    for answer, reward in ((row["answer"], 1.0), ("", 0.0)):
+        engine = ScriptedEngine(tok, [call, answer])
+        worker = RolloutWorker(engine, tok, 160, multi_turn=cfg)
+        rl = PromptDataset([row], tok, DataSection(max_response_length=160))[0]
+        (s,) = worker.generate([rl], SamplingParams(n=1, max_tokens=160, seed=0), 0)
+        assert s.prompt_ids == sft.prompt_ids and s.metadata["tool_calls"] == 1 and s.metadata["tool_errors"] == 0
+        assert engine.calls[1] == [s.prompt_ids + s.response_ids[:len(engine.calls[1][0]) - len(s.prompt_ids)]]
+        assert arith_reward(s).score == reward and f"<tool_response>{row['answer']}</tool_response>" in s.response_text
+        if answer:
+            assert s.response_ids == sft.response_ids and s.loss_mask == sft.loss_mask
+            assert s.answer_text == row["answer"] and s.metadata["turns"] == 2
+        worker.close()

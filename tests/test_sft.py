@@ -151,7 +151,7 @@ def test_sft_rows_in_trl_formats_learn_their_assistant_turns(capsys):
             tok.chat_template = build_tokenizer().chat_template
     refused({"prompt": user}, r"f:9: SFT row has no 'response' \(data.response_key\) and its messages have no assistant")
     refused({"prompt": "1+2="}, r"f:9: SFT row has no 'answer_text' \(data.response_key\)", response_key="answer_text")
-    refused({"prompt": user, "response": [{"role": "user", "content": "x"}]}, "must hold assistant messages only")
+    refused({"prompt": user, "response": [{"role": "user", "content": "x"}]}, r"must hold assistant messages \(and tool results between them")
     refused({"prompt": "1+2=", "response": {"role": "assistant", "content": "3"}},
             r"'response' \(data.response_key\) must be a string or a list of assistant messages, got dict")
     refused(rows[1], "needs the tokenizer's chat template", apply_chat_template=False)

@@ -218,9 +218,10 @@ class PromptDataset:
         if response is not None:
             learn_from = len(messages)
             messages = messages + chat_messages(response, f"{where} ({self.cfg.response_key})")
-            if any(m["role"] != "assistant" for m in messages[learn_from:]):
+            if any(m["role"] not in ("assistant", "tool") for m in messages[learn_from:]) or \
+                    messages[learn_from]["role"] != "assistant":
                 raise InputError(f"{where}: {self.cfg.response_key!r} (data.response_key) must hold assistant "
-                                 f"messages only")
+                                 f"messages (and tool results between them: not learned), the first an assistant's")
         if not (self.cfg.apply_chat_template and getattr(self.tokenizer, "chat_template", None)):
             raise InputError(f"{where}: a conversational SFT row needs the tokenizer's chat template "
                              f"(data.apply_chat_template=true and a template in the model folder)")

@@ -1,11 +1,15 @@
-"""The built-in verifiable task: multi-digit addition/subtraction with exact integer answers.
+"""The built-in verifiable tasks: multi-digit arithmetic with exact integer answers.
 
-`synthetic:arith` (train) and `synthetic:arith-val` (held out) are disjoint: a problem belongs to
-the validation split when a hash of its operands falls in one bucket of ten.
+`synthetic:arith` (train) and `synthetic:arith-val` (held out): two-digit addition. `synthetic:mul-tools` and
+`synthetic:mul-tools-val`: two-digit multiplication, which a tiny model cannot do in its head; each row's SFT response
+is a conversation that asks the built-in calculator tool (a Hermes tool call), reads its answer and repeats it, for
+multi-turn tool-calling RL (`rollout.multi_turn`). The splits are disjoint: a problem belongs to the validation split
+when a hash of its operands falls in one bucket of ten.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 from dataclasses import dataclass
 
@@ -17,6 +21,7 @@ class ArithTask:
     num_digits: int = 2
     ops: str = "+"
     size: int = 4096  # rows per split
+    tool_calls: bool = False  # the SFT response asks the calculator (a conversation) instead of answering
 
     def rows(self, split: str, seed: int = 0) -> list[dict]:
         if split not in ("train", "val"):
@@ -31,10 +36,14 @@ class ArithTask:
             out.append(self.make_row(a, b, op))
         return out
 
-    @staticmethod
-    def make_row(a: int, b: int, op: str) -> dict:
-        value = a + b if op == "+" else a - b
-        return {"prompt": f"{a}{op}{b}=", "answer": str(value), "response": str(value), "data_source": "synthetic:arith"}
+    def make_row(self, a: int, b: int, op: str) -> dict:
+        value = str({"+": a + b, "-": a - b, "*": a * b}[op])
+        if not self.tool_calls:
+            return {"prompt": f"{a}{op}{b}=", "answer": value, "response": value, "data_source": "synthetic:arith"}
+        call = json.dumps({"name": "calculator", "arguments": {"expression": f"{a}{op}{b}"}})
+        response = [{"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
+                    {"role": "tool", "content": value}, {"role": "assistant", "content": value}]
+        return {"prompt": f"{a}{op}{b}=", "answer": value, "response": response, "data_source": "synthetic:mul-tools"}
 
 
 def _is_val(a: int, b: int, op: str) -> bool:
@@ -46,6 +55,8 @@ def parse_synthetic_spec(spec: str) -> tuple[ArithTask, str]:
     """"synthetic:arith" -> train split, "synthetic:arith-val" -> held-out split."""
     name = spec.split(":", 1)[1]
     split = "val" if name.endswith("-val") else "train"
-    if name.removesuffix("-val") != "arith":
-        raise InputError(f"unknown synthetic dataset {spec!r} (known: synthetic:arith, synthetic:arith-val)")
-    return ArithTask(), split
+    tasks = {"arith": ArithTask(), "mul-tools": ArithTask(ops="*", tool_calls=True)}
+    if name.removesuffix("-val") not in tasks:
+        raise InputError(f"unknown synthetic dataset {spec!r} (known: synthetic:arith, synthetic:arith-val, "
+                         f"synthetic:mul-tools, synthetic:mul-tools-val)")
+    return tasks[name.removesuffix("-val")], split

@@ -53,7 +53,7 @@ class RolloutWorker:
                 sample.response_text = self.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
             if "loss_mask" in completion.metadata:  # multi-turn: the tool turns are out of the loss
                 sample.loss_mask = completion.metadata["loss_mask"]
-                sample.metadata.update({k: completion.metadata[k] for k in ("turns", "tool_calls", "tool_errors", "tool_tokens")})
+                sample.metadata.update({k: completion.metadata[k] for k in ("turns", "tool_calls", "tool_errors", "tool_tokens", "final_turn_text")})
         return samples
 
     def _generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list:

@@ -49,13 +49,15 @@ class Episode:
         self.logprobs = None if self.logprobs is None else self.logprobs + [0.0] * len(ids)
         self.loss_mask += [0] * len(ids)
 
-    def completion(self) -> Completion:
+    def completion(self, last_text: str) -> Completion:
+        """All turns as one completion; `last_text`: the last assistant turn's text (`Sample.answer_text`)."""
         c = self.last
         return Completion(self.first.request_id, self.first.sample_index,
                           list(self.first.prompt_ids), self.response_ids, self.logprobs, self.finish_reason,
                           min(self.first.policy_version, c.policy_version), None, c.num_preemptions,
                           {"loss_mask": self.loss_mask, "turns": self.turns, "tool_calls": self.tool_calls,
-                           "tool_errors": self.tool_errors, "tool_tokens": self.loss_mask.count(0)}, c.routed_experts)
+                           "tool_errors": self.tool_errors, "tool_tokens": self.loss_mask.count(0),
+                           "final_turn_text": last_text}, c.routed_experts)
 
 
 class MultiTurn:
@@ -82,7 +84,7 @@ class MultiTurn:
             prompts = [e.first.prompt_ids + e.response_ids for e in live]
             for e, c in zip(live, engine.generate(prompts, [self._turn_params(e, turn) for e in live])):
                 e.add_turn(c)
-        return [e.completion() for e in episodes]
+        return [e.completion(self._text(e.last)) for e in episodes]
 
     def close(self) -> None:
         self.runner.close()

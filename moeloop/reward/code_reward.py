@@ -46,7 +46,7 @@ class CodeReward:
         self.sandbox = Sandbox(limits or SandboxLimits(cpu_s=5, wall_s=10), python=python)
 
     def __call__(self, sample: Sample) -> RewardResult:
-        program = extract_program(sample.response_text)
+        program = extract_program(sample.answer_text)
         statuses = []
         passed = 0
         for suffix, stdin, expected in _cases(sample.ground_truth):

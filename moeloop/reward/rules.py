@@ -24,7 +24,7 @@ def math_reward(sample: Sample) -> RewardResult:
     if sample.ground_truth is None:
         raise ValueError("math reward: sample.ground_truth is None")
     gold = extract_answer(str(sample.ground_truth)) or str(sample.ground_truth)
-    pred = extract_answer(sample.response_text)
+    pred = extract_answer(sample.answer_text)
     if pred is None:
         return RewardResult(0.0, {"pred": None, "gold": gold, "reason": "no answer"})
     ok = answers_equal(gold, pred)
@@ -34,7 +34,7 @@ def math_reward(sample: Sample) -> RewardResult:
 def format_reward(sample: Sample) -> RewardResult:
     """1.0 when the completion matches the regex `sample.metadata["format_pattern"]` (default: R1 tags)."""
     pattern = sample.metadata.get("format_pattern", FORMAT_PATTERN)
-    ok = re.search(pattern, sample.response_text) is not None
+    ok = re.search(pattern, sample.answer_text) is not None
     return RewardResult(float(ok), {"pattern": pattern})
 
 
@@ -55,7 +55,7 @@ def arith_reward(sample: Sample) -> RewardResult:
         gold = int(str(sample.ground_truth).strip())
     except ValueError:
         raise ValueError(f"arith reward: ground_truth must be an integer, got {sample.ground_truth!r}") from None
-    pred = arith_answer(sample.response_text)
+    pred = arith_answer(sample.answer_text)
     return RewardResult(float(pred == gold), {"pred": pred, "gold": gold})
 
 
