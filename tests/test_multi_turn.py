@@ -234,8 +234,12 @@ def test_multi_turn_through_the_loop_dp2_matches_dp1(tmp_path):
     assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in rows)
     run_ranks(_dp_rank_with, 2, model_dir, tmp_path / "two", *extra)
     _assert_dp2_matches_dp1(tmp_path)
-    dumped = json.loads((tmp_path / "one" / "metrics.jsonl").read_text().splitlines()[-1])
-    assert dumped["policy/version"] == len(rows)
+    last = json.loads((tmp_path / "one" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["policy/version"] == len(rows)
+    from moeloop.loop.dump import sample_record
+    from moeloop.types import Sample
+    record = sample_record(Sample([1], [2], metadata={"turns": 2, "tool_calls": 1, "tool_errors": 0}), 1)
+    assert (record["turns"], record["tool_calls"], record["tool_errors"]) == (2, 1, 0)
 
 
 class ScriptedEngine:

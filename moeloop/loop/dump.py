@@ -22,7 +22,8 @@ def sample_record(sample: Sample, step: int, **extra: Any) -> dict[str, Any]:
             "reward_status": sample.reward_status, "reward_info": sample.reward_info,
             "advantage": sample.advantages[0] if sample.advantages else None,
             "finish_reason": sample.finish_reason, "response_length": len(sample.response_ids),
-            "policy_version": sample.policy_version, "sample_index": sample.metadata.get("sample_index", 0)}
+            "policy_version": sample.policy_version, "sample_index": sample.metadata.get("sample_index", 0),
+            **{k: sample.metadata[k] for k in ("turns", "tool_calls", "tool_errors") if k in sample.metadata}}
 
 
 def gather_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
