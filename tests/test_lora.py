@@ -109,6 +109,18 @@ def test_adapters_off_reference_is_the_base_model():
     assert max(abs(a - b) for x, y in zip(moved, base) for a, b in zip(x, y)) > 1e-3
 
 
+def test_the_loops_reference_under_lora_is_the_adapters_off_actor(model_dir, tmp_path):
+    """build_reference makes no second model under LoRA: the actor with its adapters off; without LoRA a copy."""
+    from moeloop.loop.components import build_reference
+    from moeloop.loop.env import RunEnv, load_policy
+    env = RunEnv(torch.device("cpu"), 0, 1, tmp_path)
+    for lora, kind in ((LORA, AdapterOffReference), (["actor.use_kl_loss=true"], PolicyForward)):
+        cfg = _cfg(model_dir, tmp_path, *lora)
+        actor = Actor(load_policy(cfg), cfg.actor, env.device, 4)
+        ref = build_reference(cfg, actor, env)
+        assert type(ref) is kind and (kind is PolicyForward or ref.actor is actor)
+
+
 ROLLOUT = dict(max_num_seqs=8, max_num_batched_tokens=64, block_size=4, kv_cache_bytes=1 << 20, max_model_len=48)
 
 
