@@ -179,8 +179,10 @@ def test_the_planners_linear_modules_are_the_models():
     from moeloop.model.factory import hf_config_dict
     from moeloop.model.transformer import MoEForCausalLM
     from moeloop.plan.accounting import decoder_linears, lora_layer_params
-    for arch in ("qwen3_moe", "qwen3", "mixtral", "deepseek_v3"):  # (deepseek_v3 tiny: 1 dense + 2 MoE layers)
-        cfg = ModelConfig.from_hf_dict(hf_config_dict(arch, "tiny"))
+    variants = [(arch, {}) for arch in ("qwen3_moe", "qwen3", "mixtral", "deepseek_v3")]  # (deepseek_v3 tiny: 1 dense
+    variants += [("deepseek_v3", {"n_shared_experts": 2, "q_lora_rank": None})]  # + 2 MoE layers, q_lora_rank 32)
+    for arch, over in variants:
+        cfg = ModelConfig.from_hf_dict({**hf_config_dict(arch, "tiny"), **over})
         with torch.device("meta"):
             model = MoEForCausalLM(cfg)
         modules = dict(model.named_modules())
