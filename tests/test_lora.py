@@ -31,9 +31,9 @@ def model_dir(tmp_path_factory):
     return init_model("qwen3_moe", "tiny", tmp_path_factory.mktemp("model") / "m", seed=3)
 
 
-def _lora_actor(rank: int = 4, alpha: float = 8.0, **over) -> Actor:
+def _lora_actor(rank: int = 4, alpha: float = 8.0, device: torch.device = torch.device("cpu"), **over) -> Actor:
     return Actor(tiny_model(), actor_cfg(lora_rank=rank, lora_alpha=alpha, max_tokens_per_micro_batch=64, **over),
-                 torch.device("cpu"), 8)
+                 device, 8)
 
 
 def _logprobs(forward, samples, field="old_logprobs"):
@@ -41,8 +41,8 @@ def _logprobs(forward, samples, field="old_logprobs"):
     return [list(getattr(s, field)) for s in samples]
 
 
-def _trained_actor(steps: int = 3) -> Actor:
-    actor = _lora_actor()
+def _trained_actor(steps: int = 3, device: torch.device = torch.device("cpu")) -> Actor:
+    actor = _lora_actor(device=device)
     for _ in range(steps):
         actor.update(rl_batch())
     return actor
@@ -124,18 +124,23 @@ def test_the_loops_reference_under_lora_is_the_adapters_off_actor(model_dir, tmp
 ROLLOUT = dict(max_num_seqs=8, max_num_batched_tokens=64, block_size=4, kv_cache_bytes=1 << 20, max_model_len=48)
 
 
-def test_engine_after_a_push_computes_the_trainers_lora_policy():
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                        reason="needs CUDA")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_engine_after_a_push_computes_the_trainers_lora_policy(device):
     """Colocated as the RL loop builds it: the engine aliases the actor's frozen parameters but the adapted weights,
     which the push fills with the merged W + scale B A. The logprobs the engine reports for its samples then equal the
-    trainer's teacher-forced LoRA logprobs (tolerance: fp32, x (W + sBA)^T against x W^T + s (x A^T) B^T), and differ
-    from the base model's."""
-    actor = _trained_actor()
-    model = tiny_model(seed=1)  # other weights: the push and the sharing must replace all of them
+    trainer's teacher-forced LoRA logprobs (tolerance: fp32, x (W + sBA)^T against x W^T + s (x A^T) B^T; on CUDA the
+    engine's kernels and graphs, 1e-4 as tests/test_rollout_cuda.py), and differ from the base model's."""
+    actor = _trained_actor(device=torch.device(device))
+    model = tiny_model(seed=1).to(device)  # other weights: the push and the sharing must replace all of them
     shared = share_parameters(actor.model, model, skip={f"{m}.weight" for m in actor.lora_modules})
     assert sorted(shared) == sorted(n for n, _ in model.named_parameters()
                                     if not any(n == f"{m}.weight" for m in actor.lora_modules))
-    engine = Engine(model, RolloutSection(**ROLLOUT), eos_token_ids=[])
-    WeightSyncer(InProcessTransport("cpu")).push(actor.named_weights(), engine, version=1)
+    engine = Engine(model, RolloutSection(**ROLLOUT, enforce_eager=False), eos_token_ids=[])
+    WeightSyncer(InProcessTransport(device)).push(actor.named_weights(), engine, version=1)
     trainer = dict(actor.model.named_parameters())
     for name, p in model.named_parameters():
         assert (p.data_ptr() == trainer[name].data_ptr()) == (name in shared), name
@@ -147,8 +152,21 @@ def test_engine_after_a_push_computes_the_trainers_lora_policy():
     with adapters_off(actor.model):
         base = _logprobs(actor, samples)
     got = torch.tensor([lp for s in samples for lp in s.response_logprobs])
-    torch.testing.assert_close(got, torch.tensor([lp for x in lora for lp in x]), rtol=0, atol=1e-5)
+    atol = 1e-5 if device == "cpu" else 1e-4
+    torch.testing.assert_close(got, torch.tensor([lp for x in lora for lp in x]), rtol=0, atol=atol)
     assert (got - torch.tensor([lp for x in base for lp in x])).abs().max() > 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_lora_rl_run_trains_the_adapted_weights_only(model_dir, tmp_path):
+    """The RL loop with LoRA on the GPU (the planner's LoRA ledger runs at start-up there, the engine's CUDA path
+    generates from the merged weights): it runs, and its export moved the attention weights only."""
+    last = run_rl(_cfg(model_dir, tmp_path / "run", *LORA, device="cuda"))
+    assert last["policy/version"] == STEPS
+    w0, w = load_pretrained(model_dir).state_dict(), _weights(tmp_path / "run")
+    assert {n for n in w0 if not torch.equal(w0[n], w[n])} == {f"model.layers.{i}.self_attn.{p}.weight"
+                                                               for i in range(2) for p in ATTENTION}
 
 
 def test_lora_config_errors_name_the_field(model_dir, tmp_path):
