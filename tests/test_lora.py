@@ -242,8 +242,9 @@ def _dcp_keys(step_dir):
 def test_lora_rl_resume_equals_the_straight_run_and_exports_the_merged_model(model_dir, tmp_path):
     """With LoRA and a KL loss (the reference: adapters off): a run stopped at step 2 and resumed logs and ends as the
     straight run. Its checkpoint holds the adapters and their Adam state only; the HF export is the merged model
-    (load_pretrained loads it), whose q/k/v/o_proj weights moved and nothing else did, and `moeloop ckpt export`
-    of the final checkpoint writes the same weights. A resume under other LoRA settings is refused."""
+    (load_pretrained loads it), whose q/k/v/o_proj weights moved and nothing else did, `moeloop ckpt export`
+    of the final checkpoint writes the same weights, and the adapters alone are beside it in peft's format. A
+    resume under other LoRA settings is refused."""
     run_rl(_cfg(model_dir, tmp_path / "a", *LORA))
     run_rl(_cfg(model_dir, tmp_path / "b", *LORA, f"trainer.steps={STEPS // 2}"))
     run_rl(_cfg(model_dir, tmp_path / "b", *LORA), resume=True)
@@ -264,8 +265,27 @@ def test_lora_rl_resume_equals_the_straight_run_and_exports_the_merged_model(mod
     from moeloop.checkpoint.command import export_checkpoint
     exported = load_pretrained(export_checkpoint(step, model_dir, tmp_path / "exported")).state_dict()
     assert all(torch.equal(exported[n], wa[n]) for n in wa)
+    _check_peft_adapter(tmp_path / "a" / "lora_adapter", model_dir, w0, wa)
     with pytest.raises(InputError, match="saved with LoRA settings .* this run's actor.lora_rank"):
         run_rl(_cfg(model_dir, tmp_path / "b", *LORA, "actor.lora_alpha=16", "trainer.steps=5"), resume=True)
+
+
+def _check_peft_adapter(adapter_dir, model_dir, base, merged):
+    """<run_dir>/lora_adapter in peft's layout (peft 0.21's PeftModel.from_pretrained loaded one onto transformers'
+    model of model.path and gave the merged export's logits to 3e-7; peft is no dependency, so here the files): the
+    config, and base W + alpha / r * B @ A from its tensors is the merged export."""
+    from safetensors.torch import load_file
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    modules = [f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ATTENTION]
+    assert {k: config[k] for k in ("peft_type", "task_type", "r", "lora_alpha", "base_model_name_or_path")} == \
+        {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 4, "lora_alpha": 8.0, "base_model_name_or_path": str(model_dir)}
+    assert sorted(config["target_modules"]) == sorted(modules)
+    tensors = load_file(adapter_dir / "adapter_model.safetensors")
+    assert set(tensors) == {f"base_model.model.{m}.{leaf}.weight" for m in modules for leaf in ("lora_A", "lora_B")}
+    for m in modules:
+        a, b = tensors[f"base_model.model.{m}.lora_A.weight"], tensors[f"base_model.model.{m}.lora_B.weight"]
+        assert a.shape[0] == b.shape[1] == 4
+        torch.testing.assert_close(base[f"{m}.weight"] + 8 / 4 * b @ a, merged[f"{m}.weight"], rtol=0, atol=1e-6)
 
 
 def test_lora_rl_dp2_matches_dp1(model_dir, tmp_path):

@@ -25,7 +25,7 @@ from moeloop.errors import InputError
 from moeloop.loop.env import (RunEnv, check_parallel_support, dtype_of, load_policy, load_tokenizer, resume_from,
                               training_steps, write_run_config)
 from moeloop.loop.dump import gather_records, sample_record, write_jsonl
-from moeloop.loop.export import export_hf
+from moeloop.loop.export import export_policy
 from moeloop.loop.generation import RolloutWorker
 from moeloop.loop.metrics import MetricsLogger
 from moeloop.loop.remote_rollout import RemoteEngine, rollout_device, rollout_threads
@@ -184,8 +184,7 @@ class Components:
                 self.beside_ckpt("ref").save(step, self.ref.model, None, {"step": step})
         hf_every = self.cfg.checkpoint.export_hf_every
         if (hf_every and step % hf_every == 0) or (last and self.cfg.checkpoint.export_hf_final):
-            export_hf(self.actor.named_weights(), self.actor.model.cfg, self.env.run_dir / "hf",
-                      self.cfg.model.path, write=self.env.is_main)
+            export_policy(self.actor, self.env.run_dir, self.cfg.model.path, write=self.env.is_main)
 
     @property
     def critic_ckpt(self) -> CheckpointManager:

@@ -18,7 +18,7 @@ from moeloop.data.dataset import Example
 from moeloop.errors import InputError
 from moeloop.loop.env import (RunEnv, check_parallel_support, load_policy, load_tokenizer, resume_from, run_command,
                               training_steps, write_run_config)
-from moeloop.loop.export import export_hf
+from moeloop.loop.export import export_policy
 from moeloop.loop.metrics import MetricsLogger, PhaseTimer, peak_memory_bytes
 from moeloop.train.actor import Actor
 from moeloop.train.lora import lora_meta
@@ -42,7 +42,6 @@ def run_sft(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
         val = [_sample(val[i], i) for i in range(env.rank, len(val), env.world_size)]
     cursor = EpochCursor(len(data), cfg.data.seed, cfg.data.shuffle)
     model = load_policy(cfg)
-    model_cfg = model.cfg
     steps = cfg.trainer.steps = training_steps(cfg, len(data))  # resolved once, as RL's
     write_run_config(cfg, env.run_dir, env.is_main)
     actor = Actor(model, cfg.actor, env.device, cfg.data.max_response_length, cfg.model.logprob_chunk_tokens, steps)
@@ -72,7 +71,7 @@ def run_sft(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
         last.update(val_metrics)
         logger.log(step + 1, {**last, **timer.pop(), "memory/peak_bytes": peak_memory_bytes(env.device)})
     actor_state_save(ckpt, steps, actor, cursor)
-    export_hf(actor.named_weights(), model_cfg, env.run_dir / "hf", cfg.model.path, write=env.is_main)
+    export_policy(actor, env.run_dir, cfg.model.path, write=env.is_main)
     logger.close()
     return last
 

@@ -5,16 +5,20 @@ peft_config and verl's lora_rank do; the merged weights are what the rollout eng
     actor = Actor(model, ...)                   # (the Actor calls it) the optimizer holds the adapters only
     for name, w in merged_weights(model): ...   # base names, W + (alpha / r) B @ A: the plain model's weights
     with adapters_off(model): ...               # the base model (the KL reference under LoRA)
+    save_adapter(model, cfg.actor, out_dir, base)  # the adapters alone, in peft's format
 """
 # I in features, O out features, R rank
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -140,6 +144,26 @@ def merged_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         if module in scales and leaf == "weight":
             full = merge(full, _full(state[f"{module}.lora_A"]), _full(state[f"{module}.lora_B"]), scales[module])
         yield name, full
+
+
+def save_adapter(model: nn.Module, cfg: ActorSection, out_dir: str | Path, base_model: str,
+                 write: bool = True) -> Path | None:
+    """The adapters alone in peft's format (adapter_model.safetensors + adapter_config.json), which
+    `peft.PeftModel.from_pretrained` loads onto `base_model`'s transformers model. Collective under FSDP (all ranks
+    gather); only where `write` does it write."""
+    tensors = {f"base_model.model.{name}.{leaf}.weight": _full(getattr(layer, leaf)).cpu().contiguous()
+               for name, layer in lora_modules(model).items() for leaf in ADAPTER_LEAVES}
+    if not write:
+        return None
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out / "adapter_model.safetensors", metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base_model),
+              "r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "lora_dropout": 0.0, "bias": "none",
+              "target_modules": sorted(lora_modules(model)), "fan_in_fan_out": False, "use_rslora": False,
+              "init_lora_weights": True, "inference_mode": True}
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
