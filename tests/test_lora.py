@@ -297,3 +297,21 @@ def test_lora_rl_dp2_matches_dp1(model_dir, tmp_path):
     w0, w1 = load_pretrained(model_dir).state_dict(), _weights(tmp_path / "one")
     assert {n for n in w0 if not torch.equal(w0[n], w1[n])} == {f"model.layers.{i}.self_attn.{p}.weight"
                                                                  for i in range(2) for p in ATTENTION}
+
+
+def test_lora_sft_learns_and_resumes_exactly(model_dir, tmp_path):
+    """SFT (TRL's SFTTrainer with peft_config): the loss falls, a resumed run equals the straight one, the export
+    moved the attention weights only, and the adapters are written beside it."""
+    from moeloop.loop.sft import run_sft
+    from tests.test_sft import _cfg as sft_cfg, _losses
+    lora = ("actor.lora_rank=8", "actor.optim.lr=1e-2")
+    run_sft(sft_cfg(model_dir, tmp_path / "a", *lora))
+    run_sft(sft_cfg(model_dir, tmp_path / "b", *lora, "trainer.steps=3"))
+    run_sft(sft_cfg(model_dir, tmp_path / "b", *lora), resume=True)
+    losses = _losses(tmp_path / "a")
+    assert losses == _losses(tmp_path / "b") and losses[-1] < losses[0] - 0.5, losses
+    w0, wa, wb = (load_pretrained(d).state_dict() for d in (model_dir, tmp_path / "a" / "hf", tmp_path / "b" / "hf"))
+    assert all(torch.equal(wa[n], wb[n]) for n in wa)
+    assert {n for n in w0 if not torch.equal(w0[n], wa[n])} == {f"model.layers.{i}.self_attn.{p}.weight"
+                                                                 for i in range(2) for p in ATTENTION}
+    assert (tmp_path / "a" / "lora_adapter" / "adapter_model.safetensors").is_file()
