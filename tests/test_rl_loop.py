@@ -100,8 +100,8 @@ def test_weight_drift_bound_catches_a_resume_that_loses_the_optimizer_state(mode
     assert _weight_drift(model_dir, tmp_path / "exact") == 0.0
     from moeloop.checkpoint.manager import CheckpointManager
     real_load = CheckpointManager.load
-    monkeypatch.setattr(CheckpointManager, "load", lambda self, path, model, optimizer: real_load(self, path, model,
-                                                                                                   None))
+    monkeypatch.setattr(CheckpointManager, "load", lambda self, path, model, optimizer, **kw: real_load(
+        self, path, model, None, **kw))
     _straight_and_resumed(model_dir, tmp_path / "lost", "cpu")
     assert _weight_drift(model_dir, tmp_path / "lost") > 0.05
 

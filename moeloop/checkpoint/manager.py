@@ -7,6 +7,8 @@ Layout on disk:
     <dir>/latest               name of the newest complete checkpoint
 Every rank writes into `step_N.tmp/`; after a barrier rank 0 renames it and rewrites `latest`
 (write-then-rename), so a save killed half-way leaves the previous checkpoint the latest one.
+`trainable_only` (LoRA) saves and loads the parameters that train (and their optimizer state) only: the frozen
+ones are model.path's, loaded with the model.
 """
 from __future__ import annotations
 
@@ -85,7 +87,7 @@ class CheckpointManager:
         return path if (path / "meta.json").is_file() else None
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-             meta: dict[str, Any]) -> Path:
+             meta: dict[str, Any], trainable_only: bool = False) -> Path:
         """Collective when a process group exists: every rank calls it."""
         final = self.directory / f"step_{step:06d}"
         tmp = final.with_name(final.name + ".tmp")
@@ -93,7 +95,7 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         _barrier()
-        dcp.save(self._state(model, optimizer), checkpoint_id=str(tmp))
+        dcp.save(self._state(model, optimizer, trainable_only), checkpoint_id=str(tmp))
         (tmp / "rng").mkdir(exist_ok=True)
         torch.save(rng_state(), tmp / "rng" / f"rank{_rank()}.pt")
         _barrier()
@@ -109,12 +111,13 @@ class CheckpointManager:
         _barrier()
         return final
 
-    def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+             trainable_only: bool = False) -> dict[str, Any]:
         """Load into the current layout (DCP reshards); restore this rank's RNG; return meta."""
-        state = self._state(model, optimizer)
-        _check_fits(path, state["model"])
+        state = self._state(model, optimizer, trainable_only)
+        _check_fits(path, state["model"])  # (every tensor of `state` is in the checkpoint: strict where it matters)
         dcp.load(state, checkpoint_id=str(path))
-        options = StateDictOptions(strict=True)
+        options = StateDictOptions(strict=not trainable_only, ignore_frozen_params=trainable_only)
         if optimizer is None:
             set_state_dict(model, optimizers=(), model_state_dict=state["model"], optim_state_dict={}, options=options)
         else:
@@ -126,11 +129,13 @@ class CheckpointManager:
         return json.loads((path / "meta.json").read_text())
 
     @staticmethod
-    def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+               trainable_only: bool = False) -> dict[str, Any]:
+        options = StateDictOptions(ignore_frozen_params=trainable_only)
         if optimizer is None:
-            model_sd, _ = get_state_dict(model, optimizers=())
+            model_sd, _ = get_state_dict(model, optimizers=(), options=options)
             return {"model": model_sd}
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
         return {"model": model_sd, "optim": optim_sd}
 
     def _prune(self) -> None:

@@ -84,6 +84,10 @@ def validate(cfg: RunConfig) -> None:
     if cfg.actor.ref_sync_steps and not (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward):
         raise InputError(f"actor.ref_sync_steps={cfg.actor.ref_sync_steps} moves the reference policy, which only a "
                          f"KL term reads: set actor.use_kl_loss=true or algorithm.use_kl_in_reward=true")
+    if cfg.actor.lora_rank and cfg.actor.ref_sync_steps:
+        raise InputError(f"actor.ref_sync_steps={cfg.actor.ref_sync_steps} with actor.lora_rank={cfg.actor.lora_rank}: "
+                         f"under LoRA the reference is the actor with its adapters off (its frozen base weights), "
+                         f"which cannot move toward the actor (as TRL refuses sync_ref_model with a PEFT model)")
     if cfg.algorithm.adv_estimator == "gae" and not cfg.critic.enable:
         raise InputError("algorithm.adv_estimator=gae needs critic.enable=true")
     if cfg.trainer.critic_warmup < 0 or (cfg.trainer.critic_warmup and not cfg.critic.enable):

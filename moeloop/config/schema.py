@@ -334,6 +334,17 @@ class ActorSection:
     # top_entropy_quantile); the KL and entropy terms keep every token, the denominators are unchanged
     top_entropy_quantile: float = 1.0
     offload: OffloadSection = field(default_factory=OffloadSection)
+    # LoRA (verl's lora_rank / lora_alpha / target_modules, TRL's peft_config): > 0 trains rank-r adapters on the
+    # target nn.Linear modules of the decoder layers, y = x W^T + (alpha / r) (x A^T) B^T, the base weights frozen
+    # (moeloop.train.lora). 0 = full fine-tuning
+    lora_rank: int = 0
+    lora_alpha: float = 16.0  # verl's default; the adapter's output is scaled by lora_alpha / lora_rank
+    # module names: a module is targeted when its name ends with an entry ("q_proj" targets every layer's q_proj,
+    # "mlp.down_proj" the dense layers' down_proj only). all-linear (verl's default): every nn.Linear of the decoder
+    # layers: attention (q/k/v/o_proj; MLA's q_a/q_b/kv_a/kv_b/o_proj), dense MLPs and shared experts
+    # (gate/up/down_proj). Never lm_head, the router or the routed experts (stacked parameters, not nn.Linear)
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    lora_dropout: float = 0.0  # only 0: in-train dropout makes the update's logprobs differ from the old/rollout ones
 
     def check(self, prefix: str = "actor") -> None:
         modes = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -364,6 +375,36 @@ class ActorSection:
         _require(self.grad_clip >= 0, f"{prefix}.grad_clip", "must be >= 0 (0 = no clipping)")
         _require(self.kl_loss_coef >= 0, f"{prefix}.kl_loss_coef", "must be >= 0")
         self.optim.check(prefix)
+        self.check_lora(prefix)
+
+    def check_lora(self, prefix: str) -> None:
+        _require(self.lora_rank >= 0, f"{prefix}.lora_rank", "must be >= 0 (0 = full fine-tuning)")
+        _require(self.lora_alpha > 0, f"{prefix}.lora_alpha", "must be > 0")
+        _require(self.lora_dropout == 0, f"{prefix}.lora_dropout",
+                 "must be 0 (dropout in the adapter would make the update's logprobs differ from the old ones)")
+        targets = list(self.lora_target_modules)
+        _require(bool(targets) and all(isinstance(t, str) and t.strip() for t in targets),
+                 f"{prefix}.lora_target_modules", f"must list module names or all-linear, got {targets}")
+        _require("all-linear" not in targets or len(targets) == 1, f"{prefix}.lora_target_modules",
+                 f"all-linear stands alone (it targets every linear module), got {targets}")
+
+    def lora_targets(self, linear_names: list[str], prefix: str = "actor") -> list[str]:
+        """The names among `linear_names` (a model's candidate nn.Linear modules) that `lora_target_modules`
+        targets, in their order; an entry that matches none raises, naming the field and listing the candidates."""
+        entries = list(self.lora_target_modules)
+        if entries == ["all-linear"]:
+            return list(linear_names)
+        for entry in entries:
+            if not any(_names_module(name, entry) for name in linear_names):
+                leaves = sorted({name.split(".layers.")[-1].split(".", 1)[-1] for name in linear_names})
+                raise InputError(f"{prefix}.lora_target_modules: {entry!r} matches no linear module of the model; its "
+                                 f"linear modules are (in every layer that has them) {', '.join(leaves)}, or all-linear")
+        return [name for name in linear_names if any(_names_module(name, entry) for entry in entries)]
+
+
+def _names_module(name: str, entry: str) -> bool:
+    """Whether module `name` is the one `entry` names: equal, or ending with it after a dot (peft's rule)."""
+    return name == entry or name.endswith("." + entry)
 
 
 @dataclass
@@ -374,6 +415,7 @@ class CriticSection(ActorSection):
     def check(self, prefix: str = "critic") -> None:
         super().check(prefix)
         _require(self.cliprange_value > 0, f"{prefix}.cliprange_value", "must be > 0")
+        _require(self.lora_rank == 0, f"{prefix}.lora_rank", "must be 0: LoRA trains the actor (the critic trains in full)")
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """`Components`: everything one RL run holds — built once from the config, saved and resumed as one.
 
 `build_components(cfg, resume)` makes the tokenizer, datasets and cursor, the actor (and a frozen
-reference when a KL term needs it), the rollout engine (colocated: sharing the actor's parameters
-in process; async: its own copy in process; disaggregated: a process of its own, `RemoteEngine`),
+reference when a KL term needs it; under LoRA the actor with its adapters off), the rollout engine (colocated:
+sharing the actor's parameters in process, under LoRA all but the adapted weights, which get the merged ones;
+async: its own copy in process; disaggregated: a process of its own, `RemoteEngine`),
 the reward pool, the weight syncer, checkpoints and the logger, and restores them from the latest
 checkpoint on `--resume`.
 """
@@ -24,7 +25,7 @@ from moeloop.errors import InputError
 from moeloop.loop.env import (RunEnv, check_parallel_support, dtype_of, load_policy, load_tokenizer, resume_from,
                               training_steps, write_run_config)
 from moeloop.loop.dump import gather_records, sample_record, write_jsonl
-from moeloop.loop.export import export_hf
+from moeloop.loop.export import export_policy
 from moeloop.loop.generation import RolloutWorker
 from moeloop.loop.metrics import MetricsLogger
 from moeloop.loop.remote_rollout import RemoteEngine, rollout_device, rollout_threads
@@ -42,6 +43,7 @@ from moeloop.sync import (DiskTransport, InProcessTransport, ProcessTransport, T
 from moeloop.train.actor import Actor, PolicyForward
 from moeloop.train.critic import Critic
 from moeloop.train.host_memory import retain_freed_host_memory
+from moeloop.train.lora import AdapterOffReference
 
 
 @dataclass
@@ -53,7 +55,7 @@ class Components:
     val: PromptDataset | None
     cursor: EpochCursor
     actor: Actor
-    ref: PolicyForward | None
+    ref: PolicyForward | AdapterOffReference | None
     critic: Critic | None
     engine: Any
     rollout: RolloutWorker
@@ -182,8 +184,7 @@ class Components:
                 self.beside_ckpt("ref").save(step, self.ref.model, None, {"step": step})
         hf_every = self.cfg.checkpoint.export_hf_every
         if (hf_every and step % hf_every == 0) or (last and self.cfg.checkpoint.export_hf_final):
-            export_hf(self.actor.named_weights(), self.actor.model.cfg, self.env.run_dir / "hf",
-                      self.cfg.model.path, write=self.env.is_main)
+            export_policy(self.actor, self.env.run_dir, self.cfg.model.path, write=self.env.is_main)
 
     @property
     def critic_ckpt(self) -> CheckpointManager:
@@ -215,10 +216,12 @@ def build_engine(cfg: RunConfig, model: torch.nn.Module, tokenizer: Any) -> Engi
 
 def engine_model(cfg: RunConfig, env: RunEnv, actor: Actor) -> torch.nn.Module:
     """The engine's model; colocated in process, its parameters alias the actor's where device and dtype match
-    (async rollout keeps its own copy: it generates while the actor's weights change)."""
+    (async rollout keeps its own copy: it generates while the actor's weights change). Under LoRA the adapted
+    weights keep their own copy, which each push fills with the merged W + scale * B @ A; the rest (the frozen
+    embedding, norms, router, experts) is aliased: it never changes."""
     model = load_pretrained(cfg.model.path, dtype=dtype_of(cfg.model.dtype), device=env.device)
     if shares_weights(cfg):
-        share_parameters(actor.model, model)
+        share_parameters(actor.model, model, skip={f"{name}.weight" for name in actor.lora_modules})
     return model
 
 
@@ -272,6 +275,15 @@ def beside_checkpoint(actor_checkpoint: Path, name: str, why: str) -> Path:
     return path
 
 
+def build_reference(cfg: RunConfig, actor: Actor, env: RunEnv) -> PolicyForward | AdapterOffReference:
+    """The KL reference: under LoRA the actor with its adapters off (the frozen base model, no second copy, as
+    verl's); else a frozen copy of model.path."""
+    if actor.lora_modules:
+        return AdapterOffReference(actor)
+    return PolicyForward(load_pretrained(cfg.model.path, dtype=dtype_of(cfg.model.dtype)), env.device,
+                         cfg.actor.max_tokens_per_micro_batch, cfg.model.logprob_chunk_tokens)
+
+
 def build_components(cfg: RunConfig, resume: bool) -> Components:
     check_runtime_support(cfg)
     env = RunEnv.create(cfg)
@@ -290,14 +302,11 @@ def build_components(cfg: RunConfig, resume: bool) -> Components:
             data.note_dropped(name, env.is_main)
     cfg.trainer.steps = training_steps(cfg, len(train))  # resolved once: every later use reads trainer.steps
     write_run_config(cfg, env.run_dir, env.is_main)
-    dtype = dtype_of(cfg.model.dtype)
     if env.device.type == "cpu":
         retain_freed_host_memory()  # gradients are freed and allocated again every step
     actor = Actor(load_policy(cfg), cfg.actor, env.device, cfg.data.max_response_length,
                   cfg.model.logprob_chunk_tokens, cfg.trainer.steps)
-    needs_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-    ref = PolicyForward(load_pretrained(cfg.model.path, dtype=dtype), env.device, cfg.actor.max_tokens_per_micro_batch,
-                        cfg.model.logprob_chunk_tokens) if needs_ref else None
+    ref = build_reference(cfg, actor, env) if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward else None
     critic = Critic(load_policy(cfg), cfg.critic, env.device, cfg.data.max_response_length,
                     cfg.trainer.steps) if cfg.critic.enable else None
     if cfg.rollout.mode == "disaggregated":

@@ -7,16 +7,21 @@ at step 0, every val_every steps and at the end.
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from moeloop.checkpoint import CheckpointManager
 from moeloop.config import RunConfig
+from moeloop.config.schema import ActorSection
 from moeloop.data import EpochCursor, PromptDataset, load_rows
 from moeloop.data.dataset import Example
 from moeloop.errors import InputError
 from moeloop.loop.env import (RunEnv, check_parallel_support, load_policy, load_tokenizer, resume_from, run_command,
                               training_steps, write_run_config)
-from moeloop.loop.export import export_hf
+from moeloop.loop.export import export_policy
 from moeloop.loop.metrics import MetricsLogger, PhaseTimer, peak_memory_bytes
 from moeloop.train.actor import Actor
+from moeloop.train.lora import lora_meta
 from moeloop.types import Sample
 
 
@@ -37,7 +42,6 @@ def run_sft(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
         val = [_sample(val[i], i) for i in range(env.rank, len(val), env.world_size)]
     cursor = EpochCursor(len(data), cfg.data.seed, cfg.data.shuffle)
     model = load_policy(cfg)
-    model_cfg = model.cfg
     steps = cfg.trainer.steps = training_steps(cfg, len(data))  # resolved once, as RL's
     write_run_config(cfg, env.run_dir, env.is_main)
     actor = Actor(model, cfg.actor, env.device, cfg.data.max_response_length, cfg.model.logprob_chunk_tokens, steps)
@@ -67,7 +71,7 @@ def run_sft(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
         last.update(val_metrics)
         logger.log(step + 1, {**last, **timer.pop(), "memory/peak_bytes": peak_memory_bytes(env.device)})
     actor_state_save(ckpt, steps, actor, cursor)
-    export_hf(actor.named_weights(), model_cfg, env.run_dir / "hf", cfg.model.path, write=env.is_main)
+    export_policy(actor, env.run_dir, cfg.model.path, write=env.is_main)
     logger.close()
     return last
 
@@ -78,15 +82,29 @@ def _sample(example: Example, i: int) -> Sample:
 
 
 def actor_state_save(ckpt: CheckpointManager, step: int, actor: Actor, cursor: EpochCursor, **extra) -> None:
+    """Under LoRA the checkpoint holds the adapters and their optimizer state (the base is model.path), and its
+    meta the adapters' settings (`lora`), which `moeloop ckpt export` applies again."""
     meta = {"cursor": cursor.state_dict(), "scheduler": _plain(actor.scheduler.state_dict()), **extra}
-    ckpt.save(step, actor.model, actor.optimizer, meta)
+    if actor.lora_modules:
+        meta["lora"] = lora_meta(actor.cfg)
+    ckpt.save(step, actor.model, actor.optimizer, meta, trainable_only=bool(actor.lora_modules))
 
 
 def actor_state_load(ckpt: CheckpointManager, path, actor: Actor, cursor: EpochCursor) -> dict:
-    meta = ckpt.load(path, actor.model, actor.optimizer)
+    check_lora_meta(path, actor.cfg)
+    meta = ckpt.load(path, actor.model, actor.optimizer, trainable_only=bool(actor.lora_modules))
     cursor.load_state_dict(meta["cursor"])
     actor.scheduler.load_state_dict({**actor.scheduler.state_dict(), **meta["scheduler"]})
     return meta
+
+
+def check_lora_meta(path: Path, cfg: ActorSection) -> None:
+    """A checkpoint resumes only under the LoRA settings it was saved with (a full fine-tuning one: none)."""
+    saved = json.loads((Path(path) / "meta.json").read_text()).get("lora")
+    here = lora_meta(cfg) if cfg.lora_rank else None
+    if saved != here:
+        raise InputError(f"{path}: saved with LoRA settings {saved or 'none (full fine-tuning)'}, and this run's "
+                         f"actor.lora_rank / lora_alpha / lora_target_modules are {here or 'none (lora_rank=0)'}")
 
 
 def _plain(state: dict) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from moeloop.config.schema import ActorSection
 from moeloop.model.config import ModelConfig
 
 
@@ -145,3 +146,47 @@ def _attention(m: ModelConfig) -> tuple[int, int]:
     bias = q_out + 2 * kv_out if m.attention_bias else 0
     qk_norm = 2 * m.head_dim if m.qk_norm else 0
     return weights + bias, qk_norm
+
+
+def decoder_linears(m: ModelConfig) -> list[tuple[str, int, int]]:
+    """(module name, in features, out features) of each nn.Linear of the decoder layers, as the model builds them:
+    the modules LoRA can target (`train.lora.linear_module_names`; tests/test_lora.py checks the two agree)."""
+    out = []
+    for i in range(m.num_layers):
+        prefix = f"model.layers.{i}."
+        out += [(prefix + "self_attn." + name, d_in, d_out) for name, d_in, d_out in _attention_linears(m)]
+        if not m.num_experts or not m.is_moe_layer(i):
+            ffn, mlp = m.intermediate_size, "mlp."
+        elif m.n_shared_experts:
+            ffn, mlp = m.moe_intermediate_size * m.n_shared_experts, "mlp.shared_experts."
+        else:
+            continue
+        h = m.hidden_size
+        out += [(prefix + mlp + "gate_proj", h, ffn), (prefix + mlp + "up_proj", h, ffn), (prefix + mlp + "down_proj", ffn, h)]
+    return out
+
+
+def _attention_linears(m: ModelConfig) -> list[tuple[str, int, int]]:
+    h = m.hidden_size
+    if not m.is_mla:
+        q_out, kv_out = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+        return [("q_proj", h, q_out), ("k_proj", h, kv_out), ("v_proj", h, kv_out), ("o_proj", q_out, h)]
+    q_out = m.num_heads * m.qk_head_dim
+    q = [("q_a_proj", h, m.q_lora_rank), ("q_b_proj", m.q_lora_rank, q_out)] if m.q_lora_rank else [("q_proj", h, q_out)]
+    return q + [("kv_a_proj_with_mqa", h, m.kv_lora_rank + m.qk_rope_head_dim),
+                ("kv_b_proj", m.kv_lora_rank, m.num_heads * (m.qk_nope_head_dim + m.v_head_dim)),
+                ("o_proj", m.num_heads * m.v_head_dim, h)]
+
+
+def lora_layer_params(m: ModelConfig, actor: ActorSection) -> list[int]:
+    """Adapter parameters of each decoder layer under `actor.lora_rank` (A [r, in] + B [out, r] per targeted
+    module); zeros without LoRA."""
+    per_layer = [0] * m.num_layers
+    if not actor.lora_rank:
+        return per_layer
+    linears = decoder_linears(m)
+    shapes = {name: (d_in, d_out) for name, d_in, d_out in linears}
+    for name in actor.lora_targets([name for name, _, _ in linears]):
+        d_in, d_out = shapes[name]
+        per_layer[int(name.split(".")[2])] += actor.lora_rank * (d_in + d_out)
+    return per_layer

@@ -17,8 +17,8 @@ from moeloop.parallel.layout import BatchInfo, Layout
 from moeloop.plan.accounting import ModelStats, model_stats, stats_from_counts
 from moeloop.plan.decode import DecodeEstimate, decode_roofline
 from moeloop.plan.interval import expected_overhead, young_daly_interval_s
-from moeloop.plan.memory import (DTYPE_BYTES, GB, Ledger, avg_seq_tokens, memory_ledger, num_micro_batches,
-                                 on_training_gpus, state_bytes)
+from moeloop.plan.memory import (DTYPE_BYTES, GB, Ledger, avg_seq_tokens, lora_params, memory_ledger,
+                                 num_micro_batches, on_training_gpus, state_bytes)
 from moeloop.plan.split import SplitRow, split_rows, verdict
 from moeloop.plan.step_time import phase_shares, step_phases, step_seconds
 from moeloop.plan.sync_cost import offload_round_trip_s, sync_costs
@@ -148,9 +148,11 @@ def _alternatives(cfg: RunConfig, stats: ModelStats, layout: Layout) -> dict[str
 
 def _checkpoint(cfg: RunConfig, stats: ModelStats, layout: Layout, step_s: float) -> dict[str, float]:
     sb = state_bytes(cfg)
-    state = stats.total_params * (sb.weights + sb.optimizer)
+    full = stats.total_params * (sb.weights + sb.optimizer)
+    # under LoRA the actor's checkpoint holds the adapters and their optimizer state only
+    state = full if not cfg.actor.lora_rank else sum(lora_params(cfg, stats)) * (sb.weights + sb.optimizer)
     if cfg.critic.enable:  # saved beside the actor's (its own weights and optimizer)
-        state *= 2
+        state += full
     if cfg.actor.ref_sync_steps:  # the moving reference is saved too
         state += stats.total_params * DTYPE_BYTES.get(cfg.model.dtype, 4)
     nodes = max(1, math.ceil(layout.world_size / cfg.hardware.gpus_per_node))

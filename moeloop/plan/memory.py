@@ -3,7 +3,8 @@
 Entries (bytes per rank of the worst pipeline stage): weights, grads, optimizer, activations, logits,
 comm_buffers (all-gather / reduce buckets, FSDP unsharded layer, EP all-to-all), sync_buffers, rollout_weights
 (with the fused decode's packed copies, `decode_pack_bytes`), rollout_kv (colocated engine at its memory fraction),
-ref_weights (the KL reference, a second copy of the weights in model.dtype, sharded as the actor's), critic_state
+ref_weights (the KL reference, a second copy of the weights in model.dtype, sharded as the actor's; none under LoRA:
+the actor with its adapters off), critic_state
 (PPO's critic: weights, grads and optimizer as the actor's), reserve. `plan.given_gb` replaces any of them. The
 reference and the critic stay on the GPU in every phase.
 Phases are the moments an entry set is live at once:
@@ -19,12 +20,13 @@ comes back for the phase that needs it) only removes entries from the phases out
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from moeloop.config.schema import RunConfig
 from moeloop.model.config import ModelConfig
+from moeloop.errors import InputError
 from moeloop.parallel.layout import Layout
-from moeloop.plan.accounting import ModelStats, model_stats
+from moeloop.plan.accounting import ModelStats, lora_layer_params, model_stats
 from moeloop.plan.activations import (BF16, alltoall_bytes, logits_bytes, stage_activation_bytes)
 
 GB = 1e9
@@ -165,15 +167,41 @@ def _stage_ledger(cfg: RunConfig, stats: ModelStats, layout: Layout, stage: int,
 
 
 def state_parts(cfg: RunConfig, stats: ModelStats, layout: Layout, stage: int) -> dict[str, tuple[float, float]]:
-    """(dense, expert) bytes per rank of weights, grads and optimizer: experts shard over expert_dp, dense over dp*cp."""
+    """(dense, expert) bytes per rank of weights, grads and optimizer: experts shard over expert_dp, dense over dp*cp.
+    Under LoRA (actor.lora_rank > 0) the adapters (dense) join the weights, and grads and optimizer are theirs only."""
     dense, expert = rank_params(stats, layout, stage)
+    adapters = rank_lora_params(cfg, stats, layout, stage)
     sb, sharding = state_bytes(cfg), cfg.plan.sharding
-    def part(nbytes: int, sharded: bool) -> tuple[float, float]:
+    def part(nbytes: int, sharded: bool, dense: float, expert: float) -> tuple[float, float]:
         if not sharded:
             return nbytes * dense, nbytes * expert
         return nbytes * dense / layout.dp_cp, nbytes * expert / layout.expert_dp
-    return {"weights": part(sb.weights, sharding == "fsdp"), "grads": part(sb.grads, sharding == "fsdp"),
-            "optimizer": part(sb.optimizer, sharding != "none")}
+    trained = (adapters, 0.0) if cfg.actor.lora_rank else (dense, expert)
+    return {"weights": part(sb.weights, sharding == "fsdp", dense + adapters, expert),
+            "grads": part(sb.grads, sharding == "fsdp", *trained),
+            "optimizer": part(sb.optimizer, sharding != "none", *trained)}
+
+
+def full_training(cfg: RunConfig) -> RunConfig:
+    """`cfg` without LoRA (the critic's state; the actor's when lora_rank is 0)."""
+    return replace(cfg, actor=replace(cfg.actor, lora_rank=0)) if cfg.actor.lora_rank else cfg
+
+
+def rank_lora_params(cfg: RunConfig, stats: ModelStats, layout: Layout, stage: int) -> float:
+    """LoRA adapter parameters on one rank of `stage` before data-parallel sharding (split over tp as the layers
+    they adapt); 0 without LoRA."""
+    lo, hi = _stage_bounds(layout, len(stats.layers))[stage]
+    return sum(lora_params(cfg, stats)[lo:hi]) / layout.tp
+
+
+def lora_params(cfg: RunConfig, stats: ModelStats) -> list[int]:
+    """LoRA adapter parameters of each decoder layer (zeros without LoRA)."""
+    if not cfg.actor.lora_rank:
+        return [0] * len(stats.layers)
+    if stats.model is None:
+        raise InputError("actor.lora_rank: the planner counts adapters from the model's config (plan.hf_config or "
+                         "model.path), not from bare parameter counts (plan.dense_params ...)")
+    return lora_layer_params(stats.model, cfg.actor)
 
 
 def _state_entries(cfg: RunConfig, stats: ModelStats, layout: Layout, stage: int) -> dict[str, float]:
@@ -182,10 +210,12 @@ def _state_entries(cfg: RunConfig, stats: ModelStats, layout: Layout, stage: int
 
 def _other_models(cfg: RunConfig, stats: ModelStats, layout: Layout, stage: int) -> dict[str, float]:
     """The KL reference (with actor.use_kl_loss or algorithm.use_kl_in_reward: loaded in model.dtype, sharded as the
-    actor's weights) and the critic (critic.enable: its own weights, grads and optimizer, the actor's sizes)."""
-    state = _state_entries(cfg, stats, layout, stage)
+    actor's weights) and the critic (critic.enable: its own weights, grads and optimizer, the actor's sizes without
+    LoRA: the critic trains in full)."""
+    state = _state_entries(full_training(cfg), stats, layout, stage)
     params_per_rank = state["weights"] / state_bytes(cfg).weights
-    uses_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+    uses_ref = (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and not cfg.actor.lora_rank  # (LoRA: the
+    # reference is the actor with its adapters off, no copy)
     return {"ref_weights": params_per_rank * DTYPE_BYTES.get(cfg.model.dtype, 4) if uses_ref else 0.0,
             "critic_state": sum(state.values()) if cfg.critic.enable else 0.0}
 

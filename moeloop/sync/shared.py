@@ -12,6 +12,8 @@ and is copied at the push as before, so sharing is never needed for correctness.
 """
 from __future__ import annotations
 
+from typing import Collection
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -20,14 +22,15 @@ from torch.utils.hooks import RemovableHandle
 from moeloop.sync.syncer import WeightReceiver
 
 
-def share_parameters(trainer: nn.Module, engine: nn.Module) -> list[str]:
+def share_parameters(trainer: nn.Module, engine: nn.Module, skip: Collection[str] = ()) -> list[str]:
     """Point each engine parameter at the trainer parameter of the same name when shape, dtype and device
-    match (plain tensors only); returns the names now shared."""
+    match (plain tensors only), but those named in `skip` (under LoRA: the adapted weights, whose engine copy
+    holds the merged weight); returns the names now shared."""
     source = dict(trainer.named_parameters())
     shared = []
     for name, param in engine.named_parameters():
         src = source.get(name)
-        if src is None or isinstance(src, DTensor) or isinstance(param, DTensor):
+        if src is None or name in skip or isinstance(src, DTensor) or isinstance(param, DTensor):
             continue
         if src.shape != param.shape or src.dtype != param.dtype or src.device != param.device:
             continue

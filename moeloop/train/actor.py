@@ -28,6 +28,7 @@ from moeloop.model.routes import RouteTape
 from moeloop.parallel.collectives import global_values
 from moeloop.parallel.fsdp import apply_fsdp, build_dp_mesh, reshard
 from moeloop.train.head import LogprobHead
+from moeloop.train.lora import apply_lora, merged_weights
 from moeloop.train.packing import (PackedBatch, global_loss_denominators, pack_samples, split_micro_batches,
                                    unpack_routes)
 from moeloop.types import Sample
@@ -205,9 +206,16 @@ def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip:
 class Actor(PolicyForward):
     def __init__(self, model: nn.Module, cfg: ActorSection, device: torch.device, max_response_length: int,
                  chunk_tokens: int = 1024, total_steps: int = 1, param_dtype: torch.dtype | None = None):
+        """With `cfg.lora_rank` > 0 the model gets LoRA adapters first (`train.lora`): they alone train."""
+        self.lora_modules = apply_lora(model, cfg) if cfg.lora_rank else []  # (before FSDP shards the model)
         super().__init__(model, device, cfg.max_tokens_per_micro_batch, chunk_tokens, param_dtype)
         self.cfg, self.max_response_length = cfg, max_response_length
         self.optimizer, self.scheduler = build_optimizer(model, cfg, total_steps)
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The policy's full weights under the plain model's names (under LoRA, merged: what the engine and the HF
+        export get); collective under FSDP."""
+        return merged_weights(self.model) if self.lora_modules else super().named_weights()
 
     def update(self, samples: list[Sample]) -> dict[str, float]:
         """PPO-style update: `ppo_epochs` passes over mini-batches of whole groups (one optimizer step each)."""
@@ -289,7 +297,8 @@ def num_mini_batches(samples: list[Sample], ppo_mini_batch_size: int) -> int:
 def build_optimizer(model: nn.Module, cfg: ActorSection, total_steps: int):
     o = cfg.optim
     # fused: one kernel per step instead of ~5 per parameter (8x faster on CPU, measured); same update rule
-    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
+    params = [p for p in model.parameters() if p.requires_grad]  # (under LoRA: the adapters)
+    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
                                   fused=True)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(o.warmup_steps, total_steps, o.min_lr_ratio))
 
