@@ -32,7 +32,15 @@ sampling)
             --repeats 2 --top-k 0 $flags 2>&1 | grep -v -i warn | grep "^| [0-9]"
     done
     ;;
+final)
+    # (nvidia-h200, about 8 minutes) LoRA's CUDA tests (their first GPU run), the multi-turn and penalties CUDA tests
+    # at the merged code, and the goal's e2e job against TRL once at the session's code
+    python3 -m pytest -q -p no:cacheprovider tests/test_lora.py tests/test_multi_turn.py tests/test_rollout_penalties.py \
+        tests/test_rollout_cuda.py -k "cuda" 2>&1 | tail -3
+    timeout 330 python3 benchmarks/e2e_vs_trl.py --size reference --device cuda --steps 6 --repeats 1 2>&1 \
+        | grep -v -i warn | tail -8
+    ;;
 *)
-    echo "usage: $0 turns|sampling" >&2; exit 2
+    echo "usage: $0 turns|sampling|final" >&2; exit 2
     ;;
 esac
