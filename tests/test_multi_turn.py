@@ -281,3 +281,13 @@ def test_the_sft_conversation_of_the_tool_task_is_what_a_multi_turn_rollout_sees
             assert s.response_ids == sft.response_ids and s.loss_mask == sft.loss_mask
             assert s.answer_text == row["answer"] and s.metadata["turns"] == 2
         worker.close()
+
+
+def test_the_mixed_tool_task_answers_every_other_problem_directly():
+    """synthetic:mul-mixed: mul-tools' problems, every other SFT response the bare answer (one assistant turn)."""
+    from moeloop.data.dataset import load_rows
+    tools, mixed = load_rows(["synthetic:mul-tools"], limit=6), load_rows(["synthetic:mul-mixed"], limit=6)
+    assert [r["prompt"] for r in mixed] == [r["prompt"] for r in tools]
+    assert [len(r["response"]) for r in mixed] == [1, 3, 1, 3, 1, 3]
+    assert mixed[0]["response"] == [{"role": "assistant", "content": mixed[0]["answer"]}]
+    assert mixed[1]["response"] == tools[1]["response"]
