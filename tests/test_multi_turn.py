@@ -291,3 +291,14 @@ def test_the_mixed_tool_task_answers_every_other_problem_directly():
     assert [len(r["response"]) for r in mixed] == [1, 3, 1, 3, 1, 3]
     assert mixed[0]["response"] == [{"role": "assistant", "content": mixed[0]["answer"]}]
     assert mixed[1]["response"] == tools[1]["response"]
+
+
+def test_the_tools_demo_runs_sft_then_multi_turn_rl(tmp_path, capsys):
+    """`moeloop demo --task tools`, 2 SFT steps and 1 RL step: both stages run on the tool task's configs, the RL
+    stage with the calculator (its metrics logged), and the demo prints the tool calls a sample."""
+    from moeloop.loop.demo import run_demo
+    result = run_demo(tmp_path, 0, 2, 1, "tools")
+    assert set(result) >= {"sampled_after_sft", "sampled_after_rl", "tool_calls_first", "tool_calls_last"}
+    assert "tool calls a sample:" in capsys.readouterr().out and (tmp_path / "rl" / "reward.png").is_file()
+    first = json.loads((tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["rollout/turns_mean"] >= 1 and "rollout/tool_error_rate" in first

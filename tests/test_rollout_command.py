@@ -177,9 +177,11 @@ def test_demo_takes_zero_steps_and_refuses_negative_ones(monkeypatch, capsys):
     """--sft-steps 0 means no SFT (it ran the config's 400 steps), and a negative count is a usage error."""
     from moeloop.loop import demo
     taken = []
-    monkeypatch.setattr(demo, "run_demo", lambda out, seed, sft_steps, rl_steps: taken.append((sft_steps, rl_steps)))
+    monkeypatch.setattr(demo, "run_demo", lambda out, seed, sft_steps, rl_steps, task: taken.append(
+        (str(out), sft_steps, rl_steps, task)))
     assert demo.main(["--sft-steps", "0", "--rl-steps", "1"]) == 0
-    assert taken == [(0, 1)]
+    assert demo.main(["--task", "tools"]) == 0
+    assert taken == [("runs/demo", 0, 1, "arith"), ("runs/tools", 300, 150, "tools")]
     with pytest.raises(SystemExit) as exit_info:
         demo.main(["--sft-steps", "-3"])
     assert exit_info.value.code == 2 and "argument --sft-steps: must be >= 0, got -3" in capsys.readouterr().err
