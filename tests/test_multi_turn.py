@@ -77,6 +77,16 @@ def test_a_tool_that_raises_hangs_or_is_unknown_answers_with_an_error_and_the_re
     runner.close()
 
 
+def test_hung_tools_cost_a_batch_its_bound_not_the_sum_of_their_timeouts():
+    """8 calls that hang, 4 at a time, 0.3 s each: the batch waits timeout x ceil(8 / 4) = 0.6 s in all (waiting 0.3 s
+    for each in turn took 2.4 s)."""
+    runner = ToolRunner({"slow": slow}, timeout_s=0.3, concurrency=4)
+    start = time.perf_counter()
+    results = runner.run([ToolCall("slow", {"seconds": 3})] * 8)
+    assert time.perf_counter() - start < 1.2 and {r.status for r in results} == {"timeout"}
+    runner.close()
+
+
 def test_the_tool_turn_is_the_chat_templates_and_is_cut_to_fit():
     tok = build_tokenizer()
     turn = ToolTurn(tok)

@@ -15,8 +15,10 @@ import ast
 import asyncio
 import inspect
 import json
+import math
 import operator
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -119,11 +121,13 @@ def load_parser(name: str) -> Callable[[str], list[ToolCall]]:
 
 
 class ToolRunner:
-    """Runs tool calls on a thread pool made once: `concurrency` at once, each given `timeout_s` from when the runner
-    starts waiting for it (a timed-out call cannot be interrupted: it keeps its thread until it returns)."""
+    """Runs tool calls on a thread pool made once, `concurrency` at once. A call gets `timeout_s` from when it starts,
+    and no call of a batch waits past timeout_s x ceil(calls / concurrency) from the batch's start (the time it takes
+    when every call runs its whole timeout), so hung tools cost a batch that bound, not their sum. A timed-out call
+    cannot be interrupted: it keeps its thread until it returns."""
 
     def __init__(self, tools: dict[str, Callable[..., Any]], timeout_s: float = 10.0, concurrency: int = 8):
-        self.tools, self.timeout_s = tools, timeout_s
+        self.tools, self.timeout_s, self.concurrency = tools, timeout_s, concurrency
         self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="moeloop-tool")
 
     @classmethod
@@ -131,21 +135,28 @@ class ToolRunner:
         return cls(load_tools(list(cfg.tools)), cfg.timeout_s, cfg.concurrency)
 
     def run(self, calls: list[ToolCall]) -> list[ToolResult]:
-        futures = [None if c.error or c.name not in self.tools else self.pool.submit(self._call, c) for c in calls]
-        return [self._result(c, f) for c, f in zip(calls, futures)]
+        started: dict[int, float] = {}  # call index -> when its thread took it
+        futures = [None if c.error or c.name not in self.tools else self.pool.submit(self._call, c, started, i)
+                   for i, c in enumerate(calls)]
+        last = time.monotonic() + self.timeout_s * math.ceil(len(calls) / self.concurrency)
+        return [self._result(c, f, lambda i=i: min(last, started.get(i, last - self.timeout_s) + self.timeout_s))
+                for i, (c, f) in enumerate(zip(calls, futures))]
 
-    def _call(self, call: ToolCall) -> str:
+    def _call(self, call: ToolCall, started: dict[int, float], index: int) -> str:
+        started[index] = time.monotonic()
         fn = self.tools[call.name]
         out = asyncio.run(fn(**call.arguments)) if inspect.iscoroutinefunction(fn) else fn(**call.arguments)
         return out if isinstance(out, str) else json.dumps(out)
 
-    def _result(self, call: ToolCall, future: Any) -> ToolResult:
+    def _result(self, call: ToolCall, future: Any, deadline: Callable[[], float]) -> ToolResult:
+        """The call's result, waiting for it until `deadline()` (read when the wait starts: by then the call has
+        usually started, and its own timeout counts from then)."""
         if call.error:
             return ToolResult(call.error, "parse_error")
         if future is None:
             return ToolResult(f"error: no tool named {call.name!r} (tools: {', '.join(self.tools)})", "unknown_tool")
         try:
-            return ToolResult(future.result(timeout=self.timeout_s), "ok")
+            return ToolResult(future.result(timeout=max(0.0, deadline() - time.monotonic())), "ok")
         except FutureTimeout:
             return ToolResult(f"error: {call.name} did not answer within {self.timeout_s:g} s", "timeout")
         except Exception as err:  # a tool's failure is the model's to read, not the run's to die of
