@@ -612,6 +612,30 @@ def test_repetition_penalty_and_min_p_reach_every_sampling_params(model_dir, tmp
     assert seen == {(1.0, 1.3, 0.05), (0.0, 1.3, 0.0), (0.0, 1.1, 0.0), (1.0, 1.1, 0.05)}
 
 
+def test_each_held_out_row_samples_with_a_seed_of_its_own(model_dir, tmp_path, monkeypatch):
+    """The sampled validation gives each held-out row its own seed, from (trainer.seed, the row's index): with one
+    seed for all, sample i of every prompt drew the same noise, so the k draws of a decision that barely depends on
+    the prompt (call a tool or not) were k draws for the whole held-out set. Split over two generate calls
+    (data.val_batch_size=3), the rows keep their seeds."""
+    from moeloop.loop.generation import RolloutWorker
+    seeds = {}
+    real = RolloutWorker.generate
+
+    def spy(self, examples, params, group_base):
+        for e, p in zip(examples, params if isinstance(params, list) else [params] * len(examples)):
+            if p.temperature > 0:
+                seeds.setdefault(e.prompt_text, set()).add(p.seed)
+        return real(self, examples, params, group_base)
+    monkeypatch.setattr(RolloutWorker, "generate", spy)
+    extra = ["trainer.steps=0", "trainer.val_every=1", "trainer.val_samples=2", "data.val_files=[synthetic:arith-val]",
+             "data.val_max_samples=6"]
+    run_rl(_cfg(model_dir, tmp_path / "one", *extra))
+    first, seeds = seeds, {}
+    run_rl(_cfg(model_dir, tmp_path / "two", *extra, "data.val_batch_size=3"))
+    assert len(first) == 6 and all(len(s) == 1 for s in first.values())
+    assert len({s for v in first.values() for s in v}) == 6 and seeds == first
+
+
 def test_val_before_train_false_skips_the_step_0_validation(model_dir, tmp_path):
     """trainer.val_before_train=false: validations at steps 2 and 4 only; true (the default): step 0 too; a
     validate-only run (trainer.steps=0) validates whatever it says."""

@@ -141,7 +141,9 @@ class Components:
         for start in range(0, num_prompts, step):  # each rank generates its share of each chunk
             rows = range(start + rank, min(start + step, num_prompts), world)
             share = [self.val[i] for i in rows]
-            samples = self.rollout.generate(share, params, 0) if share else []
+            # each held-out row draws with its own seed (one seed for all made sample i of every prompt share its noise)
+            each = [replace(params, seed=_seed(params.seed, i)) for i in rows] if params.seed is not None else params
+            samples = self.rollout.generate(share, each, 0) if share else []
             self.rewards.score(samples)
             if records is not None:
                 records += [sample_record(s, 0, index=rows[s.group_id]) for s in samples]
