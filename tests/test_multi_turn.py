@@ -262,10 +262,13 @@ class ScriptedEngine:
         from moeloop.rollout.completion import Completion
         params = params if isinstance(params, list) else [params] * len(prompts)
         self.calls.append(prompts)
-        text = self.turns[len(self.calls) - 1]
-        ids = self.tok.encode(text, add_special_tokens=False) + [self.tok.eos_token_id]
-        return [Completion(str(i), j, p, ids[:sp.max_tokens], [-0.5] * min(len(ids), sp.max_tokens), "stop", 0, text)
-                for i, (p, sp) in enumerate(zip(prompts, params)) for j in range(sp.n)]
+        texts = self.turns[len(self.calls) - 1]  # one text for every prompt, or one each
+        out = []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            text = texts if isinstance(texts, str) else texts[i]
+            ids = (self.tok.encode(text, add_special_tokens=False) + [self.tok.eos_token_id])[:sp.max_tokens]
+            out += [Completion(str(i), j, p, ids, [-0.5] * len(ids), "stop", 0, text) for j in range(sp.n)]
+        return out
 
 
 def test_the_sft_conversation_of_the_tool_task_is_what_a_multi_turn_rollout_sees():
@@ -312,3 +315,20 @@ def test_the_tools_demo_runs_sft_then_multi_turn_rl(tmp_path, capsys):
     assert "tool calls a sample:" in capsys.readouterr().out and (tmp_path / "rl" / "reward.png").is_file()
     first = json.loads((tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()[0])
     assert first["rollout/turns_mean"] >= 1 and "rollout/tool_error_rate" in first
+
+
+def test_a_sample_that_ended_is_not_read_again_while_others_go_on():
+    """Two samples call the calculator; the first's call leaves no room for the tool turn (it ends, "length"), the
+    second goes on for two more turns. The first's call ran once."""
+    tok = build_tokenizer()
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>'
+    engine = ScriptedEngine(tok, [[call + " " * 240, call], call, "5"])
+    worker = RolloutWorker(engine, tok, 300, multi_turn=MultiTurnSection(tools=["calculator"], max_turns=3))
+    ran = []
+    worker.turns.runner.tools["calculator"] = lambda expression: ran.append(expression) or calculator(expression)
+    rows = [Example([5, 6], "", "5", "t"), Example([7, 8], "", "5", "t")]
+    first, second = worker.generate(rows, SamplingParams(n=1, max_tokens=300, seed=0), 0)
+    assert (first.metadata["turns"], first.metadata["tool_calls"], first.finish_reason) == (1, 1, "length")
+    assert (second.metadata["turns"], second.metadata["tool_calls"], second.answer_text) == (3, 2, "5")
+    assert len(ran) == 3 and len(engine.calls) == 3
+    worker.close()

@@ -77,8 +77,9 @@ class MultiTurn:
         episodes = [Episode(c, p) for c, p in zip(completions, params)]
         for e, c in zip(episodes, completions):
             e.add_turn(c)
+        live = episodes
         for turn in range(1, self.cfg.max_turns):
-            live = self._answer_tools(episodes)
+            live = self._answer_tools(live)  # (an episode that ended is never read again: its tools ran once)
             if not live:
                 break
             prompts = [e.first.prompt_ids + e.response_ids for e in live]
