@@ -116,6 +116,10 @@ def test_the_tool_turn_is_the_chat_templates_and_is_cut_to_fit():
     rows = [{"prompt": "2+3?", "answer": "5"}]
     data = PromptDataset(rows, tok, DataSection(answer_key="answer"), tools=tool_schemas(BUILTIN_TOOLS))
     assert data[0].prompt_text == "<|system|>tools: calculator<eos>\n<|user|>2+3?<eos>\n<|assistant|>"
+    sft_row = dict(rows[0], response=[{"role": "assistant", "content": "5"}])  # SFT lists the same tools
+    sft = PromptDataset([sft_row], tok, DataSection(answer_key="answer"), with_response=True,
+                        tools=tool_schemas(BUILTIN_TOOLS))
+    assert sft[0].prompt_text == data[0].prompt_text and tok.decode(sft[0].response_ids) == "5<eos>\n"
     with pytest.raises(InputError, match="rollout.multi_turn.tools: slow: no schema .*no docstring"):
         tool_schemas({"slow": slow})
     tok.chat_template = "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no') }}{% endif %}" \
@@ -332,3 +336,26 @@ def test_a_sample_that_ended_is_not_read_again_while_others_go_on():
     assert (second.metadata["turns"], second.metadata["tool_calls"], second.answer_text) == (3, 2, "5")
     assert len(ran) == 3 and len(engine.calls) == 3
     worker.close()
+
+
+def test_an_sft_run_lists_the_tools_of_its_multi_turn_section(monkeypatch, tmp_path):
+    """An SFT config with the RL run's rollout.multi_turn section gives its prompts the same tool list."""
+    import moeloop.loop.sft as sft
+    from moeloop.model.factory import init_model
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def dataset(*args, tools=None, **kwargs):
+        seen.append(tools)
+        raise Stop
+    monkeypatch.setattr(sft, "PromptDataset", dataset)
+    model_dir = init_model("qwen3_moe", "tiny", tmp_path / "m")
+    for extra, want in (([], None), (["rollout.multi_turn.tools=[calculator]", "rollout.multi_turn.max_turns=3"],
+                                     "calculator")):
+        cfg = load_config("examples/tiny_tools_sft.yaml", [f"model.path={model_dir}",
+                                                           f"trainer.run_dir={tmp_path / 'run'}", *extra])
+        with pytest.raises(Stop):
+            sft.run_sft(cfg)
+        assert (seen[-1] and seen[-1][0]["function"]["name"]) == want

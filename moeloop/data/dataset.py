@@ -108,19 +108,20 @@ def render_chat(tokenizer: Any, messages: list[dict], where: str, add_generation
         raise InputError(f"{where}: the chat template refuses these messages: {err}") from None
 
 
-def conversation_pieces(tokenizer: Any, messages: list[dict], learn_from: int, where: str) -> list[tuple[str, bool]]:
+def conversation_pieces(tokenizer: Any, messages: list[dict], learn_from: int, where: str,
+                        tools: list[dict] | None = None) -> list[tuple[str, bool]]:
     """The chat template's text of `messages` up to their last learned turn, as (text, learned) pieces: each
     assistant message at index >= `learn_from` is learned, from after its header (the generation prompt) through
     the template's end of turn; everything before it is context. The template must render a conversation's first
     turns as a prefix of the whole (most do; Qwen3's drops the reasoning of earlier turns, for one): otherwise an
-    InputError naming `where`."""
+    InputError naming `where`. `tools`: the tool schemas the template lists (`render_chat`)."""
     pieces: list[tuple[str, bool]] = []
     done = ""
     for i, message in enumerate(messages):
         if message["role"] != "assistant" or i < learn_from:
             continue
-        head = render_chat(tokenizer, messages[:i], where)
-        turn = render_chat(tokenizer, messages[:i + 1], where, add_generation_prompt=False)
+        head = render_chat(tokenizer, messages[:i], where, tools=tools)
+        turn = render_chat(tokenizer, messages[:i + 1], where, add_generation_prompt=False, tools=tools)
         if not (head.startswith(done) and turn.startswith(head)):
             raise InputError(f"{where}: the chat template does not render message {i} as a continuation of the "
                              f"messages before it, so its tokens cannot be told apart for the SFT loss")
@@ -225,7 +226,7 @@ class PromptDataset:
         if not (self.cfg.apply_chat_template and getattr(self.tokenizer, "chat_template", None)):
             raise InputError(f"{where}: a conversational SFT row needs the tokenizer's chat template "
                              f"(data.apply_chat_template=true and a template in the model folder)")
-        pieces = conversation_pieces(self.tokenizer, messages, learn_from, where)
+        pieces = conversation_pieces(self.tokenizer, messages, learn_from, where, self.tools)
         if not pieces:
             raise InputError(f"{where}: SFT row has no {self.cfg.response_key!r} (data.response_key) and its "
                              f"messages have no assistant turn to learn from")

@@ -29,7 +29,7 @@ from moeloop.loop.export import export_policy
 from moeloop.loop.generation import RolloutWorker
 from moeloop.loop.metrics import MetricsLogger
 from moeloop.loop.remote_rollout import RemoteEngine, rollout_device, rollout_threads
-from moeloop.loop.tools import load_tools, tool_schemas
+from moeloop.loop.tools import prompt_tools
 from moeloop.loop.sft import actor_state_load, actor_state_save
 from moeloop.model.hf_io import load_pretrained
 from moeloop.parallel.collectives import global_values
@@ -294,7 +294,7 @@ def build_components(cfg: RunConfig, resume: bool) -> Components:
                          f"{env.world_size} data-parallel ranks")
     tokenizer = load_tokenizer(cfg)
     d = cfg.data
-    tools = tool_schemas(load_tools(cfg.rollout.multi_turn.tools)) if cfg.rollout.multi_turn.enabled else None
+    tools = prompt_tools(cfg.rollout.multi_turn)
     train = PromptDataset(load_rows(d.train_files, d.seed, d.train_max_samples), tokenizer, d, tools=tools)
     val = PromptDataset(load_rows(d.val_files, d.seed, d.val_max_samples), tokenizer, d, tools=tools) \
         if d.val_files else None

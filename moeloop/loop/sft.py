@@ -14,6 +14,7 @@ from moeloop.checkpoint import CheckpointManager
 from moeloop.config import RunConfig
 from moeloop.config.schema import ActorSection
 from moeloop.data import EpochCursor, PromptDataset, load_rows
+from moeloop.loop.tools import prompt_tools
 from moeloop.data.dataset import Example
 from moeloop.errors import InputError
 from moeloop.loop.env import (RunEnv, check_parallel_support, load_policy, load_tokenizer, resume_from, run_command,
@@ -33,11 +34,14 @@ def run_sft(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
                          f"{env.world_size} data-parallel ranks")
     tokenizer = load_tokenizer(cfg)
     d = cfg.data
-    data = PromptDataset(load_rows(d.train_files, d.seed, d.train_max_samples), tokenizer, d, with_response=True)
+    tools = prompt_tools(cfg.rollout.multi_turn)  # (the tool list an RL run with tools puts in its prompts)
+    data = PromptDataset(load_rows(d.train_files, d.seed, d.train_max_samples), tokenizer, d, with_response=True,
+                         tools=tools)
     data.note_dropped("data.train_files", env.is_main)
     val = None
     if d.val_files:  # each rank scores its slice of the held-out rows; the loss is summed over ranks
-        val = PromptDataset(load_rows(d.val_files, d.seed, d.val_max_samples), tokenizer, d, with_response=True)
+        val = PromptDataset(load_rows(d.val_files, d.seed, d.val_max_samples), tokenizer, d, with_response=True,
+                            tools=tools)
         val.note_dropped("data.val_files", env.is_main)
         val = [_sample(val[i], i) for i in range(env.rank, len(val), env.world_size)]
     cursor = EpochCursor(len(data), cfg.data.seed, cfg.data.shuffle)

@@ -116,6 +116,12 @@ def tool_schemas(tools: dict[str, Callable[..., Any]]) -> list[dict]:
     return schemas
 
 
+def prompt_tools(multi_turn: Any) -> list[dict] | None:
+    """The tool schemas the prompts list (`tool_schemas`) when rollout.multi_turn is on, else None: RL's prompts and
+    an SFT run's (with the same rollout.multi_turn section) then read alike."""
+    return tool_schemas(load_tools(list(multi_turn.tools))) if multi_turn.enabled else None
+
+
 def load_parser(name: str) -> Callable[[str], list[ToolCall]]:
     return parse_hermes if name == "hermes" else import_by_path(name, "rollout.multi_turn.parser", ["hermes"])
 
