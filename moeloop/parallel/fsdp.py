@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 
 def build_dp_mesh(device_type: str) -> DeviceMesh | None:
@@ -39,3 +40,9 @@ def reshard(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A parameter's or state entry's whole value: gathered when FSDP sharded it (a DTensor; collective), else as it
+    is (detached)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()

@@ -26,7 +26,7 @@ from moeloop.config.schema import ActorSection
 from moeloop.model.attention import GatheredAttention, PackedAttention, RowMap, gather_rows
 from moeloop.model.routes import RouteTape
 from moeloop.parallel.collectives import global_values
-from moeloop.parallel.fsdp import apply_fsdp, build_dp_mesh, reshard
+from moeloop.parallel.fsdp import apply_fsdp, build_dp_mesh, full_tensor, reshard
 from moeloop.train.head import LogprobHead
 from moeloop.train.lora import apply_lora, merged_weights
 from moeloop.train.packing import (PackedBatch, global_loss_denominators, pack_samples, split_micro_batches,
@@ -100,7 +100,7 @@ class PolicyForward:
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full tensor) in state_dict order; collective under FSDP (all ranks iterate)."""
         for name, tensor in self.model.state_dict().items():
-            yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+            yield name, full_tensor(tensor)
 
 
 def packed_hidden(model: nn.Module, batch: PackedBatch, routes: RouteTape | None = None) -> torch.Tensor:

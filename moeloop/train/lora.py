@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from moeloop.config.schema import ActorSection
+from moeloop.parallel.fsdp import full_tensor
 from moeloop.types import Sample
 
 if TYPE_CHECKING:
@@ -140,9 +140,9 @@ def merged_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         module, _, leaf = name.rpartition(".")
         if module in scales and leaf in ADAPTER_LEAVES:
             continue
-        full = _full(tensor)
+        full = full_tensor(tensor)
         if module in scales and leaf == "weight":
-            full = merge(full, _full(state[f"{module}.lora_A"]), _full(state[f"{module}.lora_B"]), scales[module])
+            full = merge(full, full_tensor(state[f"{module}.lora_A"]), full_tensor(state[f"{module}.lora_B"]), scales[module])
         yield name, full
 
 
@@ -151,7 +151,7 @@ def save_adapter(model: nn.Module, cfg: ActorSection, out_dir: str | Path, base_
     """The adapters alone in peft's format (adapter_model.safetensors + adapter_config.json), which
     `peft.PeftModel.from_pretrained` loads onto `base_model`'s transformers model. Collective under FSDP (all ranks
     gather); only where `write` does it write."""
-    tensors = {f"base_model.model.{name}.{leaf}.weight": _full(getattr(layer, leaf)).cpu().contiguous()
+    tensors = {f"base_model.model.{name}.{leaf}.weight": full_tensor(getattr(layer, leaf)).cpu().contiguous()
                for name, layer in lora_modules(model).items() for leaf in ADAPTER_LEAVES}
     if not write:
         return None
@@ -164,10 +164,6 @@ def save_adapter(model: nn.Module, cfg: ActorSection, out_dir: str | Path, base_
               "init_lora_weights": True, "inference_mode": True}
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
 
 
 class AdapterOffReference:
