@@ -2,7 +2,7 @@
 logprobs)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from moeloop.errors import InputError
 
@@ -36,8 +36,14 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: bool = True
+    # a repetition penalty, or min-p on a sampled row: its logits are processed before the draw, in torch ops
+    # (`Sampler`; its batches run one decode step a launch). Set once here: the scheduler and the runner read it
+    # for every row of every decode step
+    processes_logits: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "processes_logits",
+                           self.repetition_penalty != 1 or (self.min_p > 0 and self.temperature != 0))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         if self.n < 1:
@@ -64,8 +70,3 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    @property
-    def processes_logits(self) -> bool:
-        """A repetition penalty, or min-p on a sampled row: its logits are processed before the draw, in torch ops
-        (`Sampler`; its batches run one decode step a launch)."""
-        return self.repetition_penalty != 1 or (self.min_p > 0 and self.temperature != 0)
