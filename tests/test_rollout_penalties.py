@@ -115,13 +115,17 @@ def test_sampler_draws_the_reference_tokens_with_raw_logprobs(tied):
     assert any(tokens[j] != greedy_raw[j] for j, s in enumerate(seqs) if s.params.greedy)  # the penalty moved one
 
 
-def test_seen_tokens_take_a_pending_token_from_the_device():
-    """A penalised row whose last token is still on the device (async scheduling) gets it from there."""
+def test_seen_tokens_take_pending_tokens_from_the_device():
+    """A penalised row whose last tokens are still on the device (async scheduling) gets them from there: the one
+    token of a one-step launch, every step's token of a multi-step one."""
     V, histories = 50, [[3, 4, 4, 9], [7], [1, 2]]
     full = seen_tokens(histories, [0, 2, 3], None, (4, V), torch.device("cpu"))
     assert full.sum().item() == 3 + 1 + 2 and full[0, 4] and full[2, 7] and not full[1].any()
-    prev_tokens = torch.tensor([11, 9, 2])  # rows 0 and 3's last tokens sit in rows 1 and 2 there
+    prev_tokens = torch.tensor([[11, 9, 2]])  # rows 0 and 3's last tokens sit in rows 1 and 2 there
     pending = seen_tokens([[3, 4, 4], [7], [1]], [0, 2, 3], ([0, 3], [1, 2], prev_tokens), (4, V), torch.device("cpu"))
+    assert torch.equal(pending, full)
+    two_steps = torch.tensor([[11, 4, 1], [12, 9, 2]], dtype=torch.float64)  # [K, S], as a launch's out holds them
+    pending = seen_tokens([[3, 4], [7], [1]], [0, 2, 3], ([0, 3], [1, 2], two_steps), (4, V), torch.device("cpu"))
     assert torch.equal(pending, full)
 
 
@@ -159,11 +163,12 @@ def mixed_prompts() -> list[list[int]]:
 
 def spy_launches(monkeypatch) -> dict:
     """num_steps of every launch, and the number of penalised rows whose last token came from the device."""
-    seen = dict(steps=[], pending=0)
+    seen = dict(steps=[], pending=0, processed_steps=0)
     launch, pending = ModelRunner.launch, runner_module._pending_samples
 
     def launch_spy(self, batch, prev=None):
         seen["steps"].append(batch.num_steps)
+        seen["processed_steps"] += batch.num_steps > 1 and any(s.params.processes_logits for s in batch.seqs)
         return launch(self, batch, prev)
 
     def pending_spy(seqs, prev):
@@ -195,15 +200,16 @@ def generate_mixed(engine, model, atol: float = 1e-5) -> None:
                                                                  ("on", 4, False), ("off", 4, True)])
 def test_engine_tokens_equal_the_step_by_step_reference(spies, async_scheduling, decode_steps, tight):
     """A batch mixing rows with and without a penalty / min-p, greedy and sampled, n > 1 forks; async scheduling
-    (the penalised rows' last token still on the device), multi-step decode (a batch with such rows runs one step;
-    the options-free rows left run K), a KV budget that preempts."""
+    (the penalised rows' last tokens still on the device), multi-step decode (a batch with such rows runs K steps
+    too, the seen tokens growing on the device), a KV budget that preempts."""
     model = tiny_model()
     kw = dict(kv_cache_bytes=13 * kv_bytes_per_block(model.cfg, 4, torch.float32)) if tight else {}
     engine = make_engine(model, async_scheduling=async_scheduling, decode_steps=decode_steps, **kw)
     generate_mixed(engine, model)
     assert (spies["pending"] > 0) == (async_scheduling == "on")
     if decode_steps > 1 and not tight:
-        assert decode_steps in spies["steps"]  # once only options-free rows are left
+        assert decode_steps in spies["steps"]
+        assert spies["processed_steps"] > 0  # launches of K steps with penalised / min-p rows in them
     if tight:
         assert engine.scheduler.num_preemptions > 0
 

@@ -8,7 +8,8 @@ the extra rows pointed at the KV cache's scratch block (context length 1), so pa
 sequence. Attention inside the graph is the Triton paged decode kernel (static shapes).
 Multi-step decode (`run_steps`): one graph runs K decode steps with sampling and the on-device input updates of
 `multistep.decode_steps`, so the host launches (and waits) once per K tokens; its sampling parameters and row keys
-sit in static buffers of that graph, filled before each replay.
+(and a repetition penalty's seen mask, min-p's thresholds) sit in static buffers of that graph, filled before each
+replay.
 Graphs hold KV and parameter addresses: weights must be updated in place and graphs dropped before sleep.
 All graphs share one memory pool, so a graph's outputs may sit where another graph keeps its temporaries: the
 engine reads a step's outputs (the host copy, the next step's input patch) before it replays another graph. A
@@ -152,25 +153,30 @@ class DecodeGraphs:
 
     def run_steps(self, inputs: tuple[list, ...], patch: tuple[list[int], list[int], torch.Tensor] | None,
                   floats: torch.Tensor, ints: torch.Tensor, flags: dict, want_logprobs: bool, steps: int,
-                  sampler) -> tuple[torch.Tensor, torch.Tensor]:
+                  sampler, processing: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(out [X * steps, size], last step's tokens [size]) of `steps` decode steps with sampling in one replay
-        (`multistep.decode_steps`); `inputs` as `run` takes them, `floats`/`ints` from `ModelRunner._sampling_host`.
-        A graph per (size, steps, sampling flags), captured on first use."""
+        (`multistep.decode_steps`); `inputs` as `run` takes them, `floats`/`ints` from `ModelRunner._sampling_host`,
+        `processing`: the rows' `logit_processors.processing_fields` on the device, or None. A graph per (size,
+        steps, sampling flags, processing fields present), captured on first use."""
         self._ensure_captured()
         B = len(inputs[0])
         size = next(s for s in self.sizes if s >= B)
-        key = (size, steps, want_logprobs, tuple(sorted(flags.items())))
+        present = tuple(name for name, t in (processing or {}).items() if t is not None)
+        key = (size, steps, want_logprobs, tuple(sorted(flags.items())), present)
         if key not in self.step_graphs:
             self._fill(size, [], [], [], [], [])  # the warm-up run writes the scratch block only
             try:
                 start = time.perf_counter()
-                self.step_graphs[key] = self._capture_steps(size, steps, want_logprobs, flags, sampler)
+                self.step_graphs[key] = self._capture_steps(size, steps, want_logprobs, flags, sampler, present)
                 torch.cuda.synchronize()
                 self.capture_s[f"steps={steps} size={size}"] = time.perf_counter() - start
             except Exception as err:
                 warnings.warn(f"CUDA graph capture of {steps} decode steps failed: {err}")
                 raise CaptureFailed from err
-        graph, (out, last), floats_2S, ints_1KS = self.step_graphs[key]
+        graph, (out, last), floats_2S, ints_1KS, static = self.step_graphs[key]
+        for name in present:  # rows past B: penalty 1, nothing seen, min-p 0 (`_capture_steps`' values)
+            static[name][:B].copy_(processing[name])
+            static[name][B:] = _PROCESSING_PADS[name]
         self._fill(size, *inputs, patch)
         if size > B:  # padding rows: temperature 1, top-p 1, top-k V, key 0
             floats = torch.cat([floats, torch.ones(2, size - B, dtype=floats.dtype)], 1)
@@ -182,13 +188,18 @@ class DecodeGraphs:
         graph.replay()
         return out, last
 
-    def _capture_steps(self, size: int, steps: int, want_logprobs: bool, flags: dict, sampler) -> tuple:
+    def _capture_steps(self, size: int, steps: int, want_logprobs: bool, flags: dict, sampler,
+                       present: tuple[str, ...]) -> tuple:
         ids, pos, slots, lens, tables = self._views(size)
         dev = self.cache.device
         floats_2S = torch.ones(2, size, dtype=torch.float32, device=dev)  # temperatures, top-ps (padding: 1, 1)
         ints_1KS = torch.zeros(1 + steps, size, dtype=torch.int64, device=dev)  # top-ks, each step's keys
         ints_1KS[0] = self.model.cfg.vocab_size
-        sample = step_sampler(sampler, SamplingTensors.packed(floats_2S, ints_1KS, flags), ints_1KS[1:], want_logprobs)
+        V = self.model.cfg.vocab_size
+        static = {name: torch.full((size, V) if name == "seen_BV" else (size,), _PROCESSING_PADS[name], device=dev,
+                                   dtype=torch.bool if name == "seen_BV" else torch.float32) for name in present}
+        st = SamplingTensors.packed(floats_2S, ints_1KS, flags, **static)
+        sample = step_sampler(sampler, st, ints_1KS[1:], want_logprobs)
         out = torch.zeros((2 if want_logprobs else 1) * steps, size, dtype=torch.float64, device=dev)
         logits = self._forward(size)
 
@@ -198,7 +209,10 @@ class DecodeGraphs:
             return out, last
 
         graph, outs = self._capture(run)
-        return graph, outs, floats_2S, ints_1KS
+        return graph, outs, floats_2S, ints_1KS, static
+
+
+_PROCESSING_PADS = dict(penalties_B=1.0, seen_BV=False, min_ps_B=0.0)  # a padding row's (options off)
 
 
 def flat_inputs(size: int, max_blocks: int, scratch: int, block_size: int, ids: list[int], pos: list[int],

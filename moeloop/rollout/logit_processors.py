@@ -1,8 +1,9 @@
 """Repetition penalty and min-p (`SamplingParams.repetition_penalty`, `.min_p`): the rows' tensors for them (the
 penalised rows' token ids as a [B, V] mask built on the device) and their effect on logits, with the semantics of
 transformers' `RepetitionPenaltyLogitsProcessor` and `MinPLogitsWarper` (tests/test_rollout_penalties.py checks
-both against them). Only a batch with such a row builds them; the `Sampler` then draws in torch ops.
-Shapes: B rows, V vocab.
+both against them). Only a batch with such a row builds them; the `Sampler` then draws in torch ops, in a multi-step
+launch too (inside its CUDA graph; each step's tokens join the seen mask on the device, `multistep.step_sampler`).
+Shapes: B rows, V vocab, K steps of a launch, S rows of a launch.
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import torch
 from moeloop.rollout.sequence import Sequence
 from moeloop.transfer import to_device, upload
 
-PendingTokens = tuple[list[int], list[int], torch.Tensor]  # (rows, rows of the previous step's tokens_B, tokens_B)
+# (rows, their rows in the previous launch's tokens, those tokens [K, S]: each of its K steps' tokens of S rows)
+PendingTokens = tuple[list[int], list[int], torch.Tensor]
 
 
 def penalise_repetitions(logits_BV: torch.Tensor, seen_BV: torch.Tensor, penalties_B: torch.Tensor) -> torch.Tensor:
@@ -36,7 +38,8 @@ def processing_fields(seqs: list[Sequence], pending: PendingTokens | None, vocab
                       device: torch.device) -> dict[str, torch.Tensor | None]:
     """`SamplingTensors`' penalties_B, seen_BV and min_ps_B for the rows `seqs`; penalties_B and seen_BV are None
     when no row has a repetition penalty, min_ps_B when no sampled row has min-p. `pending`: the penalised rows
-    whose last token is still on the device only (async scheduling), with where it is."""
+    whose last tokens are still on the device only (async scheduling: all K tokens of the launch before), with
+    where they are. A multi-step launch adds each step's tokens to seen_BV itself (`multistep.step_sampler`)."""
     params = [s.params for s in seqs]
     fields: dict[str, torch.Tensor | None] = dict(penalties_B=None, seen_BV=None, min_ps_B=None)
     penalised = [j for j, p in enumerate(params) if p.repetition_penalty != 1]
@@ -52,8 +55,8 @@ def processing_fields(seqs: list[Sequence], pending: PendingTokens | None, vocab
 def seen_tokens(histories: list[list[int]], rows: list[int], pending: PendingTokens | None,
                 shape: tuple[int, int], device: torch.device) -> torch.Tensor:
     """Bool [B, V]: True at (row, id) for each token id of rows[i]'s history (host token ids: prompt and response),
-    and at each pending row's token, read from the previous step's tokens on the device. One upload and one or two
-    index fills."""
+    and at each pending row's tokens, read from the previous launch's tokens on the device (every one of its K
+    steps). One upload and one or two index fills."""
     B, V = shape
     seen_N = torch.zeros(B * V, dtype=torch.bool, device=device)
     lengths = np.fromiter(map(len, histories), dtype=np.int64, count=len(histories))
@@ -61,6 +64,7 @@ def seen_tokens(histories: list[list[int]], rows: list[int], pending: PendingTok
     flat = np.repeat(np.asarray(rows, dtype=np.int64) * V, lengths) + ids
     seen_N.index_fill_(0, upload(torch.from_numpy(flat), device), True)
     if pending is not None:
-        dst, src, tokens_B = pending
-        seen_N.index_fill_(0, to_device(dst, device) * V + tokens_B[to_device(src, device)].long(), True)
+        dst, src, tokens_KS = pending
+        ids_KN = tokens_KS[:, to_device(src, device)].long()
+        seen_N.index_fill_(0, (to_device(dst, device) * V + ids_KN).reshape(-1), True)
     return seen_N.view(B, V)

@@ -97,5 +97,12 @@ if triton is not None:
 
 def step_sampler(sampler: Callable, st: SamplingTensors, keys_KB: torch.Tensor,
                  want_logprobs: bool) -> Callable[[torch.Tensor, StepRecord], tuple]:
-    """`decode_steps`'s sample(logits, record): `sampler` with the batch's parameters and step k's row keys."""
-    return lambda logits_BV, record: sampler(logits_BV, replace(st, keys_B=keys_KB[record.k]), want_logprobs, record)
+    """`decode_steps`'s sample(logits, record): `sampler` with the batch's parameters and step k's row keys; with a
+    repetition penalty (st.seen_BV), each step's tokens join the seen mask before the next step draws."""
+    def sample(logits_BV: torch.Tensor, record: StepRecord) -> tuple:
+        tokens_B, logprobs_B = sampler(logits_BV, replace(st, keys_B=keys_KB[record.k]), want_logprobs, record)
+        if st.seen_BV is not None and record.inputs is not None:  # (the last step's tokens: the next launch's)
+            st.seen_BV.scatter_(1, tokens_B[:, None].long(), True)
+        return tokens_B, logprobs_B
+
+    return sample

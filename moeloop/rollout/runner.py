@@ -45,6 +45,7 @@ class LaunchedStep:
     num_steps: int = 1  # K: decode steps run on the device (multi-step decode)
     tokens_B: torch.Tensor | None = None  # the last step's tokens
     host_XKB: torch.Tensor | None = None  # [K or 2K, >= B] float64: each step's tokens (then each step's logprobs)
+    out_XKB: torch.Tensor | None = None  # the same on the device (a penalised row's pending tokens, `_pending_samples`)
     ready: torch.cuda.Event | None = None
     row_of: dict[int, int] = field(default_factory=dict)  # seq_id -> row in tokens_B
 
@@ -120,7 +121,10 @@ class ModelRunner:
         step = LaunchedStep(batch.seqs, sampled, batch.num_steps)
         patch = _pending_inputs(batch, prev)
         if batch.num_steps > 1:
-            return self._launch_steps(batch, patch, step)
+            return self._launch_steps(batch, patch, step, prev)
+        # after a multi-step launch, before the forward: a penalised row's pending tokens are that graph's output, in
+        # the graph pool the forward's graph reuses
+        st = self._sampling_tensors(sampled, prev) if rows and prev is not None and prev.num_steps > 1 else None
         with decode_moe(self.model, self._moe_blocks, kernels=self.use_kernel):
             logits_TV = self._graph_logits(batch, patch, rows)  # never with forks: their leader's chunk is >= 2
             if logits_TV is None:
@@ -129,7 +133,8 @@ class ModelRunner:
             self._copy_fork_tails(batch)
         if logits_TV is None:
             return step
-        st = self._sampling_tensors(sampled, prev)
+        if st is None:
+            st = self._sampling_tensors(sampled, prev)
         want_logprobs = any(s.params.logprobs for s in sampled)
         tokens_B, logprobs_B = self.sampler(logits_TV, st, want_logprobs)
         out_XB = torch.empty(1 if logprobs_B is None else 2, len(tokens_B), dtype=torch.float64, device=self.device)
@@ -140,7 +145,7 @@ class ModelRunner:
 
     def _send_home(self, step: LaunchedStep, tokens_B: torch.Tensor, out_XKB: torch.Tensor) -> LaunchedStep:
         """Queue the copy of the step's tokens (and logprobs) to the host; tokens_B stay as the next step's inputs."""
-        step.tokens_B, step.row_of = tokens_B, {s.seq_id: j for j, s in enumerate(step.sampled)}
+        step.tokens_B, step.out_XKB, step.row_of = tokens_B, out_XKB, {s.seq_id: j for j, s in enumerate(step.sampled)}
         if self.device.type == "cuda":
             # a contiguous prefix of the flat pinned buffer: a strided destination would make the copy synchronous
             host = self._out_host[self._out_turn][:out_XKB.numel()].view(out_XKB.shape)
@@ -152,17 +157,21 @@ class ModelRunner:
             step.host_XKB = out_XKB
         return step
 
-    def _launch_steps(self, batch: ScheduledBatch, patch: "InputPatch | None", step: LaunchedStep) -> LaunchedStep:
+    def _launch_steps(self, batch: ScheduledBatch, patch: "InputPatch | None", step: LaunchedStep,
+                      prev: LaunchedStep | None) -> LaunchedStep:
         """Queue `batch.num_steps` decode steps of a decode-only batch (multi-step decode; see `multistep`)."""
         K, B = batch.num_steps, len(batch)
         floats, ints, flags = self._sampling_host(batch.seqs, K)
         want_logprobs = any(s.params.logprobs for s in batch.seqs)
+        processing = None  # a repetition penalty or min-p: their tensors (the seen mask grows step by step)
+        if any(s.params.processes_logits for s in batch.seqs):
+            processing = processing_fields(batch.seqs, _pending_samples(batch.seqs, prev), self.vocab_size, self.device)
         result = None
         with decode_moe(self.model, self._moe_blocks, kernels=self.use_kernel):
             while result is None and self.graphs is not None and self.graphs.fits(B):
                 try:
                     result = self.graphs.run_steps(decode_inputs(batch, self.cache.block_size), patch, floats, ints,
-                                                   flags, want_logprobs, K, self.sampler)
+                                                   flags, want_logprobs, K, self.sampler, processing)
                 except CaptureFailed:
                     if not self.graphs.failed:  # the one-step graphs hold: one decode step a launch from now on
                         warnings.warn("CUDA graph capture of the multi-step decode failed; one decode step per launch")
@@ -170,18 +179,21 @@ class ModelRunner:
                         break
                     self._after_failed_capture()  # the one-step ladder failed: retry as _graph_logits does
             if result is None:
-                result = self._eager_steps(batch, patch, floats, ints, flags, want_logprobs)
+                result = self._eager_steps(batch, patch, floats, ints, flags, want_logprobs, processing)
         out_XKS, tokens_S = result
         return self._send_home(step, tokens_S[:B], out_XKS)
 
     def _eager_steps(self, batch: ScheduledBatch, patch: "InputPatch | None", floats: torch.Tensor,
-                     ints: torch.Tensor, flags: dict, want_logprobs: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(out [X * K, B], last tokens [B]) of the batch's K decode steps, op by op."""
+                     ints: torch.Tensor, flags: dict, want_logprobs: bool,
+                     processing: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out [X * K, B], last tokens [B]) of the batch's K decode steps, op by op; `processing`: the rows'
+        `processing_fields`, or None."""
         K = batch.num_steps
         ids, pos, slots, meta, _ = self._prepare(batch)
         self._patch(ids, patch)
         floats, ints = upload(floats, self.device), upload(ints, self.device)
-        sample = step_sampler(self.sampler, SamplingTensors.packed(floats, ints, flags), ints[1:], want_logprobs)
+        st = SamplingTensors.packed(floats, ints, flags)
+        sample = step_sampler(self.sampler, replace(st, **processing) if processing else st, ints[1:], want_logprobs)
         out = torch.empty((2 if want_logprobs else 1) * K, len(batch), dtype=torch.float64, device=self.device)
 
         def forward(k: int) -> torch.Tensor:
@@ -365,17 +377,17 @@ def _pending_inputs(batch: ScheduledBatch, prev: LaunchedStep | None) -> InputPa
 
 
 def _pending_samples(seqs: list[Sequence], prev: LaunchedStep | None) -> PendingTokens | None:
-    """Rows of the penalised sequences whose last token `prev` sampled and the host does not hold yet, with their rows
-    in prev.tokens_B (one token at most: a batch with a penalised row runs one step a launch)."""
+    """Rows of the penalised sequences whose last tokens `prev` sampled and the host does not hold yet (the K steps'
+    of that launch: one launch is in flight at most), with their rows in prev's tokens [K, S] on the device."""
     dst, src = [], []
     for j, seq in enumerate(seqs):
         if seq.num_pending and seq.params.repetition_penalty != 1:
-            if prev is None or prev.num_steps != 1 or seq.num_pending != 1 or seq.seq_id not in prev.row_of:
-                raise RuntimeError(f"sequence {seq.seq_id}: {seq.num_pending} pending tokens, not one from the last "
-                                   "step")
+            if prev is None or seq.num_pending != prev.num_steps or seq.seq_id not in prev.row_of:
+                raise RuntimeError(f"sequence {seq.seq_id}: {seq.num_pending} pending tokens, not those of the last "
+                                   "launch")
             dst.append(j)
             src.append(prev.row_of[seq.seq_id])
-    return (dst, src, prev.tokens_B) if dst else None
+    return (dst, src, prev.out_XKB[:prev.num_steps]) if dst else None
 
 
 def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:

@@ -93,7 +93,7 @@ class SamplingTensors:
     max_top_k: int | None = None  # host max of top_ks_B; small -> sample among `ranked_topk` candidates (no sort)
     any_greedy: bool = True  # some row has temperature 0 (False: no greedy argmax needed)
     any_top_p: bool = True  # some row has top_p < 1 (False: no nucleus mask needed)
-    # `logit_processors.processing_fields`; single-step batches only (a batch with them runs one step a launch)
+    # `logit_processors.processing_fields`; a multi-step launch adds each step's tokens to seen_BV
     penalties_B: torch.Tensor | None = None  # fp32 repetition penalties (1 = off); None: no row has one
     seen_BV: torch.Tensor | None = None  # bool: the token ids in each penalised row's sequence so far
     min_ps_B: torch.Tensor | None = None  # fp32 (0 = off); None: no sampled row has min-p
@@ -103,10 +103,11 @@ class SamplingTensors:
         return self.penalties_B is not None or self.min_ps_B is not None
 
     @classmethod
-    def packed(cls, floats_2B: torch.Tensor, ints_XB: torch.Tensor, flags: dict) -> "SamplingTensors":
+    def packed(cls, floats_2B: torch.Tensor, ints_XB: torch.Tensor, flags: dict, **processing) -> "SamplingTensors":
         """From the runner's packed layout (`ModelRunner._sampling_host`): floats [2, B] (temperatures, top-ps),
-        ints [1 + K, B] (top-ks, then each step's row keys; keys_B is step 0's)."""
-        return cls(floats_2B[0], ints_XB[0], floats_2B[1], ints_XB[1], **flags)
+        ints [1 + K, B] (top-ks, then each step's row keys; keys_B is step 0's); `processing`: penalties_B, seen_BV,
+        min_ps_B, where given."""
+        return cls(floats_2B[0], ints_XB[0], floats_2B[1], ints_XB[1], **flags, **processing)
 
 
 TOPK_CANDIDATES_MAX = 1024  # a top-k up to this samples among `ranked_topk` candidates, not a full-vocab sort

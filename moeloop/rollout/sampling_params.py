@@ -37,8 +37,8 @@ class SamplingParams:
     seed: int | None = None
     logprobs: bool = True
     # a repetition penalty, or min-p on a sampled row: its logits are processed before the draw, in torch ops
-    # (`Sampler`; its batches run one decode step a launch). Set once here: the scheduler and the runner read it
-    # for every row of every decode step
+    # (`Sampler`; in multi-step launches too, inside their graphs). Set once here: the runner reads it for every row
+    # of every decode step
     processes_logits: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

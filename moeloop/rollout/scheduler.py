@@ -19,9 +19,8 @@ the device with no host round trip (`ScheduledBatch.num_steps`): as many as ever
 its max_tokens (with CUDA graphs, the largest of the runner's step counts that fits, a graph per count; the engine
 keeps prompt + max_tokens within max_model_len), with the KV blocks for those positions taken ahead. The host checks
 stops afterwards: tokens sampled past a sequence's stop token are dropped, as with async scheduling. Otherwise the
-batch runs one step, as does every batch with a sequence whose logits are processed (a repetition penalty, min-p:
-`SamplingParams.processes_logits`; the sampler applies them after each forward, from the history on the host and
-the one token pending on the device).
+batch runs one step. Rows whose logits are processed (a repetition penalty, min-p) run multi-step as the others do:
+the sampler applies them on the device, the seen tokens growing step by step (`multistep.step_sampler`).
 
 With async scheduling a sequence may carry pending tokens (sampled by a step still on the device). It is
 scheduled as usual (its next input comes from the device), except when its pending token is its last one
@@ -107,8 +106,6 @@ class Scheduler:
         now); else leave it at one step."""
         if any(n != 1 or not _reaches_end(seq, n) for seq, n in zip(batch.seqs, batch.num_new_tokens)):
             return  # (a 1-token chunk of a prompt that continues does not sample: its next inputs are prompt tokens)
-        if any(seq.params.processes_logits for seq in batch.seqs):
-            return
         room = min(seq.params.max_tokens - seq.num_response_tokens for seq in batch.seqs)
         steps = min(steps, room)
         if counts is not None:
