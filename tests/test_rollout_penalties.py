@@ -153,7 +153,8 @@ MIXED = [SamplingParams(n=3, temperature=0.8, repetition_penalty=1.4, min_p=0.05
          SamplingParams(temperature=0, repetition_penalty=1.6, max_tokens=9),
          SamplingParams(n=2, temperature=1.2, min_p=0.15, top_k=40, max_tokens=9, seed=3),
          SamplingParams(n=2, temperature=0.9, repetition_penalty=0.6, max_tokens=9, seed=4),  # < 1 rewards repeats
-         SamplingParams(temperature=0, max_tokens=12)]
+         SamplingParams(temperature=0, max_tokens=12),
+         SamplingParams(temperature=0, repetition_penalty=30.0, max_tokens=16)]  # greedy: a token left unseen repeats
 
 
 def mixed_prompts() -> list[list[int]]:
