@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Session 31's device calls. Run from the repository root with the project importable.
+#   sampling: (nvidia-h200, about 5 minutes) repetition_penalty and min_p in multi-step decode graphs: the CUDA tests
+#             of the penalties and the rollout's, then what the options cost the engine at B=1 and B=256 (session 30,
+#             one decode step a launch: 2,932 -> 898 tok/s at B=1 with repetition_penalty 1.1)
+set -u
+case "${1:-}" in
+sampling)
+    python3 -m pytest -q -p no:cacheprovider tests/test_rollout_cuda.py tests/test_rollout_penalties.py 2>&1 | tail -3
+    for flags in "" "--repetition-penalty 1.1" "--min-p 0.05" "--repetition-penalty 1.1 --min-p 0.05"; do
+        echo "== $flags"
+        timeout 100 python3 benchmarks/rollout.py --device cuda --size reference --batch 1,256 --skip-hf \
+            --repeats 2 --top-k 0 $flags 2>&1 | grep -v -i warn | grep "^| [0-9]"
+    done
+    ;;
+*)
+    echo "usage: $0 sampling" >&2; exit 2
+    ;;
+esac
