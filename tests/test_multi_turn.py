@@ -5,6 +5,7 @@ out of the loss; through the RL loop 2 ranks equal 1."""
 import asyncio
 import json
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -16,7 +17,8 @@ from moeloop.data.dataset import PromptDataset
 from moeloop.data.dataset import Example
 from moeloop.errors import InputError
 from moeloop.loop.generation import RolloutWorker
-from moeloop.loop.tools import BUILTIN_TOOLS, ToolCall, ToolRunner, ToolTurn, calculator, parse_hermes, tool_schemas
+from moeloop.loop.tools import (BUILTIN_TOOLS, ToolCall, ToolRunner, ToolTurn, calculator, load_parser, parse_hermes,
+                                tool_schemas)
 from moeloop.model.tokenizer import build_tokenizer
 from moeloop.rollout import SamplingParams
 from moeloop.algo.advantages import discounted_returns, gae_one, over_actions
@@ -27,6 +29,32 @@ from tests.test_router_replay import own_routes
 def always_calls(text: str) -> list[ToolCall]:
     """A parser for a random model, which writes no tool calls: every turn asks the calculator for 2+3."""
     return [ToolCall("calculator", {"expression": "2+3"})]
+
+
+def raises_on_x(text: str) -> list[ToolCall]:
+    """A user parser with a bug: it raises on any text with an x in it."""
+    if "x" in text:
+        raise KeyError("x")
+    return always_calls(text)
+
+
+def not_a_list(text: str):
+    return {"name": "calculator"}
+
+
+def test_a_user_parser_that_raises_answers_with_an_error_and_a_wrong_result_type_is_named():
+    parse = load_parser("tests.test_multi_turn.raises_on_x")
+    assert parse("ok") == always_calls("ok")
+    with pytest.warns(UserWarning, match="rollout.multi_turn.parser tests.test_multi_turn.raises_on_x raised KeyError"):
+        (call,) = parse("x")
+    assert call.error == "error: the tool call could not be read (KeyError: 'x')"
+    (result,) = ToolRunner({"calculator": calculator}).run([call])
+    assert (result.text, result.status) == (call.error, "parse_error")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once
+        assert parse("xx")[0].error
+    with pytest.raises(InputError, match="rollout.multi_turn.parser: tests.test_multi_turn.not_a_list returned dict"):
+        load_parser("tests.test_multi_turn.not_a_list")("text")
 
 
 def test_hermes_calls_are_read_and_a_malformed_one_becomes_an_error_text():

@@ -19,6 +19,7 @@ import math
 import operator
 import re
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -123,7 +124,28 @@ def prompt_tools(multi_turn: Any) -> list[dict] | None:
 
 
 def load_parser(name: str) -> Callable[[str], list[ToolCall]]:
-    return parse_hermes if name == "hermes" else import_by_path(name, "rollout.multi_turn.parser", ["hermes"])
+    """rollout.multi_turn.parser: the built-in `parse_hermes`, or a user's `parse(text) -> [ToolCall]` (dotted path),
+    guarded: a text it raises on is one unreadable call (its error text goes back to the model, the run goes on; a
+    warning names the parser once); a result that is not a list of ToolCall is an InputError naming the field."""
+    if name == "hermes":
+        return parse_hermes
+    parse, warned = import_by_path(name, "rollout.multi_turn.parser", ["hermes"]), []
+
+    def guarded(text: str) -> list[ToolCall]:
+        try:
+            calls = parse(text)
+        except Exception as err:
+            if not warned:
+                warned.append(True)
+                warnings.warn(f"rollout.multi_turn.parser {name} raised {type(err).__name__}: {err}; the turn's tool "
+                              "call is answered with that error (warned once)")
+            return [ToolCall("", error=f"error: the tool call could not be read ({type(err).__name__}: {err})")]
+        if not isinstance(calls, list) or not all(isinstance(c, ToolCall) for c in calls):
+            raise InputError(f"rollout.multi_turn.parser: {name} returned {type(calls).__name__}, not a list of "
+                             "moeloop.loop.tools.ToolCall")
+        return calls
+
+    return guarded
 
 
 class ToolRunner:
