@@ -177,6 +177,30 @@ def test_the_step_time_counts_the_passes_and_responses_the_loop_runs():
     assert moving.checkpoint["state_gb"] > fixed.checkpoint["state_gb"]
 
 
+def test_tool_turns_are_prefilled_not_decoded_and_their_calls_take_their_time():
+    """rollout.multi_turn: a sample's tool-turn tokens leave the decode and are prefilled at plan.mfu on the rollout
+    GPUs; the calls take samples x calls x plan.tool_s_per_call / concurrency (by hand); the defaults are a call
+    every turn but the last with max_tool_response_tokens each; on the rollout side when generated ahead."""
+    base = ["plan.avg_response_tokens=2000", "plan.avg_prompt_tokens=500"]
+    tools = base + ["rollout.multi_turn.tools=[calculator]", "rollout.multi_turn.max_turns=3",
+                    "rollout.multi_turn.concurrency=16"]
+    plain = build_plan(load_config(DSV3, base))
+    cfg = load_config(DSV3, tools + ["plan.tool_s_per_call=2", "plan.avg_tool_tokens=100"])
+    plan = build_plan(cfg)
+    samples, seq = cfg.data.train_batch_size * cfg.rollout.n, 2500
+    peak = cfg.hardware.peak_tflops * 1e12 * cfg.plan.mfu
+    prefill = samples * 100 * plan.stats.forward_flops_per_token(seq) / (plan.decode.gpus * peak)
+    assert plan.phases_s["gen"] == pytest.approx(plain.phases_s["gen"] * 1900 / 2000 + prefill)
+    assert 0 < prefill < plain.phases_s["gen"] * 100 / 2000  # prefill runs faster than decode
+    assert plan.phases_s["tools"] == pytest.approx(samples * 2 * 2.0 / 16) and plain.phases_s["tools"] == 0
+    assert plan.step_s == pytest.approx(step_seconds(plan.phases_s, False))
+    assert any("tool turns: 2 calls and 100 tool-turn tokens a sample" in a for a in plan.assumptions)
+    default = build_plan(load_config(DSV3, tools))  # 2 calls x 256 tokens, the calls' time not counted
+    assert default.phases_s["tools"] == 0 and any("2 calls and 512 tool-turn tokens" in a for a in default.assumptions)
+    assert step_seconds({"gen": 5.0, "tools": 2.0, "reward": 1.0, "update_actor": 7.0, "update_weights": 0.5},
+                        ahead=True) == 8.0 + 0.5
+
+
 def test_step_time_overlaps_generation_only_when_generated_ahead_elsewhere():
     """Generated ahead on devices of its own (disaggregated, max_staleness >= 1), gen + reward overlap the trainer
     side and the push waits for both; otherwise (async too: it shares the training GPUs' HBM) every phase runs in

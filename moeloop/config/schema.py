@@ -541,6 +541,12 @@ class PlanSection:
     decode_efficiency: float = 0.5  # fraction of the HBM roofline the rollout engine reaches
     reward_s_per_sample: float = 0.0
     checkpoint_save_s: float = 0.0  # 0 = state bytes / (disk_gbps * nodes)
+    # multi-turn tool calling (rollout.multi_turn on): calls a sample makes (0 = max_turns - 1, a call every turn but
+    # the last), seconds a call takes (0 = not counted), tool-turn tokens a sample holds (0 = calls x
+    # max_tool_response_tokens, within the response)
+    tool_calls_per_sample: float = 0.0
+    tool_s_per_call: float = 0.0
+    avg_tool_tokens: int = 0
 
     def check(self) -> None:
         _require(self.sharding in ("fsdp", "optimizer", "none"), "plan.sharding", "must be fsdp|optimizer|none")
@@ -550,7 +556,8 @@ class PlanSection:
         _require(0 < self.tight_fraction <= 1, "plan.tight_fraction", "must be in (0, 1]")
         for name in ("weight_bytes", "grad_bytes", "optimizer_bytes", "total_gpus", "num_micro_batches", "dense_params",
                      "expert_params", "active_params", "avg_prompt_tokens", "avg_response_tokens", "comm_bucket_mb",
-                     "reserve_gb", "reward_s_per_sample", "checkpoint_save_s"):
+                     "reserve_gb", "reward_s_per_sample", "checkpoint_save_s", "tool_calls_per_sample",
+                     "tool_s_per_call", "avg_tool_tokens"):
             _require(getattr(self, name) >= 0, f"plan.{name}", "must be >= 0")
 
 

@@ -20,7 +20,7 @@ from moeloop.plan.interval import expected_overhead, young_daly_interval_s
 from moeloop.plan.memory import (DTYPE_BYTES, GB, Ledger, avg_seq_tokens, lora_params, memory_ledger,
                                  num_micro_batches, on_training_gpus, state_bytes)
 from moeloop.plan.split import SplitRow, split_rows, verdict
-from moeloop.plan.step_time import phase_shares, step_phases, step_seconds
+from moeloop.plan.step_time import phase_shares, step_phases, step_seconds, tool_turns
 from moeloop.plan.sync_cost import offload_round_trip_s, sync_costs
 
 BF16 = 2
@@ -93,7 +93,7 @@ def build_plan(cfg: RunConfig, stats: Optional[ModelStats] = None) -> Plan:
     offload_s = (offload_round_trip_s(ledger.cpu_bytes_per_rank, cfg.hardware.pcie_gbps) if (ledger and time_sliced)
                  else 0.0)
     phases = step_phases(cfg, stats, layout.world_size, decode.tokens_per_s if decode else 0.0,
-                         sync_s[sync_transport(cfg)], offload_s)
+                         sync_s[sync_transport(cfg)], offload_s, decode.gpus if decode else 0)
     step_s = step_seconds(phases, cfg.rollout.generates_ahead and not colocated)
     return Plan(stats, layout, pool, problems, ledger, gpu_v, cpu_v,
                 _alternatives(cfg, stats, layout) if ledger else {},
@@ -182,6 +182,12 @@ def _assumptions(cfg: RunConfig, stats: ModelStats, colocated: bool) -> list[str
         f"weight push: the bf16 weights over {sync_transport(cfg)} at its bandwidth, one way (no packing, fingerprints "
         "or per-bucket costs: on 2 x H200 with CUDA IPC those made it 4-5x that, BENCHMARKS.md session 21)",
     ]
+    calls, tool_tokens = tool_turns(cfg)
+    if cfg.rollout.multi_turn.enabled:
+        out.append(f"tool turns: {calls:g} calls and {tool_tokens} tool-turn tokens a sample (prefilled, not decoded), "
+                   + (f"{cfg.plan.tool_s_per_call:g} s a call" if cfg.plan.tool_s_per_call else
+                      "the calls' own time not counted (plan.tool_s_per_call)")
+                   + f", {cfg.rollout.multi_turn.concurrency} at once")
     if stats.model is None:
         out.append("model given as parameter counts: per-layer activation, KV and FLOP figures need plan.given_gb")
     if cfg.plan.given_gb:

@@ -1,7 +1,9 @@
 """Step-time model: the phase shares seed 002 section 6 says to watch instead of MFU.
 
-    gen            response tokens / decode roofline of the rollout share (x decode_efficiency); ReMax adds a
-                   greedy response per prompt
+    gen            decoded response tokens / decode roofline of the rollout share (x decode_efficiency); ReMax adds
+                   a greedy response per prompt. With tool turns (rollout.multi_turn), their tokens are prefilled, not
+                   decoded: forward FLOPs / (rollout GPUs * peak * plan.mfu)
+    tools          samples * tool calls * plan.tool_s_per_call / rollout.multi_turn.concurrency
     reward         samples * plan.reward_s_per_sample / reward.concurrency (ReMax: its greedy responses too)
     old_log_prob   forward FLOPs when the pass runs (`RunConfig.old_logprob_pass`) / (train GPUs * peak * plan.mfu)
     ref            forward FLOPs (with a KL term)     / same
@@ -13,7 +15,8 @@ Phases run one after another, except where the next batch is generated ahead on 
 push waits for both (the RL loop joins the rollout before it pushes). rollout.mode=async generates ahead on the
 training GPUs, where both sides are HBM-bound and share it: modelled in turn, as measured on the H200 (0.720 s a
 step against 0.750 s colocated, BENCHMARKS.md session 20).
-Prefill, the long tail of generation lengths and pipeline bubbles are not modelled.
+Prompt prefill, the long tail of generation lengths (per turn, with tool calls) and pipeline bubbles are not
+modelled.
 """
 from __future__ import annotations
 
@@ -24,20 +27,37 @@ from moeloop.plan.memory import avg_seq_tokens
 TFLOP = 1e12
 
 
+def tool_turns(cfg: RunConfig) -> tuple[float, int]:
+    """(tool calls, tool-turn tokens) of a sample: plan.tool_calls_per_sample / plan.avg_tool_tokens, or their
+    defaults with rollout.multi_turn on (see PlanSection); (0, 0) with it off."""
+    mt = cfg.rollout.multi_turn
+    if not mt.enabled:
+        return 0.0, 0
+    calls = cfg.plan.tool_calls_per_sample or float(mt.max_turns - 1)
+    response = cfg.plan.avg_response_tokens or cfg.data.max_response_length
+    return calls, min(cfg.plan.avg_tool_tokens or int(calls * mt.max_tool_response_tokens), response)
+
+
 def step_phases(cfg: RunConfig, stats: ModelStats, train_gpus: int, decode_tokens_per_s: float,
-                sync_s: float, offload_s: float) -> dict[str, float]:
-    """Seconds per phase of one RL step."""
+                sync_s: float, offload_s: float, rollout_gpus: int = 0) -> dict[str, float]:
+    """Seconds per phase of one RL step; `rollout_gpus`: the GPUs that generate (they prefill the tool turns)."""
     samples = cfg.data.train_batch_size * cfg.rollout.n
     generated = samples + (cfg.data.train_batch_size if cfg.algorithm.adv_estimator == "remax" else 0)
     response = cfg.plan.avg_response_tokens or cfg.data.max_response_length
+    calls, tool_tokens = tool_turns(cfg)
     seq = avg_seq_tokens(cfg)
     tokens = samples * seq
-    flops_s = train_gpus * cfg.hardware.peak_tflops * TFLOP * cfg.plan.mfu
+    peak_s = cfg.hardware.peak_tflops * TFLOP * cfg.plan.mfu
+    flops_s = train_gpus * peak_s
     fwd = tokens * stats.forward_flops_per_token(seq) / flops_s
     train = tokens * stats.train_flops_per_token(seq, cfg.model.gradient_checkpointing) * cfg.actor.ppo_epochs / flops_s
     use_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+    gen = generated * (response - tool_tokens) / decode_tokens_per_s if decode_tokens_per_s > 0 else 0.0
+    if tool_tokens and rollout_gpus:
+        gen += samples * tool_tokens * stats.forward_flops_per_token(seq) / (rollout_gpus * peak_s)
     return {
-        "gen": generated * response / decode_tokens_per_s if decode_tokens_per_s > 0 else 0.0,
+        "gen": gen,
+        "tools": samples * calls * cfg.plan.tool_s_per_call / cfg.rollout.multi_turn.concurrency,
         "reward": generated * cfg.plan.reward_s_per_sample / cfg.reward.concurrency,
         "old_log_prob": fwd if cfg.old_logprob_pass(cfg.rollout.generates_ahead) else 0.0,
         "ref": fwd if use_ref else 0.0,
@@ -49,7 +69,7 @@ def step_phases(cfg: RunConfig, stats: ModelStats, train_gpus: int, decode_token
 
 def step_seconds(phases: dict[str, float], ahead: bool) -> float:
     if ahead:
-        rollout_side = phases["gen"] + phases["reward"]
+        rollout_side = phases["gen"] + phases.get("tools", 0.0) + phases["reward"]
         trainer_side = sum(phases.values()) - rollout_side - phases["update_weights"]
         return max(rollout_side, trainer_side) + phases["update_weights"]
     return sum(phases.values())
