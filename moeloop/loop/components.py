@@ -283,7 +283,7 @@ def build_reference(cfg: RunConfig, actor: Actor, env: RunEnv) -> PolicyForward 
     if actor.lora_modules:
         return AdapterOffReference(actor)
     return PolicyForward(load_pretrained(cfg.model.path, dtype=dtype_of(cfg.model.dtype)), env.device,
-                         cfg.actor.max_tokens_per_micro_batch, cfg.model.logprob_chunk_tokens)
+                         cfg.actor.max_tokens_per_micro_batch, cfg.model.logprob_chunk_tokens, ep=cfg.parallel.ep)
 
 
 def build_components(cfg: RunConfig, resume: bool) -> Components:
@@ -307,10 +307,10 @@ def build_components(cfg: RunConfig, resume: bool) -> Components:
     if env.device.type == "cpu":
         retain_freed_host_memory()  # gradients are freed and allocated again every step
     actor = Actor(load_policy(cfg), cfg.actor, env.device, cfg.data.max_response_length,
-                  cfg.model.logprob_chunk_tokens, cfg.trainer.steps)
+                  cfg.model.logprob_chunk_tokens, cfg.trainer.steps, ep=cfg.parallel.ep)
     ref = build_reference(cfg, actor, env) if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward else None
     critic = Critic(load_policy(cfg), cfg.critic, env.device, cfg.data.max_response_length,
-                    cfg.trainer.steps) if cfg.critic.enable else None
+                    cfg.trainer.steps, ep=cfg.parallel.ep) if cfg.critic.enable else None
     if cfg.rollout.mode == "disaggregated":
         engine = RemoteEngine(cfg, rollout_device(cfg, env.device), rollout_threads(cfg))
         transport = ProcessTransport()

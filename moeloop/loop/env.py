@@ -64,10 +64,11 @@ def _pick_device(choice: str) -> torch.device:
 
 def check_parallel_support(cfg: RunConfig) -> None:
     p = cfg.parallel
-    for name in ("tp", "pp", "ep", "etp", "cp", "vpp"):
+    for name in ("tp", "pp", "etp", "cp", "vpp"):
         if getattr(p, name) != 1:
-            raise InputError(f"parallel.{name}={getattr(p, name)}: the trainer applies data parallelism only so far "
-                             f"(torchrun --nproc_per_node N gives dp=N); {name} is used by `moeloop plan`")
+            raise InputError(f"parallel.{name}={getattr(p, name)}: the trainer applies data and expert parallelism "
+                             f"only so far (torchrun --nproc_per_node N gives dp=N; parallel.ep splits the experts "
+                             f"over ep of them); {name} is used by `moeloop plan`")
 
 
 def seed_everything(seed: int) -> None:

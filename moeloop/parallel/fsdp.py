@@ -23,14 +23,17 @@ def build_dp_mesh(device_type: str) -> DeviceMesh | None:
     return init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("dp",))
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | None = None) -> None:
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | None = None,
+               ignored: set[nn.Parameter] = frozenset()) -> None:
+    """`ignored`: parameters FSDP leaves alone (expert-parallel experts, `parallel.expert`)."""
     if model.cfg.tie_word_embeddings:
         raise ValueError("FSDP with tied embeddings is not supported: set tie_word_embeddings=false")
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    kw = dict(mesh=mesh, mp_policy=policy, ignored_params=set(ignored) or None)
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model.lm_head, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(layer, **kw)
+    fully_shard(model.lm_head, **kw)
+    fully_shard(model, **kw)
 
 
 def reshard(model: nn.Module) -> None:

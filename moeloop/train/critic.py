@@ -34,9 +34,9 @@ class ValueHead(nn.Module):
 
 class Critic(PolicyForward):
     def __init__(self, model: nn.Module, cfg: CriticSection, device: torch.device, max_response_length: int,
-                 total_steps: int = 1, param_dtype: torch.dtype | None = None):
+                 total_steps: int = 1, param_dtype: torch.dtype | None = None, ep: int = 1):
         head = ValueHead(model.cfg.hidden_size).to(next(model.parameters()).dtype)
-        super().__init__(model, device, cfg.max_tokens_per_micro_batch, 0, param_dtype, head=head)
+        super().__init__(model, device, cfg.max_tokens_per_micro_batch, 0, param_dtype, head=head, ep=ep)
         self.cfg, self.max_response_length = cfg, max_response_length
         self.optimizer, self.scheduler = build_optimizer(model, cfg, total_steps)
 

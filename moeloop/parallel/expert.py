@@ -1,0 +1,175 @@
+"""Expert parallelism (`parallel.ep`): each MoE layer's routed experts split over ep ranks, applied to a plain model
+from outside, before FSDP (Megatron's and torchtitan's layout).
+
+    mesh = build_expert_mesh(device_type, ep)     # (expert_dp, ep) over all ranks: ep ranks split the experts
+    experts = apply_ep(model, mesh)               # stacked expert weights -> DTensor(Replicate, Shard(0)) on it
+    apply_fsdp(model, dp_mesh, ignored=experts)   # the dense weights sharded over every rank, as without EP
+    ... forward / backward ...                    # tokens go to their experts' rank and back by all_to_all
+    reduce_expert_grads(experts)                  # before the optimizer step (`train.actor.clip_and_step`)
+
+Ranks r*ep .. r*ep + ep - 1 form one EP group; rank i of it holds experts [i*E/ep, (i+1)*E/ep) of every MoE layer,
+and the expert_dp = world / ep groups hold the same experts. A forward sorts its (token, expert) pairs by expert,
+sends each rank the rows of its experts (`all_to_all_single` with uneven splits, their sizes exchanged first), runs
+the local experts on what arrived, and sends the results back; the backward runs the same exchanges reversed. Every
+rank runs the same MoE layers in the same order (the trainer equalises micro-batch counts for FSDP already), so the
+exchanges pair up.
+
+Gradients: the trainer scales each rank's loss by the world size for FSDP's averaging, so an expert's gradient, summed
+over the rows every rank of its EP group sent it, is world x its share; `reduce_expert_grads` sums the expert_dp
+replicas and divides by the world size: one process's gradient. The expert weights are DTensors, so the state dict,
+DCP checkpoints (which reshard across layouts) and `full_tensor` (weight sync, HF export) see whole experts.
+Shapes: T tokens, K experts a token, S = T*K (token, expert) rows, R EP ranks, L = E / R local experts, D model dim.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from moeloop.errors import InputError
+from moeloop.model.experts import Experts, register_experts_impl, silu_mul
+
+EP_IMPL = "expert_parallel"
+
+
+def build_expert_mesh(device_type: str, ep: int) -> DeviceMesh:
+    """The (expert_dp, ep) mesh over every rank of the default group."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if ep < 2 or world % ep:
+        raise InputError(f"parallel.ep={ep} must divide the {world} data-parallel ranks (ep ranks split the experts)")
+    return init_device_mesh(device_type, (world // ep, ep), mesh_dim_names=("expert_dp", "ep"))
+
+
+def apply_ep(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter]:
+    """Split every routed-experts module of `model` over the mesh's ep dim: each rank keeps its experts' rows of the
+    stacked weights (every rank holds the same whole model before: nothing is sent), as DTensors replicated over
+    expert_dp; the module then runs `ep_experts`. Returns the new parameters (FSDP ignores them)."""
+    ep = mesh.size(1)
+    params: set[nn.Parameter] = set()
+    for module in model.modules():
+        if not isinstance(module, Experts):
+            continue
+        if module.num_experts % ep:
+            raise InputError(f"parallel.ep={ep} must divide the model's num_experts={module.num_experts}")
+        local = module.num_experts // ep
+        first = mesh.get_local_rank("ep") * local
+        for name in ("gate_up_proj", "down_proj"):
+            full = getattr(module, name)
+            shard = full.detach()[first:first + local].clone()
+            param = nn.Parameter(DTensor.from_local(shard, mesh, [Replicate(), Shard(0)], run_check=False),
+                                 requires_grad=full.requires_grad)
+            setattr(module, name, param)
+            params.add(param)
+        module.ep_mesh = mesh
+        module.impl = EP_IMPL
+    return params
+
+
+def expert_params(model: nn.Module) -> list[nn.Parameter]:
+    """The expert-parallel parameters of `model` (none without EP)."""
+    return [p for m in model.modules() if isinstance(m, Experts) and getattr(m, "ep_mesh", None) is not None
+            for p in (m.gate_up_proj, m.down_proj)]
+
+
+class _AllToAll(torch.autograd.Function):
+    """`dist.all_to_all_single` with uneven splits whose backward is the reverse exchange. (torch's functional
+    `all_to_all_single_autograd` does the same, but its first call imports torch._dynamo: ~6 s a rank on gloo,
+    notes/cpu-stack.md.)"""
+
+    @staticmethod
+    def forward(ctx, x_SD: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return _exchange(x_SD, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad_SD: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        return _exchange(grad_SD, in_splits, out_splits, ctx.group), None, None, None
+
+
+def _exchange(x_SD: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    out = x_SD.new_empty((sum(out_splits),) + tuple(x_SD.shape[1:]))
+    dist.all_to_all_single(out, x_SD.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+def ep_experts(experts: Experts, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+    """The routed experts' output [T, D] with the experts split over the EP group (the module's `ep_mesh`)."""
+    mesh = experts.ep_mesh
+    group, R = mesh.get_group("ep"), mesh.size(1)
+    T, K = ids_TK.shape
+    L = experts.num_experts // R
+    perm_S = torch.argsort(ids_TK.reshape(-1), stable=True)  # sorted by expert: by destination rank, then expert
+    inv_perm_S = torch.empty_like(perm_S)
+    inv_perm_S[perm_S] = torch.arange(perm_S.numel(), device=perm_S.device)
+    counts_RL = torch.bincount(ids_TK.reshape(-1), minlength=experts.num_experts).view(R, L)
+    got_RL = torch.empty_like(counts_RL)  # [source rank, local expert]: rows each rank sends each of my experts
+    dist.all_to_all_single(got_RL, counts_RL, group=group)
+    send, recv = counts_RL.sum(1).tolist(), got_RL.sum(1).tolist()
+    x_SD = _AllToAll.apply(x_TD[perm_S // K], recv, send, group)
+    # what arrived is by source rank, then local expert: regroup by local expert for the grouped products
+    local_S = torch.repeat_interleave(torch.arange(L, device=x_TD.device).repeat(R), got_RL.reshape(-1))
+    order_S = torch.argsort(local_S, stable=True)
+    y_SD = torch.empty_like(x_SD)
+    y_SD[order_S] = _local_experts(experts, x_SD[order_S], got_RL.sum(0))
+    y_SD = _AllToAll.apply(y_SD, send, recv, group)
+    y_TKD = y_SD[inv_perm_S].view(T, K, -1)
+    return (y_TKD * weights_TK.float()[..., None]).sum(dim=1).to(x_TD.dtype)
+
+
+def _local_experts(experts: Experts, x_SD: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
+    """This rank's experts on rows grouped by local expert (counts_L rows each), in the rows' dtype."""
+    gate_up = experts.gate_up_proj.to_local().to(x_SD.dtype)
+    down = experts.down_proj.to_local().to(x_SD.dtype)
+    outs = []
+    for e, x_nD in enumerate(x_SD.split(counts_L.tolist())):
+        if x_nD.shape[0]:
+            outs.append(F.linear(silu_mul(F.linear(x_nD, gate_up[e])), down[e]))
+    if outs:
+        return torch.cat(outs)
+    # no rows arrived: the output still depends on the rows and the weights, so this rank's backward runs the reverse
+    # exchanges its peers run (and the weights get a zero gradient)
+    return x_SD.new_zeros(0, experts.dim) + 0 * (x_SD.sum() + gate_up.sum() + down.sum())
+
+
+register_experts_impl(EP_IMPL, ep_experts)
+
+
+@torch.no_grad()
+def reduce_expert_grads(params: list[nn.Parameter], world_size: int) -> None:
+    """Each expert parameter's gradient summed over its expert_dp replicas and divided by `world_size` (the loss
+    scale the trainer applies for FSDP), in place: the gradient one process would compute."""
+    for p in params:
+        if p.grad is None:
+            continue
+        g = p.grad.to_local()
+        mesh = p.device_mesh
+        if mesh.size(0) > 1:
+            dist.all_reduce(g, group=mesh.get_group("expert_dp"))
+        g.div_(world_size)
+
+
+@torch.no_grad()
+def ep_grad_norm(params: list[nn.Parameter], experts: list[nn.Parameter]) -> torch.Tensor:
+    """The global L2 norm of the gradients of `params` (FSDP shards over every rank, and the expert parameters
+    `experts`, replicated over expert_dp): local squares summed over every rank, an expert replica counted once."""
+    ids = {id(p) for p in experts}
+    total = None
+    for p in params:
+        g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        sq = g.float().pow(2).sum()
+        if id(p) in ids:
+            sq = sq / p.device_mesh.size(0)
+        total = sq if total is None else total + sq
+    total = torch.zeros((), device=params[0].grad.device) if total is None else total
+    dist.all_reduce(total)
+    return total.sqrt()
+
+
+@torch.no_grad()
+def scale_grads(params: list[nn.Parameter], factor: float) -> None:
+    for p in params:
+        (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(factor)
