@@ -1,0 +1,128 @@
+"""Expert parallelism (`parallel.ep`, moeloop.parallel.expert): an MoE block with its experts split over ranks gives
+each rank's tokens the one-process output and, summed over the ranks, the one-process expert gradients (with ranks
+that receive no rows at all); the RL loop at 2 ranks x ep 2 and 4 ranks x ep 2 (experts replicated over 2) equals 1
+rank; a checkpoint saved at ep 2 resumes at 1 rank."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from moeloop.errors import InputError
+from moeloop.model.config import ModelConfig
+from moeloop.model.experts import _PLUGGED_IMPLS
+from moeloop.model.moe import MoE
+from moeloop.model.routes import RouteTape
+from moeloop.parallel.expert import EP_IMPL, apply_ep, build_expert_mesh, reduce_expert_grads
+from tests.dist import run_ranks
+from tests.test_rl_loop import STEPS, _cfg, _metrics, _weights, model_dir, run_rl  # noqa: F401 (a fixture)
+from tests.test_rollout_engine import hf_config
+
+
+def _block(seed: int = 0) -> MoE:
+    torch.manual_seed(seed)
+    block = MoE(ModelConfig.from_hf_dict(hf_config("qwen3_moe").to_dict()), experts_impl="loop").double()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+    return block
+
+
+def _inputs(rank: int, dim: int, num_experts: int) -> tuple[torch.Tensor, RouteTape | None]:
+    """Rank r's tokens (3 + r of them); rank 1's are routed to experts 0 and 1 only, by a replayed route."""
+    g = torch.Generator().manual_seed(100 + rank)
+    x_TD = torch.randn(3 + rank, dim, generator=g, dtype=torch.float64)
+    if rank != 1:
+        return x_TD, None
+    return x_TD, RouteTape(torch.tensor([[[0, 1]] * x_TD.shape[0]]))
+
+
+def _ep_block_rank(rank, world, ep, squeeze):
+    block = _block()
+    E = block.experts.num_experts
+    apply_ep(block, build_expert_mesh("cpu", ep))
+    x_TD, tape = _inputs(rank, block.experts.dim, E)
+    if squeeze:  # every rank's rows go to rank 0's experts: the others receive none
+        tape = RouteTape(torch.tensor([[[0, 1]] * x_TD.shape[0]]))
+    x_TD.requires_grad_(True)
+    y_TD = block(x_TD, tape)
+    (y_TD.square().sum() * (rank + 1)).backward()
+    reduce_expert_grads([block.experts.gate_up_proj, block.experts.down_proj], 1)
+    return (y_TD.detach(), x_TD.grad, block.experts.gate_up_proj.grad.to_local(),
+            block.experts.down_proj.grad.to_local())
+
+
+@pytest.mark.parametrize("world,ep,squeeze", [(2, 2, False), (4, 2, False), (4, 4, True)])
+def test_an_ep_block_equals_one_process(world, ep, squeeze):
+    """Outputs and input gradients per rank, and each rank's expert gradients summed over the ranks (its EP group's
+    rows, then the expert_dp replicas), equal one process running every rank's tokens; ranks with experts no row
+    reaches (and, squeezed, ranks that receive no row at all) still run every exchange. In fp64, to 1e-12
+    (an expert's product sees other row counts, the gradients sum in another order)."""
+    results = run_ranks(_ep_block_rank, world, ep, squeeze)
+    block = _block()
+    E, L = block.experts.num_experts, block.experts.num_experts // ep
+    for rank, (y, x_grad, gate_up_grad, down_grad) in enumerate(results):
+        x_TD, tape = _inputs(rank, block.experts.dim, E)
+        if squeeze:
+            tape = RouteTape(torch.tensor([[[0, 1]] * x_TD.shape[0]]))
+        x_TD.requires_grad_(True)
+        want = block(x_TD, tape)
+        (want.square().sum() * (rank + 1)).backward()
+        torch.testing.assert_close(y, want.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(x_grad, x_TD.grad, rtol=1e-12, atol=1e-12)
+    for rank, (_, _, gate_up_grad, down_grad) in enumerate(results):
+        first = (rank % ep) * L
+        torch.testing.assert_close(gate_up_grad, block.experts.gate_up_proj.grad[first:first + L], rtol=1e-12,
+                                   atol=1e-12)
+        torch.testing.assert_close(down_grad, block.experts.down_proj.grad[first:first + L], rtol=1e-12, atol=1e-12)
+    if squeeze:
+        assert all(r[2].abs().sum() == 0 for rank, r in enumerate(results) if rank % ep)  # no rows, zero grads
+
+
+def _loop_rank(rank, world, model_dir, run_dir, *extra):
+    calls = []
+    impl = _PLUGGED_IMPLS[EP_IMPL]
+    _PLUGGED_IMPLS[EP_IMPL] = lambda *a: calls.append(1) or impl(*a)
+    try:
+        run_rl(_cfg(model_dir, run_dir, "actor.optim.lr=1e-4", *extra))
+    finally:
+        _PLUGGED_IMPLS[EP_IMPL] = impl
+    return len(calls)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_rl_loop_with_expert_parallel_equals_one_rank(model_dir, tmp_path, world):
+    """2 ranks x ep 2 (each rank half the experts) and 4 ranks x ep 2 (expert_dp 2): the same rewards, losses,
+    grad norms and final weights as one rank (tolerance: as test_rl_loop's DP tests); with a KL reference and the
+    old-logprob pass, which run the experts split too."""
+    extra = ["actor.use_kl_loss=true", "actor.kl_loss_coef=0.1", "actor.ppo_mini_batch_size=4",
+             "actor.ppo_epochs=2"]
+    _loop_rank(0, 1, model_dir, tmp_path / "one", *extra)
+    calls = run_ranks(_loop_rank, world, model_dir, tmp_path / "ep", "parallel.ep=2", *extra)
+    assert all(c > 0 for c in calls)  # every rank ran its experts split
+    m1, m2 = _metrics(tmp_path / "one"), _metrics(tmp_path / "ep")
+    for key in ("reward/mean", "pg_loss", "grad_norm"):
+        assert [m[key] for m in m2] == pytest.approx([m[key] for m in m1], rel=1e-4, abs=1e-6), key
+    w1, w2 = _weights(tmp_path / "one"), _weights(tmp_path / "ep")
+    for name in w1:
+        torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=5e-5)
+
+
+def test_an_ep_checkpoint_resumes_at_one_rank(model_dir, tmp_path):
+    """Saved at 2 ranks x ep 2 after 2 steps (DCP: each rank its experts), resumed at 1 rank for 2 more: the weights
+    of 4 steps at 1 rank."""
+    _loop_rank(0, 1, model_dir, tmp_path / "one")
+    run_ranks(_loop_rank, 2, model_dir, tmp_path / "split", "parallel.ep=2", f"trainer.steps={STEPS // 2}")
+    resumed = run_rl(_cfg(model_dir, tmp_path / "split", "actor.optim.lr=1e-4"), resume=True)
+    assert resumed["policy/version"] == STEPS
+    w1, w2 = _weights(tmp_path / "one"), _weights(tmp_path / "split")
+    for name in w1:
+        torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=5e-5)
+
+
+def _bad_ep_rank(rank, world, ep):
+    with pytest.raises(InputError, match=f"parallel.ep={ep} must divide"):
+        apply_ep(_block(), build_expert_mesh("cpu", ep))
+    return dist.get_world_size()
+
+
+def test_ep_must_divide_the_ranks_and_the_experts():
+    assert run_ranks(_bad_ep_rank, 2, 4) == [2, 2]  # 4 does not divide 2 ranks
