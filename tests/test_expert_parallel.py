@@ -9,12 +9,18 @@ import torch.distributed as dist
 from moeloop.errors import InputError
 from moeloop.model.config import ModelConfig
 from moeloop.model.experts import _PLUGGED_IMPLS
+from moeloop.model.factory import init_model
 from moeloop.model.moe import MoE
 from moeloop.model.routes import RouteTape
 from moeloop.parallel.expert import EP_IMPL, apply_ep, build_expert_mesh, reduce_expert_grads
 from tests.dist import run_ranks
-from tests.test_rl_loop import STEPS, _cfg, _metrics, _weights, model_dir, run_rl  # noqa: F401 (a fixture)
+from tests.test_rl_loop import STEPS, _cfg, _metrics, _weights, run_rl
 from tests.test_rollout_engine import hf_config
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return init_model("qwen3_moe", "tiny", tmp_path_factory.mktemp("model") / "m", seed=3)
 
 
 def _block(seed: int = 0) -> MoE:
