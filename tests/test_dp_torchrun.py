@@ -20,8 +20,9 @@ import torch
 from moeloop.model.factory import init_model
 from moeloop.model.hf_io import load_pretrained
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(torch.cuda.device_count() < 2,
-                                                                 reason="needs 2 CUDA devices (DP over NCCL)"))]
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (DP over NCCL)")
+# (the CPU expert-parallel runs are test_expert_parallel.py's fork-launched gloo twins)
+LAYOUTS = [("cpu", ()), pytest.param("cuda", (), marks=TWO_GPUS), pytest.param("cuda", ("parallel.ep=2",), marks=TWO_GPUS)]
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
@@ -58,15 +59,16 @@ def _max_diff(a: Path, b: Path) -> float:
     return max((wa[n] - wb[n]).abs().max().item() for n in wa)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_torchrun_dp2_matches_one_process_and_resumes_in_one(tmp_path, device):
+@pytest.mark.parametrize("device,layout", LAYOUTS)
+def test_torchrun_dp2_matches_one_process_and_resumes_in_one(tmp_path, device, layout):
+    """`layout`: the 2-rank runs' settings (parallel.ep=2: each GPU half the experts, tokens exchanged over NCCL)."""
     model_dir = init_model("qwen3_moe", "tiny", tmp_path / "model", seed=3)
     cfg = tmp_path / "rl.yaml"
     cfg.write_text("{}\n")
     one, two, resumed = tmp_path / "one", tmp_path / "two", tmp_path / "two_then_one"
     _run(1, cfg, _settings(device, model_dir, one, STEPS))
-    _run(2, cfg, _settings(device, model_dir, two, STEPS))
-    _run(2, cfg, _settings(device, model_dir, resumed, STEPS // 2))
+    _run(2, cfg, _settings(device, model_dir, two, STEPS) + list(layout))
+    _run(2, cfg, _settings(device, model_dir, resumed, STEPS // 2) + list(layout))
     _run(1, cfg, _settings(device, model_dir, resumed, STEPS), resume=True)
     r1, r2, r3 = _rows(one), _rows(two), _rows(resumed)
     assert len(r1) == len(r2) == len(r3) == STEPS
@@ -75,7 +77,7 @@ def test_torchrun_dp2_matches_one_process_and_resumes_in_one(tmp_path, device):
     trained = load_pretrained(one / "hf").state_dict()
     assert max((trained[n] - before[n]).abs().max().item() for n in before) > 1e-4  # it trained
     d_two, d_resumed = _max_diff(one, two), _max_diff(one, resumed)
-    print(f"\n{device}: reward/mean 1 rank {[r['reward/mean'] for r in r1]}\n            2 ranks "
+    print(f"\n{device} {layout}: reward/mean 1 rank {[r['reward/mean'] for r in r1]}\n            2 ranks "
           f"{[r['reward/mean'] for r in r2]}\n     2 then 1 rank {[r['reward/mean'] for r in r3]}\n"
           f"max |w(2 ranks) - w(1 rank)| {d_two:.3e}, max |w(2 then 1) - w(1 rank)| {d_resumed:.3e}")
     for rows in (r2, r3):
