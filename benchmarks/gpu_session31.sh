@@ -3,6 +3,7 @@
 #   sampling: (nvidia-h200, about 5 minutes) repetition_penalty and min_p in multi-step decode graphs: the CUDA tests
 #             of the penalties and the rollout's, then what the options cost the engine at B=1 and B=256 (session 30,
 #             one decode step a launch: 2,932 -> 898 tok/s at B=1 with repetition_penalty 1.1)
+#   ep:       (nvidia-h200-x2) expert parallelism (parallel.ep=2) over NCCL against one process
 set -u
 case "${1:-}" in
 sampling)
@@ -13,7 +14,12 @@ sampling)
             --repeats 2 --top-k 0 $flags 2>&1 | grep -v -i warn | grep "^| [0-9]"
     done
     ;;
+ep)
+    # (nvidia-h200-x2, about 5 minutes) expert parallelism over NCCL through torchrun: 2 GPUs x ep 2 against one
+    # process (and DP 2 for comparison), and the 2-rank checkpoint resumed in one process
+    python3 -m pytest -q -s -p no:cacheprovider tests/test_dp_torchrun.py -k cuda 2>&1 | grep -v -i warn | tail -12
+    ;;
 *)
-    echo "usage: $0 sampling" >&2; exit 2
+    echo "usage: $0 sampling|ep" >&2; exit 2
     ;;
 esac
