@@ -2,22 +2,26 @@
 from outside, before FSDP (Megatron's and torchtitan's layout).
 
     mesh = build_expert_mesh(device_type, ep)     # (expert_dp, ep) over all ranks: ep ranks split the experts
-    experts = apply_ep(model, mesh)               # stacked expert weights -> DTensor(Replicate, Shard(0)) on it
-    apply_fsdp(model, dp_mesh, ignored=experts)   # the dense weights sharded over every rank, as without EP
+    experts = apply_ep(model, mesh)               # stacked expert weights -> DTensor(Shard(0)) on the ep dim
+    apply_fsdp(model, dp_mesh, experts=experts)   # dense weights sharded over every rank, as without EP; the experts
+                                                  # (expert_dp > 1) over their expert_dp dim (FSDP's 2-D sharding)
     ... forward / backward ...                    # tokens go to their experts' rank and back by all_to_all
-    reduce_expert_grads(experts)                  # before the optimizer step (`train.actor.clip_and_step`)
+    reduce_expert_grads(model)                    # before the optimizer step (`train.actor.clip_and_step`)
 
 Ranks r*ep .. r*ep + ep - 1 form one EP group; rank i of it holds experts [i*E/ep, (i+1)*E/ep) of every MoE layer,
-and the expert_dp = world / ep groups hold the same experts. A forward sorts its (token, expert) pairs by expert,
+and the expert_dp = world / ep groups hold the same experts, sharded among them by FSDP (Megatron's expert data
+parallel with a distributed optimizer: each rank stores 1 / world of the experts' weights, gradients and Adam state,
+as `moeloop plan` counts). A forward sorts its (token, expert) pairs by expert,
 sends each rank the rows of its experts (`all_to_all_single` with uneven splits, their sizes exchanged first), runs
 the local experts on what arrived, and sends the results back; the backward runs the same exchanges reversed. Every
 rank runs the same MoE layers in the same order (the trainer equalises micro-batch counts for FSDP already), so the
 exchanges pair up.
 
 Gradients: the trainer scales each rank's loss by the world size for FSDP's averaging, so an expert's gradient, summed
-over the rows every rank of its EP group sent it, is world x its share; `reduce_expert_grads` sums the expert_dp
-replicas and divides by the world size: one process's gradient. The expert weights are DTensors, so the state dict,
-DCP checkpoints (which reshard across layouts) and `full_tensor` (weight sync, HF export) see whole experts.
+over the rows every rank of its EP group sent it, is world x that group's share; FSDP averages the expert_dp groups'
+(ep x the whole gradient), and `reduce_expert_grads` divides by ep: one process's gradient. The expert weights are
+DTensors, so the state dict, DCP checkpoints (which reshard across layouts) and `full_tensor` (weight sync, HF
+export) see whole experts.
 Shapes: T tokens, K experts a token, S = T*K (token, expert) rows, R EP ranks, L = E / R local experts, D model dim.
 """
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from moeloop.errors import InputError
 from moeloop.model.experts import Experts, register_experts_impl, silu_mul
@@ -45,8 +49,9 @@ def build_expert_mesh(device_type: str, ep: int) -> DeviceMesh:
 
 def apply_ep(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter]:
     """Split every routed-experts module of `model` over the mesh's ep dim: each rank keeps its experts' rows of the
-    stacked weights (every rank holds the same whole model before: nothing is sent), as DTensors replicated over
-    expert_dp; the module then runs `ep_experts`. Returns the new parameters (FSDP ignores them)."""
+    stacked weights (every rank holds the same whole model before: nothing is sent), as DTensors on the ep dim; the
+    module then runs `ep_experts`. Returns the new parameters (the dense FSDP leaves them to `apply_fsdp`'s experts
+    units)."""
     ep = mesh.size(1)
     params: set[nn.Parameter] = set()
     for module in model.modules():
@@ -59,7 +64,7 @@ def apply_ep(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter]:
         for name in ("gate_up_proj", "down_proj"):
             full = getattr(module, name)
             shard = full.detach()[first:first + local].clone()
-            param = nn.Parameter(DTensor.from_local(shard, mesh, [Replicate(), Shard(0)], run_check=False),
+            param = nn.Parameter(DTensor.from_local(shard, mesh["ep"], [Shard(0)], run_check=False),
                                  requires_grad=full.requires_grad)
             setattr(module, name, param)
             params.add(param)
@@ -68,10 +73,14 @@ def apply_ep(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter]:
     return params
 
 
+def ep_modules(model: nn.Module) -> list[Experts]:
+    """The expert-parallel experts modules of `model` (none without EP)."""
+    return [m for m in model.modules() if isinstance(m, Experts) and getattr(m, "ep_mesh", None) is not None]
+
+
 def expert_params(model: nn.Module) -> list[nn.Parameter]:
     """The expert-parallel parameters of `model` (none without EP)."""
-    return [p for m in model.modules() if isinstance(m, Experts) and getattr(m, "ep_mesh", None) is not None
-            for p in (m.gate_up_proj, m.down_proj)]
+    return [p for m in ep_modules(model) for p in (m.gate_up_proj, m.down_proj)]
 
 
 class _AllToAll(torch.autograd.Function):
@@ -139,32 +148,23 @@ register_experts_impl(EP_IMPL, ep_experts)
 
 
 @torch.no_grad()
-def reduce_expert_grads(params: list[nn.Parameter], world_size: int) -> None:
-    """Each expert parameter's gradient summed over its expert_dp replicas and divided by `world_size` (the loss
-    scale the trainer applies for FSDP), in place: the gradient one process would compute."""
-    for p in params:
-        if p.grad is None:
-            continue
-        g = p.grad.to_local()
-        mesh = p.device_mesh
-        if mesh.size(0) > 1:
-            dist.all_reduce(g, group=mesh.get_group("expert_dp"))
-        g.div_(world_size)
+def reduce_expert_grads(model: nn.Module) -> None:
+    """Each expert-parallel parameter's gradient divided by its ep, in place (see the module's note): the gradient
+    one process would compute."""
+    for m in ep_modules(model):
+        for p in (m.gate_up_proj, m.down_proj):
+            if p.grad is not None:
+                p.grad.to_local().div_(m.ep_mesh.size(1))
 
 
 @torch.no_grad()
-def ep_grad_norm(params: list[nn.Parameter], experts: list[nn.Parameter]) -> torch.Tensor:
-    """The global L2 norm of the gradients of `params` (FSDP shards over every rank, and the expert parameters
-    `experts`, replicated over expert_dp): local squares summed over every rank, an expert replica counted once."""
-    ids = {id(p) for p in experts}
-    total = None
+def ep_grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
+    """The global L2 norm of the gradients of `params`, whose shards (dense: FSDP's over every rank; experts: over ep,
+    and FSDP's over expert_dp) are disjoint: local squares summed over every rank. (torch's norm and clip take
+    DTensors of one mesh only.)"""
+    total = torch.zeros((), dtype=torch.float32, device=params[0].grad.device)
     for p in params:
-        g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-        sq = g.float().pow(2).sum()
-        if id(p) in ids:
-            sq = sq / p.device_mesh.size(0)
-        total = sq if total is None else total + sq
-    total = torch.zeros((), device=params[0].grad.device) if total is None else total
+        total += (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).float().pow(2).sum()
     dist.all_reduce(total)
     return total.sqrt()
 

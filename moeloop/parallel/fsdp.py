@@ -24,16 +24,27 @@ def build_dp_mesh(device_type: str) -> DeviceMesh | None:
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | None = None,
-               ignored: set[nn.Parameter] = frozenset()) -> None:
-    """`ignored`: parameters FSDP leaves alone (expert-parallel experts, `parallel.expert`)."""
+               experts: set[nn.Parameter] = frozenset()) -> None:
+    """`experts`: expert-parallel experts' parameters (`parallel.expert`), DTensors on their ep mesh: their modules
+    become FSDP units over their mesh's expert_dp dim when it is > 1, and the dense units leave them alone."""
     if model.cfg.tie_word_embeddings:
         raise ValueError("FSDP with tied embeddings is not supported: set tie_word_embeddings=false")
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    kw = dict(mesh=mesh, mp_policy=policy, ignored_params=set(ignored) or None)
+    shard_experts(model, policy)
+    kw = dict(mesh=mesh, mp_policy=policy, ignored_params=set(experts) or None)
     for layer in model.model.layers:
         fully_shard(layer, **kw)
     fully_shard(model.lm_head, **kw)
     fully_shard(model, **kw)
+
+
+def shard_experts(model: nn.Module, policy: MixedPrecisionPolicy) -> None:
+    """Each expert-parallel experts module (`parallel.expert`) an FSDP unit over its mesh's expert_dp dim, when that
+    is > 1 (FSDP's 2-D sharding with the experts' own ep split)."""
+    for module in model.modules():
+        mesh = getattr(module, "ep_mesh", None)
+        if mesh is not None and mesh.size(0) > 1:
+            fully_shard(module, mesh=mesh["expert_dp"], mp_policy=policy)
 
 
 def reshard(model: nn.Module) -> None:

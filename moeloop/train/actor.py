@@ -60,7 +60,7 @@ class PolicyForward:
         experts = apply_ep(model, build_expert_mesh(device.type, ep)) if ep > 1 else set()
         mesh = build_dp_mesh(device.type)
         if mesh is not None:
-            apply_fsdp(model, mesh, param_dtype, ignored=experts)
+            apply_fsdp(model, mesh, param_dtype, experts=experts)
 
     def forward_batch(self, batch: PackedBatch, with_entropy: bool,
                       routes: RouteTape | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -198,8 +198,8 @@ def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip:
     params = [p for p in model.parameters() if p.grad is not None]
     experts = [p for p in expert_params(model) if p.grad is not None]
     if experts:  # expert parallel: DTensors on two meshes, which torch's norm and clip do not mix
-        reduce_expert_grads(experts, dp_size())
-        norm = ep_grad_norm(params, experts)
+        reduce_expert_grads(model)
+        norm = ep_grad_norm(params)
         if grad_clip and float(grad_clip / (norm + 1e-6)) < 1.0:
             scale_grads(params, float(grad_clip / (norm + 1e-6)))
         optimizer.step()
