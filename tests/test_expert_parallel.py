@@ -115,12 +115,14 @@ def test_the_rl_loop_with_expert_parallel_equals_one_rank(model_dir, tmp_path, w
         torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=5e-5)
 
 
-def test_an_ep_checkpoint_resumes_at_one_rank(model_dir, tmp_path):
-    """Saved at 2 ranks x ep 2 after 2 steps (DCP: each rank its experts), resumed at 1 rank for 2 more: the weights
-    of 4 steps at 1 rank."""
-    _loop_rank(0, 1, model_dir, tmp_path / "one")
-    run_ranks(_loop_rank, 2, model_dir, tmp_path / "split", "parallel.ep=2", f"trainer.steps={STEPS // 2}")
-    resumed = run_rl(_cfg(model_dir, tmp_path / "split", "actor.optim.lr=1e-4"), resume=True)
+@pytest.mark.parametrize("world", [2, 4])
+def test_an_ep_checkpoint_resumes_at_one_rank(model_dir, tmp_path, world):
+    """Saved at 2 or 4 ranks x ep 2 after 2 steps (DCP: each rank its experts' shards), resumed at 1 rank for 2
+    more: the weights of 4 steps at 1 rank."""
+    mini = "actor.ppo_mini_batch_size=4"  # (a mini-batch's prompts split over the ranks)
+    _loop_rank(0, 1, model_dir, tmp_path / "one", mini)
+    run_ranks(_loop_rank, world, model_dir, tmp_path / "split", "parallel.ep=2", f"trainer.steps={STEPS // 2}", mini)
+    resumed = run_rl(_cfg(model_dir, tmp_path / "split", "actor.optim.lr=1e-4", mini), resume=True)
     assert resumed["policy/version"] == STEPS
     w1, w2 = _weights(tmp_path / "one"), _weights(tmp_path / "split")
     for name in w1:
