@@ -38,16 +38,34 @@ def grouped_mm_available() -> bool:
 @functools.cache
 def cpu_grouped_mm_works() -> bool:
     """Whether this torch has a CPU grouped_mm kernel with backward (2.13 does; older builds may not)."""
+    return _grouped_mm_runs("cpu", torch.float32)
+
+
+@functools.cache
+def grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether grouped_mm runs forward and backward on `device_type` in `dtype` (tried once): CPU has a kernel in
+    2.13; CUDA's fast kernel takes bf16, other dtypes depend on the build."""
+    return _grouped_mm_runs(device_type, dtype)
+
+
+def _grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
     if _grouped_mm is None:
         return False
     try:
         with torch.inference_mode(False), torch.enable_grad():  # the first caller may be a no-grad rollout
-            x = torch.randn(4, 4, requires_grad=True)
-            w = torch.randn(2, 4, 4, requires_grad=True)
-            _grouped_mm(x, w, offs=torch.tensor([1, 4], dtype=torch.int32)).square().sum().backward()
+            x = torch.ones(4, 4, requires_grad=True, device=device_type, dtype=dtype)  # (ones: the global RNG
+            w = torch.ones(2, 4, 4, requires_grad=True, device=device_type, dtype=dtype)  # is left as it was)
+            offs = torch.tensor([1, 4], dtype=torch.int32, device=device_type)
+            _grouped_mm(x, w, offs=offs).square().sum().backward()
         return True
     except (RuntimeError, NotImplementedError):
         return False
+
+
+def grouped_linear(x_SI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """Rows x_SI sorted by expert (expert e's end at offsets_E[e], int32) times each expert's w_EOI[e]^T: [S, O].
+    The weight goes in as an [E, I, O] column-major view: the layout grouped_mm takes without a copy."""
+    return _grouped_mm(x_SI, w_EOI.transpose(-2, -1), offs=offsets_E)
 
 
 class ExpertsFn(Protocol):
@@ -139,9 +157,7 @@ class Experts(nn.Module):
         return (y_TKD * weights_TK.float()[..., None]).sum(dim=1).to(x_TD.dtype)
 
     def _grouped(self, x_SD: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-        # weights as [E, in, out] column-major views: the layout grouped_mm takes without a copy
-        h_S2F = _grouped_mm(x_SD, self.gate_up_proj.transpose(-2, -1), offs=offsets_E)
-        return _grouped_mm(silu_mul(h_S2F), self.down_proj.transpose(-2, -1), offs=offsets_E)
+        return grouped_linear(silu_mul(grouped_linear(x_SD, self.gate_up_proj, offsets_E)), self.down_proj, offsets_E)
 
     def _looped(self, x_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         outs = []
