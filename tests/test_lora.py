@@ -16,7 +16,8 @@ from moeloop.model.hf_io import load_pretrained
 from moeloop.rollout import Engine, SamplingParams
 from moeloop.sync import InProcessTransport, WeightSyncer, share_parameters
 from moeloop.train.actor import Actor, PolicyForward
-from moeloop.train.lora import AdapterOffReference, LoRALinear, adapters_off, linear_module_names
+from moeloop.train.lora import (AdapterOffReference, LoRALinear, adapted_weights, adapters_off, apply_lora,
+                                expert_module_names, linear_module_names)
 from tests.dist import run_ranks
 from tests.test_rl_loop import STEPS, _assert_dp2_matches_dp1, _cfg, _dp_rank_with, _metrics, _weights
 from tests.trainer_fixtures import actor_cfg, rl_batch, tiny_model
@@ -41,8 +42,8 @@ def _logprobs(forward, samples, field="old_logprobs"):
     return [list(getattr(s, field)) for s in samples]
 
 
-def _trained_actor(steps: int = 3, device: torch.device = torch.device("cpu")) -> Actor:
-    actor = _lora_actor(device=device)
+def _trained_actor(steps: int = 3, device: torch.device = torch.device("cpu"), **over) -> Actor:
+    actor = _lora_actor(device=device, **over)
     for _ in range(steps):
         actor.update(rl_batch())
     return actor
@@ -128,17 +129,20 @@ CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch
                                                                         reason="needs CUDA")])
 
 
+@pytest.mark.parametrize("targets", [["all-linear"], ["all-linear", "experts"]])
 @pytest.mark.parametrize("device", ["cpu", CUDA])
-def test_engine_after_a_push_computes_the_trainers_lora_policy(device):
-    """Colocated as the RL loop builds it: the engine aliases the actor's frozen parameters but the adapted weights,
-    which the push fills with the merged W + scale B A. The logprobs the engine reports for its samples then equal the
-    trainer's teacher-forced LoRA logprobs (tolerance: fp32, x (W + sBA)^T against x W^T + s (x A^T) B^T; on CUDA the
-    engine's kernels and graphs, 1e-4 as tests/test_rollout_cuda.py), and differ from the base model's."""
-    actor = _trained_actor(device=torch.device(device))
+def test_engine_after_a_push_computes_the_trainers_lora_policy(device, targets):
+    """Colocated as the RL loop builds it: the engine aliases the actor's frozen parameters but the adapted weights
+    (with `experts`, the routed experts' stacked weights too), which the push fills with the merged W + scale B A. The
+    logprobs the engine reports for its samples then equal the trainer's teacher-forced LoRA logprobs (tolerance: fp32,
+    x (W + sBA)^T against x W^T + s (x A^T) B^T; on CUDA the engine's kernels and graphs, 1e-4 as
+    tests/test_rollout_cuda.py), and differ from the base model's."""
+    actor = _trained_actor(device=torch.device(device), lora_target_modules=targets)
     model = tiny_model(seed=1).to(device)  # other weights: the push and the sharing must replace all of them
-    shared = share_parameters(actor.model, model, skip={f"{m}.weight" for m in actor.lora_modules})
-    assert sorted(shared) == sorted(n for n, _ in model.named_parameters()
-                                    if not any(n == f"{m}.weight" for m in actor.lora_modules))
+    adapted = set(adapted_weights(actor.model))
+    assert any(".mlp.experts." in n for n in adapted) == ("experts" in targets)
+    shared = share_parameters(actor.model, model, skip=adapted)
+    assert sorted(shared) == sorted(n for n, _ in model.named_parameters() if n not in adapted)
     engine = Engine(model, RolloutSection(**ROLLOUT, enforce_eager=False), eos_token_ids=[])
     WeightSyncer(InProcessTransport(device)).push(actor.named_weights(), engine, version=1)
     trainer = dict(actor.model.named_parameters())
@@ -182,21 +186,23 @@ def test_lora_config_errors_name_the_field(model_dir, tmp_path):
         _cfg(model_dir, tmp_path, "actor.lora_rank=4", "actor.use_kl_loss=true", "actor.ref_sync_steps=2")
     with pytest.raises(InputError, match="critic.lora_rank: must be 0"):
         _cfg(model_dir, tmp_path, "critic.enable=true", "critic.lora_rank=4")
-    with pytest.raises(InputError, match=r"actor.lora_target_modules: 'q_prj' matches no linear module of the model; "
-                                         r"its linear modules are \(in every layer that has them\) self_attn.k_proj, "
-                                         r"self_attn.o_proj, self_attn.q_proj, self_attn.v_proj, or all-linear"):
+    with pytest.raises(InputError, match=r"actor.lora_target_modules: 'q_prj' matches no module LoRA can target; "
+                                         r"the model's are \(in every layer that has them\) mlp.experts, "
+                                         r"self_attn.k_proj, self_attn.o_proj, self_attn.q_proj, self_attn.v_proj, "
+                                         r"or all-linear"):
         _lora_actor(lora_target_modules=["q_proj", "q_prj"])
     actor = _lora_actor(lora_target_modules=["q_proj", "self_attn.v_proj"])
     assert actor.lora_modules == [f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("q_proj", "v_proj")]
 
 
-def test_the_planners_linear_modules_are_the_models():
-    """plan.accounting.decoder_linears lists the model's linear modules (names and shapes) for dense, MoE, shared-expert
-    and MLA layers alike; LoRA's adapter count per layer follows from it."""
+def test_the_planners_linear_modules_and_experts_are_the_models():
+    """plan.accounting.decoder_linears lists the model's linear modules (names and shapes) and decoder_experts its
+    routed experts, for dense, MoE, shared-expert and MLA layers alike; LoRA's adapter counts per layer (dense, and
+    the experts' under `experts`) are the adapters apply_lora gives the model."""
     from moeloop.model.config import ModelConfig
     from moeloop.model.factory import hf_config_dict
     from moeloop.model.transformer import MoEForCausalLM
-    from moeloop.plan.accounting import decoder_linears, lora_layer_params
+    from moeloop.plan.accounting import decoder_experts, decoder_linears, lora_layer_params
     variants = [(arch, {}) for arch in ("qwen3_moe", "qwen3", "mixtral", "deepseek_v3")]  # (deepseek_v3 tiny: 1 dense
     variants += [("deepseek_v3", {"n_shared_experts": 2, "q_lora_rank": None})]  # + 2 MoE layers, q_lora_rank 32)
     for arch, over in variants:
@@ -206,8 +212,18 @@ def test_the_planners_linear_modules_are_the_models():
         modules = dict(model.named_modules())
         have = [(n, modules[n].in_features, modules[n].out_features) for n in linear_module_names(model)]
         assert sorted(decoder_linears(cfg)) == sorted(have), arch
-        per_layer = lora_layer_params(cfg, ActorSection(lora_rank=2))
-        assert sum(per_layer) == sum(2 * (i + o) for _, i, o in have)
+        assert [(n, e, d, f) for n, e, d, f in decoder_experts(cfg)] == [
+            (n, modules[n].num_experts, modules[n].dim, modules[n].ffn_dim) for n in expert_module_names(model)], arch
+        dense, expert = lora_layer_params(cfg, ActorSection(lora_rank=2))
+        assert sum(dense) == sum(2 * (i + o) for _, i, o in have) and sum(expert) == 0
+        if not decoder_experts(cfg):  # (a dense model: `experts` names none of its modules, an InputError)
+            continue
+        section = ActorSection(lora_rank=2, lora_target_modules=["all-linear", "experts"])
+        apply_lora(model, section)
+        adapters = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
+        dense, expert = lora_layer_params(cfg, section)
+        assert sum(dense) == sum(v for n, v in adapters.items() if ".mlp.experts." not in n), arch
+        assert sum(expert) == sum(v for n, v in adapters.items() if ".mlp.experts." in n) > 0, arch
 
 
 def test_the_ledger_counts_grads_and_optimizer_of_the_adapters_only(model_dir):
@@ -232,6 +248,17 @@ def test_the_ledger_counts_grads_and_optimizer_of_the_adapters_only(model_dir):
     assert lora.entries["weights"] == pytest.approx(full.entries["weights"] + sb.weights * adapters / 2)
     assert full.entries["ref_weights"] > 0 and lora.entries["ref_weights"] == 0
     assert build_plan(cfg, stats).checkpoint["state_gb"] == pytest.approx(adapters * (sb.weights + sb.optimizer) / 1e9)
+    # + the routed experts: per expert A [8, h] + B [2f, 8] on gate_up, A [8, f] + B [h, 8] on down
+    both = memory_ledger(load_config(None, [*kl, "actor.lora_rank=8", "actor.lora_target_modules=[all-linear,experts]"]),
+                         stats, Layout(dp=2))
+    experts = m.num_layers * m.num_experts * 8 * ((h + 2 * m.moe_intermediate_size) + (m.moe_intermediate_size + h))
+    assert both.entries["grads"] == pytest.approx(sb.grads * (adapters + experts) / 2)
+    # a bf16 model: the adapters, their grads and Adam state are fp32 all the same (4, 4, 8 bytes)
+    bf16 = [*kl, "model.dtype=bfloat16"]
+    full16 = memory_ledger(load_config(None, bf16), stats, Layout(dp=2))
+    lora16 = memory_ledger(load_config(None, [*bf16, "actor.lora_rank=8"]), stats, Layout(dp=2))
+    assert (lora16.entries["grads"], lora16.entries["optimizer"]) == pytest.approx((4 * adapters / 2, 8 * adapters / 2))
+    assert lora16.entries["weights"] == pytest.approx(full16.entries["weights"] + 4 * adapters / 2)
 
 
 def _dcp_keys(step_dir):
@@ -240,43 +267,54 @@ def _dcp_keys(step_dir):
 
 
 def test_lora_rl_resume_equals_the_straight_run_and_exports_the_merged_model(model_dir, tmp_path):
-    """With LoRA and a KL loss (the reference: adapters off): a run stopped at step 2 and resumed logs and ends as the
-    straight run. Its checkpoint holds the adapters and their Adam state only; the HF export is the merged model
-    (load_pretrained loads it), whose q/k/v/o_proj weights moved and nothing else did, `moeloop ckpt export`
-    of the final checkpoint writes the same weights, and the adapters alone are beside it in peft's format. A
-    resume under other LoRA settings is refused."""
-    run_rl(_cfg(model_dir, tmp_path / "a", *LORA))
-    run_rl(_cfg(model_dir, tmp_path / "b", *LORA, f"trainer.steps={STEPS // 2}"))
-    run_rl(_cfg(model_dir, tmp_path / "b", *LORA), resume=True)
+    """With LoRA on the linear modules and the routed experts and a KL loss (the reference: adapters off): a run stopped
+    at step 2 and resumed logs and ends as the straight run. Its checkpoint holds the adapters and their Adam state
+    only; the HF export is the merged model (load_pretrained loads it), whose q/k/v/o_proj and expert weights moved and
+    nothing else did, `moeloop ckpt export` of the final checkpoint writes the same weights, and the adapters alone are
+    beside it in peft's format. A resume under other LoRA settings is refused."""
+    lora = [*LORA, "actor.lora_target_modules=[all-linear,experts]"]
+    run_rl(_cfg(model_dir, tmp_path / "a", *lora))
+    run_rl(_cfg(model_dir, tmp_path / "b", *lora, f"trainer.steps={STEPS // 2}"))
+    run_rl(_cfg(model_dir, tmp_path / "b", *lora), resume=True)
     assert _metrics(tmp_path / "a") == _metrics(tmp_path / "b")
     wa, wb = _weights(tmp_path / "a"), _weights(tmp_path / "b")
     assert all(torch.equal(wa[n], wb[n]) for n in wa)
     step = tmp_path / "b" / "checkpoints" / f"step_{STEPS:06d}"
     adapters = {f"model.layers.{i}.self_attn.{p}.{leaf}" for i in range(2) for p in ATTENTION
                 for leaf in ("lora_A", "lora_B")}
+    adapters |= {f"model.layers.{i}.mlp.experts.{p}_lora_{x}" for i in range(2) for p in ("gate_up", "down")
+                 for x in "AB"}
     keys = _dcp_keys(step)
     assert {k[len("model."):] for k in keys if k.startswith("model.")} == adapters
     assert {k[len("optim.state."):].rsplit(".", 1)[0] for k in keys if k.startswith("optim.state.")} == adapters
     assert json.loads((step / "meta.json").read_text())["lora"] == {"rank": 4, "alpha": 8.0,
-                                                                    "target_modules": ["all-linear"]}
+                                                                    "target_modules": ["all-linear", "experts"]}
     w0 = load_pretrained(model_dir).state_dict()
     moved = {n for n in w0 if not torch.equal(w0[n], wa[n])}
-    assert moved == {f"model.layers.{i}.self_attn.{p}.weight" for i in range(2) for p in ATTENTION}
+    assert moved == {f"model.layers.{i}.self_attn.{p}.weight" for i in range(2) for p in ATTENTION} | \
+        {f"model.layers.{i}.mlp.experts.{p}" for i in range(2) for p in ("gate_up_proj", "down_proj")}
     from moeloop.checkpoint.command import export_checkpoint
     exported = load_pretrained(export_checkpoint(step, model_dir, tmp_path / "exported")).state_dict()
     assert all(torch.equal(exported[n], wa[n]) for n in wa)
-    _check_peft_adapter(tmp_path / "a" / "lora_adapter", model_dir, w0, wa)
+    _check_peft_adapter(tmp_path / "a" / "lora_adapter", model_dir, w0, wa, num_experts=8)
     with pytest.raises(InputError, match="saved with LoRA settings .* this run's actor.lora_rank"):
-        run_rl(_cfg(model_dir, tmp_path / "b", *LORA, "actor.lora_alpha=16", "trainer.steps=5"), resume=True)
+        run_rl(_cfg(model_dir, tmp_path / "b", *lora, "actor.lora_alpha=16", "trainer.steps=5"), resume=True)
 
 
-def _check_peft_adapter(adapter_dir, model_dir, base, merged):
+def _check_peft_adapter(adapter_dir, model_dir, base, merged, num_experts=0):
     """<run_dir>/lora_adapter in peft's layout (peft 0.21's PeftModel.from_pretrained loaded one onto transformers'
     model of model.path and gave the merged export's logits to 3e-7; peft is no dependency, so here the files): the
-    config, and base W + alpha / r * B @ A from its tensors is the merged export."""
+    config, and base W + alpha / r * B @ A from its tensors is the merged export, under the hub's names (with
+    `num_experts`, each routed expert's gate_proj / up_proj / down_proj too, as the export writes them)."""
     from safetensors.torch import load_file
+    from moeloop.model.config import ModelConfig
+    from moeloop.model.hf_names import hub_named_tensors
+    cfg = ModelConfig.from_pretrained(model_dir)
+    base, merged = dict(hub_named_tensors(base.items(), cfg)), dict(hub_named_tensors(merged.items(), cfg))
     config = json.loads((adapter_dir / "adapter_config.json").read_text())
     modules = [f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ATTENTION]
+    modules += [f"model.layers.{i}.mlp.experts.{e}.{p}" for i in range(2) for e in range(num_experts)
+                for p in ("gate_proj", "up_proj", "down_proj")]
     assert {k: config[k] for k in ("peft_type", "task_type", "r", "lora_alpha", "base_model_name_or_path")} == \
         {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 4, "lora_alpha": 8.0, "base_model_name_or_path": str(model_dir)}
     assert sorted(config["target_modules"]) == sorted(modules)

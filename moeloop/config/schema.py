@@ -5,6 +5,7 @@ section live in that section's `check()`; cross-section rules live in `moeloop.c
 """
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
@@ -335,14 +336,18 @@ class ActorSection:
     top_entropy_quantile: float = 1.0
     offload: OffloadSection = field(default_factory=OffloadSection)
     # LoRA (verl's lora_rank / lora_alpha / target_modules, TRL's peft_config): > 0 trains rank-r adapters on the
-    # target nn.Linear modules of the decoder layers, y = x W^T + (alpha / r) (x A^T) B^T, the base weights frozen
-    # (moeloop.train.lora). 0 = full fine-tuning
+    # target modules of the decoder layers, y = x W^T + (alpha / r) (x A^T) B^T, the base weights frozen, the adapters
+    # in fp32 whatever model.dtype (peft's default), A drawn from trainer.seed (moeloop.train.lora). 0 = full fine-tuning
     lora_rank: int = 0
     lora_alpha: float = 16.0  # verl's default; the adapter's output is scaled by lora_alpha / lora_rank
     # module names: a module is targeted when its name ends with an entry ("q_proj" targets every layer's q_proj,
     # "mlp.down_proj" the dense layers' down_proj only). all-linear (verl's default): every nn.Linear of the decoder
     # layers: attention (q/k/v/o_proj; MLA's q_a/q_b/kv_a/kv_b/o_proj), dense MLPs and shared experts
-    # (gate/up/down_proj). Never lm_head, the router or the routed experts (stacked parameters, not nn.Linear)
+    # (gate/up/down_proj); never lm_head or the router. experts (or mlp.experts): the routed experts, one adapter per
+    # expert on gate_up_proj and on down_proj (stacked [E, ...]; exported as each expert's gate/up/down_proj).
+    # all-linear does not include the routed experts (as peft's all-linear on transformers 5, whose experts are stacked
+    # parameters; on transformers 4's per-expert nn.Linear it would): they hold most of an MoE's parameters, and an
+    # adapter per expert multiplies the adapter count by E. Both: [all-linear, experts]
     lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     lora_dropout: float = 0.0  # only 0: in-train dropout makes the update's logprobs differ from the old/rollout ones
 
@@ -385,21 +390,28 @@ class ActorSection:
         targets = list(self.lora_target_modules)
         _require(bool(targets) and all(isinstance(t, str) and t.strip() for t in targets),
                  f"{prefix}.lora_target_modules", f"must list module names or all-linear, got {targets}")
-        _require("all-linear" not in targets or len(targets) == 1, f"{prefix}.lora_target_modules",
-                 f"all-linear stands alone (it targets every linear module), got {targets}")
+        _require("all-linear" not in targets or all(t == "all-linear" or _names_experts(t) for t in targets),
+                 f"{prefix}.lora_target_modules",
+                 f"all-linear stands alone or with experts (it targets every linear module), got {targets}")
 
-    def lora_targets(self, linear_names: list[str], prefix: str = "actor") -> list[str]:
-        """The names among `linear_names` (a model's candidate nn.Linear modules) that `lora_target_modules`
-        targets, in their order; an entry that matches none raises, naming the field and listing the candidates."""
+    def lora_targets(self, names: list[str], expert_names: Collection[str] = (), prefix: str = "actor") -> list[str]:
+        """The names among `names` (a model's candidate modules in model order: its nn.Linear modules and routed
+        experts, `expert_names` being the latter) that `lora_target_modules` targets, in their order; an entry that
+        matches none raises, naming the field and listing the candidates."""
         entries = list(self.lora_target_modules)
-        if entries == ["all-linear"]:
-            return list(linear_names)
         for entry in entries:
-            if not any(_names_module(name, entry) for name in linear_names):
-                leaves = sorted({name.split(".layers.")[-1].split(".", 1)[-1] for name in linear_names})
-                raise InputError(f"{prefix}.lora_target_modules: {entry!r} matches no linear module of the model; its "
-                                 f"linear modules are (in every layer that has them) {', '.join(leaves)}, or all-linear")
-        return [name for name in linear_names if any(_names_module(name, entry) for entry in entries)]
+            if entry != "all-linear" and not any(_names_module(name, entry) for name in names):
+                leaves = sorted({name.split(".layers.")[-1].split(".", 1)[-1] for name in names})
+                raise InputError(f"{prefix}.lora_target_modules: {entry!r} matches no module LoRA can target; the "
+                                 f"model's are (in every layer that has them) {', '.join(leaves)}, or all-linear")
+        every_linear = "all-linear" in entries
+        return [name for name in names if (every_linear and name not in expert_names)
+                or any(_names_module(name, entry) for entry in entries)]
+
+
+def _names_experts(entry: str) -> bool:
+    """Whether a lora_target_modules entry names the routed experts (experts, mlp.experts)."""
+    return entry == "experts" or entry.endswith(".experts")
 
 
 def _names_module(name: str, entry: str) -> bool:

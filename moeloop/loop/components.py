@@ -43,7 +43,7 @@ from moeloop.sync import (DiskTransport, InProcessTransport, ProcessTransport, T
 from moeloop.train.actor import Actor, PolicyForward
 from moeloop.train.critic import Critic
 from moeloop.train.host_memory import retain_freed_host_memory
-from moeloop.train.lora import AdapterOffReference
+from moeloop.train.lora import AdapterOffReference, adapted_weights
 
 
 @dataclass
@@ -219,11 +219,11 @@ def build_engine(cfg: RunConfig, model: torch.nn.Module, tokenizer: Any) -> Engi
 def engine_model(cfg: RunConfig, env: RunEnv, actor: Actor) -> torch.nn.Module:
     """The engine's model; colocated in process, its parameters alias the actor's where device and dtype match
     (async rollout keeps its own copy: it generates while the actor's weights change). Under LoRA the adapted
-    weights keep their own copy, which each push fills with the merged W + scale * B @ A; the rest (the frozen
-    embedding, norms, router, experts) is aliased: it never changes."""
+    weights (with expert adapters, the routed experts' too) keep their own copy, which each push fills with the merged
+    W + scale * B @ A; the rest (the frozen embedding, norms, router, unadapted experts) is aliased: it never changes."""
     model = load_pretrained(cfg.model.path, dtype=dtype_of(cfg.model.dtype), device=env.device)
     if shares_weights(cfg):
-        share_parameters(actor.model, model, skip={f"{name}.weight" for name in actor.lora_modules})
+        share_parameters(actor.model, model, skip=set(adapted_weights(actor.model)))
     return model
 
 
@@ -307,7 +307,7 @@ def build_components(cfg: RunConfig, resume: bool) -> Components:
     if env.device.type == "cpu":
         retain_freed_host_memory()  # gradients are freed and allocated again every step
     actor = Actor(load_policy(cfg), cfg.actor, env.device, cfg.data.max_response_length,
-                  cfg.model.logprob_chunk_tokens, cfg.trainer.steps, ep=cfg.parallel.ep)
+                  cfg.model.logprob_chunk_tokens, cfg.trainer.steps, ep=cfg.parallel.ep, seed=cfg.trainer.seed)
     ref = build_reference(cfg, actor, env) if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward else None
     critic = Critic(load_policy(cfg), cfg.critic, env.device, cfg.data.max_response_length,
                     cfg.trainer.steps, ep=cfg.parallel.ep) if cfg.critic.enable else None

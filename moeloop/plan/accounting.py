@@ -178,15 +178,28 @@ def _attention_linears(m: ModelConfig) -> list[tuple[str, int, int]]:
                 ("o_proj", m.num_heads * m.v_head_dim, h)]
 
 
-def lora_layer_params(m: ModelConfig, actor: ActorSection) -> list[int]:
-    """Adapter parameters of each decoder layer under `actor.lora_rank` (A [r, in] + B [out, r] per targeted
-    module); zeros without LoRA."""
-    per_layer = [0] * m.num_layers
+def decoder_experts(m: ModelConfig) -> list[tuple[str, int, int, int]]:
+    """(module name, experts E, model dim D, expert ffn dim F) of the routed experts of each MoE layer: the stacked
+    experts LoRA can target (`train.lora.expert_module_names`)."""
+    return [(f"model.layers.{i}.mlp.experts", m.num_experts, m.hidden_size, m.moe_intermediate_size)
+            for i in range(m.num_layers) if m.num_experts and m.is_moe_layer(i)]
+
+
+def lora_layer_params(m: ModelConfig, actor: ActorSection) -> tuple[list[int], list[int]]:
+    """(dense, expert) adapter parameters of each decoder layer under `actor.lora_rank`: A [r, in] + B [out, r] per
+    targeted linear module; per expert A [r, D] + B [2F, r] on gate_up and A [r, F] + B [D, r] on down for targeted
+    routed experts. Zeros without LoRA."""
+    dense, expert = [0] * m.num_layers, [0] * m.num_layers
     if not actor.lora_rank:
-        return per_layer
-    linears = decoder_linears(m)
-    shapes = {name: (d_in, d_out) for name, d_in, d_out in linears}
-    for name in actor.lora_targets([name for name, _, _ in linears]):
-        d_in, d_out = shapes[name]
-        per_layer[int(name.split(".")[2])] += actor.lora_rank * (d_in + d_out)
-    return per_layer
+        return dense, expert
+    r = actor.lora_rank
+    sizes = {name: r * (d_in + d_out) for name, d_in, d_out in decoder_linears(m)}
+    experts = {name: num * r * ((d + 2 * f) + (f + d)) for name, num, d, f in decoder_experts(m)}
+    candidates = sorted([*sizes, *experts], key=lambda name: int(name.split(".")[2]))
+    for name in actor.lora_targets(candidates, set(experts)):
+        layer = int(name.split(".")[2])
+        if name in experts:
+            expert[layer] += experts[name]
+        else:
+            dense[layer] += sizes[name]
+    return dense, expert

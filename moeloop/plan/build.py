@@ -17,8 +17,8 @@ from moeloop.parallel.layout import BatchInfo, Layout
 from moeloop.plan.accounting import ModelStats, model_stats, stats_from_counts
 from moeloop.plan.decode import DecodeEstimate, decode_roofline
 from moeloop.plan.interval import expected_overhead, young_daly_interval_s
-from moeloop.plan.memory import (DTYPE_BYTES, GB, Ledger, avg_seq_tokens, lora_params, memory_ledger,
-                                 num_micro_batches, on_training_gpus, state_bytes)
+from moeloop.plan.memory import (ADAPTER_BYTES, DTYPE_BYTES, GB, Ledger, avg_seq_tokens, lora_params,
+                                 memory_ledger, num_micro_batches, on_training_gpus, state_bytes)
 from moeloop.plan.split import SplitRow, split_rows, verdict
 from moeloop.plan.step_time import phase_shares, step_phases, step_seconds, tool_turns
 from moeloop.plan.sync_cost import offload_round_trip_s, sync_costs
@@ -150,7 +150,8 @@ def _checkpoint(cfg: RunConfig, stats: ModelStats, layout: Layout, step_s: float
     sb = state_bytes(cfg)
     full = stats.total_params * (sb.weights + sb.optimizer)
     # under LoRA the actor's checkpoint holds the adapters and their optimizer state only
-    state = full if not cfg.actor.lora_rank else sum(lora_params(cfg, stats)) * (sb.weights + sb.optimizer)
+    adapters = sum(map(sum, lora_params(cfg, stats)))
+    state = full if not cfg.actor.lora_rank else adapters * (ADAPTER_BYTES.weights + ADAPTER_BYTES.optimizer)
     if cfg.critic.enable:  # saved beside the actor's (its own weights and optimizer)
         state += full
     if cfg.actor.ref_sync_steps:  # the moving reference is saved too

@@ -76,6 +76,9 @@ class StateBytes:
     optimizer: int
 
 
+ADAPTER_BYTES = StateBytes(4, 4, 8)  # LoRA adapters: fp32 whatever model.dtype (train.lora), torch AdamW's m and v
+
+
 def state_bytes(cfg: RunConfig) -> StateBytes:
     """Bytes per parameter; 0 in plan means torch AdamW in model.dtype (states in the parameter dtype)."""
     d = DTYPE_BYTES.get(cfg.model.dtype, 4)
@@ -168,18 +171,24 @@ def _stage_ledger(cfg: RunConfig, stats: ModelStats, layout: Layout, stage: int,
 
 def state_parts(cfg: RunConfig, stats: ModelStats, layout: Layout, stage: int) -> dict[str, tuple[float, float]]:
     """(dense, expert) bytes per rank of weights, grads and optimizer: experts shard over expert_dp, dense over dp*cp.
-    Under LoRA (actor.lora_rank > 0) the adapters (dense) join the weights, and grads and optimizer are theirs only."""
+    Under LoRA (actor.lora_rank > 0) the adapters join the weights (fp32, ADAPTER_BYTES), and grads and optimizer are
+    theirs only; routed experts' adapters count and shard as their experts."""
     dense, expert = rank_params(stats, layout, stage)
-    adapters = rank_lora_params(cfg, stats, layout, stage)
     sb, sharding = state_bytes(cfg), cfg.plan.sharding
     def part(nbytes: int, sharded: bool, dense: float, expert: float) -> tuple[float, float]:
         if not sharded:
             return nbytes * dense, nbytes * expert
         return nbytes * dense / layout.dp_cp, nbytes * expert / layout.expert_dp
-    trained = (adapters, 0.0) if cfg.actor.lora_rank else (dense, expert)
-    return {"weights": part(sb.weights, sharding == "fsdp", dense + adapters, expert),
-            "grads": part(sb.grads, sharding == "fsdp", *trained),
-            "optimizer": part(sb.optimizer, sharding != "none", *trained)}
+    parts = {"weights": part(sb.weights, sharding == "fsdp", dense, expert),
+             "grads": part(sb.grads, sharding == "fsdp", dense, expert),
+             "optimizer": part(sb.optimizer, sharding != "none", dense, expert)}
+    if not cfg.actor.lora_rank:
+        return parts
+    adapters, ab = rank_lora_params(cfg, stats, layout, stage), ADAPTER_BYTES
+    weights = [w + a for w, a in zip(parts["weights"], part(ab.weights, sharding == "fsdp", *adapters))]
+    return {"weights": (weights[0], weights[1]),
+            "grads": part(ab.grads, sharding == "fsdp", *adapters),
+            "optimizer": part(ab.optimizer, sharding != "none", *adapters)}
 
 
 def full_training(cfg: RunConfig) -> RunConfig:
@@ -187,17 +196,18 @@ def full_training(cfg: RunConfig) -> RunConfig:
     return replace(cfg, actor=replace(cfg.actor, lora_rank=0)) if cfg.actor.lora_rank else cfg
 
 
-def rank_lora_params(cfg: RunConfig, stats: ModelStats, layout: Layout, stage: int) -> float:
-    """LoRA adapter parameters on one rank of `stage` before data-parallel sharding (split over tp as the layers
-    they adapt); 0 without LoRA."""
+def rank_lora_params(cfg: RunConfig, stats: ModelStats, layout: Layout, stage: int) -> tuple[float, float]:
+    """(dense, expert) LoRA adapter parameters on one rank of `stage` before data-parallel sharding: split over tp
+    (ep * etp for the routed experts') as the weights they adapt; zeros without LoRA."""
     lo, hi = _stage_bounds(layout, len(stats.layers))[stage]
-    return sum(lora_params(cfg, stats)[lo:hi]) / layout.tp
+    dense, expert = lora_params(cfg, stats)
+    return sum(dense[lo:hi]) / layout.tp, sum(expert[lo:hi]) / layout.expert_shards
 
 
-def lora_params(cfg: RunConfig, stats: ModelStats) -> list[int]:
-    """LoRA adapter parameters of each decoder layer (zeros without LoRA)."""
+def lora_params(cfg: RunConfig, stats: ModelStats) -> tuple[list[int], list[int]]:
+    """(dense, expert) LoRA adapter parameters of each decoder layer (zeros without LoRA)."""
     if not cfg.actor.lora_rank:
-        return [0] * len(stats.layers)
+        return [0] * len(stats.layers), [0] * len(stats.layers)
     if stats.model is None:
         raise InputError("actor.lora_rank: the planner counts adapters from the model's config (plan.hf_config or "
                          "model.path), not from bare parameter counts (plan.dense_params ...)")

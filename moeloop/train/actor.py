@@ -218,9 +218,11 @@ def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip:
 
 class Actor(PolicyForward):
     def __init__(self, model: nn.Module, cfg: ActorSection, device: torch.device, max_response_length: int,
-                 chunk_tokens: int = 1024, total_steps: int = 1, param_dtype: torch.dtype | None = None, ep: int = 1):
-        """With `cfg.lora_rank` > 0 the model gets LoRA adapters first (`train.lora`): they alone train."""
-        self.lora_modules = apply_lora(model, cfg) if cfg.lora_rank else []  # (before FSDP shards the model)
+                 chunk_tokens: int = 1024, total_steps: int = 1, param_dtype: torch.dtype | None = None, ep: int = 1,
+                 seed: int = 0):
+        """With `cfg.lora_rank` > 0 the model gets LoRA adapters first (`train.lora`): they alone train, drawn from
+        `seed` (the run's trainer.seed: the same adapters on every rank)."""
+        self.lora_modules = apply_lora(model, cfg, seed) if cfg.lora_rank else []  # (before FSDP shards the model)
         super().__init__(model, device, cfg.max_tokens_per_micro_batch, chunk_tokens, param_dtype, ep=ep)
         self.cfg, self.max_response_length = cfg, max_response_length
         self.optimizer, self.scheduler = build_optimizer(model, cfg, total_steps)
