@@ -118,6 +118,21 @@ def test_expert_adapter_grads_are_per_expert_lora_math(impl, rank):
     assert layer.gate_up_proj.grad is None and layer.down_proj.grad is None  # frozen base
 
 
+def test_expert_adapters_refuse_an_impl_that_would_leave_them_out():
+    """A plugged experts impl (the engine's decode kernels, expert parallelism's dispatch) runs the base weights only:
+    setting one on adapted experts, or adapting experts that run one, raises at once instead of training nothing."""
+    from moeloop.model.experts import register_experts_impl
+    register_experts_impl("test_lora_plugged", lambda experts, x_TD, ids_TK, weights_TK: x_TD)
+    layer = LoRAExperts.wrap(Experts(4, 8, 8), 4, 1.0, torch.Generator())
+    with pytest.raises(ValueError, match="'test_lora_plugged' does not run LoRA adapters"):
+        layer.impl = "test_lora_plugged"
+    plugged = Experts(4, 8, 8, "test_lora_plugged")
+    with pytest.raises(ValueError, match="does not run LoRA adapters"):
+        LoRAExperts.wrap(plugged, 4, 1.0, torch.Generator())
+    layer.impl = "loop"  # a built-in one is fine
+    assert layer.impl == "loop"
+
+
 def test_peft_export_splits_each_experts_adapters_as_the_hub_splits_its_weights(tmp_path):
     """save_adapter: per-expert gate_proj / up_proj / down_proj adapters under the hub's module names (gate and up
     share the expert's A, B cut in rows), target_modules exactly those modules; base hub W + alpha / r * B @ A of each

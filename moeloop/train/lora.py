@@ -113,11 +113,18 @@ class LoRAExperts(Experts):
         layer.scale = scale
         return layer
 
-    def forward(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
-                counts_E: torch.Tensor | None = None) -> torch.Tensor:
-        if self.adapter_on and self.impl not in EXPERTS_IMPLS:
-            raise ValueError(f"experts impl {self.impl!r} has no LoRA adapters: merge them first (merged_weights)")
-        return super().forward(x_TD, ids_TK, weights_TK, counts_E)
+    @property
+    def impl(self) -> str:
+        return self._impl
+
+    @impl.setter
+    def impl(self, name: str) -> None:
+        """The built-in implementations only: a plugged one (the engine's decode kernels, expert parallelism's
+        dispatch) runs the stacked base weights and would leave the adapters out."""
+        if name not in EXPERTS_IMPLS:
+            raise ValueError(f"experts impl {name!r} does not run LoRA adapters: LoRA on the routed experts takes "
+                             f"{'|'.join(EXPERTS_IMPLS)} (merge the adapters for any other: merged_weights)")
+        Experts.impl.fset(self, name)
 
     def _grouped(self, x_SD: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
         if not self.adapter_on:
