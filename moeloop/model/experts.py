@@ -74,13 +74,24 @@ class ExpertsFn(Protocol):
 
 
 _PLUGGED_IMPLS: dict[str, ExpertsFn] = {}
+_LOOPED_OVER_IMPLS: set[str] = set()
 
 
-def register_experts_impl(name: str, fn: ExpertsFn) -> None:
-    """Make `name` a valid `Experts.impl`; `fn` returns the combined output [T, D] like `Experts.forward`."""
+def register_experts_impl(name: str, fn: ExpertsFn, uses_looped_over: bool = False) -> None:
+    """Make `name` a valid `Experts.impl`; `fn` returns the combined output [T, D] like `Experts.forward`.
+    `uses_looped_over`: `fn` computes the experts through `Experts.looped_over`, so a subclass that overrides it
+    (LoRA's adapted experts) is computed right under it too."""
     if name in EXPERTS_IMPLS:
         raise ValueError(f"experts impl {name!r} is built in")
     _PLUGGED_IMPLS[name] = fn
+    if uses_looped_over:
+        _LOOPED_OVER_IMPLS.add(name)
+
+
+def impl_uses_looped_over(name: str) -> bool:
+    """Whether impl `name` runs an `Experts` subclass's own computation: the built-in ones (a subclass overrides
+    `_grouped` and `looped_over`) and plugged ones registered as computing through `looped_over`."""
+    return name in EXPERTS_IMPLS or name in _LOOPED_OVER_IMPLS
 
 
 def silu_mul(h_S2F: torch.Tensor) -> torch.Tensor:
@@ -160,9 +171,14 @@ class Experts(nn.Module):
         return grouped_linear(silu_mul(grouped_linear(x_SD, self.gate_up_proj, offsets_E)), self.down_proj, offsets_E)
 
     def _looped(self, x_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        return self.looped_over(x_SD, counts_E, dict(self.named_parameters(recurse=False)))
+
+    def looped_over(self, x_SD: torch.Tensor, counts_E: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One pair of matmuls per non-empty expert, `params` standing for this module's stacked parameters (by name):
+        its own, or the local experts' rows of them under expert parallelism (`counts_E` then counts those experts)."""
         outs = []
         # unbind once: its backward stacks E grads, where per-expert indexing would zero-fill a full [E, ...] each
-        gate_up, down = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
+        gate_up, down = params["gate_up_proj"].unbind(0), params["down_proj"].unbind(0)
         for e, x_nD in enumerate(x_SD.split(counts_E.tolist())):
             if x_nD.shape[0] == 0:
                 continue

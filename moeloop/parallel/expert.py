@@ -2,7 +2,7 @@
 from outside, before FSDP (Megatron's and torchtitan's layout).
 
     mesh = build_expert_mesh(device_type, ep)     # (expert_dp, ep) over all ranks: ep ranks split the experts
-    experts = apply_ep(model, mesh)               # stacked expert weights -> DTensor(Shard(0)) on the ep dim
+    experts = apply_ep(model, mesh)               # stacked expert weights (and LoRA adapters) -> DTensor(Shard(0)) on ep
     apply_fsdp(model, dp_mesh, experts=experts)   # dense weights sharded over every rank, as without EP; the experts
                                                   # (expert_dp > 1) over their expert_dp dim (FSDP's 2-D sharding)
     ... forward / backward ...                    # tokens go to their experts' rank and back by all_to_all
@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from moeloop.errors import InputError
-from moeloop.model.experts import Experts, register_experts_impl, silu_mul
+from moeloop.model.experts import Experts, register_experts_impl
 
 EP_IMPL = "expert_parallel"
 
@@ -61,8 +60,7 @@ def apply_ep(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter]:
             raise InputError(f"parallel.ep={ep} must divide the model's num_experts={module.num_experts}")
         local = module.num_experts // ep
         first = mesh.get_local_rank("ep") * local
-        for name in ("gate_up_proj", "down_proj"):
-            full = getattr(module, name)
+        for name, full in list(module.named_parameters(recurse=False)):  # (LoRA's per-expert adapters too)
             shard = full.detach()[first:first + local].clone()
             param = nn.Parameter(DTensor.from_local(shard, mesh["ep"], [Shard(0)], run_check=False),
                                  requires_grad=full.requires_grad)
@@ -80,7 +78,7 @@ def ep_modules(model: nn.Module) -> list[Experts]:
 
 def expert_params(model: nn.Module) -> list[nn.Parameter]:
     """The expert-parallel parameters of `model` (none without EP)."""
-    return [p for m in ep_modules(model) for p in (m.gate_up_proj, m.down_proj)]
+    return [p for m in ep_modules(model) for p in m.parameters(recurse=False)]  # (LoRA's adapters too)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -130,21 +128,19 @@ def ep_experts(experts: Experts, x_TD: torch.Tensor, ids_TK: torch.Tensor, weigh
 
 
 def _local_experts(experts: Experts, x_SD: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
-    """This rank's experts on rows grouped by local expert (counts_L rows each), in the rows' dtype."""
-    gate_up = experts.gate_up_proj.to_local().to(x_SD.dtype)
-    down = experts.down_proj.to_local().to(x_SD.dtype)
-    outs = []
-    for e, x_nD in enumerate(x_SD.split(counts_L.tolist())):
-        if x_nD.shape[0]:
-            outs.append(F.linear(silu_mul(F.linear(x_nD, gate_up[e])), down[e]))
-    if outs:
-        return torch.cat(outs)
-    # no rows arrived: the output still depends on the rows and the weights, so this rank's backward runs the reverse
-    # exchanges its peers run (and the weights get a zero gradient)
-    return x_SD.new_zeros(0, experts.dim) + 0 * (x_SD.sum() + gate_up.sum() + down.sum())
+    """This rank's experts on rows grouped by local expert (counts_L rows each), the stacked weights in the rows'
+    dtype, through the module's `looped_over` (LoRA's adapted experts add their adapters there, in their own dtype)."""
+    local = {name: p.to_local() for name, p in experts.named_parameters(recurse=False)}
+    for name in ("gate_up_proj", "down_proj"):
+        local[name] = local[name].to(x_SD.dtype)
+    if x_SD.shape[0]:
+        return experts.looped_over(x_SD, counts_L, local)
+    # no rows arrived: the output still depends on the rows and the parameters, so this rank's backward runs the
+    # reverse exchanges its peers run (and the parameters get a zero gradient)
+    return x_SD.new_zeros(0, experts.dim) + 0 * (x_SD.sum() + sum(t.sum() for t in local.values()))
 
 
-register_experts_impl(EP_IMPL, ep_experts)
+register_experts_impl(EP_IMPL, ep_experts, uses_looped_over=True)
 
 
 @torch.no_grad()
@@ -152,7 +148,7 @@ def reduce_expert_grads(model: nn.Module) -> None:
     """Each expert-parallel parameter's gradient divided by its ep, in place (see the module's note): the gradient
     one process would compute."""
     for m in ep_modules(model):
-        for p in (m.gate_up_proj, m.down_proj):
+        for p in m.parameters(recurse=False):  # (LoRA's adapters too)
             if p.grad is not None:
                 p.grad.to_local().div_(m.ep_mesh.size(1))
 

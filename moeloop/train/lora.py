@@ -25,7 +25,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from moeloop.config.schema import ActorSection
-from moeloop.model.experts import EXPERTS_IMPLS, Experts, grouped_linear, grouped_mm_works, silu_mul
+from moeloop.model.experts import (EXPERTS_IMPLS, Experts, grouped_linear, grouped_mm_works, impl_uses_looped_over,
+                                   silu_mul)
 from moeloop.model.hf_names import hub_slots
 from moeloop.parallel.fsdp import full_tensor
 from moeloop.types import Sample
@@ -91,8 +92,9 @@ class LoRAExperts(Experts):
     x W_gu[e]^T + scale (x A_gu[e]^T) B_gu[e]^T (one A for gate and up: peft's gate_proj and up_proj adapters with
     B split in rows), its down rows likewise. Computed on the expert-sorted rows in the experts' own implementation:
     three grouped_mm per projection, or one loop over experts. `gate_up_lora_A` [E, R, D], `gate_up_lora_B` [E, 2F, R],
-    `down_lora_A` [E, R, F], `down_lora_B` [E, D, R], fp32; dim 0 is the expert, so FSDP's dim-0 shards keep each
-    expert's adapters with its weights."""
+    `down_lora_A` [E, R, F], `down_lora_B` [E, D, R], fp32; dim 0 is the expert, so FSDP's dim-0 shards and expert
+    parallelism's split (`parallel.expert`, which runs `looped_over` on each rank's experts) keep each expert's
+    adapters with its weights."""
 
     ADAPTED = {"gate_up_proj": ("gate_up_lora_A", "gate_up_lora_B"), "down_proj": ("down_lora_A", "down_lora_B")}
     scale: float = 1.0
@@ -119,11 +121,12 @@ class LoRAExperts(Experts):
 
     @impl.setter
     def impl(self, name: str) -> None:
-        """The built-in implementations only: a plugged one (the engine's decode kernels, expert parallelism's
-        dispatch) runs the stacked base weights and would leave the adapters out."""
-        if name not in EXPERTS_IMPLS:
+        """The built-in implementations and plugged ones that compute through `looped_over` (expert parallelism):
+        any other (the engine's decode kernels) runs the stacked base weights and would leave the adapters out."""
+        if not impl_uses_looped_over(name):
             raise ValueError(f"experts impl {name!r} does not run LoRA adapters: LoRA on the routed experts takes "
-                             f"{'|'.join(EXPERTS_IMPLS)} (merge the adapters for any other: merged_weights)")
+                             f"{'|'.join(EXPERTS_IMPLS)} or expert parallelism (merge the adapters for any other: "
+                             f"merged_weights)")
         Experts.impl.fset(self, name)
 
     def _grouped(self, x_SD: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
@@ -148,12 +151,14 @@ class LoRAExperts(Experts):
             delta_SO = torch.cat([F.linear(F.linear(x_nI, a_RI), b_OR) for x_nI, a_RI, b_OR in pairs])
         return (y_SO + self.scale * delta_SO).to(y_SO.dtype)
 
-    def _looped(self, x_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    def looped_over(self, x_SD: torch.Tensor, counts_E: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Experts.looped_over with each projection's adapter (`params` holds them too: this module's own, or the
+        local experts' rows under expert parallelism)."""
         if not self.adapter_on:
-            return super()._looped(x_SD, counts_E)
-        # unbind once, as Experts._looped: per-expert indexing would zero-fill a full [E, ...] gradient each
-        w_gu, a_gu, b_gu = (t.unbind(0) for t in (self.gate_up_proj, self.gate_up_lora_A, self.gate_up_lora_B))
-        w_d, a_d, b_d = (t.unbind(0) for t in (self.down_proj, self.down_lora_A, self.down_lora_B))
+            return super().looped_over(x_SD, counts_E, params)
+        # unbind once, as Experts.looped_over: per-expert indexing would zero-fill a full [E, ...] gradient each
+        w_gu, a_gu, b_gu = (params[n].unbind(0) for n in ("gate_up_proj", *self.ADAPTED["gate_up_proj"]))
+        w_d, a_d, b_d = (params[n].unbind(0) for n in ("down_proj", *self.ADAPTED["down_proj"]))
         outs = []
         for e, x_nD in enumerate(x_SD.split(counts_E.tolist())):
             if x_nD.shape[0] == 0:
