@@ -34,6 +34,8 @@ COLLECTIVES = {"all_gather_into_tensor": "all_gather", "all_gather_single": "all
                "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
                "all_to_all_single": "all_to_all", "all_reduce": "all_reduce"}
 COLUMNS = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
+# counted: the whole tensor of an all-gather (its output) and of a reduce-scatter (its input), what a ring moves
+# (N - 1) / N of through each rank; all_to_all: the rows this rank sends (its own included); all_reduce: the tensor
 
 
 def samples_of(rank: int, groups: int, n: int, vocab: int, prompt: int, response: int) -> list[Sample]:
@@ -59,9 +61,9 @@ def count_bytes(moved: dict[str, int]) -> None:
 
         def spy(*args, _real=real, _name=name, _column=column, **kw):
             tensors = [a for a in list(args[:2]) + list(kw.values()) if isinstance(a, torch.Tensor)][:2]
-            if tensors:  # (output, input) but all_reduce's one tensor
-                src = tensors[-1] if _name != "all_reduce" else tensors[0]
-                moved[_column] = moved.get(_column, 0) + src.numel() * src.element_size()
+            if tensors:  # (output, input) but all_reduce's one tensor: see COUNTED
+                t = tensors[-1] if _name == "all_to_all_single" else max(tensors, key=torch.Tensor.numel)
+                moved[_column] = moved.get(_column, 0) + t.numel() * t.element_size()
             return _real(*args, **kw)
         setattr(dist, name, spy)
 
@@ -86,7 +88,7 @@ def rank_main(rank: int, world: int, init_file: str, args, ep: int, queue) -> No
     unit = max(sum(p.numel() * p.element_size() for p in layer.parameters(recurse=True)
                    if not (ep > 1 and p.dim() == 3)) for layer in model.model.layers)
     if ep > 1:  # an EP layer gathers its dense part only; its experts stay split (their expert_dp shards gathered)
-        unit += max(sum(p.full_tensor().numel() // ep * p.element_size() for p in (m.gate_up_proj, m.down_proj))
+        unit += max(sum(p.numel() // ep * p.element_size() for p in (m.gate_up_proj, m.down_proj))
                     for m in model.modules() if getattr(m, "ep_mesh", None) is not None)
     samples = samples_of(rank, args.groups, args.n, cfg.vocab_size, args.prompt, args.response)
     actor.update(samples)  # warm-up: lazy init, optimizer state
