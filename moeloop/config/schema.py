@@ -24,6 +24,10 @@ class ModelSection:
     attn_impl: str = "sdpa"
     gradient_checkpointing: bool = False
     logprob_chunk_tokens: int = 1024  # chunk size of the memory-lean logprob/entropy kernel
+    # with dtype=bfloat16: the trained models (actor, critic) keep their trainable weights, grads and Adam state in
+    # fp32 and compute in bf16 (verl's FSDP mixed precision, TRL's bf16 autocast; moeloop.train.precision). false:
+    # pure bf16 training, half the state, but an update below bf16's resolution is lost (lr 1e-6 hardly moves it)
+    fp32_master_weights: bool = True
 
     def check(self) -> None:
         _require(self.dtype in ("float32", "bfloat16"), "model.dtype", f"must be float32 or bfloat16, got {self.dtype!r}")

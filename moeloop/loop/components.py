@@ -307,10 +307,12 @@ def build_components(cfg: RunConfig, resume: bool) -> Components:
     if env.device.type == "cpu":
         retain_freed_host_memory()  # gradients are freed and allocated again every step
     actor = Actor(load_policy(cfg), cfg.actor, env.device, cfg.data.max_response_length,
-                  cfg.model.logprob_chunk_tokens, cfg.trainer.steps, ep=cfg.parallel.ep, seed=cfg.trainer.seed)
+                  cfg.model.logprob_chunk_tokens, cfg.trainer.steps, ep=cfg.parallel.ep, seed=cfg.trainer.seed,
+                  master_weights=cfg.model.fp32_master_weights)
     ref = build_reference(cfg, actor, env) if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward else None
     critic = Critic(load_policy(cfg), cfg.critic, env.device, cfg.data.max_response_length,
-                    cfg.trainer.steps, ep=cfg.parallel.ep) if cfg.critic.enable else None
+                    cfg.trainer.steps, ep=cfg.parallel.ep,
+                    master_weights=cfg.model.fp32_master_weights) if cfg.critic.enable else None
     if cfg.rollout.mode == "disaggregated":
         engine = RemoteEngine(cfg, rollout_device(cfg, env.device), rollout_threads(cfg))
         transport = ProcessTransport()

@@ -49,7 +49,7 @@ def run_sft(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
     steps = cfg.trainer.steps = training_steps(cfg, len(data))  # resolved once, as RL's
     write_run_config(cfg, env.run_dir, env.is_main)
     actor = Actor(model, cfg.actor, env.device, cfg.data.max_response_length, cfg.model.logprob_chunk_tokens, steps,
-                  ep=cfg.parallel.ep, seed=cfg.trainer.seed)
+                  ep=cfg.parallel.ep, seed=cfg.trainer.seed, master_weights=cfg.model.fp32_master_weights)
     ckpt = CheckpointManager(cfg.checkpoint.dir or env.run_dir / "checkpoints", cfg.checkpoint.keep)
     start = 0
     if (latest := resume_from(ckpt, resume, env.is_main, cfg.checkpoint.resume_from)) is not None:

@@ -80,8 +80,12 @@ ADAPTER_BYTES = StateBytes(4, 4, 8)  # LoRA adapters: fp32 whatever model.dtype 
 
 
 def state_bytes(cfg: RunConfig) -> StateBytes:
-    """Bytes per parameter; 0 in plan means torch AdamW in model.dtype (states in the parameter dtype)."""
+    """Bytes per parameter; 0 in plan means torch AdamW on the trained weights: fp32 master weights, grads and Adam
+    state when model.fp32_master_weights (the default; the forward's bf16 casts are transient) and the weights train
+    in full, else in model.dtype (a LoRA base stays in model.dtype)."""
     d = DTYPE_BYTES.get(cfg.model.dtype, 4)
+    if cfg.model.fp32_master_weights and not cfg.actor.lora_rank:
+        d = 4
     p = cfg.plan
     return StateBytes(p.weight_bytes or d, p.grad_bytes or d, p.optimizer_bytes or 2 * d)
 
@@ -223,7 +227,7 @@ def _other_models(cfg: RunConfig, stats: ModelStats, layout: Layout, stage: int)
     actor's weights) and the critic (critic.enable: its own weights, grads and optimizer, the actor's sizes without
     LoRA: the critic trains in full)."""
     state = _state_entries(full_training(cfg), stats, layout, stage)
-    params_per_rank = state["weights"] / state_bytes(cfg).weights
+    params_per_rank = state["weights"] / state_bytes(full_training(cfg)).weights
     uses_ref = (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and not cfg.actor.lora_rank  # (LoRA: the
     # reference is the actor with its adapters off, no copy)
     return {"ref_weights": params_per_rank * DTYPE_BYTES.get(cfg.model.dtype, 4) if uses_ref else 0.0,

@@ -11,6 +11,7 @@ Logprobs are of the policy at temperature 1, the distribution the rollout engine
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Iterator
 
@@ -31,6 +32,7 @@ from moeloop.parallel.expert import (apply_ep, build_expert_mesh, ep_grad_norm, 
 from moeloop.parallel.fsdp import apply_fsdp, build_dp_mesh, full_tensor, reshard
 from moeloop.train.head import LogprobHead
 from moeloop.train.lora import apply_lora, merged_weights
+from moeloop.train.precision import cast_params, upcast_trainable
 from moeloop.train.packing import (PackedBatch, global_loss_denominators, pack_samples, split_micro_batches,
                                    unpack_routes)
 from moeloop.types import Sample
@@ -48,19 +50,23 @@ class PolicyForward:
     """Forward-only packed logprob passes; the base of the actor and of the frozen reference."""
 
     def __init__(self, model: nn.Module, device: torch.device, max_tokens_per_micro_batch: int, chunk_tokens: int,
-                 param_dtype: torch.dtype | None = None, head: nn.Module | None = None, ep: int = 1):
+                 param_dtype: torch.dtype | None = None, head: nn.Module | None = None, ep: int = 1,
+                 master_weights: bool = False):
         """`head` replaces lm_head (the critic's value head); default: the chunked `LogprobHead`. `ep` > 1: the routed
-        experts split over ep ranks (`parallel.expert`), the rest sharded by FSDP over every rank."""
+        experts split over ep ranks (`parallel.expert`), the rest sharded by FSDP over every rank. `master_weights`:
+        trainable bf16 parameters are kept in fp32 and computed in bf16 (`train.precision`)."""
         self.model, self.device, self.budget = model, device, max_tokens_per_micro_batch
         if head is None:
             LogprobHead.replace_in(model, chunk_tokens)
         else:
             model.lm_head = head
         self.model.to(device)
+        self.compute_dtype = upcast_trainable(model) if master_weights else None  # (the masters' compute dtype)
         experts = apply_ep(model, build_expert_mesh(device.type, ep)) if ep > 1 else set()
         mesh = build_dp_mesh(device.type)
+        self.casts_params = self.compute_dtype is not None and mesh is None  # else FSDP casts them
         if mesh is not None:
-            apply_fsdp(model, mesh, param_dtype, experts=experts)
+            apply_fsdp(model, mesh, param_dtype or self.compute_dtype, experts=experts)
 
     def forward_batch(self, batch: PackedBatch, with_entropy: bool,
                       routes: RouteTape | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -76,10 +82,13 @@ class PolicyForward:
 
     def packed_micro_batches(self, samples: list[Sample]) -> Iterator[tuple[list[Sample], PackedBatch]]:
         """(this micro-batch's samples, its packed batch on the device); an empty micro-batch packs a
-        `dummy_sample` (no loss token) so every rank runs the same passes, and yields no samples."""
+        `dummy_sample` (no loss token) so every rank runs the same passes, and yields no samples. With fp32 master
+        weights in one process, the caller's loop body (forward and backward) runs on their bf16 casts."""
         for indices in self.micro_batches(samples):
             part = [samples[i] for i in indices]
-            yield part, pack_samples(part or [dummy_sample()]).to(self.device)
+            batch = pack_samples(part or [dummy_sample()]).to(self.device)
+            with cast_params(self.model, self.compute_dtype) if self.casts_params else contextlib.nullcontext():
+                yield part, batch
 
     @torch.no_grad()
     def compute_logprobs(self, samples: list[Sample], field: str | None, routes: str = "off",
@@ -102,9 +111,12 @@ class PolicyForward:
                     sample.routed_experts = recorded
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, full tensor) in state_dict order; collective under FSDP (all ranks iterate)."""
+        """(name, full tensor) in state_dict order; collective under FSDP (all ranks iterate). fp32 master weights
+        come rounded to the dtype the forward computes in (the engine's and the export's)."""
         for name, tensor in self.model.state_dict().items():
-            yield name, full_tensor(tensor)
+            full = full_tensor(tensor)
+            yield name, full.to(self.compute_dtype) if self.compute_dtype is not None and full.dtype == torch.float32 \
+                else full
 
 
 def packed_hidden(model: nn.Module, batch: PackedBatch, routes: RouteTape | None = None) -> torch.Tensor:
@@ -219,11 +231,12 @@ def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip:
 class Actor(PolicyForward):
     def __init__(self, model: nn.Module, cfg: ActorSection, device: torch.device, max_response_length: int,
                  chunk_tokens: int = 1024, total_steps: int = 1, param_dtype: torch.dtype | None = None, ep: int = 1,
-                 seed: int = 0):
+                 seed: int = 0, master_weights: bool = True):
         """With `cfg.lora_rank` > 0 the model gets LoRA adapters first (`train.lora`): they alone train, drawn from
         `seed` (the run's trainer.seed: the same adapters on every rank)."""
         self.lora_modules = apply_lora(model, cfg, seed) if cfg.lora_rank else []  # (before FSDP shards the model)
-        super().__init__(model, device, cfg.max_tokens_per_micro_batch, chunk_tokens, param_dtype, ep=ep)
+        super().__init__(model, device, cfg.max_tokens_per_micro_batch, chunk_tokens, param_dtype, ep=ep,
+                         master_weights=master_weights)
         self.cfg, self.max_response_length = cfg, max_response_length
         self.optimizer, self.scheduler = build_optimizer(model, cfg, total_steps)
 

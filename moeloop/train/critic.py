@@ -34,9 +34,11 @@ class ValueHead(nn.Module):
 
 class Critic(PolicyForward):
     def __init__(self, model: nn.Module, cfg: CriticSection, device: torch.device, max_response_length: int,
-                 total_steps: int = 1, param_dtype: torch.dtype | None = None, ep: int = 1):
+                 total_steps: int = 1, param_dtype: torch.dtype | None = None, ep: int = 1,
+                 master_weights: bool = True):
         head = ValueHead(model.cfg.hidden_size).to(next(model.parameters()).dtype)
-        super().__init__(model, device, cfg.max_tokens_per_micro_batch, 0, param_dtype, head=head, ep=ep)
+        super().__init__(model, device, cfg.max_tokens_per_micro_batch, 0, param_dtype, head=head, ep=ep,
+                         master_weights=master_weights)
         self.cfg, self.max_response_length = cfg, max_response_length
         self.optimizer, self.scheduler = build_optimizer(model, cfg, total_steps)
 
