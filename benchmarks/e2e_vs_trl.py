@@ -160,6 +160,9 @@ def run_moeloop(args: argparse.Namespace, run_dir: Path) -> list[dict]:
         "checkpoint.save_final=false", "checkpoint.export_hf_final=false", f"rollout.ignore_eos={job.exact_length}",
         f"rollout.decode_steps={args.decode_steps}", f"rollout.mode={args.rollout_mode}",
         f"rollout.max_staleness={int(args.rollout_mode != 'colocated')}",
+        # TRL's model is loaded in the job's dtype and its AdamW steps those weights: pure bf16, so moeloop's too
+        # (its default keeps fp32 masters; --moeloop-set model.fp32_master_weights=true measures what they cost)
+        "model.fp32_master_weights=false",
     ] + ([f"rollout.device={args.rollout_device}"] if args.rollout_device else []) + args.moeloop_set)
     marks: list[float] = []
     prompts_seen: list[list[str]] = []

@@ -3,7 +3,8 @@
 #   sampling: (nvidia-h200, about 5 minutes) repetition_penalty and min_p in multi-step decode graphs: the CUDA tests
 #             of the penalties and the rollout's, then what the options cost the engine at B=1 and B=256 (session 30,
 #             one decode step a launch: 2,932 -> 898 tok/s at B=1 with repetition_penalty 1.1)
-#   ep:       (nvidia-h200-x2) expert parallelism (parallel.ep=2) over NCCL against one process
+#   ep:       (nvidia-h200-x2) expert parallelism (parallel.ep=2) over NCCL against one process (not lent in s31)
+#   masters:  (nvidia-h200) fp32 master weights: their cost on the goal's job, and CUDA tests
 set -u
 case "${1:-}" in
 sampling)
@@ -19,7 +20,18 @@ ep)
     # process (and DP 2 for comparison), and the 2-rank checkpoint resumed in one process
     python3 -m pytest -q -s -p no:cacheprovider tests/test_dp_torchrun.py -k cuda 2>&1 | grep -v -i warn | tail -12
     ;;
+masters)
+    # (nvidia-h200, about 6 minutes) what fp32 master weights cost the goal's job (moeloop alone, 6 steps each: pure
+    # bf16, TRL's setting, then fp32 masters), and the CUDA tests of the code this session touched
+    for masters in false true; do
+        echo "== model.fp32_master_weights=$masters"
+        timeout 200 python3 benchmarks/e2e_vs_trl.py --size reference --device cuda --steps 6 --repeats 1 \
+            --frameworks moeloop --moeloop-set model.fp32_master_weights=$masters 2>&1 | grep -v -i warn | tail -4
+    done
+    python3 -m pytest -q -p no:cacheprovider tests/test_master_weights.py tests/test_lora_experts.py tests/test_lora.py \
+        tests/test_rollout_cuda.py -k "cuda or master" 2>&1 | tail -3
+    ;;
 *)
-    echo "usage: $0 sampling|ep" >&2; exit 2
+    echo "usage: $0 sampling|ep|masters" >&2; exit 2
     ;;
 esac
