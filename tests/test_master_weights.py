@@ -138,3 +138,16 @@ def test_a_bf16_run_trains_fp32_masters_exports_bf16_and_2_ranks_match_1(model_d
         torch.testing.assert_close(two[name].float(), one[name].float(), rtol=2 ** -7, atol=8e-5)
     diff = sum(int((two[n] != one[n]).sum()) for n in one)
     assert diff < 0.02 * sum(t.numel() for t in one.values()), diff  # and equal but for a few (893 of 140,672 when written)
+
+
+def test_the_planner_counts_fp32_state_for_bf16_training():
+    """`moeloop plan`'s default state bytes a parameter: fp32 weights, grads and Adam m and v with the masters; bf16
+    without them; a LoRA base stays in model.dtype (its adapters are counted apart)."""
+    from moeloop.config.load import load_config
+    from moeloop.plan.memory import state_bytes
+    def sb(*extra):
+        s = state_bytes(load_config(None, ["model.path=unused", "model.dtype=bfloat16", *extra]))
+        return s.weights, s.grads, s.optimizer
+    assert sb() == (4, 4, 8)
+    assert sb("model.fp32_master_weights=false") == (2, 2, 4)
+    assert sb("actor.lora_rank=8") == (2, 2, 4)
