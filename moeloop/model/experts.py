@@ -171,7 +171,9 @@ class Experts(nn.Module):
         return grouped_linear(silu_mul(grouped_linear(x_SD, self.gate_up_proj, offsets_E)), self.down_proj, offsets_E)
 
     def _looped(self, x_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        return self.looped_over(x_SD, counts_E, dict(self.named_parameters(recurse=False)))
+        # (by attribute: under fp32 master weights, `train.precision.cast_params`, an attribute reads as its cast)
+        params = {name: getattr(self, name) for name, _ in self.named_parameters(recurse=False)}
+        return self.looped_over(x_SD, counts_E, params)
 
     def looped_over(self, x_SD: torch.Tensor, counts_E: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
         """One pair of matmuls per non-empty expert, `params` standing for this module's stacked parameters (by name):

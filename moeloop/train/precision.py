@@ -41,23 +41,23 @@ def upcast_trainable(model: nn.Module) -> torch.dtype | None:
 
 @contextlib.contextmanager
 def cast_params(model: nn.Module, dtype: torch.dtype) -> Iterator[None]:
-    """Inside, every fp32 trainable parameter of `model` reads as its `dtype` cast (one cast per parameter, shared by
-    the modules that hold it); outside, the parameters are as they were."""
+    """Inside, every fp32 trainable parameter of `model` reads as its `dtype` cast (`module.weight`, getattr; one
+    cast per parameter, shared by the modules that hold it), while `named_parameters()` still lists the fp32
+    parameters; outside, attribute reads are the parameters again. (The cast sits in the module's instance dict,
+    which attribute lookup reads before nn.Module's parameter table.)"""
     casts: dict[int, torch.Tensor] = {}
-    swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
+    swapped: list[tuple[nn.Module, str]] = []
     try:
         for module in model.modules():
-            for name, p in list(module._parameters.items()):
+            for name, p in module._parameters.items():
                 if p is None or not p.requires_grad or p.dtype != torch.float32:
                     continue
                 cast = casts.get(id(p))
                 if cast is None:
                     cast = casts[id(p)] = p.to(dtype)
-                del module._parameters[name]
-                setattr(module, name, cast)
-                swapped.append((module, name, p))
+                module.__dict__[name] = cast
+                swapped.append((module, name))
         yield
     finally:
-        for module, name, p in reversed(swapped):
-            delattr(module, name)
-            module._parameters[name] = p
+        for module, name in swapped:
+            module.__dict__.pop(name, None)
