@@ -61,7 +61,8 @@ class PolicyForward:
         else:
             model.lm_head = head
         self.model.to(device)
-        self.compute_dtype = upcast_trainable(model) if master_weights else None  # (the masters' compute dtype)
+        # fp32 masters of trainable bf16 weights: the dtype they compute in, their names
+        self.compute_dtype, self.master_names = upcast_trainable(model) if master_weights else (None, set())
         experts = apply_ep(model, build_expert_mesh(device.type, ep)) if ep > 1 else set()
         mesh = build_dp_mesh(device.type)
         self.casts_params = self.compute_dtype is not None and mesh is None  # else FSDP casts them
@@ -115,8 +116,7 @@ class PolicyForward:
         come rounded to the dtype the forward computes in (the engine's and the export's)."""
         for name, tensor in self.model.state_dict().items():
             full = full_tensor(tensor)
-            yield name, full.to(self.compute_dtype) if self.compute_dtype is not None and full.dtype == torch.float32 \
-                else full
+            yield name, full.to(self.compute_dtype) if name in self.master_names else full
 
 
 def packed_hidden(model: nn.Module, batch: PackedBatch, routes: RouteTape | None = None) -> torch.Tensor:

@@ -4,7 +4,7 @@ mixed precision and TRL's bf16 autocast do. Pure bf16 training loses every updat
 learning rates (1e-6) an AdamW step moved 0.3% of a tiny bf16 model's weights, against 90.8% in fp32
 (tests/test_master_weights.py keeps that as a check).
 
-    compute = upcast_trainable(model)        # trainable bf16 parameters -> fp32 in place; returns bf16 (None: nothing)
+    compute, names = upcast_trainable(model) # trainable bf16 parameters -> fp32 in place; bf16 (None: nothing)
     under FSDP:  MixedPrecisionPolicy(param_dtype=compute)    # FSDP casts each unit's gathered weights
     one process: with cast_params(model, compute): forward; backward   # every fp32 parameter reads as its bf16 cast
 
@@ -25,18 +25,18 @@ from torch import nn
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
-def upcast_trainable(model: nn.Module) -> torch.dtype | None:
-    """Trainable parameters in bf16/fp16 become fp32 (in place; frozen ones, e.g. a LoRA base, stay). Returns the
-    dtype they had, the dtype to compute in; None when no trainable parameter was low precision."""
+def upcast_trainable(model: nn.Module) -> tuple[torch.dtype | None, set[str]]:
+    """Trainable parameters in bf16/fp16 become fp32 (in place; frozen ones, e.g. a LoRA base, and buffers stay).
+    Returns the dtype they had (the dtype to compute in; None when none was low precision) and their names."""
     low = {p.dtype for p in model.parameters() if p.requires_grad and p.dtype in LOW_PRECISION}
-    if not low:
-        return None
     if len(low) > 1:
         raise ValueError(f"trainable parameters in several low-precision dtypes: {sorted(map(str, low))}")
-    for p in model.parameters():
+    names = set()
+    for name, p in model.named_parameters():
         if p.requires_grad and p.dtype in LOW_PRECISION:
             p.data = p.data.float()
-    return low.pop()
+            names.add(name)
+    return (low.pop() if low else None), names
 
 
 @contextlib.contextmanager
