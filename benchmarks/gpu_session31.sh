@@ -5,6 +5,7 @@
 #             one decode step a launch: 2,932 -> 898 tok/s at B=1 with repetition_penalty 1.1)
 #   ep:       (nvidia-h200-x2) expert parallelism (parallel.ep=2) over NCCL against one process (not lent in s31)
 #   masters:  (nvidia-h200) fp32 master weights: their cost on the goal's job, and CUDA tests
+#   final:    (nvidia-h200) the goal's e2e job against TRL at the session's code
 set -u
 case "${1:-}" in
 sampling)
@@ -31,7 +32,15 @@ masters)
     python3 -m pytest -q -p no:cacheprovider tests/test_master_weights.py tests/test_lora_experts.py tests/test_lora.py \
         tests/test_rollout_cuda.py -k "cuda or master" 2>&1 | tail -3
     ;;
+final)
+    # (nvidia-h200, about 7 minutes) the goal's e2e job against TRL once at the session's code (pure bf16 on both
+    # sides), then the CUDA tests of what changed since the masters call
+    timeout 360 python3 benchmarks/e2e_vs_trl.py --size reference --device cuda --steps 6 --repeats 1 2>&1 \
+        | grep -v -i warn | tail -14
+    python3 -m pytest -q -p no:cacheprovider tests/test_master_weights.py tests/test_rollout_penalties.py \
+        tests/test_lora_experts.py 2>&1 | tail -2
+    ;;
 *)
-    echo "usage: $0 sampling|ep|masters" >&2; exit 2
+    echo "usage: $0 sampling|ep|masters|final" >&2; exit 2
     ;;
 esac
