@@ -252,3 +252,28 @@ def test_ranks_shard_expert_adapters_with_their_experts_and_equal_one_process(wo
                 tol = 1e-5 if dtype == torch.float32 else 2e-2
                 torch.testing.assert_close(got[name].float(), t.float(), rtol=0,
                                            atol=tol * max(t.abs().max().item(), 1e-3), msg=name)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_bf16_expert_adapters_train_through_grouped_mm():
+    """On CUDA in bf16 (the experts' grouped_mm; the fp32 adapters through grouped_mm where this torch has it, else
+    the loop): the forward equals the plain model holding merged_weights within bf16 rounding, adapters_off is the
+    base bit for bit, and one update moves every expert's adapters (B starts at zero: A gets no gradient yet)."""
+    model = _lora_model("grouped_mm", torch.bfloat16).cuda()
+    ids = torch.tensor([5, 6, 7, 8, 9, 3, 11, 12, 13, 14], device="cuda")
+    merged = {name: t.clone() for name, t in merged_weights(model)}
+    plain = _plain("grouped_mm", {n: t.cpu() for n, t in merged.items()}, torch.bfloat16).cuda()
+    torch.testing.assert_close(_hidden(model, ids).float(), _hidden(plain, ids).float(), rtol=2e-2, atol=2e-2)
+    with adapters_off(model):
+        off = _hidden(model, ids)
+    base = _plain("grouped_mm", tiny_model().to(torch.bfloat16).state_dict(), torch.bfloat16).cuda()
+    assert torch.equal(off, _hidden(base, ids))
+    plain_model = tiny_model().to(torch.bfloat16)
+    plain_model.set_experts_impl("grouped_mm")
+    actor = Actor(plain_model, actor_cfg(lora_rank=4, lora_alpha=8.0, lora_target_modules=BOTH), torch.device("cuda"),
+                  8)
+    experts = [m for m in lora_modules(actor.model).values() if isinstance(m, LoRAExperts)]
+    before = [m.gate_up_lora_B.detach().clone() for m in experts]
+    actor.update(rl_batch())
+    assert all(m.gate_up_lora_B.dtype == torch.float32 for m in experts)
+    assert all((m.gate_up_lora_B != b).any() for m, b in zip(experts, before))
