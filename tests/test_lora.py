@@ -255,7 +255,8 @@ def test_the_ledger_counts_grads_and_optimizer_of_the_adapters_only(model_dir):
     assert both.entries["grads"] == pytest.approx(sb.grads * (adapters + experts) / 2)
     # a bf16 model: the adapters, their grads and Adam state are fp32 all the same (4, 4, 8 bytes)
     bf16 = [*kl, "model.dtype=bfloat16"]
-    full16 = memory_ledger(load_config(None, bf16), stats, Layout(dp=2))
+    # (the base's bf16 weights: a full fine-tune would keep fp32 masters, model.fp32_master_weights)
+    full16 = memory_ledger(load_config(None, [*bf16, "model.fp32_master_weights=false"]), stats, Layout(dp=2))
     lora16 = memory_ledger(load_config(None, [*bf16, "actor.lora_rank=8"]), stats, Layout(dp=2))
     assert (lora16.entries["grads"], lora16.entries["optimizer"]) == pytest.approx((4 * adapters / 2, 8 * adapters / 2))
     assert lora16.entries["weights"] == pytest.approx(full16.entries["weights"] + 4 * adapters / 2)
