@@ -20,6 +20,8 @@ from moeloop.rollout.runner import ModelRunner
 from moeloop.rollout.sampler import (Sampler, SamplingTensors, penalised_logits, processed_scores, row_key,
                                      uniform_noise)
 from moeloop.rollout.sequence import Sequence
+from moeloop.rollout.gumbel_kernel import gumbel_sample
+from tests.kernels import DEVICE, needs_kernels
 from tests.test_rollout_engine import make_engine, prompts, teacher_forced_logprobs, tiny_model
 
 
@@ -113,6 +115,25 @@ def test_sampler_draws_the_reference_tokens_with_raw_logprobs(tied):
     assert torch.equal(logprobs, torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0])
     greedy_raw = logits.argmax(-1)
     assert any(tokens[j] != greedy_raw[j] for j, s in enumerate(seqs) if s.params.greedy)  # the penalty moved one
+
+
+@needs_kernels
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_kernel_draw_of_processed_scores_is_the_torch_draw(monkeypatch, tied):
+    """With the kernels (CUDA; here the Triton interpreter) a batch with penalties / min-p draws through one
+    `gumbel_sample` launch on its processed scores: the torch path's tokens, the raw logits' logprobs."""
+    import moeloop.rollout.sampler as sampler
+    logits, seqs = random_rows(tied)
+    st = sampling_tensors(seqs, logits.shape[1])
+    monkeypatch.setattr(sampler, "kernels_apply", lambda t: False)
+    want, want_logprobs = Sampler()(logits, st, want_logprobs=True)
+    launched = []
+    monkeypatch.setattr(sampler, "kernels_apply", lambda t: True)
+    monkeypatch.setattr(sampler, "gumbel_sample", lambda *a: launched.append(1) or gumbel_sample(*a))
+    moved = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in vars(st).items()}
+    got, logprobs = Sampler()(logits.to(DEVICE), SamplingTensors(**moved), want_logprobs=True)
+    assert launched and got.tolist() == want.tolist()
+    torch.testing.assert_close(logprobs.cpu(), want_logprobs, rtol=0, atol=1e-6)
 
 
 def test_seen_tokens_take_pending_tokens_from_the_device():

@@ -232,13 +232,18 @@ class Sampler:
     def _processed(self, logits_BV: torch.Tensor, st: SamplingTensors,
                    want_logprobs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The draw of a batch with a repetition penalty or min-p: the argmax of the penalised logits on greedy rows,
-        Gumbel-max over the full vocab of `processed_scores` on the others (the noise of every path); logprobs of
-        the raw logits."""
+        Gumbel-max over the full vocab of `processed_scores` on the others (the noise of every path; with the
+        kernels one `gumbel_sample` launch at temperature 1, where torch ops run a dozen passes over [B, V] to hash
+        the noise); logprobs of the raw logits."""
         z_BV = penalised_logits(logits_BV, st)
         tokens_B = z_BV.argmax(dim=-1)
         if not st.all_greedy:
-            gumbel_BV = -torch.log(-torch.log(uniform_noise(st.keys_B, z_BV.shape[-1])))
-            sampled_B = (processed_scores(z_BV, st) + gumbel_BV).argmax(dim=-1)
+            scores_BV = processed_scores(z_BV, st)
+            if kernels_apply(scores_BV):
+                sampled_B, _ = gumbel_sample(scores_BV, st.keys_B, torch.ones_like(st.temperatures_B))
+            else:
+                gumbel_BV = -torch.log(-torch.log(uniform_noise(st.keys_B, z_BV.shape[-1])))
+                sampled_B = (scores_BV + gumbel_BV).argmax(dim=-1)
             tokens_B = torch.where(st.temperatures_B > 0, sampled_B, tokens_B)
         return self._with_logprobs(logits_BV.float(), tokens_B, want_logprobs)
 
