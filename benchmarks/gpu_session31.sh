@@ -6,6 +6,7 @@
 #   ep:       (nvidia-h200-x2) expert parallelism (parallel.ep=2) over NCCL against one process (not lent in s31)
 #   masters:  (nvidia-h200) fp32 master weights: their cost on the goal's job, and CUDA tests
 #   final:    (nvidia-h200) the goal's e2e job against TRL at the session's code
+#   onelaunch: (nvidia-h200) the penalties' draw as one kernel launch
 set -u
 case "${1:-}" in
 sampling)
@@ -40,7 +41,17 @@ final)
     python3 -m pytest -q -p no:cacheprovider tests/test_master_weights.py tests/test_rollout_penalties.py \
         tests/test_lora_experts.py 2>&1 | tail -2
     ;;
+onelaunch)
+    # (nvidia-h200, about 4 minutes) the penalties' draw as one gumbel_sample launch: the CUDA penalties test, then
+    # decode with repetition_penalty and with min_p (the `sampling` call's figures are the torch-noise draw's)
+    python3 -m pytest -q -p no:cacheprovider tests/test_rollout_cuda.py -k penalties 2>&1 | tail -2
+    for flags in "--repetition-penalty 1.1" "--min-p 0.05"; do
+        echo "== $flags"
+        timeout 100 python3 benchmarks/rollout.py --device cuda --size reference --batch 1,256 --skip-hf \
+            --repeats 2 --top-k 0 $flags 2>&1 | grep -v -i warn | grep "^| [0-9]"
+    done
+    ;;
 *)
-    echo "usage: $0 sampling|ep|masters|final" >&2; exit 2
+    echo "usage: $0 sampling|ep|masters|final|onelaunch" >&2; exit 2
     ;;
 esac
