@@ -5,6 +5,7 @@
 #             cost (recording passes over the composed B=1 router; session 29 left it unmeasured)
 #   sampling: (nvidia-h200) repetition_penalty and min_p: their CUDA tests and what they cost the engine
 set -u
+source "$(dirname "$0")/gpu_lib.sh"  # sampling_options
 case "${1:-}" in
 turns)
     python3 -m pytest -q -p no:cacheprovider tests/test_multi_turn.py tests/test_router_replay.py -k "cuda" 2>&1 | tail -3
@@ -26,11 +27,7 @@ sampling)
         tests/test_rollout_penalties.py tests/test_rollout_paged_attention.py 2>&1 | tail -3
     timeout 120 python3 benchmarks/tool_turns.py --device cuda --size reference --batch 128 --turns 4 \
         --turn-tokens 64 --repeats 2 2>&1 | grep -v -i warn
-    for flags in "" "--repetition-penalty 1.1" "--min-p 0.05" "--repetition-penalty 1.1 --min-p 0.05"; do
-        echo "== $flags"
-        timeout 100 python3 benchmarks/rollout.py --device cuda --size reference --batch 1,256 --skip-hf \
-            --repeats 2 --top-k 0 $flags 2>&1 | grep -v -i warn | grep "^| [0-9]"
-    done
+    sampling_options "" "--repetition-penalty 1.1" "--min-p 0.05" "--repetition-penalty 1.1 --min-p 0.05"
     ;;
 final)
     # (nvidia-h200, about 8 minutes) LoRA's CUDA tests (their first GPU run), the multi-turn and penalties CUDA tests

@@ -8,14 +8,11 @@
 #   final:    (nvidia-h200) the goal's e2e job against TRL at the session's code
 #   onelaunch: (nvidia-h200) the penalties' draw as one kernel launch
 set -u
+source "$(dirname "$0")/gpu_lib.sh"  # sampling_options
 case "${1:-}" in
 sampling)
     python3 -m pytest -q -p no:cacheprovider tests/test_rollout_cuda.py tests/test_rollout_penalties.py 2>&1 | tail -3
-    for flags in "" "--repetition-penalty 1.1" "--min-p 0.05" "--repetition-penalty 1.1 --min-p 0.05"; do
-        echo "== $flags"
-        timeout 100 python3 benchmarks/rollout.py --device cuda --size reference --batch 1,256 --skip-hf \
-            --repeats 2 --top-k 0 $flags 2>&1 | grep -v -i warn | grep "^| [0-9]"
-    done
+    sampling_options "" "--repetition-penalty 1.1" "--min-p 0.05" "--repetition-penalty 1.1 --min-p 0.05"
     ;;
 ep)
     # (nvidia-h200-x2, about 5 minutes) expert parallelism over NCCL through torchrun: 2 GPUs x ep 2 against one
@@ -45,11 +42,7 @@ onelaunch)
     # (nvidia-h200, about 4 minutes) the penalties' draw as one gumbel_sample launch: the CUDA penalties test, then
     # decode with repetition_penalty and with min_p (the `sampling` call's figures are the torch-noise draw's)
     python3 -m pytest -q -p no:cacheprovider tests/test_rollout_cuda.py -k penalties 2>&1 | tail -2
-    for flags in "--repetition-penalty 1.1" "--min-p 0.05"; do
-        echo "== $flags"
-        timeout 100 python3 benchmarks/rollout.py --device cuda --size reference --batch 1,256 --skip-hf \
-            --repeats 2 --top-k 0 $flags 2>&1 | grep -v -i warn | grep "^| [0-9]"
-    done
+    sampling_options "--repetition-penalty 1.1" "--min-p 0.05"
     ;;
 *)
     echo "usage: $0 sampling|ep|masters|final|onelaunch" >&2; exit 2

@@ -193,9 +193,9 @@ class DecodeGraphs:
         ids, pos, slots, lens, tables = self._views(size)
         dev = self.cache.device
         floats_2S = torch.ones(2, size, dtype=torch.float32, device=dev)  # temperatures, top-ps (padding: 1, 1)
-        ints_1KS = torch.zeros(1 + steps, size, dtype=torch.int64, device=dev)  # top-ks, each step's keys
-        ints_1KS[0] = self.model.cfg.vocab_size
         V = self.model.cfg.vocab_size
+        ints_1KS = torch.zeros(1 + steps, size, dtype=torch.int64, device=dev)  # top-ks, each step's keys
+        ints_1KS[0] = V
         static = {name: torch.full((size, V) if name == "seen_BV" else (size,), _PROCESSING_PADS[name], device=dev,
                                    dtype=torch.bool if name == "seen_BV" else torch.float32) for name in present}
         st = SamplingTensors.packed(floats_2S, ints_1KS, flags, **static)

@@ -208,21 +208,19 @@ def dummy_sample() -> Sample:
 def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float) -> float:
     """Clip the global gradient norm (0 = no clipping), step, zero grads; returns the norm before clipping."""
     params = [p for p in model.parameters() if p.grad is not None]
-    experts = [p for p in expert_params(model) if p.grad is not None]
-    if experts:  # expert parallel: DTensors on two meshes, which torch's norm and clip do not mix
+    # clip_grad_norm_ always scales by min(clip / (norm + 1e-6), 1): a scale of exactly 1 is a pass over every
+    # gradient that changes nothing, so it runs only when it clips (same result, one memory pass fewer)
+    if any(p.grad is not None for p in expert_params(model)):
+        # expert parallel: DTensors on two meshes, which torch's norm and clip do not mix
         reduce_expert_grads(model)
         norm = ep_grad_norm(params)
         if grad_clip and float(grad_clip / (norm + 1e-6)) < 1.0:
             scale_grads(params, float(grad_clip / (norm + 1e-6)))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return float(norm)
-    total = torch.nn.utils.get_total_norm([p.grad for p in params])  # a DTensor under FSDP
-    norm = total.full_tensor() if isinstance(total, DTensor) else total
-    # clip_grad_norm_ always scales by min(clip / (norm + 1e-6), 1): a scale of exactly 1 is a pass over every
-    # gradient that changes nothing, so it runs only when it clips (same result, one memory pass fewer)
-    if grad_clip and float(grad_clip / (norm + 1e-6)) < 1.0:
-        torch.nn.utils.clip_grads_with_norm_(params, grad_clip, total)
+    else:
+        total = torch.nn.utils.get_total_norm([p.grad for p in params])  # a DTensor under FSDP
+        norm = total.full_tensor() if isinstance(total, DTensor) else total
+        if grad_clip and float(grad_clip / (norm + 1e-6)) < 1.0:
+            torch.nn.utils.clip_grads_with_norm_(params, grad_clip, total)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return float(norm)
