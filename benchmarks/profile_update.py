@@ -13,6 +13,8 @@ import argparse
 import statistics
 import tempfile
 import time
+import warnings
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -84,6 +86,33 @@ def top_ops(fn, top: int) -> None:
     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=top, max_name_column_width=60))
 
 
+def host_stalls(fn, top: int) -> None:
+    """Where the host waits on the GPU or the GPU on the host: each synchronizing CUDA call of one `fn()` by the
+    source line that made it (torch's sync debug mode), and the GPU's idle gaps between kernels."""
+    if not torch.cuda.is_available() or top <= 0:
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+            sync()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    lines = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
+    print(f"    host syncs: {sum(lines.values())} (by source line: {', '.join(f'{k} x{v}' for k, v in lines.most_common(top))})")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync()
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type.name == "CUDA")
+    gaps = [(b[0] - a[1], a[2], b[2]) for a, b in zip(spans, spans[1:]) if b[0] > a[1]]
+    idle = sum(g for g, _, _ in gaps)
+    print(f"    GPU span {(spans[-1][1] - spans[0][0]) / 1e3:.1f} ms, idle between kernels {idle / 1e3:.1f} ms "
+          f"({sum(g > 100 for g, _, _ in gaps)} gaps over 0.1 ms); the largest:")
+    for g, before, after in sorted(gaps, reverse=True)[:top]:
+        print(f"    {g / 1e3:7.2f} ms after {before[:60]} before {after[:60]}")
+
+
 def hf_update(model_dir: Path, samples: list[Sample], lr: float):
     """TRL's update in miniature: padded batch, logits -> selective log-softmax, clipped loss, backward, AdamW."""
     from transformers import AutoModelForCausalLM
@@ -124,6 +153,10 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=16)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--ops", type=int, default=0, help="also print the top N aten ops by GPU self time")
+    ap.add_argument("--host", type=int, default=0, help="also print the update's host syncs by source line and "
+                    "the N largest GPU idle gaps")
+    ap.add_argument("--masters", default="on", help="fp32 master weights (model.fp32_master_weights): on, off, "
+                    "or on,off to compare them in one run")
     args = ap.parse_args()
     model_dir = Path(tempfile.gettempdir()) / "moeloop_e2e_vs_trl" / f"model-{args.size}"  # e2e_vs_trl.py's model
     if not (model_dir / "config.json").exists():
@@ -132,19 +165,23 @@ def main() -> None:
     samples = make_samples(args.groups, args.n, args.prompt_len, args.new_tokens, vocab)
     tokens = sum(s.num_tokens for s in samples)
     print(f"batch: {len(samples)} samples, {tokens} tokens; torch {torch.__version__}, {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}")
-    for budget in [int(b) for b in args.micro_batch_tokens.split(",")]:
+    runs = [(int(b), m == "on") for b in args.micro_batch_tokens.split(",") for m in args.masters.split(",")]
+    for budget, masters in runs:
         cfg = load_config(str(Path(__file__).resolve().parents[1] / "examples/tiny.yaml"), [
             f"model.path={model_dir}", "model.dtype=bfloat16", "actor.optim.lr=1e-6",
             f"actor.ppo_mini_batch_size={args.groups}", f"actor.max_tokens_per_micro_batch={budget}",
             "actor.use_kl_loss=false"])
         model = build_model("qwen3_moe", args.size, seed=0).to(torch.bfloat16)
-        actor = Actor(model, cfg.actor, DEVICE, args.new_tokens, cfg.model.logprob_chunk_tokens)
+        actor = Actor(model, cfg.actor, DEVICE, args.new_tokens, cfg.model.logprob_chunk_tokens,
+                      master_weights=masters)
         step = lambda: actor.update(samples)  # noqa: E731
         s = time_it(step, args.repeats)
-        print(f"moeloop Actor.update, micro-batch budget {budget}: {s:.3f} s/update "
+        print(f"moeloop Actor.update, micro-batch budget {budget}, fp32 masters {'on' if masters else 'off'}: "
+              f"{s:.3f} s/update "
               f"({len(actor.micro_batches(samples))} micro-batches), peak {peak_gib():.1f} GiB")
         top_kernels(step, args.top)
         top_ops(step, args.ops)
+        host_stalls(step, args.host)
         del actor, model, step
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
