@@ -1,11 +1,15 @@
 """fp32 master weights for bf16 training (`model.fp32_master_weights`, moeloop.train.precision): at an RL learning rate
 pure bf16 hardly moves the weights while the masters move as fp32 training does; the gradients the masters get are
 the bf16 forward's (the same bits with one micro-batch); activation checkpointing recomputes on the same casts; the
-engine, the export and the checkpoint get what they should; 2 ranks (FSDP's mixed precision) match 1 rank."""
+engine, the export and the checkpoint get what they should; a checkpoint resumes with the masters switched on or
+off; 2 ranks (FSDP's mixed precision) match 1 rank."""
 import pytest
 import torch
 
 import moeloop.train.actor as actor_module
+from moeloop.checkpoint import CheckpointManager
+from moeloop.data import EpochCursor
+from moeloop.loop.sft import actor_state_load, actor_state_save
 from moeloop.model.experts import Experts
 from moeloop.model.factory import init_model
 from moeloop.model.hf_io import load_pretrained
@@ -14,7 +18,7 @@ from moeloop.train.precision import cast_params
 from tests.dist import run_ranks
 from tests.test_rl_loop import _cfg, _metrics, run_rl
 from tests.test_rollout_engine import tiny_model
-from tests.trainer_fixtures import actor_cfg, rl_batch
+from tests.trainer_fixtures import actor_cfg, rl_batch, tiny_model as seeded_tiny_model
 
 
 def _moved(before: dict, model) -> float:
@@ -101,6 +105,45 @@ def test_cast_params_restores_the_parameters_and_shares_one_cast():
         assert all(p is params[n] for n, p in model.named_parameters())  # the table still holds the masters
     assert q_proj.weight is params["model.layers.0.self_attn.q_proj.weight"]
     assert all(p is params[n] for n, p in model.named_parameters())
+
+
+RUNS = {"bf16": (torch.bfloat16, False), "masters": (torch.bfloat16, True), "fp32": (torch.float32, True)}
+
+
+def _run_actor(run: str, seed: int) -> Actor:
+    """An actor as a run of `RUNS[run]` (model.dtype, model.fp32_master_weights) builds it."""
+    dtype, master = RUNS[run]
+    return Actor(seeded_tiny_model(seed).to(dtype), actor_cfg(), torch.device("cpu"), 8, total_steps=4,
+                 master_weights=master)
+
+
+@pytest.mark.parametrize("saved,resumed,note", [("bf16", "masters", "upcast exactly to float32"),
+                                                ("masters", "bf16", "rounded to bfloat16"),
+                                                ("fp32", "bf16", "rounded to bfloat16"),
+                                                ("fp32", "masters", None)])
+def test_a_checkpoint_resumes_with_the_masters_switched(tmp_path, capsys, saved, resumed, note):
+    """A checkpoint resumes across model.fp32_master_weights (and a float32 run's in bfloat16): the weights and the
+    Adam state (step, exp_avg, exp_avg_sq) are the saved ones in the dtype the resumed run keeps (bf16 upcast exactly,
+    fp32 rounded), as torch's Optimizer.load_state_dict casts; a cast is named on stderr; training goes on."""
+    saver = _run_actor(saved, seed=0)
+    saver.update(rl_batch())
+    actor_state_save(CheckpointManager(tmp_path), 1, saver, EpochCursor(10))
+    capsys.readouterr()
+    actor = _run_actor(resumed, seed=1)  # other initial weights: what it holds comes from the checkpoint
+    actor_state_load(CheckpointManager(tmp_path), tmp_path / "step_000001", actor, EpochCursor(10))
+    dtype = torch.bfloat16 if resumed == "bf16" else torch.float32
+    before = dict(saver.model.named_parameters())
+    for name, p in actor.model.named_parameters():
+        assert p.dtype == dtype and torch.equal(p, before[name].to(dtype)), name
+        state, saved_state = actor.optimizer.state[p], saver.optimizer.state[before[name]]
+        assert state.keys() == saved_state.keys() == {"step", "exp_avg", "exp_avg_sq"}
+        assert state["step"].item() == 1 and state["exp_avg"].dtype == dtype, name
+        assert all(torch.equal(state[k], saved_state[k].to(state[k].dtype)) for k in state), name
+    assert actor.scheduler.last_epoch == saver.scheduler.last_epoch == 1
+    err = capsys.readouterr().err
+    assert (f"{tmp_path / 'step_000001'}: " in err and note in err and "model.fp32_master_weights" in err) if note \
+        else err == "", err
+    actor.update(rl_batch(seed=1))  # fused AdamW steps with its state in each parameter's dtype
 
 
 @pytest.fixture(scope="module")

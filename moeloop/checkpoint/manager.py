@@ -16,6 +16,7 @@ import json
 import os
 import random
 import shutil
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,19 @@ def _check_fits(path: Path, model_sd: dict[str, Any]) -> None:
         problems = ([f"{len(missing)} tensors missing (e.g. {missing[0]})"] if missing else []) + reshaped[:2]
         raise InputError(f"{path}: this checkpoint does not fit the model ({'; '.join(problems)}): was it saved from "
                          f"another model or config?")
+
+
+def dtype_changes(path: Path, model: torch.nn.Module) -> dict[tuple[torch.dtype, torch.dtype], int]:
+    """{(saved dtype, `model`'s dtype): tensor count} for the model tensors the checkpoint at `path` holds in another
+    dtype than `model` does. `load` casts them: DCP copies into the model's tensors, and into optimizer state that
+    `get_state_dict` creates in each parameter's dtype (as torch's `Optimizer.load_state_dict` casts)."""
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    changes: Counter[tuple[torch.dtype, torch.dtype]] = Counter()
+    for name, tensor in model.state_dict().items():
+        entry = saved.get(f"model.{name}")  # (None for a tensor not saved, e.g. a LoRA base)
+        if hasattr(entry, "properties") and entry.properties.dtype != tensor.dtype:
+            changes[entry.properties.dtype, tensor.dtype] += 1
+    return dict(changes)
 
 
 def _rank() -> int:
