@@ -338,6 +338,12 @@ class ActorSection:
     # takes part in the policy-gradient term (Wang et al. 2025, "Beyond the 80/20 rule"; TRL's
     # top_entropy_quantile); the KL and entropy terms keep every token, the denominators are unchanged
     top_entropy_quantile: float = 1.0
+    # the update leaves out (no forward, no backward) each sample that cannot move the weights: one with no loss
+    # token, or, when the loss has no KL or entropy term, one whose loss tokens' advantages are all 0 (a GRPO group
+    # whose rewards are all equal). Exact: every policy loss is the advantage times a function of the ratio, so their
+    # gradient is 0, and the loss normalisers still count them. The update's token metrics (entropy, ppo_kl, clip
+    # fractions, num_loss_tokens) then cover the samples it trained on; skipped_samples_frac says how many it left out
+    skip_zero_advantage: bool = True
     offload: OffloadSection = field(default_factory=OffloadSection)
     # LoRA (verl's lora_rank / lora_alpha / target_modules, TRL's peft_config): > 0 trains rank-r adapters on the
     # target modules of the decoder layers, y = x W^T + (alpha / r) (x A^T) B^T, the base weights frozen, the adapters

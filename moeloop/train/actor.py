@@ -247,25 +247,41 @@ class Actor(PolicyForward):
         """PPO-style update: `ppo_epochs` passes over mini-batches of whole groups (one optimizer step each)."""
         self.model.train()
         mini_batches = split_groups(samples, self._num_mini_batches(samples))
+        trained = {id(s) for s in samples if not self.cfg.skip_zero_advantage or self.moves_weights(s)}
         metrics: list[dict[str, float]] = []
         for _ in range(self.cfg.ppo_epochs):
             for mini in mini_batches:
-                metrics.append(self._step(mini))
+                metrics.append(self._step(mini, [s for s in mini if id(s) in trained]))
         self.scheduler.step()
         out = reduce_metrics(metrics)
         out["lr"] = self.scheduler.get_last_lr()[0]
+        if self.cfg.skip_zero_advantage:
+            skipped, total = global_values([len(samples) - len(trained), len(samples)])
+            out["skipped_samples_frac"] = skipped / max(total, 1.0)
         return out
+
+    def moves_weights(self, sample: Sample) -> bool:
+        """Whether `sample`'s gradient can be nonzero (`actor.skip_zero_advantage`): it has a loss token, and with
+        no KL or entropy term in the loss, a loss token whose advantage is not 0 (NaN counts as not 0)."""
+        mask = response_mask_values(sample)
+        if self.cfg.use_kl_loss or self.cfg.entropy_coeff != 0:
+            return any(mask)
+        return any(m and a != 0 for m, a in zip(mask, sample.advantages))
 
     def _num_mini_batches(self, samples: list[Sample]) -> int:
         return num_mini_batches(samples, self.cfg.ppo_mini_batch_size)
 
-    def _step(self, samples: list[Sample]) -> dict[str, float]:
+    def _step(self, samples: list[Sample], trained: list[Sample]) -> dict[str, float]:
+        """One optimizer step on the mini-batch `samples`, whose forward and backward run on `trained` (those that can
+        move the weights; the loss denominators and the entropy threshold are the whole mini-batch's)."""
         denominator = all_reduce_scalar(global_loss_denominators(samples, self.cfg.loss_agg_mode, self.max_response_length))
         denominator = max(denominator, 1.0)
         per_micro: list[dict[str, float]] = []
         top = self.cfg.top_entropy_quantile
         threshold = entropy_threshold(samples, top) if top < 1 else None  # one for the mini-batch: cut-invariant
-        for part, batch in self.packed_micro_batches(samples):
+        passes = 0
+        for part, batch in self.packed_micro_batches(trained):
+            passes += 1
             tape = route_tape(batch, "replay" if self.cfg.router_replay != "off" else "off")
             logprobs_T, entropy_T = self.forward_batch(batch, with_entropy=True, routes=tape)  # entropy: bonus, metric
             old = batch.old_logprobs_T if batch.old_logprobs_T is not None else logprobs_T.detach()
@@ -279,6 +295,8 @@ class Actor(PolicyForward):
             (loss * dp_size()).backward()  # FSDP averages gradients over DP; the loss is already global
             if part:
                 per_micro.append(m)
+        if not passes:  # no rank had a sample to train: the gradient is 0, and AdamW still steps (momentum, decay)
+            zero_grads(self.model)
         grad_norm = clip_and_step(self.model, self.optimizer, self.cfg.grad_clip)
         per_micro = [metrics_to_floats(m) for m in per_micro]  # after the step: no wait between forward and backward
         out = global_metrics(reduce_metrics(per_micro) if per_micro else {})
@@ -311,6 +329,14 @@ class Actor(PolicyForward):
             tokens += float(batch.loss_mask_T.sum())
         nll, tokens = global_values([nll, tokens])
         return {"val/sft_loss": nll / max(tokens, 1.0), "val/num_loss_tokens": tokens}
+
+
+@torch.no_grad()
+def zero_grads(model: nn.Module) -> None:
+    """A zero gradient for each trainable parameter that has none (sharded as the parameter is)."""
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
 
 
 def num_mini_batches(samples: list[Sample], ppo_mini_batch_size: int) -> int:
