@@ -74,24 +74,24 @@ class ExpertsFn(Protocol):
 
 
 _PLUGGED_IMPLS: dict[str, ExpertsFn] = {}
-_LOOPED_OVER_IMPLS: set[str] = set()
+_OVERRIDES_RUN_IMPLS: set[str] = set()
 
 
-def register_experts_impl(name: str, fn: ExpertsFn, uses_looped_over: bool = False) -> None:
+def register_experts_impl(name: str, fn: ExpertsFn, runs_overrides: bool = False) -> None:
     """Make `name` a valid `Experts.impl`; `fn` returns the combined output [T, D] like `Experts.forward`.
-    `uses_looped_over`: `fn` computes the experts through `Experts.looped_over`, so a subclass that overrides it
-    (LoRA's adapted experts) is computed right under it too."""
+    `runs_overrides`: `fn` computes the experts through `Experts.grouped_over` / `looped_over`, so a subclass that
+    overrides them (LoRA's adapted experts) is computed right under it too."""
     if name in EXPERTS_IMPLS:
         raise ValueError(f"experts impl {name!r} is built in")
     _PLUGGED_IMPLS[name] = fn
-    if uses_looped_over:
-        _LOOPED_OVER_IMPLS.add(name)
+    if runs_overrides:
+        _OVERRIDES_RUN_IMPLS.add(name)
 
 
-def impl_uses_looped_over(name: str) -> bool:
+def impl_runs_overrides(name: str) -> bool:
     """Whether impl `name` runs an `Experts` subclass's own computation: the built-in ones (a subclass overrides
-    `_grouped` and `looped_over`) and plugged ones registered as computing through `looped_over`."""
-    return name in EXPERTS_IMPLS or name in _LOOPED_OVER_IMPLS
+    `grouped_over` and `looped_over`) and plugged ones registered as computing through them."""
+    return name in EXPERTS_IMPLS or name in _OVERRIDES_RUN_IMPLS
 
 
 def silu_mul(h_S2F: torch.Tensor) -> torch.Tensor:

@@ -142,7 +142,7 @@ def _local_experts(experts: Experts, x_SD: torch.Tensor, counts_L: torch.Tensor)
     return x_SD.new_zeros(0, experts.dim) + 0 * (x_SD.sum() + sum(t.sum() for t in local.values()))
 
 
-register_experts_impl(EP_IMPL, ep_experts, uses_looped_over=True)
+register_experts_impl(EP_IMPL, ep_experts, runs_overrides=True)
 
 
 @torch.no_grad()

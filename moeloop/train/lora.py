@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from moeloop.config.schema import ActorSection
-from moeloop.model.experts import (EXPERTS_IMPLS, Experts, grouped_linear, grouped_mm_works, impl_uses_looped_over,
+from moeloop.model.experts import (EXPERTS_IMPLS, Experts, grouped_linear, grouped_mm_works, impl_runs_overrides,
                                    silu_mul)
 from moeloop.model.hf_names import hub_slots
 from moeloop.parallel.fsdp import full_tensor
@@ -121,9 +121,10 @@ class LoRAExperts(Experts):
 
     @impl.setter
     def impl(self, name: str) -> None:
-        """The built-in implementations and plugged ones that compute through `looped_over` (expert parallelism):
-        any other (the engine's decode kernels) runs the stacked base weights and would leave the adapters out."""
-        if not impl_uses_looped_over(name):
+        """The built-in implementations and plugged ones that compute through `grouped_over` / `looped_over` (expert
+        parallelism): any other (the engine's decode kernels) runs the stacked base weights and would leave the
+        adapters out."""
+        if not impl_runs_overrides(name):
             raise ValueError(f"experts impl {name!r} does not run LoRA adapters: LoRA on the routed experts takes "
                              f"{'|'.join(EXPERTS_IMPLS)} or expert parallelism (merge the adapters for any other: "
                              f"merged_weights)")
