@@ -2,9 +2,11 @@
 collective moves (FSDP's all-gathers and reduce-scatters, EP's all_to_all, all-reduces), the largest block of weights
 a rank holds unsharded at once, the training state it keeps (weights, grads, Adam), and the step's median seconds.
 The planner's figure for the same layout (`moeloop plan`'s ledger: weights + grads + optimizer per rank) is printed
-beside the measured state.
+beside the measured state. `--experts-impl loop,grouped_mm` runs each layout with each experts implementation (under EP,
+the one each rank's local experts run).
 
     python benchmarks/expert_parallel.py --size small --world 4 --ep 1,2,4 --steps 4
+    python benchmarks/expert_parallel.py --size small --world 4 --ep 2,4 --experts-impl loop,grouped_mm
 
 Each rank gets its own share of random RL samples (GRPO groups, prompt + response tokens), as the trainer's DP does;
 fp32, one thread a rank. Timings on a 2-core VM with 4 ranks are indicative only: the ranks share the cores.
@@ -73,13 +75,14 @@ def local_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def rank_main(rank: int, world: int, init_file: str, args, ep: int, queue) -> None:
+def rank_main(rank: int, world: int, init_file: str, args, ep: int, impl: str, queue) -> None:
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=600))
     from moeloop.train.actor import Actor  # (after the group: FSDP and EP meshes are built from it)
     model = build_model("qwen3_moe", args.size, seed=0)
+    model.set_experts_impl(impl)
     cfg = model.cfg
     actor_cfg = ActorSection()
     actor_cfg.ppo_mini_batch_size = args.groups * world
@@ -106,11 +109,12 @@ def rank_main(rank: int, world: int, init_file: str, args, ep: int, queue) -> No
     dist.destroy_process_group()
 
 
-def run_layout(args, ep: int) -> list[tuple]:
+def run_layout(args, ep: int, impl: str) -> list[tuple]:
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=rank_main, args=(r, args.world, os.path.join(tmp, "rdv"), args, ep, queue))
+        procs = [ctx.Process(target=rank_main, args=(r, args.world, os.path.join(tmp, "rdv"), args, ep, impl,
+                                                            queue))
                  for r in range(args.world)]
         for p in procs:
             p.start()
@@ -136,6 +140,7 @@ def main() -> None:
     ap.add_argument("--size", default="small", choices=("tiny", "small", "reference"))
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--ep", default="1,2,4", help="comma-separated; 1 = FSDP alone")
+    ap.add_argument("--experts-impl", default="auto", help="comma-separated: auto | grouped_mm | loop")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--groups", type=int, default=2, help="GRPO groups a rank")
     ap.add_argument("--n", type=int, default=4, help="samples a group")
@@ -146,19 +151,19 @@ def main() -> None:
     print(f"{args.size} qwen3_moe, {args.world} gloo ranks, {args.groups} groups x {args.n} samples x "
           f"({args.prompt} + {args.response}) tokens a rank, fp32; per rank per update step (rank 0; max over ranks "
           "for seconds)")
-    print("| ep | all_gather MB | reduce_scatter MB | all_to_all MB | all_reduce MB | largest unsharded unit MB | "
-          "state MB measured | state MB planned | step s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| ep | experts impl | all_gather MB | reduce_scatter MB | all_to_all MB | all_reduce MB | "
+          "largest unsharded unit MB | state MB measured | state MB planned | step s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for ep in (int(e) for e in args.ep.split(",")):
-        rows = run_layout(args, ep)
-        _, moved, unit, state, _ = rows[0]
-        step = max(r[4] for r in rows)
-        mb = {k: moved.get(k, 0) / 1e6 for k in COLUMNS}
-        planned = planned_state_gb(args, ep) * 1e3 if ep > 0 else float("nan")
-        print(f"| {ep} | {mb['all_gather']:.2f} | {mb['reduce_scatter']:.2f} | "
-              f"{mb['all_to_all']:.2f} | {mb['all_reduce']:.3f} | {unit / 1e6:.2f} | {state / 1e6:.2f} | "
-              f"{planned:.2f} | {step:.3f} |")
-
+        for impl in args.experts_impl.split(","):
+            rows = run_layout(args, ep, impl)
+            _, moved, unit, state, _ = rows[0]
+            step = max(r[4] for r in rows)
+            mb = {k: moved.get(k, 0) / 1e6 for k in COLUMNS}
+            planned = planned_state_gb(args, ep) * 1e3 if ep > 0 else float("nan")
+            print(f"| {ep} | {impl} | {mb['all_gather']:.2f} | {mb['reduce_scatter']:.2f} | "
+                  f"{mb['all_to_all']:.2f} | {mb['all_reduce']:.3f} | {unit / 1e6:.2f} | {state / 1e6:.2f} | "
+                  f"{planned:.2f} | {step:.3f} |", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -1,7 +1,8 @@
 """Expert parallelism (`parallel.ep`, moeloop.parallel.expert): an MoE block with its experts split over ranks (and
 sharded by FSDP over expert_dp) gives each rank's tokens the one-process output and gradients, and the one-process
-expert gradients (with ranks that receive no rows at all); the RL loop at 2 ranks x ep 2 and 4 ranks x ep 2 (expert_dp
-2) equals 1 rank; a checkpoint saved at 2 x ep 2 and at 4 x ep 2 resumes at 1 rank."""
+expert gradients (with ranks that receive no rows at all), its local experts looping or through grouped_mm as the
+experts' implementation chooses without EP; the RL loop at 2 ranks x ep 2 and 4 ranks x ep 2 (expert_dp 2) equals
+1 rank; a checkpoint saved at 2 x ep 2 and at 4 x ep 2 resumes at 1 rank."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -9,7 +10,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from moeloop.errors import InputError
 from moeloop.model.config import ModelConfig
-from moeloop.model.experts import _PLUGGED_IMPLS
+from moeloop.model.experts import _PLUGGED_IMPLS, cpu_grouped_mm_works
 from moeloop.model.factory import init_model
 from moeloop.model.moe import MoE
 from moeloop.model.routes import RouteTape
@@ -25,34 +26,62 @@ def model_dir(tmp_path_factory):
     return init_model("qwen3_moe", "tiny", tmp_path_factory.mktemp("model") / "m", seed=3)
 
 
-def _block(seed: int = 0) -> MoE:
+# experts impl -> the dtype its block is checked in: CPU grouped_mm has no fp64 kernel (`grouped_mm_works`)
+IMPLS = {"loop": torch.float64, "auto": torch.float32}
+
+
+def _block(seed: int = 0, impl: str = "loop") -> MoE:
     torch.manual_seed(seed)
-    block = MoE(ModelConfig.from_hf_dict(hf_config("qwen3_moe").to_dict()), experts_impl="loop").double()
+    block = MoE(ModelConfig.from_hf_dict(hf_config("qwen3_moe").to_dict()), experts_impl=impl).to(IMPLS[impl])
     with torch.no_grad():
         for p in block.parameters():
             p.copy_(torch.randn_like(p) * 0.2)
     return block
 
 
-def _inputs(rank: int, dim: int, num_experts: int) -> tuple[torch.Tensor, RouteTape | None]:
-    """Rank r's tokens (3 + r of them); rank 1's are routed to experts 0 and 1 only, by a replayed route."""
+def _inputs(rank: int, dim: int, squeeze: bool, dtype: torch.dtype) -> tuple[torch.Tensor, RouteTape | None]:
+    """Rank r's tokens (3 + r of them); rank 1's are routed to experts 0 and 1 only, by a replayed route (squeezed:
+    every rank's, so only rank 0's experts receive rows)."""
     g = torch.Generator().manual_seed(100 + rank)
-    x_TD = torch.randn(3 + rank, dim, generator=g, dtype=torch.float64)
-    if rank != 1:
+    x_TD = torch.randn(3 + rank, dim, generator=g, dtype=torch.float64).to(dtype)
+    if rank != 1 and not squeeze:
         return x_TD, None
     return x_TD, RouteTape(torch.tensor([[[0, 1]] * x_TD.shape[0]]))
 
 
+def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """fp64: to 1e-12; fp32: to 1e-5, relative or of the tensor's largest entry (its gradients reach 1e3)."""
+    if want.dtype == torch.float64:
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def _local_path(impl: str) -> str:
+    """The method the local experts of an `impl` block compute through on this CPU."""
+    grouped = impl == "grouped_mm" or (impl == "auto" and cpu_grouped_mm_works())
+    return "grouped_over" if grouped else "looped_over"
+
+
+def _refuse(*args):
+    raise AssertionError("the local experts took the other path")
+
+
 def _ep_block_rank(rank, world, ep, squeeze):
+    """`_ep_block_run` for each impl of IMPLS, on one mesh."""
+    mesh = build_expert_mesh("cpu", ep)
+    return {impl: _ep_block_run(rank, world, mesh, squeeze, impl) for impl in IMPLS}
+
+
+def _ep_block_run(rank, world, mesh, squeeze, impl):
     """As the trainer runs it: experts split over ep, FSDP over expert_dp (when > 1), each rank's loss times the
-    world size, `reduce_expert_grads`; the whole expert gradients gathered."""
-    block = _block()
-    E = block.experts.num_experts
-    apply_ep(block, build_expert_mesh("cpu", ep))
-    shard_experts(block, MixedPrecisionPolicy(reduce_dtype=torch.float64))
-    x_TD, tape = _inputs(rank, block.experts.dim, E)
-    if squeeze:  # every rank's rows go to rank 0's experts: the others receive none
-        tape = RouteTape(torch.tensor([[[0, 1]] * x_TD.shape[0]]))
+    world size, `reduce_expert_grads`; the whole expert gradients gathered. The local experts' other path raises."""
+    block = _block(impl=impl)
+    apply_ep(block, mesh)
+    other = {"grouped_over": "looped_over", "looped_over": "grouped_over"}[_local_path(impl)]
+    setattr(block.experts, other, _refuse)
+    shard_experts(block, MixedPrecisionPolicy(reduce_dtype=IMPLS[impl]))
+    x_TD, tape = _inputs(rank, block.experts.dim, squeeze, IMPLS[impl])
     x_TD.requires_grad_(True)
     y_TD = block(x_TD, tape)
     (y_TD.square().sum() * (rank + 1) * world).backward()
@@ -65,25 +94,28 @@ def _ep_block_rank(rank, world, ep, squeeze):
 def test_an_ep_block_equals_one_process(world, ep, squeeze):
     """Outputs and input gradients per rank, and each rank's expert gradients summed over the ranks (its EP group's
     rows, then the expert_dp replicas), equal one process running every rank's tokens; ranks with experts no row
-    reaches (and, squeezed, ranks that receive no row at all) still run every exchange. In fp64, to 1e-12
-    (an expert's product sees other row counts, the gradients sum in another order)."""
+    reaches (and, squeezed, ranks that receive no row at all) still run every exchange. Each rank's local experts
+    take the path their impl takes without EP (the other raises): "loop" loops, in fp64; "auto" takes grouped_mm
+    where this torch has a CPU kernel, in fp32 (it has no fp64 kernel). Tolerance (`_assert_close`): an expert's
+    product sees other row counts, the gradients sum in another order."""
     results = run_ranks(_ep_block_rank, world, ep, squeeze)
-    block = _block()
-    E = block.experts.num_experts
-    for rank, (y, x_grad, gate_up_grad, down_grad) in enumerate(results):
-        x_TD, tape = _inputs(rank, block.experts.dim, E)
-        if squeeze:
-            tape = RouteTape(torch.tensor([[[0, 1]] * x_TD.shape[0]]))
-        x_TD.requires_grad_(True)
-        want = block(x_TD, tape)
-        (want.square().sum() * (rank + 1)).backward()
-        torch.testing.assert_close(y, want.detach(), rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(x_grad, x_TD.grad, rtol=1e-12, atol=1e-12)
-    for _, _, gate_up_grad, down_grad in results:
-        torch.testing.assert_close(gate_up_grad, block.experts.gate_up_proj.grad, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(down_grad, block.experts.down_proj.grad, rtol=1e-12, atol=1e-12)
-    if squeeze:  # only experts 0 and 1 saw rows
-        assert results[0][2][2:].abs().sum() == 0 and results[0][2][:2].abs().sum() > 0
+    for impl, dtype in IMPLS.items():
+        block = _block(impl=impl)
+        for rank, result in enumerate(results):
+            y, x_grad, _, _ = result[impl]
+            x_TD, tape = _inputs(rank, block.experts.dim, squeeze, dtype)
+            x_TD.requires_grad_(True)
+            want = block(x_TD, tape)
+            (want.square().sum() * (rank + 1)).backward()
+            _assert_close(y, want.detach())
+            _assert_close(x_grad, x_TD.grad)
+        for result in results:
+            _, _, gate_up_grad, down_grad = result[impl]
+            _assert_close(gate_up_grad, block.experts.gate_up_proj.grad)
+            _assert_close(down_grad, block.experts.down_proj.grad)
+        if squeeze:  # only experts 0 and 1 saw rows
+            gate_up_grad = results[0][impl][2]
+            assert gate_up_grad[2:].abs().sum() == 0 and gate_up_grad[:2].abs().sum() > 0
 
 
 def _loop_rank(rank, world, model_dir, run_dir, *extra):

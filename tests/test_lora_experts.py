@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moeloop.model.experts import Experts
+from moeloop.model.experts import Experts, cpu_grouped_mm_works
 from moeloop.model.hf_names import hub_named_tensors
 from moeloop.train.actor import Actor
 from moeloop.train.lora import (LoRAExperts, LoRALinear, adapters_off, apply_lora, lora_modules, merge_and_unload,
@@ -207,17 +207,23 @@ def test_adapters_are_drawn_from_the_run_seed():
     assert all(torch.equal(p, a1[n]) for n, p in actor.model.named_parameters() if "lora_A" in n)
 
 
-def _train(rank, world, dtype, ep=1):
-    """Two SGD updates of a LoRA actor (all-linear + experts) on this rank's groups, the experts split over `ep` ranks;
-    returns the merged weights, the full adapters and, sharded, the placements and local experts of each expert
-    weight and adapter."""
+def _train(rank, world, dtype, ep=1, impl="auto"):
+    """Two SGD updates of a LoRA actor (all-linear + experts, the experts' `impl`) on this rank's groups, the experts
+    split over `ep` ranks (the local experts' path `impl` does not take raises); returns the merged weights, the full
+    adapters and, sharded, the placements and local experts of each expert weight and adapter."""
     samples = rl_batch()
     groups = sorted({s.group_id for s in samples})
     mine = [s for s in samples if groups.index(s.group_id) % world == rank]
     model = tiny_model().to(dtype)
+    model.set_experts_impl(impl)
     torch.manual_seed(100 + rank)  # the global RNG differs across ranks, as RunEnv seeds it; the adapters must not
     cfg = actor_cfg(max_tokens_per_micro_batch=24, lora_rank=4, lora_alpha=8.0, lora_target_modules=BOTH)
     actor = Actor(model, cfg, torch.device("cpu"), 8, seed=7, ep=ep)
+    if ep > 1:
+        grouped = impl == "grouped_mm" or (impl == "auto" and cpu_grouped_mm_works())
+        for m in lora_modules(actor.model).values():
+            if isinstance(m, LoRAExperts):
+                setattr(m, "looped_over" if grouped else "grouped_over", _refuse)
     use_sgd(actor, 0.5)
     for _ in range(2):
         actor.update(mine)
@@ -231,18 +237,23 @@ def _train(rank, world, dtype, ep=1):
     return {n: t.clone() for n, t in actor.named_weights()}, adapters, shards
 
 
-@pytest.mark.parametrize("world,dtype,ep", [(2, torch.float32, 1), (2, torch.bfloat16, 1), (2, torch.float32, 2),
-                                            (4, torch.float32, 2)])
-def test_ranks_shard_expert_adapters_with_their_experts_and_equal_one_process(world, dtype, ep):
+def _refuse(*args):
+    raise AssertionError("the local experts took the other path")
+
+
+@pytest.mark.parametrize("world,dtype,ep,impl", [(2, torch.float32, 1, "auto"), (2, torch.bfloat16, 1, "auto"),
+                                                 (2, torch.float32, 2, "auto"), (4, torch.float32, 2, "loop")])
+def test_ranks_shard_expert_adapters_with_their_experts_and_equal_one_process(world, dtype, ep, impl):
     """Ranks (gloo) train the same adapters as one process given every group, under FSDP (ep 1) or with the experts
-    split over ep ranks (parallel.ep=2; at 4 ranks FSDP shards them over expert_dp 2 as well): the experts' weights
+    split over ep ranks (parallel.ep=2; at 4 ranks FSDP shards them over expert_dp 2 as well), each rank's local
+    experts through grouped_mm ("auto" in fp32, where this torch has a CPU kernel) or the loop: the experts' weights
     and adapters are split alike on dim 0 (each rank holds 4 / world experts' rows, with their adapters), the
     adapters moved, and they and the merged weights match. Tolerance: fp32, gradient reduction order (1e-5); bf16
     model (its fp32 adapters beside bf16 weights in one FSDP unit), activations rounded to bf16 in other packings: 2%
     of each tensor's largest entry (measured 0.7%; bf16's epsilon is 0.4%)."""
-    want, want_adapters, _ = _train(0, 1, dtype)
+    want, want_adapters, _ = _train(0, 1, dtype, 1, impl)
     assert all(t.abs().max() > 0 for n, t in want_adapters.items() if "lora_B" in n)  # (B starts at zero)
-    for weights, adapters, shards in run_ranks(_train, world, dtype, ep):
+    for weights, adapters, shards in run_ranks(_train, world, dtype, ep, impl):
         assert set(shards) == {"gate_up_proj", "down_proj", "gate_up_lora_A", "gate_up_lora_B", "down_lora_A",
                                "down_lora_B"}
         assert set(shards.values()) == {(shards["gate_up_proj"][0], 4 // world)}, shards

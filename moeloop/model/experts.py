@@ -74,24 +74,24 @@ class ExpertsFn(Protocol):
 
 
 _PLUGGED_IMPLS: dict[str, ExpertsFn] = {}
-_LOOPED_OVER_IMPLS: set[str] = set()
+_OVERRIDES_RUN_IMPLS: set[str] = set()
 
 
-def register_experts_impl(name: str, fn: ExpertsFn, uses_looped_over: bool = False) -> None:
+def register_experts_impl(name: str, fn: ExpertsFn, runs_overrides: bool = False) -> None:
     """Make `name` a valid `Experts.impl`; `fn` returns the combined output [T, D] like `Experts.forward`.
-    `uses_looped_over`: `fn` computes the experts through `Experts.looped_over`, so a subclass that overrides it
-    (LoRA's adapted experts) is computed right under it too."""
+    `runs_overrides`: `fn` computes the experts through `Experts.grouped_over` / `looped_over`, so a subclass that
+    overrides them (LoRA's adapted experts) is computed right under it too."""
     if name in EXPERTS_IMPLS:
         raise ValueError(f"experts impl {name!r} is built in")
     _PLUGGED_IMPLS[name] = fn
-    if uses_looped_over:
-        _LOOPED_OVER_IMPLS.add(name)
+    if runs_overrides:
+        _OVERRIDES_RUN_IMPLS.add(name)
 
 
-def impl_uses_looped_over(name: str) -> bool:
+def impl_runs_overrides(name: str) -> bool:
     """Whether impl `name` runs an `Experts` subclass's own computation: the built-in ones (a subclass overrides
-    `_grouped` and `looped_over`) and plugged ones registered as computing through `looped_over`."""
-    return name in EXPERTS_IMPLS or name in _LOOPED_OVER_IMPLS
+    `grouped_over` and `looped_over`) and plugged ones registered as computing through them."""
+    return name in EXPERTS_IMPLS or name in _OVERRIDES_RUN_IMPLS
 
 
 def silu_mul(h_S2F: torch.Tensor) -> torch.Tensor:
@@ -129,9 +129,12 @@ class Experts(nn.Module):
             raise ValueError(f"experts_impl='grouped_mm': torch {torch.__version__} has no grouped_mm")
         self._impl = name
 
-    def resolved_impl(self, x_TD: torch.Tensor) -> str:
-        if self._impl in ("grouped_mm", "loop"):
-            return self._impl
+    def resolved_impl(self, x_TD: torch.Tensor, impl: str | None = None) -> str:
+        """"grouped_mm" or "loop" for rows like x_TD, by `impl` (default: this module's; expert parallelism passes
+        the one its local experts run)."""
+        impl = self._impl if impl is None else impl
+        if impl in ("grouped_mm", "loop"):
+            return impl
         aligned = (self.dim * x_TD.element_size()) % 16 == 0 and (self.ffn_dim * x_TD.element_size()) % 16 == 0
         if x_TD.is_cuda:
             fast = x_TD.dtype in (torch.bfloat16, torch.float16) and grouped_mm_available()
@@ -158,22 +161,32 @@ class Experts(nn.Module):
         inv_perm_S[perm_S] = torch.arange(perm_S.numel(), device=perm_S.device)
         kernels = row_kernels_apply(x_TD)
         x_SD = gather_rows(x_TD, perm_S // K, inv_perm_S.view(T, K)) if kernels else x_TD[perm_S // K]
-        if self.resolved_impl(x_TD) == "grouped_mm":
-            y_SD = self._grouped(x_SD, torch.cumsum(counts_E, 0, dtype=torch.int32))
-        else:
-            y_SD = self._looped(x_SD, counts_E)
+        y_SD = self.computed_over(x_SD, counts_E, self._params(), self.resolved_impl(x_TD))
         if kernels:
             return combine_rows(y_SD, inv_perm_S.view(T, K), weights_TK)
         y_TKD = y_SD[inv_perm_S].view(T, K, self.dim)
         return (y_TKD * weights_TK.float()[..., None]).sum(dim=1).to(x_TD.dtype)
 
-    def _grouped(self, x_SD: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-        return grouped_linear(silu_mul(grouped_linear(x_SD, self.gate_up_proj, offsets_E)), self.down_proj, offsets_E)
-
-    def _looped(self, x_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        # (by attribute: under fp32 master weights, `train.precision.cast_params`, an attribute reads as its cast)
-        params = {name: getattr(self, name) for name, _ in self.named_parameters(recurse=False)}
+    def computed_over(self, x_SD: torch.Tensor, counts_E: torch.Tensor, params: dict[str, torch.Tensor],
+                      impl: str) -> torch.Tensor:
+        """Rows sorted by expert (counts_E each) through `grouped_over` or `looped_over` (`impl`, resolved)."""
+        if impl == "grouped_mm":
+            return self.grouped_over(x_SD, torch.cumsum(counts_E, 0, dtype=torch.int32), params)
         return self.looped_over(x_SD, counts_E, params)
+
+    def _grouped(self, x_SD: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+        return self.grouped_over(x_SD, offsets_E, self._params())
+
+    def _params(self) -> dict[str, torch.Tensor]:
+        # (by attribute: under fp32 master weights, `train.precision.cast_params`, an attribute reads as its cast)
+        return {name: getattr(self, name) for name, _ in self.named_parameters(recurse=False)}
+
+    def grouped_over(self, x_SD: torch.Tensor, offsets_E: torch.Tensor,
+                     params: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One grouped_mm per projection over the experts `params` stands for (as in `looped_over`); expert e's rows
+        end at offsets_E[e] (int32)."""
+        h_S2F = grouped_linear(x_SD, params["gate_up_proj"], offsets_E)
+        return grouped_linear(silu_mul(h_S2F), params["down_proj"], offsets_E)
 
     def looped_over(self, x_SD: torch.Tensor, counts_E: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
         """One pair of matmuls per non-empty expert, `params` standing for this module's stacked parameters (by name):

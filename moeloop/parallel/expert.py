@@ -13,9 +13,9 @@ and the expert_dp = world / ep groups hold the same experts, sharded among them 
 parallel with a distributed optimizer: each rank stores 1 / world of the experts' weights, gradients and Adam state,
 as `moeloop plan` counts). A forward sorts its (token, expert) pairs by expert,
 sends each rank the rows of its experts (`all_to_all_single` with uneven splits, their sizes exchanged first), runs
-the local experts on what arrived, and sends the results back; the backward runs the same exchanges reversed. Every
-rank runs the same MoE layers in the same order (the trainer equalises micro-batch counts for FSDP already), so the
-exchanges pair up.
+the local experts on what arrived (grouped_mm or the loop, by the implementation the module had before EP), and sends
+the results back; the backward runs the same exchanges reversed. Every rank runs the same MoE layers in the same order
+(the trainer equalises micro-batch counts for FSDP already), so the exchanges pair up.
 
 Gradients: the trainer scales each rank's loss by the world size for FSDP's averaging, so an expert's gradient, summed
 over the rows every rank of its EP group sent it, is world x that group's share; FSDP averages the expert_dp groups'
@@ -49,8 +49,8 @@ def build_expert_mesh(device_type: str, ep: int) -> DeviceMesh:
 def apply_ep(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter]:
     """Split every routed-experts module of `model` over the mesh's ep dim: each rank keeps its experts' rows of the
     stacked weights (every rank holds the same whole model before: nothing is sent), as DTensors on the ep dim; the
-    module then runs `ep_experts`. Returns the new parameters (the dense FSDP leaves them to `apply_fsdp`'s experts
-    units)."""
+    module then runs `ep_experts`, its local experts by the implementation it had (`local_impl`). Returns the new
+    parameters (the dense FSDP leaves them to `apply_fsdp`'s experts units)."""
     ep = mesh.size(1)
     params: set[nn.Parameter] = set()
     for module in model.modules():
@@ -67,6 +67,7 @@ def apply_ep(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter]:
             setattr(module, name, param)
             params.add(param)
         module.ep_mesh = mesh
+        module.local_impl = module.impl  # what its local experts run: "auto" | "grouped_mm" | "loop", as before
         module.impl = EP_IMPL
     return params
 
@@ -129,18 +130,19 @@ def ep_experts(experts: Experts, x_TD: torch.Tensor, ids_TK: torch.Tensor, weigh
 
 def _local_experts(experts: Experts, x_SD: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
     """This rank's experts on rows grouped by local expert (counts_L rows each), the stacked weights in the rows'
-    dtype, through the module's `looped_over` (LoRA's adapted experts add their adapters there, in their own dtype)."""
+    dtype, through the module's `grouped_over` or `looped_over` as its `local_impl` resolves for these rows (LoRA's
+    adapted experts add their adapters there, in their own dtype)."""
     local = {name: p.to_local() for name, p in experts.named_parameters(recurse=False)}
     for name in ("gate_up_proj", "down_proj"):
         local[name] = local[name].to(x_SD.dtype)
     if x_SD.shape[0]:
-        return experts.looped_over(x_SD, counts_L, local)
+        return experts.computed_over(x_SD, counts_L, local, experts.resolved_impl(x_SD, experts.local_impl))
     # no rows arrived: the output still depends on the rows and the parameters, so this rank's backward runs the
     # reverse exchanges its peers run (and the parameters get a zero gradient)
     return x_SD.new_zeros(0, experts.dim) + 0 * (x_SD.sum() + sum(t.sum() for t in local.values()))
 
 
-register_experts_impl(EP_IMPL, ep_experts, uses_looped_over=True)
+register_experts_impl(EP_IMPL, ep_experts, runs_overrides=True)
 
 
 @torch.no_grad()

@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from moeloop.config.schema import ActorSection
-from moeloop.model.experts import (EXPERTS_IMPLS, Experts, grouped_linear, grouped_mm_works, impl_uses_looped_over,
+from moeloop.model.experts import (EXPERTS_IMPLS, Experts, grouped_linear, grouped_mm_works, impl_runs_overrides,
                                    silu_mul)
 from moeloop.model.hf_names import hub_slots
 from moeloop.parallel.fsdp import full_tensor
@@ -93,8 +93,8 @@ class LoRAExperts(Experts):
     B split in rows), its down rows likewise. Computed on the expert-sorted rows in the experts' own implementation:
     three grouped_mm per projection, or one loop over experts. `gate_up_lora_A` [E, R, D], `gate_up_lora_B` [E, 2F, R],
     `down_lora_A` [E, R, F], `down_lora_B` [E, D, R], fp32; dim 0 is the expert, so FSDP's dim-0 shards and expert
-    parallelism's split (`parallel.expert`, which runs `looped_over` on each rank's experts) keep each expert's
-    adapters with its weights."""
+    parallelism's split (`parallel.expert`, which runs `grouped_over` or `looped_over` on each rank's experts) keep
+    each expert's adapters with its weights."""
 
     ADAPTED = {"gate_up_proj": ("gate_up_lora_A", "gate_up_lora_B"), "down_proj": ("down_lora_A", "down_lora_B")}
     scale: float = 1.0
@@ -121,25 +121,29 @@ class LoRAExperts(Experts):
 
     @impl.setter
     def impl(self, name: str) -> None:
-        """The built-in implementations and plugged ones that compute through `looped_over` (expert parallelism):
-        any other (the engine's decode kernels) runs the stacked base weights and would leave the adapters out."""
-        if not impl_uses_looped_over(name):
+        """The built-in implementations and plugged ones that compute through `grouped_over` / `looped_over` (expert
+        parallelism): any other (the engine's decode kernels) runs the stacked base weights and would leave the
+        adapters out."""
+        if not impl_runs_overrides(name):
             raise ValueError(f"experts impl {name!r} does not run LoRA adapters: LoRA on the routed experts takes "
                              f"{'|'.join(EXPERTS_IMPLS)} or expert parallelism (merge the adapters for any other: "
                              f"merged_weights)")
         Experts.impl.fset(self, name)
 
-    def _grouped(self, x_SD: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    def grouped_over(self, x_SD: torch.Tensor, offsets_E: torch.Tensor,
+                     params: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Experts.grouped_over with each projection's adapter (`params` holds them too, as in `looped_over`)."""
         if not self.adapter_on:
-            return super()._grouped(x_SD, offsets_E)
-        h_S2F = self._grouped_projection("gate_up_proj", x_SD, offsets_E)
-        return self._grouped_projection("down_proj", silu_mul(h_S2F), offsets_E)
+            return super().grouped_over(x_SD, offsets_E, params)
+        h_S2F = self._grouped_projection("gate_up_proj", x_SD, offsets_E, params)
+        return self._grouped_projection("down_proj", silu_mul(h_S2F), offsets_E, params)
 
-    def _grouped_projection(self, weight: str, x_SI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    def _grouped_projection(self, weight: str, x_SI: torch.Tensor, offsets_E: torch.Tensor,
+                            params: dict[str, torch.Tensor]) -> torch.Tensor:
         """Each sorted row through its expert's weight and adapter. The adapter's grouped_mm runs in fp32, which
         needs a kernel for it on this device and 16-byte rows (I and R multiples of 4); else a loop over experts."""
-        a_ERI, b_EOR = (getattr(self, leaf) for leaf in self.ADAPTED[weight])
-        y_SO = grouped_linear(x_SI, getattr(self, weight), offsets_E)
+        a_ERI, b_EOR = (params[leaf] for leaf in self.ADAPTED[weight])
+        y_SO = grouped_linear(x_SI, params[weight], offsets_E)
         x32_SI = x_SI.to(a_ERI.dtype)
         align = 16 // a_ERI.element_size()
         aligned = x_SI.shape[-1] % align == 0 and a_ERI.shape[1] % align == 0
