@@ -86,8 +86,10 @@ def test_model_grouped_mm_equals_loop_values_and_grads():
 
 def test_auto_impl_on_cpu_follows_the_kernel_probe_and_bad_impl_raises():
     from moeloop.model.experts import cpu_grouped_mm_works
-    experts, x, *_ = _experts_and_inputs()
+    experts, x, ids, weights, _ = _experts_and_inputs()
     assert experts.resolved_impl(x) == ("grouped_mm" if cpu_grouped_mm_works() else "loop")
+    assert experts.resolved_impl(x.double()) == "loop"  # CPU grouped_mm has no fp64 kernel: auto must not pick it
+    experts.double()(x.double(), ids, weights)
     with pytest.raises(ValueError, match="experts_impl"):
         experts.impl = "cutlass"
 

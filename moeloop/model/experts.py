@@ -139,7 +139,7 @@ class Experts(nn.Module):
         if x_TD.is_cuda:
             fast = x_TD.dtype in (torch.bfloat16, torch.float16) and grouped_mm_available()
         else:  # measured 10-35% faster than the loop for fwd+bwd at the tiny/small/large CPU sizes
-            fast = x_TD.device.type == "cpu" and cpu_grouped_mm_works()
+            fast = x_TD.device.type == "cpu" and grouped_mm_works("cpu", x_TD.dtype)  # (fp32 and bf16; not fp64)
         return "grouped_mm" if fast and aligned else "loop"
 
     def forward(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
