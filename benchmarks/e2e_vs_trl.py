@@ -199,7 +199,8 @@ def run_moeloop(args: argparse.Namespace, run_dir: Path) -> list[dict]:
         out.append(dict(step_s=marks[i + 1] - marks[i], reward=rec["reward/mean"], samples=num_samples,
                         completion_tokens=round(rec["response/len_mean"] * num_samples),
                         prompt_tokens=prompt_tokens(tok, rows, job.n), prompts=prompts_seen[i],
-                        phases={k[5:]: v for k, v in rec.items() if k.startswith("time/") and k != "time/step"}))
+                        phases={k[5:]: v for k, v in rec.items() if k.startswith("time/") and k != "time/step"},
+                        skipped=rec.get("skipped_samples_frac", 0.0)))
     return out
 
 
@@ -401,7 +402,8 @@ def summarise(steps: list[dict]) -> dict:
                 tokens_per_s=statistics.median((s["prompt_tokens"] + s["completion_tokens"]) / s["step_s"] for s in timed),
                 completion_len=statistics.fmean(s["completion_tokens"] / s["samples"] for s in steps),
                 rewards=[s["reward"] for s in steps], phases=phases, op_profile=steps[-1].get("op_profile"),
-                save_last_s=steps[-1]["phases"].get("save_checkpoint", 0.0))
+                save_last_s=steps[-1]["phases"].get("save_checkpoint", 0.0),
+                skipped=statistics.fmean(s.get("skipped", 0.0) for s in steps))
 
 
 def report(args: argparse.Namespace, runs: dict[str, list[dict]]) -> None:
@@ -453,6 +455,9 @@ def report(args: argparse.Namespace, runs: dict[str, list[dict]]) -> None:
     if "moeloop" in runs:
         last = statistics.median(s["save_last_s"] for s in runs["moeloop"])
         print(f"  moeloop final-step save_checkpoint (DCP + HF export, not in the medians): {last:.3f} s")
+        skipped = statistics.fmean(s["skipped"] for s in runs["moeloop"])
+        print(f"  moeloop's update left out {skipped:.1%} of the samples (actor.skip_zero_advantage: zero advantage, "
+              f"so zero gradient; --moeloop-set actor.skip_zero_advantage=false trains on all of them as TRL does)")
 
 
 def main(argv: list[str] | None = None) -> None:
