@@ -1,11 +1,13 @@
 """`actor.skip_zero_advantage`: the update leaves out the samples whose gradient is zero (every loss token's
 advantage 0 with no KL or entropy term, or no loss token) and ends where the full update ends: the same weights,
 with AdamW's momentum and weight decay applied on a step where nothing is left to train, at 1 and 2 ranks."""
+import copy
+
 import pytest
 import torch
 
 import moeloop.train.actor as actor_module
-from moeloop.train.actor import Actor
+from moeloop.train.actor import Actor, dummy_sample
 from tests.dist import run_ranks
 from tests.trainer_fixtures import actor_cfg, rl_batch, tiny_model, use_sgd
 
@@ -21,12 +23,12 @@ def _batch():
 
 
 def _packed_spy(monkeypatch) -> list:
-    """The samples each micro-batch packs (the dummy of an empty one excluded)."""
+    """The samples each micro-batch packs (the dummy of an empty one left out)."""
     packed: list = []
     pack = actor_module.pack_samples
 
     def spy(samples, *a, **kw):
-        packed.append([s for s in samples if s.response_ids])
+        packed.append([s for s in samples if s != dummy_sample()])
         return pack(samples, *a, **kw)
     monkeypatch.setattr(actor_module, "pack_samples", spy)
     return packed
@@ -69,8 +71,9 @@ def test_a_kl_or_entropy_term_keeps_the_zero_advantage_samples(monkeypatch, term
 
 
 def test_a_step_with_nothing_to_train_still_steps_adamw(monkeypatch):
-    """Step 1 trains (AdamW's momentum becomes nonzero); step 2's advantages are all 0: no forward runs, and the
-    weights move as the full update moves them (momentum and weight decay on a zero gradient), bit for bit."""
+    """Step 1 trains (AdamW's momentum becomes nonzero); step 2's advantages are all 0: no sample is packed (one
+    dummy pass gives the zero gradients), and the weights move as the full update moves them (momentum and weight
+    decay on a zero gradient), bit for bit."""
     flat = rl_batch()
     for s in flat:
         s.advantages = [0.0] * len(s.response_ids)
@@ -83,30 +86,38 @@ def test_a_step_with_nothing_to_train_still_steps_adamw(monkeypatch):
         metrics = actor.update(flat)
         results[skip] = _weights(actor)
         monkeypatch.undo()
-    assert packed == [] and metrics["skipped_samples_frac"] == 1.0
+    assert packed == [[]] and metrics["skipped_samples_frac"] == 1.0  # one pass, of the dummy alone
     for name, w in results[False].items():
         torch.testing.assert_close(results[True][name], w, rtol=0, atol=0)
 
 
+def _steps(samples):
+    """Two updates on `_batch()`'s samples, then one on the same samples with every advantage 0."""
+    flat = [copy.copy(s) for s in samples]
+    for s in flat:
+        s.advantages = [0.0] * len(s.response_ids)
+    return [samples, samples, flat]
+
+
 def _dp_rank(rank, world):
-    """Rank 0 holds groups 0 and 2: group 0 has nothing to train, so its rank runs fewer passes of its own."""
+    """Rank 0 holds groups 0 and 2: group 0 has nothing to train, so its rank runs fewer passes of its own; at the
+    third step no rank has anything to train."""
     samples = _batch()
     mine = [s for s in samples if s.group_id % world == rank]
     actor = Actor(tiny_model(), actor_cfg(max_tokens_per_micro_batch=24), torch.device("cpu"), 8)
     use_sgd(actor, 0.05)
-    metrics = [actor.update(mine) for _ in range(2)]
+    metrics = [actor.update(batch) for batch in _steps(mine)]
     return [m["skipped_samples_frac"] for m in metrics], _weights(actor)
 
 
 def test_two_ranks_with_skipped_samples_equal_one_process_without_skipping():
-    samples = _batch()
     actor = Actor(tiny_model(), actor_cfg(max_tokens_per_micro_batch=24, skip_zero_advantage=False),
                   torch.device("cpu"), 8)
     use_sgd(actor, 0.05)
-    for _ in range(2):
-        actor.update(samples)
+    for batch in _steps(_batch()):
+        actor.update(batch)
     want = _weights(actor)
     for fracs, weights in run_ranks(_dp_rank, 2):
-        assert fracs == [pytest.approx(4 / 12)] * 2
+        assert fracs == [pytest.approx(4 / 12)] * 2 + [1.0]
         for name, w in want.items():  # tolerance: fp32 summation order (all-reduce, fewer rows)
             torch.testing.assert_close(weights[name], w, rtol=1e-5, atol=1e-6)

@@ -73,19 +73,21 @@ class PolicyForward:
                       routes: RouteTape | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.model.lm_head(packed_hidden(self.model, batch, routes), batch.labels_T, 1.0, with_entropy)
 
-    def micro_batches(self, samples: list[Sample]) -> list[list[int]]:
-        """Token-budget cut, padded with empty micro-batches to the max count over DP ranks."""
+    def micro_batches(self, samples: list[Sample], at_least: int = 0) -> list[list[int]]:
+        """Token-budget cut, padded with empty micro-batches to the max count over DP ranks (and to `at_least`)."""
         bins = split_micro_batches(samples, self.budget) if samples else []
-        target = int(all_reduce_scalar(len(bins), dist.ReduceOp.MAX))
+        target = max(int(all_reduce_scalar(len(bins), dist.ReduceOp.MAX)), at_least)
         if target > len(bins) and len(samples) >= target:
             bins = split_micro_batches(samples, self.budget, min_num_micro_batches=target)
         return bins + [[] for _ in range(target - len(bins))]
 
-    def packed_micro_batches(self, samples: list[Sample]) -> Iterator[tuple[list[Sample], PackedBatch]]:
+    def packed_micro_batches(self, samples: list[Sample],
+                             at_least: int = 0) -> Iterator[tuple[list[Sample], PackedBatch]]:
         """(this micro-batch's samples, its packed batch on the device); an empty micro-batch packs a
-        `dummy_sample` (no loss token) so every rank runs the same passes, and yields no samples. With fp32 master
-        weights in one process, the caller's loop body (forward and backward) runs on their bf16 casts."""
-        for indices in self.micro_batches(samples):
+        `dummy_sample` (no loss token) so every rank runs the same passes, and yields no samples; `at_least` passes
+        (empty ones where there are fewer samples). With fp32 master weights in one process, the caller's loop body
+        (forward and backward) runs on their bf16 casts."""
+        for indices in self.micro_batches(samples, at_least):
             part = [samples[i] for i in indices]
             batch = pack_samples(part or [dummy_sample()]).to(self.device)
             with cast_params(self.model, self.compute_dtype) if self.casts_params else contextlib.nullcontext():
@@ -279,9 +281,9 @@ class Actor(PolicyForward):
         per_micro: list[dict[str, float]] = []
         top = self.cfg.top_entropy_quantile
         threshold = entropy_threshold(samples, top) if top < 1 else None  # one for the mini-batch: cut-invariant
-        passes = 0
-        for part, batch in self.packed_micro_batches(trained):
-            passes += 1
+        # (at least one pass: with nothing to train, a dummy's backward gives each parameter the forward reaches a
+        # zero gradient, as the full update would, so AdamW still steps them: momentum, weight decay)
+        for part, batch in self.packed_micro_batches(trained, at_least=1):
             tape = route_tape(batch, "replay" if self.cfg.router_replay != "off" else "off")
             logprobs_T, entropy_T = self.forward_batch(batch, with_entropy=True, routes=tape)  # entropy: bonus, metric
             old = batch.old_logprobs_T if batch.old_logprobs_T is not None else logprobs_T.detach()
@@ -295,8 +297,6 @@ class Actor(PolicyForward):
             (loss * dp_size()).backward()  # FSDP averages gradients over DP; the loss is already global
             if part:
                 per_micro.append(m)
-        if not passes:  # no rank had a sample to train: the gradient is 0, and AdamW still steps (momentum, decay)
-            zero_grads(self.model)
         grad_norm = clip_and_step(self.model, self.optimizer, self.cfg.grad_clip)
         per_micro = [metrics_to_floats(m) for m in per_micro]  # after the step: no wait between forward and backward
         out = global_metrics(reduce_metrics(per_micro) if per_micro else {})
@@ -329,14 +329,6 @@ class Actor(PolicyForward):
             tokens += float(batch.loss_mask_T.sum())
         nll, tokens = global_values([nll, tokens])
         return {"val/sft_loss": nll / max(tokens, 1.0), "val/num_loss_tokens": tokens}
-
-
-@torch.no_grad()
-def zero_grads(model: nn.Module) -> None:
-    """A zero gradient for each trainable parameter that has none (sharded as the parameter is)."""
-    for p in model.parameters():
-        if p.requires_grad and p.grad is None:
-            p.grad = torch.zeros_like(p)
 
 
 def num_mini_batches(samples: list[Sample], ppo_mini_batch_size: int) -> int:
