@@ -152,7 +152,10 @@ def model_dir(tmp_path_factory):
 
 
 def _bf16_rank(rank, world, model_dir, run_dir, *extra):
-    run_rl(_cfg(model_dir, run_dir, "model.dtype=bfloat16", "actor.optim.lr=1e-5", *extra))
+    # (every sample trains: with actor.skip_zero_advantage the ranks' bf16 products see other row counts, and step 2's
+    # small gradient norm drifted 6% between 1 and 2 ranks; the skip's DP equality is checked in fp32, test_rl_loop)
+    run_rl(_cfg(model_dir, run_dir, "model.dtype=bfloat16", "actor.optim.lr=1e-5", "actor.skip_zero_advantage=false",
+                *extra))
     return True
 
 

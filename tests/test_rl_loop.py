@@ -295,8 +295,10 @@ def test_remax_baselines_are_the_greedy_rewards_and_dp2_matches_dp1(model_dir, t
 
 def test_top_entropy_selection_dp2_matches_dp1(model_dir, tmp_path):
     """actor.top_entropy_quantile=0.5: the threshold is taken over every rank's loss tokens (2 ranks give 1 rank's
-    update), from the old-logprob pass's entropies, which runs for them although the update is on-policy."""
-    extra = ["actor.top_entropy_quantile=0.5", "actor.ppo_mini_batch_size=4"]
+    update), from the old-logprob pass's entropies, which runs for them although the update is on-policy. (Every
+    loss token trains here, so that pg_token_kept_frac covers them all: with actor.skip_zero_advantage it covers the
+    trained samples' tokens only.)"""
+    extra = ["actor.top_entropy_quantile=0.5", "actor.ppo_mini_batch_size=4", "actor.skip_zero_advantage=false"]
     _dp_rank_with(0, 1, model_dir, tmp_path / "one", *extra)
     run_ranks(_dp_rank_with, 2, model_dir, tmp_path / "two", *extra)
     _assert_dp2_matches_dp1(tmp_path)
