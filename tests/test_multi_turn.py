@@ -338,11 +338,16 @@ def test_the_mixed_tool_task_answers_every_other_problem_directly():
     assert mixed[1]["response"] == tools[1]["response"]
 
 
-def test_the_tools_demo_runs_sft_then_multi_turn_rl(tmp_path, capsys):
+def test_the_tools_demo_runs_sft_then_multi_turn_rl(tmp_path, capsys, monkeypatch):
     """`moeloop demo --task tools`, 2 SFT steps and 1 RL step: both stages run on the tool task's configs, the RL
-    stage with the calculator (its metrics logged), and the demo prints the tool calls a sample."""
-    from moeloop.loop.demo import run_demo
-    result = run_demo(tmp_path, 0, 2, 1, "tools")
+    stage with the calculator (its metrics logged), and the demo prints the tool calls a sample. The held-out set is
+    cut to its first 16 prompts (data.val_max_samples; the config's 256, validated before and after the step, took
+    most of the time): the validations still run, multi-turn, and the accuracies are not what is checked."""
+    import moeloop.loop.demo as demo
+    real = demo.load_config
+    monkeypatch.setattr(demo, "load_config", lambda path, overrides: real(
+        path, [*overrides, "data.val_max_samples=16"] if path.name == "tiny_tools.yaml" else overrides))
+    result = demo.run_demo(tmp_path, 0, 2, 1, "tools")
     assert set(result) >= {"sampled_after_sft", "sampled_after_rl", "tool_calls_first", "tool_calls_last"}
     assert "tool calls a sample:" in capsys.readouterr().out and (tmp_path / "rl" / "reward.png").is_file()
     first = json.loads((tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()[0])
