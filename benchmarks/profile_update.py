@@ -155,6 +155,8 @@ def main() -> None:
     ap.add_argument("--ops", type=int, default=0, help="also print the top N aten ops by GPU self time")
     ap.add_argument("--host", type=int, default=0, help="also print the update's host syncs by source line and "
                     "the N largest GPU idle gaps")
+    ap.add_argument("--zero-adv", action="store_true", help="every advantage 0 (a batch whose groups' rewards are all "
+                    "equal): the update with nothing to train (actor.skip_zero_advantage)")
     ap.add_argument("--masters", default="on", help="fp32 master weights (model.fp32_master_weights): on, off, "
                     "or on,off to compare them in one run")
     args = ap.parse_args()
@@ -163,6 +165,9 @@ def main() -> None:
         init_model("qwen3_moe", args.size, model_dir, seed=0)
     vocab = build_model("qwen3_moe", args.size, seed=0).cfg.vocab_size
     samples = make_samples(args.groups, args.n, args.prompt_len, args.new_tokens, vocab)
+    if args.zero_adv:
+        for s in samples:
+            s.advantages = [0.0] * len(s.response_ids)
     tokens = sum(s.num_tokens for s in samples)
     print(f"batch: {len(samples)} samples, {tokens} tokens; torch {torch.__version__}, {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}")
     runs = [(int(b), m == "on") for b in args.micro_batch_tokens.split(",") for m in args.masters.split(",")]
