@@ -46,11 +46,13 @@ def _update(samples, skip: bool, optim: str = "sgd", **over):
     return metrics, _weights(actor)
 
 
-def test_the_update_trains_only_the_samples_that_move_the_weights(monkeypatch):
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_the_update_trains_only_the_samples_that_move_the_weights(monkeypatch, mode):
+    """(Each aggregation's denominator counts the left-out samples: their tokens, or their sequences.)"""
     samples = _batch()
-    _, want = _update(samples, skip=False)
+    _, want = _update(samples, skip=False, loss_agg_mode=mode)
     packed = _packed_spy(monkeypatch)
-    metrics, got = _update(samples, skip=True)
+    metrics, got = _update(samples, skip=True, loss_agg_mode=mode)
     trained = [s for part in packed for s in part]
     assert len(trained) == 12 - 4 and all(s.group_id != 0 for s in trained) and samples[6] not in trained
     assert metrics["skipped_samples_frac"] == pytest.approx(4 / 12)
