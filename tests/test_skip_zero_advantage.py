@@ -72,10 +72,11 @@ def test_a_kl_or_entropy_term_keeps_the_zero_advantage_samples(monkeypatch, term
     assert metrics["skipped_samples_frac"] == pytest.approx(1 / 12)
 
 
-def test_a_step_with_nothing_to_train_still_steps_adamw(monkeypatch):
-    """Step 1 trains (AdamW's momentum becomes nonzero); step 2's advantages are all 0: no sample is packed (one
-    dummy pass gives the zero gradients), and the weights move as the full update moves them (momentum and weight
-    decay on a zero gradient), bit for bit."""
+@pytest.mark.parametrize("trained_before", [True, False])
+def test_a_step_with_nothing_to_train_still_steps_adamw(monkeypatch, trained_before):
+    """An update whose advantages are all 0 moves the weights as the full update does (AdamW's momentum and weight
+    decay on a zero gradient), bit for bit, and packs no sample. After a training step (momentum nonzero) it runs no
+    pass: the parameters that pass reached get zeros. As the first update it runs one dummy pass to reach them."""
     flat = rl_batch()
     for s in flat:
         s.advantages = [0.0] * len(s.response_ids)
@@ -83,12 +84,13 @@ def test_a_step_with_nothing_to_train_still_steps_adamw(monkeypatch):
     for skip in (False, True):
         actor = Actor(tiny_model(), actor_cfg(skip_zero_advantage=skip), torch.device("cpu"), 8)
         actor.optimizer.param_groups[0]["weight_decay"] = 0.1
-        actor.update(rl_batch())
+        if trained_before:
+            actor.update(rl_batch())
         packed = _packed_spy(monkeypatch) if skip else []
         metrics = actor.update(flat)
         results[skip] = _weights(actor)
         monkeypatch.undo()
-    assert packed == [[]] and metrics["skipped_samples_frac"] == 1.0  # one pass, of the dummy alone
+    assert packed == ([] if trained_before else [[]]) and metrics["skipped_samples_frac"] == 1.0
     for name, w in results[False].items():
         torch.testing.assert_close(results[True][name], w, rtol=0, atol=0)
 
