@@ -8,6 +8,8 @@
 #   skip:   (nvidia-h200, about 3 minutes) moeloop alone on the goal's job at its defaults (the update skips the
 #           zero-advantage samples: all of them on this random-init job); the CUDA tests of the code this session
 #           touched
+#   zeroadv: (nvidia-h200, about 3 minutes) the update with nothing to train (every advantage 0), masters off and
+#           on, then moeloop alone on the goal's job at its defaults
 set -u
 case "${1:-}" in
 update)
@@ -24,7 +26,13 @@ skip)
     python3 -m pytest -q -p no:cacheprovider tests/test_master_weights.py tests/test_lora_experts.py \
         tests/test_model_experts.py tests/test_skip_zero_advantage.py 2>&1 | tail -2
     ;;
+zeroadv)
+    python3 benchmarks/profile_update.py --micro-batch-tokens 40960 --masters off,on --skip-hf --top 3 --host 3 \
+        --repeats 3 --zero-adv 2>&1 | grep -v -i warn
+    timeout 150 python3 benchmarks/e2e_vs_trl.py --size reference --device cuda --steps 6 --repeats 1 \
+        --frameworks moeloop 2>&1 | grep -v -i warn | tail -4
+    ;;
 *)
-    echo "usage: $0 update|final|skip" >&2; exit 2
+    echo "usage: $0 update|final|skip|zeroadv" >&2; exit 2
     ;;
 esac

@@ -38,10 +38,9 @@ def _weights(actor):
     return {n: t.clone() for n, t in actor.named_weights()}
 
 
-def _update(samples, skip: bool, optim: str = "sgd", **over):
+def _update(samples, skip: bool, **over):
     actor = Actor(tiny_model(), actor_cfg(skip_zero_advantage=skip, **over), torch.device("cpu"), 8)
-    if optim == "sgd":
-        use_sgd(actor, 0.05)
+    use_sgd(actor, 0.05)
     metrics = actor.update(samples)
     return metrics, _weights(actor)
 
