@@ -16,6 +16,7 @@ import json
 import os
 import random
 import shutil
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,7 @@ def _check_fits(path: Path, model_sd: dict[str, Any]) -> None:
                          f"another model or config?")
 
 
-def dtype_changes(path: Path, model: torch.nn.Module) -> dict[tuple[torch.dtype, torch.dtype], int]:
+def _dtype_changes(path: Path, model: torch.nn.Module) -> dict[tuple[torch.dtype, torch.dtype], int]:
     """{(saved dtype, `model`'s dtype): tensor count} for the model tensors the checkpoint at `path` holds in another
     dtype than `model` does. `load` casts them: DCP copies into the model's tensors, and into optimizer state that
     `get_state_dict` creates in each parameter's dtype (as torch's `Optimizer.load_state_dict` casts)."""
@@ -54,6 +55,19 @@ def dtype_changes(path: Path, model: torch.nn.Module) -> dict[tuple[torch.dtype,
         if hasattr(entry, "properties") and entry.properties.dtype != tensor.dtype:
             changes[entry.properties.dtype, tensor.dtype] += 1
     return dict(changes)
+
+
+def _note_casts(path: Path, model: torch.nn.Module) -> None:
+    """A checkpoint saved under another model.dtype or model.fp32_master_weights loads with its weights and Adam state
+    cast to the dtypes this run keeps (bf16 -> fp32 exactly, fp32 -> bf16 rounded), as torch's
+    `Optimizer.load_state_dict` and so HF's Trainer do; the main rank says so on stderr, since rounding loses state."""
+    if _rank() != 0:
+        return
+    for (saved, here), count in _dtype_changes(path, model).items():
+        how = "upcast exactly" if torch.finfo(here).bits > torch.finfo(saved).bits else "rounded"
+        saved_name, here_name = (str(d).removeprefix("torch.") for d in (saved, here))
+        print(f"{path}: {count} weights (and their optimizer state) saved in {saved_name} are {how} to {here_name}, "
+              f"which this run's model.dtype / model.fp32_master_weights keep them in", file=sys.stderr)
 
 
 def _rank() -> int:
@@ -137,6 +151,7 @@ class CheckpointManager:
         else:
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                            options=options)
+        _note_casts(Path(path), model)
         rng_file = path / "rng" / f"rank{_rank()}.pt"
         if rng_file.is_file():
             set_rng_state(torch.load(rng_file, weights_only=False))

@@ -8,13 +8,9 @@ at step 0, every val_every steps and at the end.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
-from moeloop.checkpoint import CheckpointManager, dtype_changes
+from moeloop.checkpoint import CheckpointManager
 from moeloop.config import RunConfig
 from moeloop.config.schema import ActorSection
 from moeloop.data import EpochCursor, PromptDataset, load_rows
@@ -102,7 +98,6 @@ def actor_state_save(ckpt: CheckpointManager, step: int, actor: Actor, cursor: E
 def actor_state_load(ckpt: CheckpointManager, path, actor: Actor, cursor: EpochCursor) -> dict:
     check_lora_meta(path, actor.cfg)
     meta = ckpt.load(path, actor.model, actor.optimizer, trainable_only=bool(actor.lora_modules))
-    note_precision_change(path, actor)
     cursor.load_state_dict(meta["cursor"])
     actor.scheduler.load_state_dict({**actor.scheduler.state_dict(), **meta["scheduler"]})
     return meta
@@ -115,22 +110,6 @@ def check_lora_meta(path: Path, cfg: ActorSection) -> None:
     if saved != here:
         raise InputError(f"{path}: saved with LoRA settings {saved or 'none (full fine-tuning)'}, and this run's "
                          f"actor.lora_rank / lora_alpha / lora_target_modules are {here or 'none (lora_rank=0)'}")
-
-
-def note_precision_change(path: Path, actor: Actor) -> None:
-    """A checkpoint saved under another model.dtype or model.fp32_master_weights resumes with its weights and Adam
-    state cast to the dtypes this run keeps (bf16 -> fp32 exactly, fp32 -> bf16 rounded), as torch's
-    `Optimizer.load_state_dict` and so HF's Trainer do; the main rank says so on stderr, since rounding loses state."""
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return
-    for (saved, here), count in dtype_changes(Path(path), actor.model).items():
-        how = "upcast exactly" if torch.finfo(here).bits > torch.finfo(saved).bits else "rounded"
-        print(f"{path}: {count} weights (and their optimizer state) saved in {_name(saved)} are {how} to "
-              f"{_name(here)}, which this run's model.dtype / model.fp32_master_weights keep them in", file=sys.stderr)
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _plain(state: dict) -> dict:
