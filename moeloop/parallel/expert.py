@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from moeloop.errors import InputError
 from moeloop.model.experts import Experts, register_experts_impl
+from moeloop.parallel.collectives import all_to_all
 
 EP_IMPL = "expert_parallel"
 
@@ -82,28 +83,6 @@ def expert_params(model: nn.Module) -> list[nn.Parameter]:
     return [p for m in ep_modules(model) for p in m.parameters(recurse=False)]  # (LoRA's adapters too)
 
 
-class _AllToAll(torch.autograd.Function):
-    """`dist.all_to_all_single` with uneven splits whose backward is the reverse exchange. (torch's functional
-    `all_to_all_single_autograd` does the same, but its first call imports torch._dynamo: ~6 s a rank on gloo,
-    notes/cpu-stack.md.)"""
-
-    @staticmethod
-    def forward(ctx, x_SD: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        return _exchange(x_SD, out_splits, in_splits, group)
-
-    @staticmethod
-    def backward(ctx, grad_SD: torch.Tensor):
-        out_splits, in_splits = ctx.splits
-        return _exchange(grad_SD, in_splits, out_splits, ctx.group), None, None, None
-
-
-def _exchange(x_SD: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    out = x_SD.new_empty((sum(out_splits),) + tuple(x_SD.shape[1:]))
-    dist.all_to_all_single(out, x_SD.contiguous(), out_splits, in_splits, group=group)
-    return out
-
-
 def ep_experts(experts: Experts, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
     """The routed experts' output [T, D] with the experts split over the EP group (the module's `ep_mesh`)."""
     mesh = experts.ep_mesh
@@ -117,13 +96,13 @@ def ep_experts(experts: Experts, x_TD: torch.Tensor, ids_TK: torch.Tensor, weigh
     got_RL = torch.empty_like(counts_RL)  # [source rank, local expert]: rows each rank sends each of my experts
     dist.all_to_all_single(got_RL, counts_RL, group=group)
     send, recv = counts_RL.sum(1).tolist(), got_RL.sum(1).tolist()
-    x_SD = _AllToAll.apply(x_TD[perm_S // K], recv, send, group)
+    x_SD = all_to_all(x_TD[perm_S // K], recv, send, group)
     # what arrived is by source rank, then local expert: regroup by local expert for the grouped products
     local_S = torch.repeat_interleave(torch.arange(L, device=x_TD.device).repeat(R), got_RL.reshape(-1))
     order_S = torch.argsort(local_S, stable=True)
     y_SD = torch.empty_like(x_SD)
     y_SD[order_S] = _local_experts(experts, x_SD[order_S], got_RL.sum(0))
-    y_SD = _AllToAll.apply(y_SD, send, recv, group)
+    y_SD = all_to_all(y_SD, send, recv, group)
     y_TKD = y_SD[inv_perm_S].view(T, K, -1)
     return (y_TKD * weights_TK.float()[..., None]).sum(dim=1).to(x_TD.dtype)
 

@@ -18,28 +18,28 @@ from typing import Iterator
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from moeloop.algo.token_rewards import response_mask_values
 from moeloop.algo.losses import SHARE_KEYS, PolicyInputs, actor_loss, metrics_to_floats, reduce_metrics
 from moeloop.config.schema import ActorSection
+from moeloop.errors import InputError
 from moeloop.model.attention import GatheredAttention, PackedAttention, RowMap, gather_rows
 from moeloop.model.routes import RouteTape
-from moeloop.parallel.collectives import global_values
+from moeloop.parallel.collectives import all_gather_rows, global_values
+from moeloop.parallel.context import UlyssesAttention, check_heads
 from moeloop.parallel.expert import (apply_ep, build_expert_mesh, ep_grad_norm, expert_params, reduce_expert_grads,
                                      scale_grads)
 from moeloop.parallel.fsdp import apply_fsdp, build_dp_mesh, full_tensor, reshard
+from moeloop.parallel.groups import cp_group, cp_rank, cp_size, dp_group, dp_size
 from moeloop.train.head import LogprobHead
 from moeloop.train.lora import apply_lora, merged_weights
 from moeloop.train.precision import cast_params, upcast_trainable
 from moeloop.train.packing import (PackedBatch, global_loss_denominators, pack_samples, split_micro_batches,
                                    unpack_routes)
 from moeloop.types import Sample
-
-
-def dp_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def all_reduce_scalar(value: float, op: dist.ReduceOp = dist.ReduceOp.SUM) -> float:
@@ -56,6 +56,11 @@ class PolicyForward:
         experts split over ep ranks (`parallel.expert`), the rest sharded by FSDP over every rank. `master_weights`:
         trainable bf16 parameters are kept in fp32 and computed in bf16 (`train.precision`)."""
         self.model, self.device, self.budget = model, device, max_tokens_per_micro_batch
+        if cp_size() > 1:  # context parallel (`parallel.context`): the groups exist (`parallel.groups`)
+            check_heads(model.cfg.num_heads, cp_size())
+            if ep > 1 or head is not None:
+                raise InputError(f"parallel.cp={cp_size()} runs the actor and reference alone so far: not with "
+                                 f"parallel.ep={ep} > 1 nor a critic")
         if head is None:
             LogprobHead.replace_in(model, chunk_tokens)
         else:
@@ -71,7 +76,16 @@ class PolicyForward:
 
     def forward_batch(self, batch: PackedBatch, with_entropy: bool,
                       routes: RouteTape | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self.model.lm_head(packed_hidden(self.model, batch, routes), batch.labels_T, 1.0, with_entropy)
+        hidden_TD = packed_hidden(self.model, batch, routes)
+        if cp_size() == 1:
+            return self.model.lm_head(hidden_TD, batch.labels_T, 1.0, with_entropy)
+        # context parallel: each rank's head takes 1/cp of the positions; every rank gets all the logprobs, so the
+        # loss is the same on each, and the gathers' backward sums the cp ranks' gradients
+        T = batch.num_tokens
+        per_rank = max(1, math.ceil(T / cp_size()))
+        rows = slice(cp_rank() * per_rank, min((cp_rank() + 1) * per_rank, T))
+        outs = self.model.lm_head(hidden_TD[rows], batch.labels_T[rows], 1.0, with_entropy)
+        return tuple(None if x is None else _gather_positions(x, per_rank, T) for x in outs)
 
     def micro_batches(self, samples: list[Sample], at_least: int = 0) -> list[list[int]]:
         """Token-budget cut, padded with empty micro-batches to the max count over DP ranks (and to `at_least`)."""
@@ -124,16 +138,27 @@ class PolicyForward:
 def packed_hidden(model: nn.Module, batch: PackedBatch, routes: RouteTape | None = None) -> torch.Tensor:
     """Final hidden states [T, D] of the packed positions; with a compact stream the model runs on its U rows
     only and they are gathered back (the head then sees every position as before). `routes`: a route tape for
-    the MoE blocks (router replay)."""
-    if batch.stream is None:
-        ctx = PackedAttention(batch.cu_seqlens)
-        ctx.routes = routes
-        return model(batch.input_ids_T, batch.position_ids_T, ctx)
+    the MoE blocks (router replay). Under context parallelism the model runs on this rank's share of the rows
+    (`parallel.context`) and every rank gets all of them back."""
     st = batch.stream
-    ctx = GatheredAttention(batch.cu_seqlens, st.gather_T, st.owner_U)
-    ctx.routes = routes
-    hidden_UD = model(st.input_ids_U, st.position_ids_U, ctx)
-    return gather_rows(hidden_UD, RowMap.of_gather(st.gather_T, st.owner_U))
+    if st is None:
+        ctx, ids_U, positions_U = PackedAttention(batch.cu_seqlens), batch.input_ids_T, batch.position_ids_T
+    else:
+        ctx, ids_U, positions_U = GatheredAttention(batch.cu_seqlens, st.gather_T, st.owner_U), st.input_ids_U, st.position_ids_U
+    if cp_size() > 1:
+        if routes is not None:
+            raise InputError("actor.router_replay needs parallel.cp=1 (context parallelism does not replay routes yet)")
+        ctx = UlyssesAttention(ctx, len(ids_U))
+        hidden_UD = ctx.gather(model(*ctx.local(ids_U, positions_U), ctx))
+    else:
+        ctx.routes = routes
+        hidden_UD = model(ids_U, positions_U, ctx)
+    return hidden_UD if st is None else gather_rows(hidden_UD, RowMap.of_gather(st.gather_T, st.owner_U))
+
+
+def _gather_positions(x_P: torch.Tensor, per_rank: int, num_positions: int) -> torch.Tensor:
+    """Every cp rank's block of per-position values (each `per_rank` long but the last's) in order: [num_positions]."""
+    return all_gather_rows(F.pad(x_P, (0, per_rank - x_P.shape[0])), cp_group())[:num_positions]
 
 
 @torch.no_grad()
@@ -171,7 +196,7 @@ def entropy_threshold(samples: list[Sample], top_fraction: float) -> float:
     values = local
     if dp_size() > 1:
         gathered: list[list[float]] = [[] for _ in range(dp_size())]
-        dist.all_gather_object(gathered, local)
+        dist.all_gather_object(gathered, local, group=dp_group())
         values = [e for part in gathered for e in part]
     if not values:
         return float("-inf")
@@ -190,7 +215,7 @@ def global_metrics(local: dict[str, float]) -> dict[str, float]:
     if dp_size() == 1:
         return local
     gathered: list[dict[str, float]] = [{} for _ in range(dp_size())]
-    dist.all_gather_object(gathered, local)
+    dist.all_gather_object(gathered, local, group=dp_group())
     total_tokens = sum(m.get("num_loss_tokens", 0.0) for m in gathered) or 1.0
     out = {"num_loss_tokens": total_tokens}
     for k in set().union(*[m.keys() for m in gathered]) - {"num_loss_tokens"}:
