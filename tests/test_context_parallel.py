@@ -31,13 +31,16 @@ def _run(budget: int, cp: int = 1, sft: bool = False):
         return attend(self, layer_idx, q, *args)
 
     UlyssesAttention.attend = counted
-    samples = _shard(rl_batch())
-    actor = Actor(tiny_model(), actor_cfg(max_tokens_per_micro_batch=budget), torch.device("cpu"), 8)
-    use_sgd(actor, 0.05)
-    actor.compute_logprobs(samples, "old_logprobs", entropy_field="old_entropy")
-    first = {(s.group_id, tuple(s.response_ids)): (s.old_logprobs, s.old_entropy) for s in samples}
-    step = actor.sft_step if sft else actor.update
-    losses = [step(samples)["sft_loss" if sft else "pg_loss"] for _ in range(2)]
+    try:
+        samples = _shard(rl_batch())
+        actor = Actor(tiny_model(), actor_cfg(max_tokens_per_micro_batch=budget), torch.device("cpu"), 8)
+        use_sgd(actor, 0.05)
+        actor.compute_logprobs(samples, "old_logprobs", entropy_field="old_entropy")
+        first = {(s.group_id, tuple(s.response_ids)): (s.old_logprobs, s.old_entropy) for s in samples}
+        step = actor.sft_step if sft else actor.update
+        losses = [step(samples)["sft_loss" if sft else "pg_loss"] for _ in range(2)]
+    finally:
+        UlyssesAttention.attend = attend
     return first, losses, {n: t.clone() for n, t in actor.named_weights()}, calls
 
 
