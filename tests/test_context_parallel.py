@@ -5,11 +5,15 @@ Tolerance as the DP tests': fp32 summation order of the gathered gradients."""
 import pytest
 import torch
 
-from moeloop.errors import InputError
+from moeloop.loop.rl import run_rl
+from moeloop.loop.sft import run_sft
+from moeloop.model.factory import init_model
 from moeloop.parallel.context import UlyssesAttention
 from moeloop.parallel.groups import dp_rank, dp_size, init_context_parallel
 from moeloop.train.actor import Actor
 from tests.dist import run_ranks
+from tests.test_rl_loop import _cfg as rl_cfg, _rows, _weights
+from tests.test_sft import _cfg as sft_cfg
 from tests.trainer_fixtures import actor_cfg, rl_batch, tiny_model, use_sgd
 
 
@@ -64,3 +68,48 @@ def test_context_parallel_matches_one_process(world, cp, sft):
     for key, (logprobs, entropy) in want_first.items():
         torch.testing.assert_close(torch.tensor(got_first[key][0]), torch.tensor(logprobs), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(torch.tensor(got_first[key][1]), torch.tensor(entropy), rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return init_model("qwen3_moe", "tiny", tmp_path_factory.mktemp("model") / "m", seed=3)
+
+
+def _loop_rank(rank, world, command, model_dir, run_dir, *extra):
+    if command == "sft":
+        run_sft(sft_cfg(model_dir, run_dir, *extra))
+    else:
+        run_rl(rl_cfg(model_dir, run_dir, "actor.optim.lr=1e-4", *extra))
+    return True
+
+
+@pytest.mark.parametrize("command,world,extra", [
+    ("rl", 4, ("actor.ppo_mini_batch_size=4",)),  # dp 2 x cp 2: each rank generates its share of the prompts, a
+    # cp group trains on both ranks' samples
+    ("rl", 2, ("algorithm.dynamic_sampling=true", "algorithm.max_refill_rounds=2")),  # kept groups dealt by dp rank
+    ("sft", 2, ("trainer.steps=3",)),
+])
+def test_the_loops_at_context_parallel_match_one_process(model_dir, tmp_path, command, world, extra):
+    """`moeloop rl` / `moeloop sft` with parallel.cp=2 give one process's metrics and weights (tolerance as the DP
+    loop tests': Adam over all-reduced fp32 gradients)."""
+    _loop_rank(0, 1, command, model_dir, tmp_path / "one", *extra)
+    run_ranks(_loop_rank, world, command, model_dir, tmp_path / "cp", *extra, "parallel.cp=2")
+    one, cp = _rows(tmp_path / "one"), _rows(tmp_path / "cp")
+    keys = ("sft_loss",) if command == "sft" else ("reward/mean", "reward/samples", "pg_loss", "response/len_mean")
+    assert len(one) == len(cp)
+    for r1, r2 in zip(one, cp):
+        for key in keys:
+            assert r2[key] == pytest.approx(r1[key], rel=1e-4, abs=1e-6), key
+    w1, w2 = _weights(tmp_path / "one"), _weights(tmp_path / "cp")
+    for name in w1:
+        torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=5e-5)
+
+
+@pytest.mark.parametrize("extra,message", [
+    (("parallel.cp=3",), "parallel.cp=3 must be >= 1 and divide the 2 ranks"),
+    (("actor.router_replay=R3",), "does not run with actor.router_replay"),
+    (("parallel.ep=2",), "does not run with parallel.ep"),
+])
+def test_context_parallel_refuses_what_it_does_not_run(model_dir, tmp_path, extra, message):
+    with pytest.raises(AssertionError, match=message):
+        run_ranks(_loop_rank, 2, "rl", model_dir, tmp_path / "run", "parallel.cp=2", *extra)

@@ -123,7 +123,7 @@ class Components:
                                           repetition_penalty=v.repetition_penalty, min_p=v.min_p)
             out.update(self._accuracy(n, sampled, sources, "acc/val_sampled", f"acc/val_pass@{k}", records))
         if self.cfg.trainer.log_val_generations:
-            first = sorted(gather_records(records), key=lambda rec: (rec["index"], rec["sample_index"]))
+            first = sorted(gather_records(records, every_rank=True), key=lambda rec: (rec["index"], rec["sample_index"]))
             if self.env.is_main:
                 write_jsonl(self.env.run_dir / "val_generations.jsonl",
                             [dict(rec, step=step) for rec in first[:self.cfg.trainer.log_val_generations]], append=True)
@@ -158,7 +158,7 @@ class Components:
                 for i in (row[share[group].data_source], len(sources)):
                     tallies[2][i] += ok
                     tallies[3][i] += 1
-        totals = global_values([v for tally in tallies for v in tally])
+        totals = global_values([v for tally in tallies for v in tally], every_rank=True)  # (each rank's share)
         width = len(sources) + 1
         correct, seen, solved_n, prompts, reward_sum = (totals[j * width:(j + 1) * width] for j in range(5))
         out: dict[str, float] = {}
@@ -290,8 +290,9 @@ def build_components(cfg: RunConfig, resume: bool) -> Components:
     check_runtime_support(cfg)
     env = RunEnv.create(cfg)
     if cfg.actor.ppo_mini_batch_size % env.world_size:
+        ranks = "data-parallel ranks" if env.dp_size == env.world_size else "ranks (each generates its share of a mini-batch)"
         raise InputError(f"actor.ppo_mini_batch_size={cfg.actor.ppo_mini_batch_size} must be divisible by the "
-                         f"{env.world_size} data-parallel ranks")
+                         f"{env.world_size} {ranks}")
     tokenizer = load_tokenizer(cfg)
     d = cfg.data
     tools = prompt_tools(cfg.rollout.multi_turn)

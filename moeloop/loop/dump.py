@@ -12,6 +12,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from moeloop.parallel.groups import dp_group, dp_size
 from moeloop.types import Sample
 
 
@@ -26,12 +27,14 @@ def sample_record(sample: Sample, step: int, **extra: Any) -> dict[str, Any]:
             **{k: sample.metadata[k] for k in ("turns", "tool_calls", "tool_errors") if k in sample.metadata}}
 
 
-def gather_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every rank's records, rank after rank (collective under DP; the same list on every rank)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def gather_records(records: list[dict[str, Any]], every_rank: bool = False) -> list[dict[str, Any]]:
+    """Every DP rank's records, rank after rank (collective under DP; the same list on every rank). `every_rank`:
+    every process's (what each generated; without it, the cp ranks of a group hold the same samples)."""
+    world = dist.get_world_size() if every_rank and dist.is_initialized() else dp_size()
+    if world == 1:
         return records
-    parts: list[list[dict[str, Any]]] = [[] for _ in range(dist.get_world_size())]
-    dist.all_gather_object(parts, records)
+    parts: list[list[dict[str, Any]]] = [[] for _ in range(world)]
+    dist.all_gather_object(parts, records, group=None if every_rank else dp_group())
     return [r for part in parts for r in part]
 
 

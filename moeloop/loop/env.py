@@ -19,14 +19,26 @@ import torch.distributed as dist
 
 from moeloop.config.schema import RunConfig
 from moeloop.errors import InputError
+from moeloop.parallel.groups import dp_size, init_context_parallel
 
 
 @dataclass
 class RunEnv:
+    """`rank` / `world_size`: of every process (each runs its own engine and generates its share); `dp_rank` /
+    `dp_size`: of the data-parallel groups the trainer's data is sharded over (the ranks of one context-parallel
+    group, `parallel.cp`, train on the same samples)."""
     device: torch.device
     rank: int
     world_size: int
     run_dir: Path
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // (self.world_size // dp_size())
+
+    @property
+    def dp_size(self) -> int:
+        return dp_size()
 
     @property
     def is_main(self) -> bool:
@@ -42,6 +54,7 @@ class RunEnv:
             dist.init_process_group(backend, timeout=timedelta(minutes=10))
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
+        init_context_parallel(cfg.parallel.cp)
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(device)
@@ -64,11 +77,20 @@ def _pick_device(choice: str) -> torch.device:
 
 def check_parallel_support(cfg: RunConfig) -> None:
     p = cfg.parallel
-    for name in ("tp", "pp", "etp", "cp", "vpp"):
+    for name in ("tp", "pp", "etp", "vpp"):
         if getattr(p, name) != 1:
-            raise InputError(f"parallel.{name}={getattr(p, name)}: the trainer applies data and expert parallelism "
-                             f"only so far (torchrun --nproc_per_node N gives dp=N; parallel.ep splits the experts "
-                             f"over ep of them); {name} is used by `moeloop plan`")
+            raise InputError(f"parallel.{name}={getattr(p, name)}: the trainer applies data, expert and context "
+                             f"parallelism only so far (torchrun --nproc_per_node N gives dp=N; parallel.ep splits the "
+                             f"experts over ep of them, parallel.cp each sequence over cp of them); {name} is used by "
+                             f"`moeloop plan`")
+    if p.cp > 1:
+        unsupported = {"parallel.ep": p.ep != 1, "actor.router_replay": cfg.actor.router_replay != "off",
+                       "algorithm.adv_estimator=gae (a critic)": cfg.algorithm.adv_estimator == "gae",
+                       "rollout.mode": cfg.rollout.mode != "colocated"}
+        for name, on in unsupported.items():
+            if on:
+                raise InputError(f"parallel.cp={p.cp}: context parallelism does not run with {name} yet "
+                                 f"(it needs parallel.ep=1, actor.router_replay=off, no critic, rollout.mode=colocated)")
 
 
 def seed_everything(seed: int) -> None:

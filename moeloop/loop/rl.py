@@ -29,6 +29,7 @@ from moeloop.loop.metrics import PhaseTimer, peak_memory_bytes
 from moeloop.loop.remote_rollout import half_threads
 from moeloop.loop.step_metrics import batch_metrics, logprob_mismatch, tool_metrics
 from moeloop.parallel.collectives import global_values
+from moeloop.parallel.groups import cp_group, cp_size
 from moeloop.reward.composite import component_names
 from moeloop.train.actor import mix_into
 from moeloop.types import Sample
@@ -219,9 +220,23 @@ def fill_old_logprobs(c: Components, cfg: RunConfig, samples: list[Sample], off_
 def collect_batch(c: Components, cfg: RunConfig, timer: PhaseTimer, step: int) -> tuple[list[Sample], dict[str, float]]:
     """Generate and score this rank's prompts; with DAPO dynamic sampling, refill dropped groups."""
     if not cfg.algorithm.dynamic_sampling:
-        fresh, reward_metrics = _generate_and_score(c, cfg, timer, step, 0, *c.next_prompts(c.prompts_per_rank))
-        return fresh, reward_metrics
+        examples, positions = c.next_prompts(c.prompts_per_rank)
+        fresh, reward_metrics = _generate_and_score(c, cfg, timer, step, 0, examples, positions)
+        return _pool_context_parallel(fresh, positions), reward_metrics
     return _dynamic_batch(c, cfg, timer, step)
+
+
+def _pool_context_parallel(fresh: list[Sample], positions: list[int]) -> list[Sample]:
+    """Under context parallelism each rank generated its share of the prompts, and the cp ranks of a group train on
+    their samples together: every rank of the group gets all of them, in prompt position order (the order a
+    data-parallel rank holds its share in, which the mini-batch cut follows)."""
+    if cp_size() == 1:
+        return fresh
+    base = min((s.group_id for s in fresh), default=0)  # (the engine numbers a call's prompts base, base + 1, ...)
+    mine = [(positions[s.group_id - base], i, s) for i, s in enumerate(fresh)]
+    parts: list[list] = [[] for _ in range(cp_size())]
+    dist.all_gather_object(parts, mine, group=cp_group())
+    return [s for _, _, s in sorted((x for part in parts for x in part), key=lambda entry: entry[:2])]
 
 
 def _generate_and_score(c: Components, cfg: RunConfig, timer: PhaseTimer, step: int, round_idx: int,
@@ -281,9 +296,10 @@ def _dynamic_batch(c: Components, cfg: RunConfig, timer: PhaseTimer, step: int) 
         kept = sorted(kept + _gather(mine, world), key=lambda entry: entry[:2])
         if len(kept) >= batch:
             break
-    kept = kept[:batch]
-    per_mini = max(1, min(cfg.actor.ppo_mini_batch_size, len(kept)) // world)
-    samples = [s for p, (_, _, g) in enumerate(kept) if (p // per_mini) % world == rank for s in g]
+    kept = kept[:batch]  # dealt to the DP ranks (the cp ranks of a group take the same groups)
+    dp, dp_rank = c.env.dp_size, c.env.dp_rank
+    per_mini = max(1, min(cfg.actor.ppo_mini_batch_size, len(kept)) // dp)
+    samples = [s for p, (_, _, g) in enumerate(kept) if (p // per_mini) % dp == dp_rank for s in g]
     reward_metrics["dapo/kept_groups"] = float(len(kept))
     return samples, reward_metrics
 
@@ -301,10 +317,10 @@ def global_reward_metrics(metrics: dict[str, float]) -> dict[str, float]:
     """The reward pool's counts summed over refill rounds (already) and DP ranks, each rate recomputed over all
     the step's scored samples, the wall time the slowest rank's. Collective under DP."""
     counts = sorted(k for k in metrics if k.startswith("reward/") and not k.endswith(("_rate", "elapsed_s")))
-    totals = dict(zip(counts, global_values([metrics[k] for k in counts], dist.ReduceOp.SUM)))
+    totals = dict(zip(counts, global_values([metrics[k] for k in counts], dist.ReduceOp.SUM, every_rank=True)))
     out = {**metrics, **totals}
     if "reward/elapsed_s" in metrics:
-        (out["reward/elapsed_s"],) = global_values([metrics["reward/elapsed_s"]], dist.ReduceOp.MAX)
+        (out["reward/elapsed_s"],) = global_values([metrics["reward/elapsed_s"]], dist.ReduceOp.MAX, every_rank=True)
     num = totals.get("reward/samples", 0.0)
     for k in counts:
         if k != "reward/samples":

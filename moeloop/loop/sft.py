@@ -29,9 +29,9 @@ from moeloop.types import Sample
 def run_sft(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
     check_parallel_support(cfg)
     env = RunEnv.create(cfg)
-    if cfg.data.train_batch_size % env.world_size:  # each rank takes an equal slice; a remainder would be dropped
+    if cfg.data.train_batch_size % env.dp_size:  # each rank takes an equal slice; a remainder would be dropped
         raise InputError(f"data.train_batch_size={cfg.data.train_batch_size} must be divisible by the "
-                         f"{env.world_size} data-parallel ranks")
+                         f"{env.dp_size} data-parallel ranks")
     tokenizer = load_tokenizer(cfg)
     d = cfg.data
     tools = prompt_tools(cfg.rollout.multi_turn)  # (the tool list an RL run with tools puts in its prompts)
@@ -43,7 +43,7 @@ def run_sft(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
         val = PromptDataset(load_rows(d.val_files, d.seed, d.val_max_samples), tokenizer, d, with_response=True,
                             tools=tools)
         val.note_dropped("data.val_files", env.is_main)
-        val = [_sample(val[i], i) for i in range(env.rank, len(val), env.world_size)]
+        val = [_sample(val[i], i) for i in range(env.dp_rank, len(val), env.dp_size)]
     cursor = EpochCursor(len(data), cfg.data.seed, cfg.data.shuffle)
     model = load_policy(cfg)
     steps = cfg.trainer.steps = training_steps(cfg, len(data))  # resolved once, as RL's
@@ -61,9 +61,9 @@ def run_sft(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
     val_every = cfg.trainer.val_every
     if val is not None and val_every and start == 0 and (cfg.trainer.val_before_train or steps == 0):
         logger.log(0, actor.sft_eval(val), "val.jsonl")
-    per_rank = cfg.data.train_batch_size // env.world_size
+    per_rank = cfg.data.train_batch_size // env.dp_size  # (the cp ranks of a group take the same slice)
     for step in range(start, steps):
-        indices = cursor.take(cfg.data.train_batch_size)[env.rank * per_rank:(env.rank + 1) * per_rank]
+        indices = cursor.take(cfg.data.train_batch_size)[env.dp_rank * per_rank:(env.dp_rank + 1) * per_rank]
         with timer("update_actor"):
             last = actor.sft_step([_sample(data[i], i) for i in indices])
         if cfg.checkpoint.save_every and (step + 1) % cfg.checkpoint.save_every == 0:

@@ -12,12 +12,15 @@ import torch.distributed as dist
 from moeloop.parallel.groups import dp_group, dp_size
 
 
-def global_values(values: list[float], op: dist.ReduceOp = dist.ReduceOp.SUM) -> list[float]:
-    """`values` reduced over the DP ranks with `op`, in float64 (as they are in one process). Collective under DP."""
-    if dp_size() == 1:
+def global_values(values: list[float], op: dist.ReduceOp = dist.ReduceOp.SUM,
+                  every_rank: bool = False) -> list[float]:
+    """`values` reduced over the DP ranks with `op`, in float64 (as they are in one process). Collective under DP.
+    `every_rank`: over every process instead, for what each generated (its engine's share of the prompts) before
+    the cp ranks of a group pooled their samples."""
+    if (dist.get_world_size() if every_rank and dist.is_initialized() else dp_size()) == 1:
         return [float(v) for v in values]
     t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=op, group=dp_group())
+    dist.all_reduce(t, op=op, group=None if every_rank else dp_group())
     return t.tolist()
 
 
