@@ -5,6 +5,8 @@ Tolerance as the DP tests': fp32 summation order of the gathered gradients."""
 import pytest
 import torch
 
+from moeloop.config import load_config
+from moeloop.errors import InputError
 from moeloop.loop.rl import run_rl
 from moeloop.loop.sft import run_sft
 from moeloop.model.factory import init_model
@@ -113,3 +115,14 @@ def test_the_loops_at_context_parallel_match_one_process(model_dir, tmp_path, co
 def test_context_parallel_refuses_what_it_does_not_run(model_dir, tmp_path, extra, message):
     with pytest.raises(AssertionError, match=message):
         run_ranks(_loop_rank, 2, "rl", model_dir, tmp_path / "run", "parallel.cp=2", *extra)
+
+
+def test_the_token_budget_counts_one_ranks_tokens():
+    """actor.max_tokens_per_micro_batch is what one rank holds: at parallel.cp=2 a micro-batch packs twice as many, so a
+    sequence up to twice the budget fits (and the check says so when it does not)."""
+    over = ["model.path=unused", "data.max_prompt_length=64", "data.max_response_length=16"]
+    load_config(None, over + ["parallel.cp=2", "actor.max_tokens_per_micro_batch=40"])
+    with pytest.raises(InputError, match=r"max_tokens_per_micro_batch=39 x parallel.cp=2 must be >= .* = 80"):
+        load_config(None, over + ["parallel.cp=2", "actor.max_tokens_per_micro_batch=39"])
+    with pytest.raises(InputError, match=r"max_tokens_per_micro_batch=40 must be >= .* = 80"):
+        load_config(None, over + ["actor.max_tokens_per_micro_batch=40"])

@@ -65,8 +65,11 @@ def validate(cfg: RunConfig) -> None:
     cfg.plan.check()
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
     for name, section in (("actor", cfg.actor), ("critic", cfg.critic)):
-        if (name == "actor" or cfg.critic.enable) and section.max_tokens_per_micro_batch < longest:
-            raise InputError(f"{name}.max_tokens_per_micro_batch={section.max_tokens_per_micro_batch} must be >= "
+        # (each rank's budget: under context parallelism a micro-batch holds parallel.cp x as many tokens)
+        cp = cfg.parallel.cp if name == "actor" else 1
+        if (name == "actor" or cfg.critic.enable) and section.max_tokens_per_micro_batch * cp < longest:
+            times = f" x parallel.cp={cp}" if cp > 1 else ""
+            raise InputError(f"{name}.max_tokens_per_micro_batch={section.max_tokens_per_micro_batch}{times} must be >= "
                              f"data.max_prompt_length + data.max_response_length = {longest} (one whole sequence)")
     if cfg.algorithm.overlong_penalty and not 0 < cfg.algorithm.overlong_buffer_len <= cfg.data.max_response_length:
         raise InputError(f"algorithm.overlong_buffer_len={cfg.algorithm.overlong_buffer_len} must be in (0, "

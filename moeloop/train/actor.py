@@ -55,7 +55,9 @@ class PolicyForward:
         """`head` replaces lm_head (the critic's value head); default: the chunked `LogprobHead`. `ep` > 1: the routed
         experts split over ep ranks (`parallel.expert`), the rest sharded by FSDP over every rank. `master_weights`:
         trainable bf16 parameters are kept in fp32 and computed in bf16 (`train.precision`)."""
-        self.model, self.device, self.budget = model, device, max_tokens_per_micro_batch
+        # the token budget counts what one rank holds: under context parallelism a micro-batch packs cp x as many (verl's
+        # ppo_max_token_len_per_gpu x ulysses_sequence_parallel_size), and `moeloop plan` counts it so
+        self.model, self.device, self.budget = model, device, max_tokens_per_micro_batch * cp_size()
         if cp_size() > 1:  # context parallel (`parallel.context`): the groups exist (`parallel.groups`)
             check_heads(model.cfg.num_heads, cp_size())
             if ep > 1 or head is not None:
@@ -89,7 +91,13 @@ class PolicyForward:
 
     def micro_batches(self, samples: list[Sample], at_least: int = 0) -> list[list[int]]:
         """Token-budget cut, padded with empty micro-batches to the max count over DP ranks (and to `at_least`)."""
-        bins = split_micro_batches(samples, self.budget) if samples else []
+        try:
+            bins = split_micro_batches(samples, self.budget) if samples else []
+        except ValueError as err:
+            if cp_size() == 1:
+                raise
+            raise ValueError(f"{err} (under parallel.cp={cp_size()} the budget is cp x the "
+                             f"{self.budget // cp_size()} tokens a rank holds)") from None
         target = max(int(all_reduce_scalar(len(bins), dist.ReduceOp.MAX)), at_least)
         if target > len(bins) and len(samples) >= target:
             bins = split_micro_batches(samples, self.budget, min_num_micro_batches=target)
