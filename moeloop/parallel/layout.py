@@ -114,6 +114,9 @@ class Layout:
         errors = []
         if m.num_heads % self.tp:
             errors.append(f"num_attention_heads={m.num_heads} % tp={self.tp} != 0")
+        elif m.num_heads % (self.tp * self.cp):  # Ulysses: each cp rank attends with 1/cp of a tp shard's heads
+            errors.append(f"num_attention_heads={m.num_heads} % (tp*cp) = {m.num_heads} % {self.tp * self.cp} != 0 "
+                          f"(context parallelism splits the heads over cp)")
         if not m.is_mla and m.num_kv_heads % self.tp:
             errors.append(f"num_key_value_heads={m.num_kv_heads} % tp={self.tp} != 0")
         if m.intermediate_size and (m.num_experts == 0 or len(m.moe_layers) < m.num_layers) and m.intermediate_size % self.tp:
@@ -149,9 +152,6 @@ class Layout:
             errors.append(f"micro-batches {m} % pp={self.pp} != 0 with vpp>1 (interleaved schedule)")
         if b.mini_batch_samples is not None and b.mini_batch_samples < self.dp:
             errors.append(f"samples per mini-batch {b.mini_batch_samples} < dp={self.dp}: some DP ranks get no sample")
-        t = b.max_tokens_per_micro_batch
-        if t is not None and self.cp > 1 and t % (2 * self.cp):
-            errors.append(f"max_tokens_per_micro_batch={t} % (2*cp) = {t} % {2 * self.cp} != 0 (load-balanced causal CP)")
         return errors
 
     def describe(self) -> str:
