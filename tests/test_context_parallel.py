@@ -2,6 +2,8 @@
 the cp ranks of a group gives the one-process logprobs, RL update and SFT step, alone and beside data parallelism
 (4 ranks = dp 2 x cp 2), and with more ranks than key/value heads (cp 4 over the tiny model's 2: they are repeated).
 Tolerance as the DP tests': fp32 summation order of the gathered gradients."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -26,8 +28,9 @@ def _shard(samples):
 
 
 def _run(budget: int, cp: int = 1, sft: bool = False):
-    """Old logprobs, then 2 SGD steps (GRPO update, or SFT steps) on this rank's share of `rl_batch()`; the
-    attention calls counted, with the rows each ran on here."""
+    """Old logprobs, then 2 SGD steps (GRPO update, or SFT steps) on this rank's share of `rl_batch()`, the first
+    update after one with every advantage 0 (nothing to train: the skip's one dummy pass of a 2-token sample, fewer
+    rows than ranks); the attention calls counted, with the rows each ran on here."""
     init_context_parallel(cp)
     calls = []
     attend = UlyssesAttention.attend
@@ -44,6 +47,8 @@ def _run(budget: int, cp: int = 1, sft: bool = False):
         actor.compute_logprobs(samples, "old_logprobs", entropy_field="old_entropy")
         first = {(s.group_id, tuple(s.response_ids)): (s.old_logprobs, s.old_entropy) for s in samples}
         step = actor.sft_step if sft else actor.update
+        if not sft:
+            actor.update([replace(s, advantages=[0.0] * len(s.advantages)) for s in samples])
         losses = [step(samples)["sft_loss" if sft else "pg_loss"] for _ in range(2)]
     finally:
         UlyssesAttention.attend = attend
