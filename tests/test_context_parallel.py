@@ -94,19 +94,31 @@ def _loop_rank(rank, world, command, model_dir, run_dir, *extra):
     ("rl", 4, ("actor.ppo_mini_batch_size=4",)),  # dp 2 x cp 2: each rank generates its share of the prompts, a
     # cp group trains on both ranks' samples
     ("rl", 2, ("algorithm.dynamic_sampling=true", "algorithm.max_refill_rounds=2")),  # kept groups dealt by dp rank
-    ("sft", 2, ("trainer.steps=3",)),
 ])
-def test_the_loops_at_context_parallel_match_one_process(model_dir, tmp_path, command, world, extra):
-    """`moeloop rl` / `moeloop sft` with parallel.cp=2 give one process's metrics and weights (tolerance as the DP
-    loop tests': Adam over all-reduced fp32 gradients)."""
+def test_the_rl_loop_at_context_parallel_matches_one_process(model_dir, tmp_path, command, world, extra):
+    """`moeloop rl` with parallel.cp=2 gives one process's metrics and weights (tolerance as the DP loop tests': Adam
+    over all-reduced fp32 gradients)."""
     _loop_rank(0, 1, command, model_dir, tmp_path / "one", *extra)
     run_ranks(_loop_rank, world, command, model_dir, tmp_path / "cp", *extra, "parallel.cp=2")
     one, cp = _rows(tmp_path / "one"), _rows(tmp_path / "cp")
-    keys = ("sft_loss",) if command == "sft" else ("reward/mean", "reward/samples", "pg_loss", "response/len_mean")
+    keys = ("reward/mean", "reward/samples", "pg_loss", "response/len_mean")
     assert len(one) == len(cp)
     for r1, r2 in zip(one, cp):
         for key in keys:
             assert r2[key] == pytest.approx(r1[key], rel=1e-4, abs=1e-6), key
+    w1, w2 = _weights(tmp_path / "one"), _weights(tmp_path / "cp")
+    for name in w1:
+        torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=5e-5)
+
+
+def test_sft_at_context_parallel_matches_one_process_and_its_checkpoint_resumes_in_one(model_dir, tmp_path):
+    """`moeloop sft` at cp 2 for 3 steps gives one process's losses; its checkpoint (DCP, sharded over both ranks)
+    resumes in one process for the 4th step, which ends at the straight 4-step run's weights."""
+    run_sft(sft_cfg(model_dir, tmp_path / "one", "trainer.steps=4"))
+    run_ranks(_loop_rank, 2, "sft", model_dir, tmp_path / "cp", "trainer.steps=3", "parallel.cp=2")
+    run_sft(sft_cfg(model_dir, tmp_path / "cp", "trainer.steps=4"), resume=True)
+    one, cp = _rows(tmp_path / "one"), _rows(tmp_path / "cp")
+    assert [r["sft_loss"] for r in cp] == pytest.approx([r["sft_loss"] for r in one], rel=1e-5)
     w1, w2 = _weights(tmp_path / "one"), _weights(tmp_path / "cp")
     for name in w1:
         torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=5e-5)
