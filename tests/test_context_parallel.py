@@ -14,7 +14,10 @@ from moeloop.loop.sft import run_sft
 from moeloop.model.factory import init_model
 from moeloop.parallel.context import UlyssesAttention
 from moeloop.parallel.groups import dp_rank, dp_size, init_context_parallel
+from moeloop.config.schema import CriticSection
+from moeloop.parallel.fsdp import full_tensor
 from moeloop.train.actor import Actor
+from moeloop.train.critic import Critic
 from tests.dist import run_ranks
 from tests.test_rl_loop import _cfg as rl_cfg, _rows, _weights
 from tests.test_sft import _cfg as sft_cfg
@@ -27,10 +30,13 @@ def _shard(samples):
     return [s for s in samples if groups.index(s.group_id) % dp_size() == dp_rank()]
 
 
-def _run(budget: int, cp: int = 1, sft: bool = False):
-    """Old logprobs, then 2 SGD steps (GRPO update, or SFT steps) on this rank's share of `rl_batch()`, the first
-    update after one with every advantage 0 (nothing to train: the skip's one dummy pass of a 2-token sample, fewer
-    rows than ranks); the attention calls counted, with the rows each ran on here."""
+def _run(budget: int, cp: int = 1, kind: str = "rl", ep: int = 1):
+    """On this rank's share of `rl_batch()`: the first pass (the old logprobs and entropies, or the critic's values),
+    then 2 SGD steps (GRPO updates, SFT steps or critic updates); a GRPO actor's steps come after an update with
+    every advantage 0 (nothing to train: the skip's one dummy pass of a 2-token sample, fewer rows than ranks).
+    `kind` "r2" records the routes in the first pass and replays them in the updates; "ep" splits the experts over
+    `ep` ranks. Returns the first pass's values by sample, the losses, the weights, and the attention calls with the
+    rows each ran on here."""
     init_context_parallel(cp)
     calls = []
     attend = UlyssesAttention.attend
@@ -42,28 +48,47 @@ def _run(budget: int, cp: int = 1, sft: bool = False):
     UlyssesAttention.attend = counted
     try:
         samples = _shard(rl_batch())
-        actor = Actor(tiny_model(), actor_cfg(max_tokens_per_micro_batch=budget), torch.device("cpu"), 8)
-        use_sgd(actor, 0.05)
-        actor.compute_logprobs(samples, "old_logprobs", entropy_field="old_entropy")
-        first = {(s.group_id, tuple(s.response_ids)): (s.old_logprobs, s.old_entropy) for s in samples}
-        step = actor.sft_step if sft else actor.update
-        if not sft:
-            actor.update([replace(s, advantages=[0.0] * len(s.advantages)) for s in samples])
-        losses = [step(samples)["sft_loss" if sft else "pg_loss"] for _ in range(2)]
+        if kind == "critic":
+            for s in samples:
+                s.returns = [a + 0.5 for a in s.advantages]
+            cfg = CriticSection()
+            cfg.max_tokens_per_micro_batch, cfg.ppo_mini_batch_size = budget, 4
+            model = Critic(tiny_model(), cfg, torch.device("cpu"), 8, master_weights=False)
+            use_sgd(model, 0.05)
+            model.compute_values(samples)
+            first = {(s.group_id, tuple(s.response_ids)): (s.values,) for s in samples}
+            losses = [model.update(samples)["critic/vf_loss"] for _ in range(2)]
+            weights = {n: full_tensor(t).clone() for n, t in model.model.state_dict().items()}
+            return first, losses, weights, calls
+        cfg = actor_cfg(max_tokens_per_micro_batch=budget, router_replay="R2" if kind == "r2" else "off")
+        model = Actor(tiny_model(), cfg, torch.device("cpu"), 8, ep=ep)
+        use_sgd(model, 0.05)
+        model.compute_logprobs(samples, "old_logprobs", routes="record" if kind == "r2" else "off",
+                               entropy_field="old_entropy")
+        first = {(s.group_id, tuple(s.response_ids)): (s.old_logprobs, s.old_entropy)
+                 + ((torch.as_tensor(s.routed_experts),) if kind == "r2" else ()) for s in samples}
+        if kind == "sft":
+            losses = [model.sft_step(samples)["sft_loss"] for _ in range(2)]
+        else:
+            model.update([replace(s, advantages=[0.0] * len(s.advantages)) for s in samples])
+            losses = [model.update(samples)["pg_loss"] for _ in range(2)]
     finally:
         UlyssesAttention.attend = attend
-    return first, losses, {n: t.clone() for n, t in actor.named_weights()}, calls
+    return first, losses, {n: t.clone() for n, t in model.named_weights()}, calls
 
 
-def _rank(rank, world, budget, cp, sft):
-    return _run(budget, cp, sft)
+def _rank(rank, world, budget, cp, kind, ep):
+    return _run(budget, cp, kind, ep)
 
 
-@pytest.mark.parametrize("world,cp,sft", [(2, 2, False), (4, 2, False), (4, 4, False), (2, 2, True)])
-def test_context_parallel_matches_one_process(world, cp, sft):
-    want_first, want_losses, want, calls = _run(24, sft=sft)
+@pytest.mark.parametrize("world,cp,kind,ep", [(2, 2, "rl", 1), (4, 2, "rl", 1), (4, 4, "rl", 1), (2, 2, "sft", 1),
+                                              (4, 2, "critic", 1), (4, 2, "ep", 2), (2, 2, "r2", 1)])
+def test_context_parallel_matches_one_process(world, cp, kind, ep):
+    """cp 4: more ranks than the tiny model's 2 key/value heads (repeated); ep: dp 2 x cp 2 with the experts split over
+    2 ranks; r2: routes recorded and replayed."""
+    want_first, want_losses, want, calls = _run(24, kind=kind)
     assert not calls
-    results = run_ranks(_rank, world, 24, cp, sft)
+    results = run_ranks(_rank, world, 24, cp, kind, ep)
     got_first = {}
     for first, losses, weights, calls in results:
         assert calls and all(rows == -(-total // cp) for rows, total in calls)  # 1/cp of each stream's rows
@@ -72,9 +97,9 @@ def test_context_parallel_matches_one_process(world, cp, sft):
         for name, w in want.items():
             torch.testing.assert_close(weights[name], w, rtol=1e-5, atol=1e-6)
     assert got_first.keys() == want_first.keys()
-    for key, (logprobs, entropy) in want_first.items():
-        torch.testing.assert_close(torch.tensor(got_first[key][0]), torch.tensor(logprobs), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(torch.tensor(got_first[key][1]), torch.tensor(entropy), rtol=1e-5, atol=1e-5)
+    for key, values in want_first.items():
+        for got, value in zip(got_first[key], values, strict=True):
+            torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(value), rtol=1e-5, atol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +119,7 @@ def _loop_rank(rank, world, command, model_dir, run_dir, *extra):
     ("rl", 4, ("actor.ppo_mini_batch_size=4",)),  # dp 2 x cp 2: each rank generates its share of the prompts, a
     # cp group trains on both ranks' samples
     ("rl", 2, ("algorithm.dynamic_sampling=true", "algorithm.max_refill_rounds=2")),  # kept groups dealt by dp rank
+    ("rl", 2, ("actor.router_replay=R3",)),  # the engine's routes, pooled with the samples, replayed on each rank's rows
 ])
 def test_the_rl_loop_at_context_parallel_matches_one_process(model_dir, tmp_path, command, world, extra):
     """`moeloop rl` with parallel.cp=2 gives one process's metrics and weights (tolerance as the DP loop tests': Adam
@@ -126,8 +152,7 @@ def test_sft_at_context_parallel_matches_one_process_and_its_checkpoint_resumes_
 
 @pytest.mark.parametrize("extra,message", [
     (("parallel.cp=3",), "parallel.cp=3 must be >= 1 and divide the 2 ranks"),
-    (("actor.router_replay=R3",), "does not run with actor.router_replay"),
-    (("parallel.ep=2",), "does not run with parallel.ep"),
+    (("rollout.mode=async", "rollout.max_staleness=1"), "does not run with rollout.mode=async"),
 ])
 def test_context_parallel_refuses_what_it_does_not_run(model_dir, tmp_path, extra, message):
     with pytest.raises(AssertionError, match=message):

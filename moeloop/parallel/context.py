@@ -23,9 +23,11 @@ import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from moeloop.errors import InputError
+from moeloop.model.routes import RouteTape
 from moeloop.parallel.collectives import all_gather_rows, all_to_all
 from moeloop.parallel.groups import cp_group, cp_rank, cp_size
 
@@ -45,13 +47,37 @@ class UlyssesAttention:
         self.inner, self.num_rows = inner, num_rows
         self.cp, self.group, self.rank = cp_size(), cp_group(), cp_rank()
         self.rows = max(1, math.ceil(num_rows / self.cp))  # per rank
-        self.routes = None  # (no router replay under cp)
+        self.routes: RouteTape | None = None  # this rank's rows of a route tape (`local_routes`)
 
     def local(self, *row_tensors: torch.Tensor) -> list[torch.Tensor]:
         """This rank's block of each [num_rows] tensor, zero-padded to cp x rows."""
         pad = self.cp * self.rows - self.num_rows
         lo = self.rank * self.rows
         return [F.pad(t, (0, pad))[lo:lo + self.rows] for t in row_tensors]
+
+    def local_routes(self, tape: RouteTape | None) -> RouteTape | None:
+        """A tape over this rank's rows for a tape over the stream's: its replayed ids sliced (the pads route
+        afresh), recording if it records (`gather_recorded` then fills the stream's tape)."""
+        if tape is None:
+            return None
+        replay, valid = tape.replay_LTK, tape.valid_T
+        if replay is not None:
+            pad = self.cp * self.rows - self.num_rows
+            lo = self.rank * self.rows
+            replay = F.pad(replay, (0, 0, 0, pad))[:, lo:lo + self.rows]
+            if valid is None:
+                valid = torch.ones(self.num_rows, dtype=torch.bool, device=replay.device)
+            valid = F.pad(valid, (0, pad), value=False)[lo:lo + self.rows]
+        return RouteTape(replay, valid, record=tape.recorded is not None)
+
+    def gather_recorded(self, tape: RouteTape | None) -> None:
+        """The ids every rank's rows recorded (`self.routes`), in stream order, into `tape`'s record."""
+        if tape is None or tape.recorded is None:
+            return
+        for moe_index, ids_UK in self.routes.recorded.items():
+            parts = [torch.empty_like(ids_UK) for _ in range(self.cp)]
+            dist.all_gather(parts, ids_UK.contiguous(), group=self.group)
+            tape.recorded[moe_index] = torch.cat(parts)[:self.num_rows]
 
     def gather(self, x_UX: torch.Tensor) -> torch.Tensor:
         """Every rank's output rows in stream order, without the pads (differentiable)."""

@@ -25,7 +25,6 @@ from torch.distributed.tensor import DTensor
 from moeloop.algo.token_rewards import response_mask_values
 from moeloop.algo.losses import SHARE_KEYS, PolicyInputs, actor_loss, metrics_to_floats, reduce_metrics
 from moeloop.config.schema import ActorSection
-from moeloop.errors import InputError
 from moeloop.model.attention import GatheredAttention, PackedAttention, RowMap, gather_rows
 from moeloop.model.routes import RouteTape
 from moeloop.parallel.collectives import all_gather_rows, global_values
@@ -60,9 +59,6 @@ class PolicyForward:
         self.model, self.device, self.budget = model, device, max_tokens_per_micro_batch * cp_size()
         if cp_size() > 1:  # context parallel (`parallel.context`): the groups exist (`parallel.groups`)
             check_heads(model.cfg.num_heads, cp_size())
-            if ep > 1 or head is not None:
-                raise InputError(f"parallel.cp={cp_size()} runs the actor and reference alone so far: not with "
-                                 f"parallel.ep={ep} > 1 nor a critic")
         if head is None:
             LogprobHead.replace_in(model, chunk_tokens)
         else:
@@ -78,16 +74,8 @@ class PolicyForward:
 
     def forward_batch(self, batch: PackedBatch, with_entropy: bool,
                       routes: RouteTape | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        hidden_TD = packed_hidden(self.model, batch, routes)
-        if cp_size() == 1:
-            return self.model.lm_head(hidden_TD, batch.labels_T, 1.0, with_entropy)
-        # context parallel: each rank's head takes 1/cp of the positions; every rank gets all the logprobs, so the
-        # loss is the same on each, and the gathers' backward sums the cp ranks' gradients
-        T = batch.num_tokens
-        per_rank = max(1, math.ceil(T / cp_size()))
-        rows = slice(cp_rank() * per_rank, min((cp_rank() + 1) * per_rank, T))
-        outs = self.model.lm_head(hidden_TD[rows], batch.labels_T[rows], 1.0, with_entropy)
-        return tuple(None if x is None else _gather_positions(x, per_rank, T) for x in outs)
+        head = lambda hidden_TD, labels_T: self.model.lm_head(hidden_TD, labels_T, 1.0, with_entropy)  # noqa: E731
+        return over_positions(head, packed_hidden(self.model, batch, routes), batch.labels_T)
 
     def micro_batches(self, samples: list[Sample], at_least: int = 0) -> list[list[int]]:
         """Token-budget cut, padded with empty micro-batches to the max count over DP ranks (and to `at_least`)."""
@@ -154,19 +142,30 @@ def packed_hidden(model: nn.Module, batch: PackedBatch, routes: RouteTape | None
     else:
         ctx, ids_U, positions_U = GatheredAttention(batch.cu_seqlens, st.gather_T, st.owner_U), st.input_ids_U, st.position_ids_U
     if cp_size() > 1:
-        if routes is not None:
-            raise InputError("actor.router_replay needs parallel.cp=1 (context parallelism does not replay routes yet)")
         ctx = UlyssesAttention(ctx, len(ids_U))
+        ctx.routes = ctx.local_routes(routes)
         hidden_UD = ctx.gather(model(*ctx.local(ids_U, positions_U), ctx))
+        ctx.gather_recorded(routes)
     else:
         ctx.routes = routes
         hidden_UD = model(ids_U, positions_U, ctx)
     return hidden_UD if st is None else gather_rows(hidden_UD, RowMap.of_gather(st.gather_T, st.owner_U))
 
 
-def _gather_positions(x_P: torch.Tensor, per_rank: int, num_positions: int) -> torch.Tensor:
-    """Every cp rank's block of per-position values (each `per_rank` long but the last's) in order: [num_positions]."""
-    return all_gather_rows(F.pad(x_P, (0, per_rank - x_P.shape[0])), cp_group())[:num_positions]
+def over_positions(head, hidden_TD: torch.Tensor, *per_position_T: torch.Tensor):
+    """`head(hidden_TD, *per_position_T)` (a tensor of per-position values, or a tuple of them and Nones). Under
+    context parallelism each cp rank's head takes 1/cp of the positions and every rank gets all the values back, so
+    a loss of them is the same on each rank, and the gathers' backward sums the ranks' gradients."""
+    if cp_size() == 1:
+        return head(hidden_TD, *per_position_T)
+    T = hidden_TD.shape[0]
+    per_rank = max(1, math.ceil(T / cp_size()))
+    rows = slice(cp_rank() * per_rank, min((cp_rank() + 1) * per_rank, T))
+    out = head(hidden_TD[rows], *(x[rows] for x in per_position_T))
+
+    def gathered(x_P: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x_P is None else all_gather_rows(F.pad(x_P, (0, per_rank - x_P.shape[0])), cp_group())[:T]
+    return tuple(gathered(x) for x in out) if isinstance(out, tuple) else gathered(out)
 
 
 @torch.no_grad()

@@ -14,7 +14,7 @@ from torch import nn
 from moeloop.algo.losses import reduce_metrics, value_loss
 from moeloop.config.schema import CriticSection
 from moeloop.train.actor import (PolicyForward, all_reduce_scalar, build_optimizer, clip_and_step, dp_size,
-                                 global_metrics, num_mini_batches, packed_hidden, split_groups)
+                                 global_metrics, num_mini_batches, over_positions, packed_hidden, split_groups)
 from moeloop.train.packing import PackedBatch, global_loss_denominators
 from moeloop.types import Sample
 
@@ -43,7 +43,7 @@ class Critic(PolicyForward):
         self.optimizer, self.scheduler = build_optimizer(model, cfg, total_steps)
 
     def values_of(self, batch: PackedBatch) -> torch.Tensor:
-        return self.model.lm_head(packed_hidden(self.model, batch))
+        return over_positions(self.model.lm_head, packed_hidden(self.model, batch))
 
     @torch.no_grad()
     def compute_values(self, samples: list[Sample]) -> None:
