@@ -15,17 +15,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import tempfile
-import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
-from expert_parallel import COLUMNS, count_bytes, samples_of
+from expert_parallel import COLUMNS, launch, samples_of, timed_updates
 from moeloop.config.schema import ActorSection
 from moeloop.model.config import ModelConfig
 from moeloop.model.factory import build_model, hf_config_dict
@@ -80,31 +76,13 @@ def rank_main(rank: int, world: int, init_file: str, args, cp: int, queue) -> No
     actor.forward_batch = measured
     actor.update(samples)
     actor.forward_batch = forward_batch
-    moved: dict[str, int] = {}
-    count_bytes(moved)
-    seconds = []
-    for _ in range(args.steps):
-        dist.barrier()
-        start = time.perf_counter()
-        actor.update(samples)
-        seconds.append(time.perf_counter() - start)
-    queue.put((rank, saved.total, {k: v / args.steps for k, v in moved.items()}, statistics.median(seconds),
-               len(actor.micro_batches(samples))))
+    moved, seconds = timed_updates(actor, samples, args.steps)
+    queue.put((rank, saved.total, moved, seconds, len(actor.micro_batches(samples))))
     dist.destroy_process_group()
 
 
 def run_layout(args, cp: int) -> list[tuple]:
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=rank_main, args=(r, args.world, os.path.join(tmp, "rdv"), args, cp, queue))
-                 for r in range(args.world)]
-        for p in procs:
-            p.start()
-        out = sorted(queue.get(timeout=3600) for _ in procs)
-        for p in procs:
-            p.join()
-    return out
+    return launch(rank_main, args.world, args, cp)
 
 
 def budget(args, cp: int) -> int:

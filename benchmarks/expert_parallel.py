@@ -95,33 +95,45 @@ def rank_main(rank: int, world: int, init_file: str, args, ep: int, impl: str, q
                     for m in model.modules() if getattr(m, "ep_mesh", None) is not None)
     samples = samples_of(rank, args.groups, args.n, cfg.vocab_size, args.prompt, args.response)
     actor.update(samples)  # warm-up: lazy init, optimizer state
+    moved, seconds = timed_updates(actor, samples, args.steps)
+    state = sum(local_bytes(p) * 2 for p in model.parameters())  # weights + grads (fp32, the same sharding)
+    state += sum(local_bytes(v) for s in actor.optimizer.state.values() for v in s.values() if v.dim() > 0)
+    queue.put((rank, moved, unit, state, seconds))
+    dist.destroy_process_group()
+
+
+def launch(rank_main, world: int, *args, timeout_s: float = 3600) -> list[tuple]:
+    """`rank_main(rank, world, init_file, *args, queue)` on `world` forked gloo ranks; what each put on the queue
+    (a tuple that starts with its rank), in rank order."""
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=rank_main, args=(r, world, os.path.join(tmp, "rdv"), *args, queue))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        out = sorted(queue.get(timeout=timeout_s) for _ in procs)
+        for p in procs:
+            p.join()
+    return out
+
+
+def timed_updates(actor, samples: list[Sample], steps: int) -> tuple[dict[str, int], float]:
+    """`steps` updates after a barrier each: the bytes each collective moved a step (`count_bytes`, counted from
+    here on) and the median seconds."""
     moved: dict[str, int] = {}
     count_bytes(moved)
     seconds = []
-    for _ in range(args.steps):
+    for _ in range(steps):
         dist.barrier()
         start = time.perf_counter()
         actor.update(samples)
         seconds.append(time.perf_counter() - start)
-    state = sum(local_bytes(p) * 2 for p in model.parameters())  # weights + grads (fp32, the same sharding)
-    state += sum(local_bytes(v) for s in actor.optimizer.state.values() for v in s.values() if v.dim() > 0)
-    queue.put((rank, {k: v / args.steps for k, v in moved.items()}, unit, state, statistics.median(seconds)))
-    dist.destroy_process_group()
+    return {k: v / steps for k, v in moved.items()}, statistics.median(seconds)
 
 
 def run_layout(args, ep: int, impl: str) -> list[tuple]:
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=rank_main, args=(r, args.world, os.path.join(tmp, "rdv"), args, ep, impl,
-                                                            queue))
-                 for r in range(args.world)]
-        for p in procs:
-            p.start()
-        out = sorted(queue.get(timeout=1800) for _ in procs)
-        for p in procs:
-            p.join()
-    return out
+    return launch(rank_main, args.world, args, ep, impl)
 
 
 def planned_state_gb(args, ep: int) -> float:
