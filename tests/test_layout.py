@@ -68,3 +68,15 @@ def test_with_world_keeps_model_parallel_shape():
     lay = Layout(dp=4, tp=2, pp=2, ep=4)
     assert lay.with_world(24) == Layout(dp=6, tp=2, pp=2, ep=4)
     assert lay.with_world(10) is None
+
+
+def test_context_parallel_exchange_buffers_are_planned():
+    """Ulysses' q, k, v and output exchanges of one attention, sent and received (benchmarks/context_parallel.py
+    measures what they move): with 2 kv heads over cp 2 they divide; over cp 4 they are repeated to the 4 query heads."""
+    from moeloop.plan.activations import alltoall_bytes
+    m = ModelConfig.from_hf_dict({"model_type": "qwen3", "vocab_size": 100, "hidden_size": 64, "num_hidden_layers": 4,
+                                  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                                  "intermediate_size": 96})
+    assert alltoall_bytes(m, Layout(cp=1), 100) == 0
+    assert alltoall_bytes(m, Layout(cp=2), 100) == 2 * 100 * (4 + 2 + 2 + 4) * 16 * 2
+    assert alltoall_bytes(m, Layout(cp=4), 100) == 2 * 100 * (4 + 4 + 4 + 4) * 16 * 2

@@ -85,7 +85,14 @@ def logits_bytes(m: ModelConfig, layout: Layout, tokens: int, chunk_tokens: int,
 
 
 def alltoall_bytes(m: ModelConfig, layout: Layout, tokens: int) -> float:
-    """Expert-parallel dispatch and combine buffers of one MoE layer for one micro-batch."""
-    if layout.ep == 1 or not m.num_experts:
-        return 0.0
-    return 2 * tokens * m.num_experts_per_tok * BF16 * m.hidden_size / layout.tp
+    """Expert-parallel dispatch and combine buffers of one MoE layer, and context parallelism's exchanges of one
+    attention (q, k, v and its output, each sent and received; k and v repeated to the query heads when the key/value
+    heads do not divide over cp), for one micro-batch of `tokens` a rank."""
+    ep = 0.0
+    if layout.ep > 1 and m.num_experts:
+        ep = 2 * tokens * m.num_experts_per_tok * BF16 * m.hidden_size / layout.tp
+    if layout.cp == 1:
+        return ep
+    kv_heads = m.num_heads if m.is_mla or m.num_kv_heads % (layout.tp * layout.cp) else m.num_kv_heads
+    per_token = (m.num_heads + kv_heads) * m.qk_head_dim + (kv_heads + m.num_heads) * m.attn_v_head_dim
+    return ep + 2 * tokens * per_token * BF16 / layout.tp
