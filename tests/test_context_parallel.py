@@ -19,8 +19,8 @@ from moeloop.parallel.fsdp import full_tensor
 from moeloop.train.actor import Actor
 from moeloop.train.critic import Critic
 from tests.dist import run_ranks
-from tests.test_rl_loop import _cfg as rl_cfg, _rows, _weights
-from tests.test_sft import _cfg as sft_cfg
+from tests.test_rl_loop import _cfg as rl_cfg, _rows, _rows_of, _weights
+from tests.test_sft import _cfg as sft_cfg, _conversations
 from tests.trainer_fixtures import actor_cfg, rl_batch, tiny_model, use_sgd
 
 
@@ -138,13 +138,20 @@ def test_the_rl_loop_at_context_parallel_matches_one_process(model_dir, tmp_path
 
 
 def test_sft_at_context_parallel_matches_one_process_and_its_checkpoint_resumes_in_one(model_dir, tmp_path):
-    """`moeloop sft` at cp 2 for 3 steps gives one process's losses; its checkpoint (DCP, sharded over both ranks)
-    resumes in one process for the 4th step, which ends at the straight 4-step run's weights."""
-    run_sft(sft_cfg(model_dir, tmp_path / "one", "trainer.steps=4"))
-    run_ranks(_loop_rank, 2, "sft", model_dir, tmp_path / "cp", "trainer.steps=3", "parallel.cp=2")
-    run_sft(sft_cfg(model_dir, tmp_path / "cp", "trainer.steps=4"), resume=True)
+    """`moeloop sft` at cp 2 for 3 steps (conversations, held-out loss every 2 steps) gives one process's losses; its
+    checkpoint (DCP, sharded over both ranks) resumes in one process for the 4th step, which ends at the straight
+    4-step run's weights."""
+    train, val = _conversations(tmp_path / "train.jsonl"), _conversations(tmp_path / "val.jsonl", 9)
+    extra = ("data.prompt_key=messages", "data.max_response_length=16", f"data.train_files=[{train}]",
+             f"data.val_files=[{val}]", "trainer.val_every=2", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8")
+    run_sft(sft_cfg(model_dir, tmp_path / "one", "trainer.steps=4", *extra))
+    run_ranks(_loop_rank, 2, "sft", model_dir, tmp_path / "cp", "trainer.steps=3", "parallel.cp=2", *extra)
+    run_sft(sft_cfg(model_dir, tmp_path / "cp", "trainer.steps=4", *extra), resume=True)
     one, cp = _rows(tmp_path / "one"), _rows(tmp_path / "cp")
     assert [r["sft_loss"] for r in cp] == pytest.approx([r["sft_loss"] for r in one], rel=1e-5)
+    val_one, val_cp = ({r["step"]: r["val/sft_loss"] for r in _rows_of(tmp_path / d / "val.jsonl")} for d in ("one", "cp"))
+    assert set(val_one) == {0, 2, 4} and {0, 2, 3, 4} == set(val_cp)
+    assert [val_cp[k] for k in (0, 2, 4)] == pytest.approx([val_one[k] for k in (0, 2, 4)], rel=1e-5)
     w1, w2 = _weights(tmp_path / "one"), _weights(tmp_path / "cp")
     for name in w1:
         torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=5e-5)
