@@ -65,6 +65,8 @@ def test_bad_rows_name_the_file_and_line(tmp_path, tokenizer):
     with pytest.raises(InputError, match="list.jsonl:2: a row must be a JSON object, got list"):
         load_rows([str(tmp_path / "list.jsonl")])
     for prompt, message in ((7, "a prompt must be a string or a non-empty list of chat messages, got int"),
+                            ([], "a prompt must be a string or a non-empty list of chat messages, got an empty list"),
+                            (" ", "the prompt is an empty or blank string"),  # (it trained on the chat template's tokens)
                             ([{"role": "user", "content": 3}], "message 0 must be an object with string 'role' and "
                                                                "'content'"),
                             ([{"role": "function", "content": "a"}], "the chat template refuses these messages: unknown "

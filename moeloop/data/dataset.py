@@ -82,12 +82,14 @@ def nested_field(row: dict, key: str) -> Any:
 
 def chat_messages(prompt: Any, where: str) -> list[dict]:
     """A prompt field as chat messages: a string is one user message; a list must hold {"role": str, "content": str}
-    objects. Anything else is an InputError naming `where` (file:line) and the problem."""
+    objects. Anything else (an empty or blank string too) is an InputError naming `where` (file:line) and the problem."""
+    if isinstance(prompt, str) and not prompt.strip():  # (it trained on the template's tokens alone, or failed mid-run)
+        raise InputError(f"{where}: the prompt is an empty or blank string")
     if isinstance(prompt, str):
         return [{"role": "user", "content": prompt}]
     if not isinstance(prompt, list) or not prompt:
         raise InputError(f"{where}: a prompt must be a string or a non-empty list of chat messages, "
-                         f"got {type(prompt).__name__}")
+                         f"got {'an empty list' if prompt == [] else type(prompt).__name__}")
     for i, m in enumerate(prompt):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             raise InputError(f"{where}: message {i} must be an object with string 'role' and 'content', got {m!r:.80}")
