@@ -76,6 +76,13 @@ def test_bad_rows_name_the_file_and_line(tmp_path, tokenizer):
                           tokenizer, DataSection())
 
 
+def test_one_data_file_path_is_a_list_of_one():
+    """verl's `data.train_files=x.parquet` (a string) on the command line or in YAML (it was an OmegaConf error)."""
+    from moeloop.config import load_config
+    cfg = load_config("examples/tiny.yaml", ["data.train_files=d/x.parquet", "data.val_files=[a.jsonl,b.jsonl]"])
+    assert cfg.data.train_files == ["d/x.parquet"] and cfg.data.val_files == ["a.jsonl", "b.jsonl"]
+
+
 def test_cursor_is_deterministic_and_resumable():
     straight = EpochCursor(10, seed=3)
     first = straight.take(7) + straight.take(7)  # crosses an epoch boundary

@@ -92,6 +92,10 @@ def test_generate_and_rl_report_bad_flags_files_and_fields(tmp_path, capsys):
              (base + ["--prompts", str(prompts), "--n", "0"], "SamplingParams.n must be >= 1"),
              (base + ["--prompts", str(tmp_path / "none.jsonl")], "prompts file not found: .*none.jsonl"),
              (["rl", "examples/tiny.yaml", "rollout.n=0"], "moeloop rl: rollout.n: must be >= 1"),
+             (["rl", "examples/tiny.yaml", "rollout.n=zero"],  # (was "config in examples/tiny.yaml: rollout.n: ...")
+              "moeloop rl: config override: rollout.n: Value 'zero' of type 'str' could not be converted to Integer"),
+             (["rl", "examples/tiny.yaml", "trainer.log=console"],  # (was "AnyNode is not a ListConfig, ...")
+              r"moeloop rl: config override: trainer.log: must be a list, e.g. trainer.log=\[console\]"),
              (["rl", str(tmp_path / "none.yaml")], "moeloop rl: config file not found: .*none.yaml"),
              (["rl", "examples/tiny.yaml", "trainer.device=gpu"], "moeloop rl: trainer.device: must be auto.cpu.cuda"),
              (["rl", "examples/tiny.yaml", "trainer.log=[consol]"], "moeloop rl: trainer.log: must list sinks from"),
@@ -155,6 +159,9 @@ def test_generate_and_rl_report_bad_flags_files_and_fields(tmp_path, capsys):
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text("actor: [\n")
     cases.append((["rl", str(bad_yaml)], "moeloop rl: config .*bad.yaml: not valid YAML"))
+    list_yaml = tmp_path / "list.yaml"
+    list_yaml.write_text("- model\n")  # (a TypeError from OmegaConf's merge before)
+    cases.append((["rl", str(list_yaml)], "moeloop rl: config in .*list.yaml: must be a mapping of sections"))
     bad_config = tmp_path / "bad_config"
     shutil.copytree(model_dir, bad_config)
     (bad_config / "config.json").write_text("{")
