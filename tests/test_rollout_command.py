@@ -174,10 +174,14 @@ def test_generate_and_rl_report_bad_flags_files_and_fields(tmp_path, capsys):
     cases.append((["rl", "examples/tiny.yaml", f"model.path={model_dir}", f"data.train_files=[{no_answers}]",
                    "data.val_files=[]", "trainer.val_every=0", "reward.fns=[{fn: format}, {fn: math, weight: 2}]"],
                   "moeloop rl: data.answer_key='answer': no row of .*no_answers.jsonl has it, and reward.fn=math"))
+    cases.append((["rl", "examples/tiny.yaml", f"model.path={model_dir}", "reward.fn=my_rewards.compute_score",
+                   f"trainer.run_dir={tmp_path / 'r'}"],
+                  "moeloop rl: reward.fn='my_rewards.compute_score': cannot import module 'my_rewards'"))
     for argv, message in cases:
         assert cli_main(argv) == 2, argv
         err = capsys.readouterr().err
         assert re.search(message, err) and "Traceback" not in err, (argv, err)
+    assert not (tmp_path / "r").exists()  # (the reward.fn typo came after config.yaml)
 
 
 def test_demo_takes_zero_steps_and_refuses_negative_ones(monkeypatch, capsys):

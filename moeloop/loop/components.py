@@ -35,7 +35,7 @@ from moeloop.model.hf_io import load_pretrained
 from moeloop.parallel.collectives import global_values
 from moeloop.plan import predict_peak_bytes
 from moeloop.reward import RewardPool
-from moeloop.reward.registry import GROUND_TRUTH_REWARDS
+from moeloop.reward.registry import BUILTIN_REWARDS, GROUND_TRUTH_REWARDS, import_by_path
 from moeloop.rollout import Engine
 from moeloop.rollout.sampling_params import SamplingParams
 from moeloop.sync import (DiskTransport, InProcessTransport, ProcessTransport, Transport, WeightSyncer,
@@ -256,6 +256,16 @@ def check_runtime_support(cfg: RunConfig) -> None:
     check_parallel_support(cfg)
 
 
+def check_reward_paths(cfg: RunConfig) -> None:
+    """The dotted paths in reward.fn / reward.fns import: a typo is an InputError before the run writes its files (it
+    came after config.yaml). A reward service's function (reward.server.serve_fn) is its own process's to import."""
+    if cfg.reward.server.serve_fn:
+        return
+    for fn in [e.get("fn") for e in cfg.reward.fns if isinstance(e, dict)] or [cfg.reward.fn]:
+        if isinstance(fn, str) and fn not in BUILTIN_REWARDS:
+            import_by_path(fn, "reward.fns" if cfg.reward.fns else "reward.fn")
+
+
 def check_ground_truths(cfg: RunConfig, files: list[str], data: PromptDataset | None) -> None:
     """A built-in reward that needs answers, over data where no row has `data.answer_key`, is a misnamed key (every
     sample's reward would fail and fall back): an InputError before the run starts. Rows missing only some answers
@@ -288,6 +298,7 @@ def build_reference(cfg: RunConfig, actor: Actor, env: RunEnv) -> PolicyForward 
 
 def build_components(cfg: RunConfig, resume: bool) -> Components:
     check_runtime_support(cfg)
+    check_reward_paths(cfg)
     env = RunEnv.create(cfg)
     if cfg.actor.ppo_mini_batch_size % env.world_size:
         raise InputError(f"actor.ppo_mini_batch_size={cfg.actor.ppo_mini_batch_size} must be divisible by the "
