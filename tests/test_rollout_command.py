@@ -1,7 +1,10 @@
 """`moeloop generate` end to end on a tiny model folder written by the factory (model + tokenizer)."""
 import json
+import os
 import re
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -182,6 +185,19 @@ def test_generate_and_rl_report_bad_flags_files_and_fields(tmp_path, capsys):
         err = capsys.readouterr().err
         assert re.search(message, err) and "Traceback" not in err, (argv, err)
     assert not (tmp_path / "r").exists()  # (the reward.fn typo came after config.yaml)
+
+
+def test_the_moeloop_script_imports_user_code_from_the_working_directory(tmp_path, monkeypatch, capsys):
+    """A verl compute_score in ./my_rewards.py: `moeloop rl` (a console script, whose sys.path has no working directory)
+    imports it as `python -m moeloop rl` does; it failed with "cannot import module 'my_rewards'"."""
+    (tmp_path / "my_rewards.py").write_text("def compute_score(data_source, solution_str, ground_truth):\n    return 1.0\n")
+    config = Path("examples/tiny.yaml").resolve()
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", os.getcwd())])
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "my_rewards", raising=False)
+    assert cli_main(["rl", str(config), "reward.fn=my_rewards.compute_score", "model.path=none"]) == 2
+    assert "model.path=none: no model folder there" in capsys.readouterr().err  # (past the reward.fn check)
+    sys.modules.pop("my_rewards", None)
 
 
 def test_demo_takes_zero_steps_and_refuses_negative_ones(monkeypatch, capsys):
