@@ -200,6 +200,23 @@ def test_the_moeloop_script_imports_user_code_from_the_working_directory(tmp_pat
     sys.modules.pop("my_rewards", None)
 
 
+def test_rows_missing_some_answers_are_counted_on_stderr(capsys):
+    """Their samples fall back one by one (silently before: the run logged only reward/fallen_back); none: nothing."""
+    from moeloop.config import load_config
+    from moeloop.data.dataset import Example
+    from moeloop.loop.components import check_ground_truths
+
+    class Rows(list):
+        examples = property(list.copy)
+
+    cfg = load_config("examples/tiny.yaml")
+    check_ground_truths(cfg, "data.train_files", ["t.jsonl"], Rows([Example([1], "a", "2", ""), Example([1], "b", None, "")]))
+    assert capsys.readouterr().err == ("data.train_files: 1 of 2 rows have no 'answer' (data.answer_key): reward.fn=arith "
+                                       "fails on their samples, which fall back (reward.fallback=mask)\n")
+    check_ground_truths(cfg, "data.train_files", ["t.jsonl"], Rows([Example([1], "a", "2", "")]))
+    assert capsys.readouterr().err == ""
+
+
 def test_demo_takes_zero_steps_and_refuses_negative_ones(monkeypatch, capsys):
     """--sft-steps 0 means no SFT (it ran the config's 400 steps), and a negative count is a usage error."""
     from moeloop.loop import demo

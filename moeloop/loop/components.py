@@ -9,6 +9,7 @@ checkpoint on `--resume`.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -266,17 +267,24 @@ def check_reward_paths(cfg: RunConfig) -> None:
             import_by_path(fn, "reward.fns" if cfg.reward.fns else "reward.fn")
 
 
-def check_ground_truths(cfg: RunConfig, files: list[str], data: PromptDataset | None) -> None:
+def check_ground_truths(cfg: RunConfig, name: str, files: list[str], data: PromptDataset | None,
+                        is_main: bool = True) -> None:
     """A built-in reward that needs answers, over data where no row has `data.answer_key`, is a misnamed key (every
     sample's reward would fail and fall back): an InputError before the run starts. Rows missing only some answers
-    fall back one by one, as the reward pool does for any failed sample."""
+    fall back one by one, as the reward pool does for any failed sample, and a line on stderr counts them. `name`:
+    the field that lists `files` (data.train_files)."""
     fns = [e.get("fn") for e in cfg.reward.fns if isinstance(e, dict)] or [cfg.reward.fn]
     needs = [fn for fn in fns if fn in GROUND_TRUTH_REWARDS]
     if data is None or not needs:  # (an empty dataset is refused when built)
         return
-    if all(e.ground_truth is None for e in data.examples):
+    missing = sum(e.ground_truth is None for e in data.examples)
+    if missing == len(data):
         raise InputError(f"data.answer_key={cfg.data.answer_key!r}: no row of {', '.join(files)} has it, and "
                          f"reward.fn={needs[0]} scores each response against it")
+    if missing and is_main:
+        print(f"{name}: {missing} of {len(data)} rows have no {cfg.data.answer_key!r} (data.answer_key): reward.fn="
+              f"{needs[0]} fails on their samples, which fall back (reward.fallback={cfg.reward.fallback})",
+              file=sys.stderr)
 
 
 def beside_checkpoint(actor_checkpoint: Path, name: str, why: str) -> Path:
@@ -310,7 +318,7 @@ def build_components(cfg: RunConfig, resume: bool) -> Components:
     val = PromptDataset(load_rows(d.val_files, d.seed, d.val_max_samples), tokenizer, d, tools=tools) \
         if d.val_files else None
     for name, files, data in (("data.train_files", cfg.data.train_files, train), ("data.val_files", cfg.data.val_files, val)):
-        check_ground_truths(cfg, files, data)
+        check_ground_truths(cfg, name, files, data, env.is_main)
         if data is not None:
             data.note_dropped(name, env.is_main)
     cfg.trainer.steps = training_steps(cfg, len(train))  # resolved once: every later use reads trainer.steps
