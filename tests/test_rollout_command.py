@@ -217,6 +217,15 @@ def test_rows_missing_some_answers_are_counted_on_stderr(capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_sft_rl_and_plot_answer_help_and_refuse_unknown_options(capsys):
+    """--help printed the usage (sft, rl: it was taken for the config file; plot: for the run directory), and an
+    unknown option is named (it was read as a config override: "Key '--resum' not in 'RunConfig'")."""
+    for name in ("sft", "rl", "plot"):
+        assert cli_main([name, "--help"]) == 0 and capsys.readouterr().out.startswith(f"usage: moeloop {name} ")
+    assert cli_main(["rl", "examples/tiny.yaml", "--resum"]) == 2
+    assert capsys.readouterr().err.startswith("moeloop rl: unknown option --resum\nusage: moeloop rl CONFIG")
+
+
 def test_demo_takes_zero_steps_and_refuses_negative_ones(monkeypatch, capsys):
     """--sft-steps 0 means no SFT (it ran the config's 400 steps), and a negative count is a usage error."""
     from moeloop.loop import demo

@@ -142,10 +142,15 @@ def run_command(argv: list[str], name: str, run) -> int:
     """`moeloop NAME CONFIG [key=value ...] [--resume]`: load the config, call `run(cfg, resume)`."""
     from moeloop.config import load_config
 
+    usage = f"usage: moeloop {name} CONFIG [key=value ...] [--resume]"
+    if argv[:1] in (["-h"], ["--help"]):
+        print(usage)
+        return 0
     resume = "--resume" in argv
     args = [a for a in argv if a != "--resume"]
-    if not args:
-        print(f"usage: moeloop {name} CONFIG [key=value ...] [--resume]", file=sys.stderr)
+    flags = [a for a in args if a.startswith("-")]  # (an override is key=value; --help was taken for the config file)
+    if not args or flags:
+        print(f"moeloop {name}: unknown option {flags[0]}\n{usage}" if flags else usage, file=sys.stderr)
         return 2
     run(load_config(args[0], args[1:]), resume)
     return 0
