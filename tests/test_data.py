@@ -61,6 +61,9 @@ def test_bad_rows_name_the_file_and_line(tmp_path, tokenizer):
                       DataSection(prompt_key="question"))
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
         load_rows([str(tmp_path / "missing.jsonl")])
+    (tmp_path / "rows.json").write_text('[{"prompt": "a"}]\n')  # TRL users' JSON array (or a CSV): named as not JSONL
+    with pytest.raises(InputError, match=r"rows.json:1: a row must be a JSON object, got list; data files are JSONL"):
+        load_rows([str(tmp_path / "rows.json")])
     (tmp_path / "list.jsonl").write_text('{"prompt": "a"}\n["a"]\n')
     with pytest.raises(InputError, match="list.jsonl:2: a row must be a JSON object, got list"):
         load_rows([str(tmp_path / "list.jsonl")])

@@ -48,11 +48,15 @@ def _read_file(path: Path) -> list[dict]:
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
         return [dict(r, _source=f"{path}#{i}") for i, r in enumerate(pq.read_table(path).to_pylist())]
-    rows = []
+    rows: list[dict] = []
     for i, line in enumerate(path.read_text().splitlines()):
         if not line.strip():
             continue
-        rows.append(dict(json_object(line, f"{path}:{i + 1}"), _source=f"{path}:{i + 1}"))
+        try:
+            rows.append(dict(json_object(line, f"{path}:{i + 1}"), _source=f"{path}:{i + 1}"))
+        except InputError as err:  # the first row: maybe not JSONL at all (a JSON array, a CSV file)
+            raise InputError(str(err) + ("" if rows else "; data files are JSONL (one JSON object a line) or "
+                                         ".parquet")) from None
     return rows
 
 
