@@ -1,6 +1,7 @@
 """Checkpoints: atomic saves, resume == uninterrupted, and a DP=2 checkpoint resumes at DP=1 and DP=4."""
 import os
 import re
+import shutil
 import warnings
 
 import pytest
@@ -73,6 +74,10 @@ def test_save_is_atomic_and_pruned(tmp_path):
     assert ckpt.latest().name == "step_000003"
     meta = ckpt.load(ckpt.latest(), actor.model, actor.optimizer)
     assert meta["step"] == 3 and meta["cursor"]["num_rows"] == 10
+    # a fresh run in the directory of an earlier, longer one: its own checkpoints are the ones kept and resumed
+    shutil.copytree(tmp_path / "step_000003", tmp_path / "step_000040")
+    actor_state_save(ckpt, 1, actor, cursor)
+    assert ckpt.latest().name == "step_000001" and (tmp_path / "step_000040").is_dir()
 
 
 def test_resume_takes_the_latest_or_says_it_starts_fresh(tmp_path, capsys):

@@ -147,7 +147,7 @@ class CheckpointManager:
             pointer_tmp = self.directory / "latest.tmp"
             pointer_tmp.write_text(final.name)
             os.replace(pointer_tmp, self.directory / "latest")
-            self._prune()
+            self._prune(final)
         _barrier()
         return final
 
@@ -180,7 +180,9 @@ class CheckpointManager:
         model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
         return {"model": model_sd, "optim": optim_sd}
 
-    def _prune(self) -> None:
-        done = sorted(p for p in self.directory.glob("step_*") if not p.name.endswith(".tmp"))
+    def _prune(self, saved: Path) -> None:
+        """The newest `keep` checkpoints up to `saved` stay. Later ones (an earlier run's, in the same directory) are
+        not counted: they outranked `saved`, which was deleted as it was written (and --resume then started over)."""
+        done = sorted(p for p in self.directory.glob("step_*") if not p.name.endswith(".tmp") and p.name <= saved.name)
         for old in done[: max(0, len(done) - self.keep)]:
             shutil.rmtree(old, ignore_errors=True)
