@@ -82,7 +82,7 @@ def test_save_is_atomic_and_pruned(tmp_path):
 
 def test_resume_takes_the_latest_or_says_it_starts_fresh(tmp_path, capsys):
     """`--resume` (`resume_from`): the newest complete checkpoint; with none, step 0 and a note on stderr (from
-    the main rank only); without --resume, nothing is read."""
+    the main rank only); without --resume, nothing is read, and a checkpoint there gets a note."""
     from moeloop.loop.env import resume_from
     ckpt = CheckpointManager(tmp_path / "ckpt")
     assert resume_from(ckpt, True, is_main=True) is None
@@ -91,6 +91,7 @@ def test_resume_takes_the_latest_or_says_it_starts_fresh(tmp_path, capsys):
     actor_state_save(ckpt, 3, _actor(), EpochCursor(10))
     assert resume_from(ckpt, True, is_main=True).name == "step_000003" and capsys.readouterr().err == ""
     assert resume_from(ckpt, False, is_main=True) is None
+    assert capsys.readouterr().err == f"{ckpt.latest()}: not resumed (without --resume); this run starts at step 0\n"
 
 
 @pytest.mark.parametrize("initialised", [False, True])
