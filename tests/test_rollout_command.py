@@ -159,6 +159,12 @@ def test_generate_and_rl_report_bad_flags_files_and_fields(tmp_path, capsys):
                   "moeloop generate: --out .*p.jsonl: is the --prompts file"))
     cases.append((["ckpt", "export", str(tmp_path), "--model", str(model_dir), "--out", str(model_dir)],
                   "moeloop ckpt: --out .*: is the --model folder"))
+    for folder, hint in (("run/hf", "the run directory's HF export is .*run/hf"),  # model.path = a run's directory
+                         ("ckpt", ".*ckpt holds a training checkpoint: `moeloop ckpt export .*ckpt --model")):  # or checkpoint
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / ("config.json" if folder == "run/hf" else "meta.json")).write_text("{}")
+        cases.append((["sft", "examples/tiny_sft.yaml", f"model.path={tmp_path / folder.split('/')[0]}"],
+                      f"no model folder there .*; {hint}"))
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text("actor: [\n")
     cases.append((["rl", str(bad_yaml)], "moeloop rl: config .*bad.yaml: not valid YAML"))
