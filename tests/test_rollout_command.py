@@ -186,11 +186,15 @@ def test_generate_and_rl_report_bad_flags_files_and_fields(tmp_path, capsys):
     cases.append((["rl", "examples/tiny.yaml", f"model.path={model_dir}", "reward.fn=my_rewards.compute_score",
                    f"trainer.run_dir={tmp_path / 'r'}"],
                   "moeloop rl: reward.fn='my_rewards.compute_score': cannot import module 'my_rewards'"))
+    for setting, message in (("reward.fns=[{fn: arith, weigth: 0.1}]", r"reward.fns\[0\]: unknown keys \['weigth'\]"),
+                             ("reward.fn_options={foo: 1}", r"reward.fn=arith takes no options, got \['foo'\]")):
+        cases.append((["rl", "examples/tiny.yaml", f"model.path={model_dir}", setting, f"trainer.run_dir={tmp_path / 'r'}",
+                       "trainer.steps=0", "trainer.val_every=0", "data.val_files=[]"], f"moeloop rl: {message}"))
     for argv, message in cases:
         assert cli_main(argv) == 2, argv
         err = capsys.readouterr().err
         assert re.search(message, err) and "Traceback" not in err, (argv, err)
-    assert not (tmp_path / "r").exists()  # (the reward.fn typo came after config.yaml)
+    assert not (tmp_path / "r").exists()  # (the reward mistakes came after config.yaml; fn_options were dropped)
 
 
 def test_the_moeloop_script_imports_user_code_from_the_working_directory(tmp_path, monkeypatch, capsys):

@@ -36,7 +36,8 @@ from moeloop.model.hf_io import load_pretrained
 from moeloop.parallel.collectives import global_values
 from moeloop.plan import predict_peak_bytes
 from moeloop.reward import RewardPool
-from moeloop.reward.registry import BUILTIN_REWARDS, GROUND_TRUTH_REWARDS, import_by_path
+from moeloop.reward.composite import component_specs
+from moeloop.reward.registry import BUILTIN_REWARDS, GROUND_TRUTH_REWARDS, check_options, import_by_path
 from moeloop.rollout import Engine
 from moeloop.rollout.sampling_params import SamplingParams
 from moeloop.sync import (DiskTransport, InProcessTransport, ProcessTransport, Transport, WeightSyncer,
@@ -257,13 +258,18 @@ def check_runtime_support(cfg: RunConfig) -> None:
     check_parallel_support(cfg)
 
 
-def check_reward_paths(cfg: RunConfig) -> None:
-    """The dotted paths in reward.fn / reward.fns import: a typo is an InputError before the run writes its files (it
-    came after config.yaml). A reward service's function (reward.server.serve_fn) is its own process's to import."""
+def check_reward_config(cfg: RunConfig) -> None:
+    """reward.fns' entries, a built-in's options and the dotted paths of reward.fn / reward.fns: a mistake is an
+    InputError before the run writes its files (it came after config.yaml). A reward service's function
+    (reward.server.serve_fn) is its own process's to import."""
+    specs = [(fn, options) for _, fn, _, options in component_specs(cfg.reward.fns)] or \
+        [(cfg.reward.fn, cfg.reward.fn_options)]
     if cfg.reward.server.serve_fn:
         return
-    for fn in [e.get("fn") for e in cfg.reward.fns if isinstance(e, dict)] or [cfg.reward.fn]:
-        if isinstance(fn, str) and fn not in BUILTIN_REWARDS:
+    for fn, options in specs:
+        if fn in BUILTIN_REWARDS:
+            check_options(fn, options)
+        else:
             import_by_path(fn, "reward.fns" if cfg.reward.fns else "reward.fn")
 
 
@@ -306,7 +312,7 @@ def build_reference(cfg: RunConfig, actor: Actor, env: RunEnv) -> PolicyForward 
 
 def build_components(cfg: RunConfig, resume: bool) -> Components:
     check_runtime_support(cfg)
-    check_reward_paths(cfg)
+    check_reward_config(cfg)
     env = RunEnv.create(cfg)
     if cfg.actor.ppo_mini_batch_size % env.world_size:
         raise InputError(f"actor.ppo_mini_batch_size={cfg.actor.ppo_mini_batch_size} must be divisible by the "
