@@ -15,6 +15,7 @@ Modules load lazily so `moeloop --help` stays fast.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 from moeloop.errors import InputError
@@ -48,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"moeloop: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    if os.getcwd() not in sys.path and "" not in sys.path:  # the `moeloop` script: user code (reward.fn, tools) in the
+        sys.path.append(os.getcwd())                         # working directory imports, as under python -m moeloop
     module_name, func_name = COMMANDS[name][0].split(":")
     func = getattr(importlib.import_module(module_name), func_name)
     try:

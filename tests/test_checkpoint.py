@@ -1,6 +1,8 @@
 """Checkpoints: atomic saves, resume == uninterrupted, and a DP=2 checkpoint resumes at DP=1 and DP=4."""
 import os
 import re
+import shutil
+import warnings
 
 import pytest
 
@@ -59,8 +61,12 @@ def test_resume_equals_straight_run(tmp_path):
 def test_save_is_atomic_and_pruned(tmp_path):
     actor, cursor = _actor(), EpochCursor(10)
     ckpt = CheckpointManager(tmp_path, keep=2)
-    for step in (1, 2, 3):
-        actor_state_save(ckpt, step, actor, cursor)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in (1, 2, 3):
+            actor_state_save(ckpt, step, actor, cursor)
+        ckpt.load(ckpt.latest(), actor.model, actor.optimizer)
+    assert not [w for w in caught if "torch.distributed is" in str(w.message)]  # (DCP's one-process note: not here)
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_000002", "step_000003"]
     # a save killed half-way leaves a .tmp directory; the previous checkpoint stays the latest
     (tmp_path / "step_000004.tmp").mkdir()
@@ -68,11 +74,15 @@ def test_save_is_atomic_and_pruned(tmp_path):
     assert ckpt.latest().name == "step_000003"
     meta = ckpt.load(ckpt.latest(), actor.model, actor.optimizer)
     assert meta["step"] == 3 and meta["cursor"]["num_rows"] == 10
+    # a fresh run in the directory of an earlier, longer one: its own checkpoints are the ones kept and resumed
+    shutil.copytree(tmp_path / "step_000003", tmp_path / "step_000040")
+    actor_state_save(ckpt, 1, actor, cursor)
+    assert ckpt.latest().name == "step_000001" and (tmp_path / "step_000040").is_dir()
 
 
 def test_resume_takes_the_latest_or_says_it_starts_fresh(tmp_path, capsys):
     """`--resume` (`resume_from`): the newest complete checkpoint; with none, step 0 and a note on stderr (from
-    the main rank only); without --resume, nothing is read."""
+    the main rank only); without --resume, nothing is read, and a checkpoint there gets a note."""
     from moeloop.loop.env import resume_from
     ckpt = CheckpointManager(tmp_path / "ckpt")
     assert resume_from(ckpt, True, is_main=True) is None
@@ -81,6 +91,7 @@ def test_resume_takes_the_latest_or_says_it_starts_fresh(tmp_path, capsys):
     actor_state_save(ckpt, 3, _actor(), EpochCursor(10))
     assert resume_from(ckpt, True, is_main=True).name == "step_000003" and capsys.readouterr().err == ""
     assert resume_from(ckpt, False, is_main=True) is None
+    assert capsys.readouterr().err == f"{ckpt.latest()}: not resumed (without --resume); this run starts at step 0\n"
 
 
 @pytest.mark.parametrize("initialised", [False, True])

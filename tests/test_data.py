@@ -61,10 +61,15 @@ def test_bad_rows_name_the_file_and_line(tmp_path, tokenizer):
                       DataSection(prompt_key="question"))
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
         load_rows([str(tmp_path / "missing.jsonl")])
+    (tmp_path / "rows.json").write_text('[{"prompt": "a"}]\n')  # TRL users' JSON array (or a CSV): named as not JSONL
+    with pytest.raises(InputError, match=r"rows.json:1: a row must be a JSON object, got list; data files are JSONL"):
+        load_rows([str(tmp_path / "rows.json")])
     (tmp_path / "list.jsonl").write_text('{"prompt": "a"}\n["a"]\n')
     with pytest.raises(InputError, match="list.jsonl:2: a row must be a JSON object, got list"):
         load_rows([str(tmp_path / "list.jsonl")])
     for prompt, message in ((7, "a prompt must be a string or a non-empty list of chat messages, got int"),
+                            ([], "a prompt must be a string or a non-empty list of chat messages, got an empty list"),
+                            (" ", "the prompt is an empty or blank string"),  # (it trained on the chat template's tokens)
                             ([{"role": "user", "content": 3}], "message 0 must be an object with string 'role' and "
                                                                "'content'"),
                             ([{"role": "function", "content": "a"}], "the chat template refuses these messages: unknown "
@@ -72,6 +77,13 @@ def test_bad_rows_name_the_file_and_line(tmp_path, tokenizer):
         with pytest.raises(InputError, match=f"p.jsonl:2: {re.escape(message)}"):
             PromptDataset(load_rows([_write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a"}, {"prompt": prompt}])]),
                           tokenizer, DataSection())
+
+
+def test_one_data_file_path_is_a_list_of_one():
+    """verl's `data.train_files=x.parquet` (a string) on the command line or in YAML (it was an OmegaConf error)."""
+    from moeloop.config import load_config
+    cfg = load_config("examples/tiny.yaml", ["data.train_files=d/x.parquet", "data.val_files=[a.jsonl,b.jsonl]"])
+    assert cfg.data.train_files == ["d/x.parquet"] and cfg.data.val_files == ["a.jsonl", "b.jsonl"]
 
 
 def test_cursor_is_deterministic_and_resumable():
@@ -84,7 +96,7 @@ def test_cursor_is_deterministic_and_resumable():
     again.load_state_dict(state)
     assert first[7:] == again.take(7)
     assert sorted(first[:10]) == list(range(10))  # one epoch = a permutation
-    with pytest.raises(ValueError, match="saved for 10 rows"):
+    with pytest.raises(ValueError, match="data cursor runs over 10 training rows, and data.train_files now give 11"):
         EpochCursor(11).load_state_dict(state)
 
 

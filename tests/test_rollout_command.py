@@ -1,7 +1,10 @@
 """`moeloop generate` end to end on a tiny model folder written by the factory (model + tokenizer)."""
 import json
+import os
 import re
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -92,6 +95,10 @@ def test_generate_and_rl_report_bad_flags_files_and_fields(tmp_path, capsys):
              (base + ["--prompts", str(prompts), "--n", "0"], "SamplingParams.n must be >= 1"),
              (base + ["--prompts", str(tmp_path / "none.jsonl")], "prompts file not found: .*none.jsonl"),
              (["rl", "examples/tiny.yaml", "rollout.n=0"], "moeloop rl: rollout.n: must be >= 1"),
+             (["rl", "examples/tiny.yaml", "rollout.n=zero"],  # (was "config in examples/tiny.yaml: rollout.n: ...")
+              "moeloop rl: config override: rollout.n: Value 'zero' of type 'str' could not be converted to Integer"),
+             (["rl", "examples/tiny.yaml", "trainer.log=console"],  # (was "AnyNode is not a ListConfig, ...")
+              r"moeloop rl: config override: trainer.log: must be a list, e.g. trainer.log=\[console\]"),
              (["rl", str(tmp_path / "none.yaml")], "moeloop rl: config file not found: .*none.yaml"),
              (["rl", "examples/tiny.yaml", "trainer.device=gpu"], "moeloop rl: trainer.device: must be auto.cpu.cuda"),
              (["rl", "examples/tiny.yaml", "trainer.log=[consol]"], "moeloop rl: trainer.log: must list sinks from"),
@@ -152,9 +159,18 @@ def test_generate_and_rl_report_bad_flags_files_and_fields(tmp_path, capsys):
                   "moeloop generate: --out .*p.jsonl: is the --prompts file"))
     cases.append((["ckpt", "export", str(tmp_path), "--model", str(model_dir), "--out", str(model_dir)],
                   "moeloop ckpt: --out .*: is the --model folder"))
+    for folder, hint in (("run/hf", "the run directory's HF export is .*run/hf"),  # model.path = a run's directory
+                         ("ckpt", ".*ckpt holds a training checkpoint: `moeloop ckpt export .*ckpt --model")):  # or checkpoint
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / ("config.json" if folder == "run/hf" else "meta.json")).write_text("{}")
+        cases.append((["sft", "examples/tiny_sft.yaml", f"model.path={tmp_path / folder.split('/')[0]}"],
+                      f"no model folder there .*; {hint}"))
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text("actor: [\n")
     cases.append((["rl", str(bad_yaml)], "moeloop rl: config .*bad.yaml: not valid YAML"))
+    list_yaml = tmp_path / "list.yaml"
+    list_yaml.write_text("- model\n")  # (a TypeError from OmegaConf's merge before)
+    cases.append((["rl", str(list_yaml)], "moeloop rl: config in .*list.yaml: must be a mapping of sections"))
     bad_config = tmp_path / "bad_config"
     shutil.copytree(model_dir, bad_config)
     (bad_config / "config.json").write_text("{")
@@ -167,10 +183,57 @@ def test_generate_and_rl_report_bad_flags_files_and_fields(tmp_path, capsys):
     cases.append((["rl", "examples/tiny.yaml", f"model.path={model_dir}", f"data.train_files=[{no_answers}]",
                    "data.val_files=[]", "trainer.val_every=0", "reward.fns=[{fn: format}, {fn: math, weight: 2}]"],
                   "moeloop rl: data.answer_key='answer': no row of .*no_answers.jsonl has it, and reward.fn=math"))
+    cases.append((["rl", "examples/tiny.yaml", f"model.path={model_dir}", "reward.fn=my_rewards.compute_score",
+                   f"trainer.run_dir={tmp_path / 'r'}"],
+                  "moeloop rl: reward.fn='my_rewards.compute_score': cannot import module 'my_rewards'"))
+    for setting, message in (("reward.fns=[{fn: arith, weigth: 0.1}]", r"reward.fns\[0\]: unknown keys \['weigth'\]"),
+                             ("reward.fn_options={foo: 1}", r"reward.fn=arith takes no options, got \['foo'\]")):
+        cases.append((["rl", "examples/tiny.yaml", f"model.path={model_dir}", setting, f"trainer.run_dir={tmp_path / 'r'}",
+                       "trainer.steps=0", "trainer.val_every=0", "data.val_files=[]"], f"moeloop rl: {message}"))
     for argv, message in cases:
         assert cli_main(argv) == 2, argv
         err = capsys.readouterr().err
         assert re.search(message, err) and "Traceback" not in err, (argv, err)
+    assert not (tmp_path / "r").exists()  # (the reward mistakes came after config.yaml; fn_options were dropped)
+
+
+def test_the_moeloop_script_imports_user_code_from_the_working_directory(tmp_path, monkeypatch, capsys):
+    """A verl compute_score in ./my_rewards.py: `moeloop rl` (a console script, whose sys.path has no working directory)
+    imports it as `python -m moeloop rl` does; it failed with "cannot import module 'my_rewards'"."""
+    (tmp_path / "my_rewards.py").write_text("def compute_score(data_source, solution_str, ground_truth):\n    return 1.0\n")
+    config = Path("examples/tiny.yaml").resolve()
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", os.getcwd())])
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "my_rewards", raising=False)
+    assert cli_main(["rl", str(config), "reward.fn=my_rewards.compute_score", "model.path=none"]) == 2
+    assert "model.path=none: no model folder there" in capsys.readouterr().err  # (past the reward.fn check)
+    sys.modules.pop("my_rewards", None)
+
+
+def test_rows_missing_some_answers_are_counted_on_stderr(capsys):
+    """Their samples fall back one by one (silently before: the run logged only reward/fallen_back); none: nothing."""
+    from moeloop.config import load_config
+    from moeloop.data.dataset import Example
+    from moeloop.loop.components import check_ground_truths
+
+    class Rows(list):
+        examples = property(list.copy)
+
+    cfg = load_config("examples/tiny.yaml")
+    check_ground_truths(cfg, "data.train_files", ["t.jsonl"], Rows([Example([1], "a", "2", ""), Example([1], "b", None, "")]))
+    assert capsys.readouterr().err == ("data.train_files: 1 of 2 rows have no 'answer' (data.answer_key): reward.fn=arith "
+                                       "fails on their samples, which fall back (reward.fallback=mask)\n")
+    check_ground_truths(cfg, "data.train_files", ["t.jsonl"], Rows([Example([1], "a", "2", "")]))
+    assert capsys.readouterr().err == ""
+
+
+def test_sft_rl_and_plot_answer_help_and_refuse_unknown_options(capsys):
+    """--help printed the usage (sft, rl: it was taken for the config file; plot: for the run directory), and an
+    unknown option is named (it was read as a config override: "Key '--resum' not in 'RunConfig'")."""
+    for name in ("sft", "rl", "plot"):
+        assert cli_main([name, "--help"]) == 0 and capsys.readouterr().out.startswith(f"usage: moeloop {name} ")
+    assert cli_main(["rl", "examples/tiny.yaml", "--resum"]) == 2
+    assert capsys.readouterr().err.startswith("moeloop rl: unknown option --resum\nusage: moeloop rl CONFIG")
 
 
 def test_demo_takes_zero_steps_and_refuses_negative_ones(monkeypatch, capsys):

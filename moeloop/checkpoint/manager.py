@@ -17,9 +17,11 @@ import os
 import random
 import shutil
 import sys
+import warnings
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -103,6 +105,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(cuda)
 
 
+@contextmanager
+def _one_process_quiet() -> Iterator[None]:
+    """DCP without a process group, minus its warning that it assumes one process (one process is a run of its own
+    here, not a mistake; the warning broke the progress bar of every single-process run at its first checkpoint)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is (disabled, )?unavailable or uninitialized", UserWarning)
+        yield
+
+
 class CheckpointManager:
     def __init__(self, directory: str | Path, keep: int = 2):
         self.directory, self.keep = Path(directory), keep
@@ -123,7 +134,8 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         _barrier()
-        dcp.save(self._state(model, optimizer, trainable_only), checkpoint_id=str(tmp))
+        with _one_process_quiet():
+            dcp.save(self._state(model, optimizer, trainable_only), checkpoint_id=str(tmp))
         (tmp / "rng").mkdir(exist_ok=True)
         torch.save(rng_state(), tmp / "rng" / f"rank{_rank()}.pt")
         _barrier()
@@ -135,7 +147,7 @@ class CheckpointManager:
             pointer_tmp = self.directory / "latest.tmp"
             pointer_tmp.write_text(final.name)
             os.replace(pointer_tmp, self.directory / "latest")
-            self._prune()
+            self._prune(final)
         _barrier()
         return final
 
@@ -144,7 +156,8 @@ class CheckpointManager:
         """Load into the current layout (DCP reshards); restore this rank's RNG; return meta."""
         state = self._state(model, optimizer, trainable_only)
         _check_fits(path, state["model"])  # (every tensor of `state` is in the checkpoint: strict where it matters)
-        dcp.load(state, checkpoint_id=str(path))
+        with _one_process_quiet():
+            dcp.load(state, checkpoint_id=str(path))
         options = StateDictOptions(strict=not trainable_only, ignore_frozen_params=trainable_only)
         if optimizer is None:
             set_state_dict(model, optimizers=(), model_state_dict=state["model"], optim_state_dict={}, options=options)
@@ -167,7 +180,9 @@ class CheckpointManager:
         model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
         return {"model": model_sd, "optim": optim_sd}
 
-    def _prune(self) -> None:
-        done = sorted(p for p in self.directory.glob("step_*") if not p.name.endswith(".tmp"))
+    def _prune(self, saved: Path) -> None:
+        """The newest `keep` checkpoints up to `saved` stay. Later ones (an earlier run's, in the same directory) are
+        not counted: they outranked `saved`, which was deleted as it was written (and --resume then started over)."""
+        done = sorted(p for p in self.directory.glob("step_*") if not p.name.endswith(".tmp") and p.name <= saved.name)
         for old in done[: max(0, len(done) - self.keep)]:
             shutil.rmtree(old, ignore_errors=True)

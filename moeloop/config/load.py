@@ -5,10 +5,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from moeloop.config.schema import RunConfig
@@ -16,23 +16,36 @@ from moeloop.errors import InputError
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:
-    """Return a validated `RunConfig`; errors name the file, the field and the rule."""
+    """Return a validated `RunConfig`; errors name the file or the override, the field and the rule."""
     base = OmegaConf.structured(RunConfig)
-    try:
-        if path is not None:
-            if not Path(path).is_file():
-                raise FileNotFoundError(f"config file not found: {path}")
-            base = OmegaConf.merge(base, OmegaConf.load(path))
-        base = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
-    except OmegaConfBaseException as err:
-        where = f" in {path}" if path else ""
-        raise InputError(f"config{where}: {_explain(err)}") from None
-    except yaml.YAMLError as err:  # the file is not YAML (OmegaConf.load parses with PyYAML)
-        raise InputError(f"config {path}: not valid YAML ({' '.join(str(err).split())})") from None
+    if path is not None:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"config file not found: {path}")
+        base = _merge(base, lambda: OmegaConf.load(path), f"config in {path}")
+    base = _merge(base, lambda: OmegaConf.from_dotlist(list(overrides)), "config override")
     cfg: RunConfig = OmegaConf.to_object(base)  # type: ignore[assignment]
     _yaml_switches(cfg)
     validate(cfg)
     return cfg
+
+
+ONE_PATH_FIELDS = ("data.train_files", "data.val_files")  # one path as a string, as verl's take it, is a list of one
+
+
+def _merge(base: DictConfig, read: Callable[[], DictConfig], where: str) -> DictConfig:
+    """`base` with what `read` gives merged on; an error names `where` (the file, or the overrides)."""
+    try:
+        conf = read()
+        if not isinstance(conf, DictConfig):  # (a TypeError from the merge)
+            raise InputError(f"{where}: must be a mapping of sections (model:, data:, ...), not a list")
+        for key in ONE_PATH_FIELDS:
+            if isinstance(OmegaConf.select(conf, key), str):
+                OmegaConf.update(conf, key, [OmegaConf.select(conf, key)])
+        return OmegaConf.merge(base, conf)  # type: ignore[return-value]
+    except OmegaConfBaseException as err:
+        raise InputError(f"{where}: {_explain(err)}") from None
+    except yaml.YAMLError as err:  # not YAML (OmegaConf parses a file and each override's value with PyYAML)
+        raise InputError(f"{where}: not valid YAML ({' '.join(str(err).split())})") from None
 
 
 SWITCH_FIELDS = (("rollout", "async_scheduling"), ("actor", "router_replay"), ("critic", "router_replay"))
@@ -51,6 +64,8 @@ def _yaml_switches(cfg: RunConfig) -> None:
 def _explain(err: OmegaConfBaseException) -> str:
     key = getattr(err, "full_key", None)
     msg = str(err).splitlines()[0]
+    if "is not a ListConfig" in msg:  # ("Invalid value assigned: AnyNode is not a ListConfig, TupleConfig, ...")
+        msg = f"must be a list, e.g. {key}=[{getattr(err, 'value', '...')}]"
     return f"{key}: {msg}" if key else msg
 
 

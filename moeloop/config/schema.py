@@ -36,7 +36,7 @@ class ModelSection:
 
 @dataclass
 class DataSection:
-    train_files: list[str] = field(default_factory=list)  # JSONL / parquet; "synthetic:arith" = built-in task
+    train_files: list[str] = field(default_factory=list)  # JSONL / parquet (one path: a string will do); "synthetic:arith" = built-in
     val_files: list[str] = field(default_factory=list)
     prompt_key: str = "prompt"
     answer_key: str = "answer"  # dotted = nested, e.g. reward_model.ground_truth (verl's parquet files)

@@ -46,5 +46,7 @@ class EpochCursor:
 
     def load_state_dict(self, state: dict) -> None:
         if state["num_rows"] != self.num_rows:
-            raise InputError(f"data cursor was saved for {state['num_rows']} rows, dataset now has {self.num_rows}")
+            raise InputError(f"the checkpoint's data cursor runs over {state['num_rows']} training rows, and "
+                             f"data.train_files now give {self.num_rows} (after data.train_max_samples and "
+                             f"data.truncation): resume on the data it was saved with")
         self.epoch, self.offset, self.seed = state["epoch"], state["offset"], state["seed"]

@@ -48,11 +48,15 @@ def _read_file(path: Path) -> list[dict]:
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
         return [dict(r, _source=f"{path}#{i}") for i, r in enumerate(pq.read_table(path).to_pylist())]
-    rows = []
+    rows: list[dict] = []
     for i, line in enumerate(path.read_text().splitlines()):
         if not line.strip():
             continue
-        rows.append(dict(json_object(line, f"{path}:{i + 1}"), _source=f"{path}:{i + 1}"))
+        try:
+            rows.append(dict(json_object(line, f"{path}:{i + 1}"), _source=f"{path}:{i + 1}"))
+        except InputError as err:  # the first row: maybe not JSONL at all (a JSON array, a CSV file)
+            raise InputError(str(err) + ("" if rows else "; data files are JSONL (one JSON object a line) or "
+                                         ".parquet")) from None
     return rows
 
 
@@ -82,12 +86,14 @@ def nested_field(row: dict, key: str) -> Any:
 
 def chat_messages(prompt: Any, where: str) -> list[dict]:
     """A prompt field as chat messages: a string is one user message; a list must hold {"role": str, "content": str}
-    objects. Anything else is an InputError naming `where` (file:line) and the problem."""
+    objects. Anything else (an empty or blank string too) is an InputError naming `where` (file:line) and the problem."""
+    if isinstance(prompt, str) and not prompt.strip():  # (it trained on the template's tokens alone, or failed mid-run)
+        raise InputError(f"{where}: the prompt is an empty or blank string")
     if isinstance(prompt, str):
         return [{"role": "user", "content": prompt}]
     if not isinstance(prompt, list) or not prompt:
         raise InputError(f"{where}: a prompt must be a string or a non-empty list of chat messages, "
-                         f"got {type(prompt).__name__}")
+                         f"got {'an empty list' if prompt == [] else type(prompt).__name__}")
     for i, m in enumerate(prompt):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             raise InputError(f"{where}: message {i} must be an object with string 'role' and 'content', got {m!r:.80}")

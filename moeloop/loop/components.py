@@ -9,6 +9,7 @@ checkpoint on `--resume`.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,8 @@ from moeloop.model.hf_io import load_pretrained
 from moeloop.parallel.collectives import global_values
 from moeloop.plan import predict_peak_bytes
 from moeloop.reward import RewardPool
-from moeloop.reward.registry import GROUND_TRUTH_REWARDS
+from moeloop.reward.composite import component_specs
+from moeloop.reward.registry import BUILTIN_REWARDS, GROUND_TRUTH_REWARDS, check_options, import_by_path
 from moeloop.rollout import Engine
 from moeloop.rollout.sampling_params import SamplingParams
 from moeloop.sync import (DiskTransport, InProcessTransport, ProcessTransport, Transport, WeightSyncer,
@@ -256,17 +258,39 @@ def check_runtime_support(cfg: RunConfig) -> None:
     check_parallel_support(cfg)
 
 
-def check_ground_truths(cfg: RunConfig, files: list[str], data: PromptDataset | None) -> None:
+def check_reward_config(cfg: RunConfig) -> None:
+    """reward.fns' entries, a built-in's options and the dotted paths of reward.fn / reward.fns: a mistake is an
+    InputError before the run writes its files (it came after config.yaml). A reward service's function
+    (reward.server.serve_fn) is its own process's to import."""
+    specs = [(fn, options) for _, fn, _, options in component_specs(cfg.reward.fns)] or \
+        [(cfg.reward.fn, cfg.reward.fn_options)]
+    if cfg.reward.server.serve_fn:
+        return
+    for fn, options in specs:
+        if fn in BUILTIN_REWARDS:
+            check_options(fn, options)
+        else:
+            import_by_path(fn, "reward.fns" if cfg.reward.fns else "reward.fn")
+
+
+def check_ground_truths(cfg: RunConfig, name: str, files: list[str], data: PromptDataset | None,
+                        is_main: bool = True) -> None:
     """A built-in reward that needs answers, over data where no row has `data.answer_key`, is a misnamed key (every
     sample's reward would fail and fall back): an InputError before the run starts. Rows missing only some answers
-    fall back one by one, as the reward pool does for any failed sample."""
+    fall back one by one, as the reward pool does for any failed sample, and a line on stderr counts them. `name`:
+    the field that lists `files` (data.train_files)."""
     fns = [e.get("fn") for e in cfg.reward.fns if isinstance(e, dict)] or [cfg.reward.fn]
     needs = [fn for fn in fns if fn in GROUND_TRUTH_REWARDS]
     if data is None or not needs:  # (an empty dataset is refused when built)
         return
-    if all(e.ground_truth is None for e in data.examples):
+    missing = sum(e.ground_truth is None for e in data.examples)
+    if missing == len(data):
         raise InputError(f"data.answer_key={cfg.data.answer_key!r}: no row of {', '.join(files)} has it, and "
                          f"reward.fn={needs[0]} scores each response against it")
+    if missing and is_main:
+        print(f"{name}: {missing} of {len(data)} rows have no {cfg.data.answer_key!r} (data.answer_key): reward.fn="
+              f"{needs[0]} fails on their samples, which fall back (reward.fallback={cfg.reward.fallback})",
+              file=sys.stderr)
 
 
 def beside_checkpoint(actor_checkpoint: Path, name: str, why: str) -> Path:
@@ -288,6 +312,7 @@ def build_reference(cfg: RunConfig, actor: Actor, env: RunEnv) -> PolicyForward 
 
 def build_components(cfg: RunConfig, resume: bool) -> Components:
     check_runtime_support(cfg)
+    check_reward_config(cfg)
     env = RunEnv.create(cfg)
     if cfg.actor.ppo_mini_batch_size % env.world_size:
         ranks = "data-parallel ranks" if env.dp_size == env.world_size else "ranks (each generates its share of a mini-batch)"
@@ -300,7 +325,7 @@ def build_components(cfg: RunConfig, resume: bool) -> Components:
     val = PromptDataset(load_rows(d.val_files, d.seed, d.val_max_samples), tokenizer, d, tools=tools) \
         if d.val_files else None
     for name, files, data in (("data.train_files", cfg.data.train_files, train), ("data.val_files", cfg.data.val_files, val)):
-        check_ground_truths(cfg, files, data)
+        check_ground_truths(cfg, name, files, data, env.is_main)
         if data is not None:
             data.note_dropped(name, env.is_main)
     cfg.trainer.steps = training_steps(cfg, len(train))  # resolved once: every later use reads trainer.steps

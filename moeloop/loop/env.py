@@ -140,7 +140,8 @@ def load_policy(cfg: RunConfig, device: torch.device | str = "cpu") -> torch.nn.
 def resume_from(ckpt, resume: bool, is_main: bool, path: str = ""):
     """The checkpoint a run continues from: `path` (checkpoint.resume_from: a step_N directory, or a checkpoints
     directory for its newest) when given; else with `--resume` the newest in `ckpt`'s directory, and with none there
-    None (the run starts at step 0, as verl's auto resume does) and a note on stderr saying so."""
+    None (the run starts at step 0, as verl's auto resume does) and a note on stderr saying so. Without `--resume`,
+    a checkpoint there gets a note on stderr: the run starts at step 0 all the same."""
     if path:
         chosen = Path(path)
         if (chosen / "latest").is_file():  # a checkpoints directory: its newest
@@ -149,9 +150,11 @@ def resume_from(ckpt, resume: bool, is_main: bool, path: str = ""):
         if not (chosen / "meta.json").is_file():
             raise InputError(f"checkpoint.resume_from={path}: not a checkpoint (a step_N directory with meta.json)")
         return chosen
-    if not resume:
-        return None
     latest = ckpt.latest()
+    if not resume:
+        if latest is not None and is_main:  # (a rerun that forgot --resume: it said nothing, and wrote over the logs)
+            print(f"{latest}: not resumed (without --resume); this run starts at step 0", file=sys.stderr)
+        return None
     if latest is None and is_main:
         print(f"--resume: no checkpoint in {ckpt.directory}; starting at step 0", file=sys.stderr)
     return latest
@@ -161,10 +164,15 @@ def run_command(argv: list[str], name: str, run) -> int:
     """`moeloop NAME CONFIG [key=value ...] [--resume]`: load the config, call `run(cfg, resume)`."""
     from moeloop.config import load_config
 
+    usage = f"usage: moeloop {name} CONFIG [key=value ...] [--resume]"
+    if argv[:1] in (["-h"], ["--help"]):
+        print(usage)
+        return 0
     resume = "--resume" in argv
     args = [a for a in argv if a != "--resume"]
-    if not args:
-        print(f"usage: moeloop {name} CONFIG [key=value ...] [--resume]", file=sys.stderr)
+    flags = [a for a in args if a.startswith("-")]  # (an override is key=value; --help was taken for the config file)
+    if not args or flags:
+        print(f"moeloop {name}: unknown option {flags[0]}\n{usage}" if flags else usage, file=sys.stderr)
         return 2
     run(load_config(args[0], args[1:]), resume)
     return 0

@@ -68,6 +68,9 @@ def plot_run(run_dir: str | Path) -> list[Path]:
 
 
 def main(argv: list[str]) -> int:
+    if argv in (["-h"], ["--help"]):  # (it looked for a run directory named --help)
+        print("usage: moeloop plot RUN_DIR")
+        return 0
     if len(argv) != 1:
         print("usage: moeloop plot RUN_DIR", file=sys.stderr)
         return 2

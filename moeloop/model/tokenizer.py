@@ -56,6 +56,16 @@ def build_tokenizer(out_dir: str | Path | None = None) -> PreTrainedTokenizerFas
     return tok
 
 
+def _model_folder_hint(folder: Path) -> str:
+    """Where the model folder is, when `folder` is a run directory or one of its checkpoints."""
+    if (folder / "hf" / "config.json").is_file():
+        return f"; the run directory's HF export is {folder / 'hf'}"
+    if (folder / "meta.json").is_file() or (folder / "latest").is_file():
+        return (f"; {folder} holds a training checkpoint: `moeloop ckpt export {folder} --model <that run's "
+                f"model.path> --out DIR` writes a model folder from it")
+    return ""
+
+
 def load_folder_tokenizer(model_dir: str | Path, what: str):
     """The tokenizer of the model folder `model_dir` (`what` names it in errors: a config field or a flag).
 
@@ -70,7 +80,7 @@ def load_folder_tokenizer(model_dir: str | Path, what: str):
     folder = Path(model_dir)
     if not (folder / "config.json").is_file():
         raise InputError(f"{what}={model_dir}: no model folder there (config.json, safetensors and tokenizer files, as "
-                         f"`moeloop init-model` or an SFT run's HF export writes)")
+                         f"`moeloop init-model` or an SFT run's HF export writes){_model_folder_hint(folder)}")
     ModelConfig.from_pretrained(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     if len(tokenizer) < 2:

@@ -61,6 +61,14 @@ BUILTIN_REWARDS: dict[str, Callable[..., RewardFn]] = {
     "math": _math, "format": _format, "arith": _arith, "code": _code, "http": _http, "reward_model": _reward_model,
 }
 GROUND_TRUTH_REWARDS = ("math", "arith", "code")  # the built-ins that score against the row's answer
+OPTIONLESS_REWARDS = ("math", "format", "arith")  # the built-ins whose factories take no options
+
+
+def check_options(name: str, options: dict) -> None:
+    """Options for a built-in that takes none are an InputError (they were dropped: a misspelt key did nothing)."""
+    if name in OPTIONLESS_REWARDS and options:
+        raise InputError(f"reward.fn={name} takes no options, got {sorted(options)} (reward.fn_options, or the "
+                         f"options of a reward.fns entry)")
 
 
 def import_by_path(path: str, what: str = "reward.fn", builtins: Any = BUILTIN_REWARDS) -> Any:
@@ -82,6 +90,7 @@ def get_reward_fn(name: str, **options: Any) -> RewardFn:
     """A built-in by name, or user code by dotted path; `options` go to the built-in's factory
     (or, for a dotted path to a class, to its constructor)."""
     if name in BUILTIN_REWARDS:
+        check_options(name, options)
         return BUILTIN_REWARDS[name](**options)
     obj = import_by_path(name)
     if isinstance(obj, type):
