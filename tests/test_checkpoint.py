@@ -82,14 +82,18 @@ def test_save_is_atomic_and_pruned(tmp_path):
 
 def test_resume_takes_the_latest_or_says_it_starts_fresh(tmp_path, capsys):
     """`--resume` (`resume_from`): the newest complete checkpoint; with none, step 0 and a note on stderr (from
-    the main rank only); without --resume, nothing is read, and a checkpoint there gets a note."""
+    the main rank only), and the one taken named there; without --resume, nothing is read, and a checkpoint there gets
+    a note."""
     from moeloop.loop.env import resume_from
     ckpt = CheckpointManager(tmp_path / "ckpt")
     assert resume_from(ckpt, True, is_main=True) is None
     assert capsys.readouterr().err == f"--resume: no checkpoint in {tmp_path / 'ckpt'}; starting at step 0\n"
     assert resume_from(ckpt, True, is_main=False) is None and capsys.readouterr().err == ""
     actor_state_save(ckpt, 3, _actor(), EpochCursor(10))
-    assert resume_from(ckpt, True, is_main=True).name == "step_000003" and capsys.readouterr().err == ""
+    assert resume_from(ckpt, True, is_main=True).name == "step_000003"
+    assert capsys.readouterr().err == f"--resume: continuing from {ckpt.latest()}\n"
+    assert resume_from(ckpt, False, is_main=True, path=str(tmp_path / "ckpt")).name == "step_000003"
+    assert capsys.readouterr().err == f"checkpoint.resume_from: continuing from {ckpt.latest()}\n"
     assert resume_from(ckpt, False, is_main=True) is None
     assert capsys.readouterr().err == f"{ckpt.latest()}: not resumed (without --resume); this run starts at step 0\n"
 

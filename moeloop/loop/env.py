@@ -141,7 +141,8 @@ def resume_from(ckpt, resume: bool, is_main: bool, path: str = ""):
     """The checkpoint a run continues from: `path` (checkpoint.resume_from: a step_N directory, or a checkpoints
     directory for its newest) when given; else with `--resume` the newest in `ckpt`'s directory, and with none there
     None (the run starts at step 0, as verl's auto resume does) and a note on stderr saying so. Without `--resume`,
-    a checkpoint there gets a note on stderr: the run starts at step 0 all the same."""
+    a checkpoint there gets a note on stderr: the run starts at step 0 all the same. The checkpoint taken is named
+    on stderr too."""
     if path:
         chosen = Path(path)
         if (chosen / "latest").is_file():  # a checkpoints directory: its newest
@@ -149,14 +150,17 @@ def resume_from(ckpt, resume: bool, is_main: bool, path: str = ""):
             chosen = CheckpointManager(chosen).latest() or chosen
         if not (chosen / "meta.json").is_file():
             raise InputError(f"checkpoint.resume_from={path}: not a checkpoint (a step_N directory with meta.json)")
+        if is_main:
+            print(f"checkpoint.resume_from: continuing from {chosen}", file=sys.stderr)
         return chosen
     latest = ckpt.latest()
     if not resume:
         if latest is not None and is_main:  # (a rerun that forgot --resume: it said nothing, and wrote over the logs)
             print(f"{latest}: not resumed (without --resume); this run starts at step 0", file=sys.stderr)
         return None
-    if latest is None and is_main:
-        print(f"--resume: no checkpoint in {ckpt.directory}; starting at step 0", file=sys.stderr)
+    if is_main:
+        print(f"--resume: no checkpoint in {ckpt.directory}; starting at step 0" if latest is None
+              else f"--resume: continuing from {latest}", file=sys.stderr)
     return latest
 
 
