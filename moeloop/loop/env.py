@@ -83,11 +83,6 @@ def check_parallel_support(cfg: RunConfig) -> None:
                              f"parallelism only so far (torchrun --nproc_per_node N gives dp=N; parallel.ep splits the "
                              f"experts over ep of them, parallel.cp each sequence over cp of them); {name} is used by "
                              f"`moeloop plan`")
-    if p.cp > 1:
-        if cfg.rollout.mode != "colocated":
-            raise InputError(f"parallel.cp={p.cp}: context parallelism does not run with rollout.mode="
-                             f"{cfg.rollout.mode} yet (rollout.mode=colocated: a cp group pools what its ranks "
-                             f"generated, which a rollout thread or engine process would have to do)")
 
 
 def seed_everything(seed: int) -> None:

@@ -55,6 +55,7 @@ def _rl_step(c: Components, cfg: RunConfig, step: int, batches: RolloutInLine) -
     timer = PhaseTimer()
     samples, reward_metrics, beside = batches.take(step, timer)
     batches.start(step + 1)  # async: on the engine's current weights, while this step trains
+    samples = pool_context_parallel(samples, cfg)
     reward_metrics = global_reward_metrics(reward_metrics)
     with timer("old_log_prob"):
         fill_old_logprobs(c, cfg, samples, batches.off_policy)
@@ -222,18 +223,25 @@ def collect_batch(c: Components, cfg: RunConfig, timer: PhaseTimer, step: int) -
     if not cfg.algorithm.dynamic_sampling:
         examples, positions = c.next_prompts(c.prompts_per_rank)
         fresh, reward_metrics = _generate_and_score(c, cfg, timer, step, 0, examples, positions)
-        return _pool_context_parallel(fresh, positions), reward_metrics
+        if cp_size() > 1:  # (for `pool_context_parallel`)
+            base = min((s.group_id for s in fresh), default=0)  # (a generate call numbers its prompts base, base + 1..)
+            for s in fresh:
+                s.metadata[PROMPT_POSITION] = positions[s.group_id - base]
+        return fresh, reward_metrics
     return _dynamic_batch(c, cfg, timer, step)
 
 
-def _pool_context_parallel(fresh: list[Sample], positions: list[int]) -> list[Sample]:
+PROMPT_POSITION = "prompt_position"  # a sample's prompt's place in the step's batch, under context parallelism
+
+
+def pool_context_parallel(samples: list[Sample], cfg: RunConfig) -> list[Sample]:
     """Under context parallelism each rank generated its share of the prompts, and the cp ranks of a group train on
     their samples together: every rank of the group gets all of them, in prompt position order (the order a
-    data-parallel rank holds its share in, which the mini-batch cut follows)."""
-    if cp_size() == 1:
-        return fresh
-    base = min((s.group_id for s in fresh), default=0)  # (the engine numbers a call's prompts base, base + 1, ...)
-    mine = [(positions[s.group_id - base], i, s) for i, s in enumerate(fresh)]
+    data-parallel rank holds its share in, which the mini-batch cut follows). DAPO's kept groups were dealt by dp
+    rank already. On the main thread: a rollout thread (rollout.mode=async) runs no collective."""
+    if cp_size() == 1 or cfg.algorithm.dynamic_sampling:
+        return samples
+    mine = [(s.metadata[PROMPT_POSITION], i, s) for i, s in enumerate(samples)]
     parts: list[list] = [[] for _ in range(cp_size())]
     dist.all_gather_object(parts, mine, group=cp_group())
     return [s for _, _, s in sorted((x for part in parts for x in part), key=lambda entry: entry[:2])]
