@@ -22,12 +22,11 @@ _GROUPS = _Groups()
 
 
 def init_context_parallel(cp: int) -> None:
-    """Make the cp and dp groups (collective: every rank calls it, with the same cp); cp 1 resets them."""
+    """Make the cp and dp groups of the current process group (collective: every rank calls it, with the same cp,
+    once a run: groups made for an earlier process group would be stale); cp 1 resets them."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     if cp < 1 or world % cp:
         raise InputError(f"parallel.cp={cp} must be >= 1 and divide the {world} ranks")
-    if cp == _GROUPS.cp:
-        return
     if cp == 1:
         _GROUPS.cp, _GROUPS.cp_group, _GROUPS.dp_group = 1, None, None
         return
