@@ -7,3 +7,9 @@ from __future__ import annotations
 class InputError(ValueError):
     """Bad user input; the message says where (a ValueError, so callers that caught those still do)."""
 
+
+class UnscorableSample(ValueError):
+    """A reward function cannot score this sample on any attempt (its ground truth is missing or malformed): the
+    reward pool falls it back at once, without retries, and without counting it against the circuit breaker (the
+    reward service is not failing). The built-in rules raise it; a user's `reward.fn` may too."""
+

@@ -183,6 +183,22 @@ def test_masked_samples_leave_the_group_baseline() -> None:
     assert len(kept) == 3 and sum(kept) / len(kept) == 1.0
 
 
+def test_an_unscorable_sample_falls_back_at_once_and_leaves_the_breaker_closed() -> None:
+    """A missing ground truth (arith raises `UnscorableSample`) gets one attempt, no retry and no backoff, and does not
+    count against the circuit breaker; the other samples are scored."""
+    samples = batch(6, ground_truth="3")
+    samples[1].ground_truth = samples[4].ground_truth = None
+    breaker = CircuitBreaker(threshold=2, reset_s=60)
+    with RewardPool(arith_reward, retries=3, backoff_s=5.0, breaker=breaker) as pool:
+        start = time.monotonic()
+        stats = pool.score(samples)
+    assert time.monotonic() - start < 2.0  # (a retry would wait 5 s)
+    assert stats.errored == 2 and stats.retried == 0 and stats.masked == 2 and stats.scored == 4
+    assert [s.reward_status for s in samples] == ["scored", "masked", "scored", "scored", "masked", "scored"]
+    assert "UnscorableSample: arith reward: ground_truth must be an integer, got None" in stats.errors[0]
+    assert breaker.state == "closed"
+
+
 def test_open_breaker_rejects_without_calling() -> None:
     fn = Flaky("raise", fail_times=99)
     breaker = CircuitBreaker(threshold=3, reset_s=60)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from moeloop.errors import UnscorableSample
 from moeloop.reward.sandbox import Sandbox, SandboxLimits, SandboxResult
 from moeloop.types import RewardResult, Sample
 
@@ -25,11 +26,11 @@ def extract_program(text: str) -> str:
 def _cases(ground_truth: Any) -> list[tuple[str, str, str | None]]:
     """(program suffix, stdin, expected stdout or None) per test case."""
     if not isinstance(ground_truth, dict) or not ({"tests", "asserts"} & ground_truth.keys()):
-        raise ValueError(f"code reward: ground_truth must be a dict with 'tests' or 'asserts', got {ground_truth!r:.200}")
+        raise UnscorableSample(f"code reward: ground_truth must be a dict with 'tests' or 'asserts', got {ground_truth!r:.200}")
     cases = [("", str(t["input"]), str(t["output"])) for t in ground_truth.get("tests", [])]
     cases += [("\n\n" + str(a) + "\n", "", None) for a in ground_truth.get("asserts", [])]
     if not cases:
-        raise ValueError("code reward: ground_truth has no test cases")
+        raise UnscorableSample("code reward: ground_truth has no test cases")
     return cases
 
 

@@ -6,6 +6,7 @@ exponential backoff, a circuit breaker, and an explicit fallback policy.
     log(stats.metrics())                            # scored, timed_out, errored, retried, fallen_back + rates
     pool.close()
 
+A sample the function raises `UnscorableSample` for (a missing or malformed ground truth) falls back at once.
 Fallback after the last retry: `mask` -> status "masked" (out of the loss and of the group
 baseline, `Sample.in_loss`), `neutral` -> `neutral_score` with status "fallback", `fail` -> raise.
 Sync functions run in a thread (or process) pool created once; async functions on the pool's own
@@ -23,6 +24,7 @@ import time
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
 
+from moeloop.errors import UnscorableSample
 from moeloop.reward.breaker import CircuitBreaker
 from moeloop.reward.registry import RewardFn, as_result, is_async_fn
 from moeloop.reward.stats import RewardStats
@@ -124,6 +126,10 @@ class RewardPool:
             except asyncio.TimeoutError:
                 stats.timed_out += 1
                 error = f"timeout after {self.timeout_s}s"
+            except UnscorableSample as err:  # no attempt would score it; not the service's failure
+                stats.errored += 1
+                error = f"{type(err).__name__}: {err}"
+                break
             except Exception as err:  # noqa: BLE001 - any failure of user code is retried, then falls back
                 stats.errored += 1
                 error = f"{type(err).__name__}: {err}"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 
+from moeloop.errors import UnscorableSample
 from moeloop.reward.answer import answers_equal, extract_answer
 from moeloop.types import RewardResult, Sample
 
@@ -22,7 +23,7 @@ def math_reward(sample: Sample) -> RewardResult:
     The ground truth may be a bare answer ("3/4") or a full GSM8K solution ending in "#### 42".
     """
     if sample.ground_truth is None:
-        raise ValueError("math reward: sample.ground_truth is None")
+        raise UnscorableSample("math reward: sample.ground_truth is None")
     gold = extract_answer(str(sample.ground_truth)) or str(sample.ground_truth)
     pred = extract_answer(sample.answer_text)
     if pred is None:
@@ -54,7 +55,7 @@ def arith_reward(sample: Sample) -> RewardResult:
     try:
         gold = int(str(sample.ground_truth).strip())
     except ValueError:
-        raise ValueError(f"arith reward: ground_truth must be an integer, got {sample.ground_truth!r}") from None
+        raise UnscorableSample(f"arith reward: ground_truth must be an integer, got {sample.ground_truth!r}") from None
     pred = arith_answer(sample.answer_text)
     return RewardResult(float(pred == gold), {"pred": pred, "gold": gold})
 
