@@ -60,8 +60,11 @@ def _run(budget: int, cp: int = 1, kind: str = "rl", ep: int = 1):
             losses = [model.update(samples)["critic/vf_loss"] for _ in range(2)]
             weights = {n: full_tensor(t).clone() for n, t in model.model.state_dict().items()}
             return first, losses, weights, calls
-        cfg = actor_cfg(max_tokens_per_micro_batch=budget, router_replay="R2" if kind == "r2" else "off")
-        model = Actor(tiny_model(), cfg, torch.device("cpu"), 8, ep=ep)
+        cfg = actor_cfg(max_tokens_per_micro_batch=budget, router_replay="R2" if kind == "r2" else "off",
+                        lora_rank=4 if kind == "lora" else 0)
+        policy = tiny_model()
+        policy.gradient_checkpointing = kind == "lora"  # (the recompute runs the exchanges again in the backward)
+        model = Actor(policy, cfg, torch.device("cpu"), 8, ep=ep)
         use_sgd(model, 0.05)
         model.compute_logprobs(samples, "old_logprobs", routes="record" if kind == "r2" else "off",
                                entropy_field="old_entropy")
@@ -82,10 +85,10 @@ def _rank(rank, world, budget, cp, kind, ep):
 
 
 @pytest.mark.parametrize("world,cp,kind,ep", [(2, 2, "rl", 1), (4, 2, "rl", 1), (4, 4, "rl", 1), (2, 2, "sft", 1),
-                                              (4, 2, "critic", 1), (4, 2, "ep", 2), (2, 2, "r2", 1)])
+                                              (4, 2, "critic", 1), (4, 2, "ep", 2), (2, 2, "r2", 1), (2, 2, "lora", 1)])
 def test_context_parallel_matches_one_process(world, cp, kind, ep):
     """cp 4: more ranks than the tiny model's 2 key/value heads (repeated); ep: dp 2 x cp 2 with the experts split over
-    2 ranks; r2: routes recorded and replayed."""
+    2 ranks; r2: routes recorded and replayed; lora: LoRA adapters under activation checkpointing."""
     want_first, want_losses, want, calls = _run(24, kind=kind)
     assert not calls
     results = run_ranks(_rank, world, 24, cp, kind, ep)
