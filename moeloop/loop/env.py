@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from moeloop.config.schema import RunConfig
 from moeloop.errors import InputError
-from moeloop.parallel.groups import dp_size, init_context_parallel
+from moeloop.parallel.groups import dp_rank, dp_size, init_context_parallel
 
 
 @dataclass
@@ -34,7 +34,7 @@ class RunEnv:
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // (self.world_size // dp_size())
+        return dp_rank()
 
     @property
     def dp_size(self) -> int:

@@ -221,12 +221,7 @@ def fill_old_logprobs(c: Components, cfg: RunConfig, samples: list[Sample], off_
 def collect_batch(c: Components, cfg: RunConfig, timer: PhaseTimer, step: int) -> tuple[list[Sample], dict[str, float]]:
     """Generate and score this rank's prompts; with DAPO dynamic sampling, refill dropped groups."""
     if not cfg.algorithm.dynamic_sampling:
-        examples, positions = c.next_prompts(c.prompts_per_rank)
-        fresh, reward_metrics = _generate_and_score(c, cfg, timer, step, 0, examples, positions)
-        if cp_size() > 1:  # (for `pool_context_parallel`)
-            base = min((s.group_id for s in fresh), default=0)  # (a generate call numbers its prompts base, base + 1..)
-            for s in fresh:
-                s.metadata[PROMPT_POSITION] = positions[s.group_id - base]
+        fresh, reward_metrics = _generate_and_score(c, cfg, timer, step, 0, *c.next_prompts(c.prompts_per_rank))
         return fresh, reward_metrics
     return _dynamic_batch(c, cfg, timer, step)
 
@@ -259,6 +254,9 @@ def _generate_and_score(c: Components, cfg: RunConfig, timer: PhaseTimer, step: 
             fresh, greedy = [s for s in both if s.group_id < base + k], [s for s in both if s.group_id >= base + k]
         else:
             fresh = c.rollout.generate(examples, params, base)
+        if cp_size() > 1:  # (for `pool_context_parallel`)
+            for s in fresh:
+                s.metadata[PROMPT_POSITION] = positions[s.group_id - base]
     with timer("reward"):
         stats = c.rewards.score(fresh)
         if remax:

@@ -47,13 +47,12 @@ class UlyssesAttention:
         self.inner, self.num_rows = inner, num_rows
         self.cp, self.group, self.rank = cp_size(), cp_group(), cp_rank()
         self.rows = max(1, math.ceil(num_rows / self.cp))  # per rank
+        self.pad, self.lo = self.cp * self.rows - num_rows, self.rank * self.rows  # the pads after the last row; ours
         self.routes: RouteTape | None = None  # this rank's rows of a route tape (`local_routes`)
 
     def local(self, *row_tensors: torch.Tensor) -> list[torch.Tensor]:
         """This rank's block of each [num_rows] tensor, zero-padded to cp x rows."""
-        pad = self.cp * self.rows - self.num_rows
-        lo = self.rank * self.rows
-        return [F.pad(t, (0, pad))[lo:lo + self.rows] for t in row_tensors]
+        return [F.pad(t, (0, self.pad))[self.lo:self.lo + self.rows] for t in row_tensors]
 
     def local_routes(self, tape: RouteTape | None) -> RouteTape | None:
         """A tape over this rank's rows for a tape over the stream's: its replayed ids sliced (the pads route
@@ -62,12 +61,10 @@ class UlyssesAttention:
             return None
         replay, valid = tape.replay_LTK, tape.valid_T
         if replay is not None:
-            pad = self.cp * self.rows - self.num_rows
-            lo = self.rank * self.rows
-            replay = F.pad(replay, (0, 0, 0, pad))[:, lo:lo + self.rows]
+            replay = F.pad(replay, (0, 0, 0, self.pad))[:, self.lo:self.lo + self.rows]
             if valid is None:
                 valid = torch.ones(self.num_rows, dtype=torch.bool, device=replay.device)
-            valid = F.pad(valid, (0, pad), value=False)[lo:lo + self.rows]
+            valid = F.pad(valid, (0, self.pad), value=False)[self.lo:self.lo + self.rows]
         return RouteTape(replay, valid, record=tape.recorded is not None)
 
     def gather_recorded(self, tape: RouteTape | None) -> None:
@@ -90,7 +87,7 @@ class UlyssesAttention:
             k_UGD, v_UGDv = (x.repeat_interleave(H // G, dim=1) for x in (k_UGD, v_UGDv))
         q, k, v = (self._to_heads(x)[:self.num_rows] for x in (q_UHD, k_UGD, v_UGDv))
         o_PhDv = self.inner.attend(layer_idx, q, k, v, scale)
-        o_PhDv = F.pad(o_PhDv, (0, 0, 0, 0, 0, self.cp * self.rows - self.num_rows))
+        o_PhDv = F.pad(o_PhDv, (0, 0, 0, 0, 0, self.pad))
         return self._to_rows(o_PhDv)
 
     def _to_heads(self, x_UHD: torch.Tensor) -> torch.Tensor:
