@@ -51,9 +51,9 @@ def rank_main(rank: int, world: int, init_file: str, args, cp: int, queue) -> No
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=1800))
-    from moeloop.parallel.groups import dp_rank, init_context_parallel
+    from moeloop.parallel.groups import dp_rank, init_parallel_groups
     from moeloop.train.actor import Actor  # (after the group: FSDP's mesh is built from it)
-    init_context_parallel(cp)
+    init_parallel_groups(cp)
     model = build_model("qwen3_moe", args.size, seed=0).to(torch.bfloat16)
     actor_cfg = ActorSection()
     actor_cfg.ppo_mini_batch_size = args.groups * world

@@ -13,7 +13,7 @@ from moeloop.loop.rl import run_rl
 from moeloop.loop.sft import run_sft
 from moeloop.model.factory import init_model
 from moeloop.parallel.context import UlyssesAttention
-from moeloop.parallel.groups import dp_rank, dp_size, init_context_parallel
+from moeloop.parallel.groups import dp_rank, dp_size, init_parallel_groups
 from moeloop.config.schema import CriticSection
 from moeloop.parallel.fsdp import full_tensor
 from moeloop.train.actor import Actor
@@ -37,7 +37,7 @@ def _run(budget: int, cp: int = 1, kind: str = "rl", ep: int = 1):
     `kind` "r2" records the routes in the first pass and replays them in the updates; "ep" splits the experts over
     `ep` ranks. Returns the first pass's values by sample, the losses, the weights, and the attention calls with the
     rows each ran on here."""
-    init_context_parallel(cp)
+    init_parallel_groups(cp)
     calls = []
     attend = UlyssesAttention.attend
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from moeloop.config.schema import RunConfig
 from moeloop.errors import InputError
-from moeloop.parallel.groups import dp_rank, dp_size, init_context_parallel
+from moeloop.parallel.groups import dp_rank, dp_size, init_parallel_groups
 
 
 @dataclass
@@ -54,7 +54,7 @@ class RunEnv:
             dist.init_process_group(backend, timeout=timedelta(minutes=10))
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
-        init_context_parallel(cfg.parallel.cp)
+        init_parallel_groups(cfg.parallel.cp, cfg.parallel.tp)
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(device)
@@ -77,12 +77,15 @@ def _pick_device(choice: str) -> torch.device:
 
 def check_parallel_support(cfg: RunConfig) -> None:
     p = cfg.parallel
-    for name in ("tp", "pp", "etp", "vpp"):
+    for name in ("pp", "etp", "vpp"):
         if getattr(p, name) != 1:
-            raise InputError(f"parallel.{name}={getattr(p, name)}: the trainer applies data, expert and context "
-                             f"parallelism only so far (torchrun --nproc_per_node N gives dp=N; parallel.ep splits the "
-                             f"experts over ep of them, parallel.cp each sequence over cp of them); {name} is used by "
-                             f"`moeloop plan`")
+            raise InputError(f"parallel.{name}={getattr(p, name)}: the trainer applies data, tensor, expert and context "
+                             f"parallelism only so far (torchrun --nproc_per_node N gives dp=N; parallel.tp splits the "
+                             f"attention heads and dense MLPs over tp of them, parallel.ep the experts over ep of them, "
+                             f"parallel.cp each sequence over cp of them); {name} is used by `moeloop plan`")
+    if p.tp > 1 and cfg.actor.lora_rank:
+        raise InputError(f"actor.lora_rank={cfg.actor.lora_rank} with parallel.tp={p.tp}: LoRA adapters are not split "
+                         "by tensor parallelism yet; use parallel.tp=1")
 
 
 def seed_everything(seed: int) -> None:

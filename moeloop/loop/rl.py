@@ -29,7 +29,7 @@ from moeloop.loop.metrics import PhaseTimer, peak_memory_bytes
 from moeloop.loop.remote_rollout import half_threads
 from moeloop.loop.step_metrics import batch_metrics, logprob_mismatch, tool_metrics
 from moeloop.parallel.collectives import global_values
-from moeloop.parallel.groups import cp_group, cp_size
+from moeloop.parallel.groups import replica_group, replica_size
 from moeloop.reward.composite import component_names
 from moeloop.train.actor import mix_into
 from moeloop.types import Sample
@@ -55,7 +55,7 @@ def _rl_step(c: Components, cfg: RunConfig, step: int, batches: RolloutInLine) -
     timer = PhaseTimer()
     samples, reward_metrics, beside = batches.take(step, timer)
     batches.start(step + 1)  # async: on the engine's current weights, while this step trains
-    samples = pool_context_parallel(samples, cfg)
+    samples = pool_replicas(samples, cfg)
     reward_metrics = global_reward_metrics(reward_metrics)
     with timer("old_log_prob"):
         fill_old_logprobs(c, cfg, samples, batches.off_policy)
@@ -226,19 +226,19 @@ def collect_batch(c: Components, cfg: RunConfig, timer: PhaseTimer, step: int) -
     return _dynamic_batch(c, cfg, timer, step)
 
 
-PROMPT_POSITION = "prompt_position"  # a sample's prompt's place in the step's batch, under context parallelism
+PROMPT_POSITION = "prompt_position"  # a sample's prompt's place in the step's batch, under context or tensor parallelism
 
 
-def pool_context_parallel(samples: list[Sample], cfg: RunConfig) -> list[Sample]:
-    """Under context parallelism each rank generated its share of the prompts, and the cp ranks of a group train on
-    their samples together: every rank of the group gets all of them, in prompt position order (the order a
-    data-parallel rank holds its share in, which the mini-batch cut follows). DAPO's kept groups were dealt by dp
-    rank already. On the main thread: a rollout thread (rollout.mode=async) runs no collective."""
-    if cp_size() == 1 or cfg.algorithm.dynamic_sampling:
+def pool_replicas(samples: list[Sample], cfg: RunConfig) -> list[Sample]:
+    """Under context or tensor parallelism each rank generated its share of the prompts, and the cp * tp ranks of a
+    replica group train on their samples together: every rank of the group gets all of them, in prompt position order
+    (the order a data-parallel rank holds its share in, which the mini-batch cut follows). DAPO's kept groups were
+    dealt by dp rank already. On the main thread: a rollout thread (rollout.mode=async) runs no collective."""
+    if replica_size() == 1 or cfg.algorithm.dynamic_sampling:
         return samples
     mine = [(s.metadata[PROMPT_POSITION], i, s) for i, s in enumerate(samples)]
-    parts: list[list] = [[] for _ in range(cp_size())]
-    dist.all_gather_object(parts, mine, group=cp_group())
+    parts: list[list] = [[] for _ in range(replica_size())]
+    dist.all_gather_object(parts, mine, group=replica_group())
     return [s for _, _, s in sorted((x for part in parts for x in part), key=lambda entry: entry[:2])]
 
 
@@ -254,7 +254,7 @@ def _generate_and_score(c: Components, cfg: RunConfig, timer: PhaseTimer, step: 
             fresh, greedy = [s for s in both if s.group_id < base + k], [s for s in both if s.group_id >= base + k]
         else:
             fresh = c.rollout.generate(examples, params, base)
-        if cp_size() > 1:  # (for `pool_context_parallel`)
+        if replica_size() > 1:  # (for `pool_replicas`)
             for s in fresh:
                 s.metadata[PROMPT_POSITION] = positions[s.group_id - base]
     with timer("reward"):

@@ -1,7 +1,7 @@
 """Context parallelism (`parallel.cp`, DeepSpeed-Ulysses): each micro-batch's packed token stream split over the cp
 ranks of a group, applied to a plain model from outside through its attention context.
 
-    groups.init_context_parallel(cp)               # collective: cp groups of consecutive ranks, dp groups across
+    groups.init_parallel_groups(cp)                # collective: cp groups (consecutive ranks at tp 1), dp groups across
     ctx = UlyssesAttention(inner_ctx, num_rows)    # inner: PackedAttention / GatheredAttention over the whole stream
     hidden_UD = ctx.gather(model(*ctx.local(input_ids_U, position_ids_U), ctx))
 

@@ -132,21 +132,3 @@ def reduce_expert_grads(model: nn.Module) -> None:
         for p in m.parameters(recurse=False):  # (LoRA's adapters too)
             if p.grad is not None:
                 p.grad.to_local().div_(m.ep_mesh.size(1))
-
-
-@torch.no_grad()
-def ep_grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
-    """The global L2 norm of the gradients of `params`, whose shards (dense: FSDP's over every rank; experts: over ep,
-    and FSDP's over expert_dp) are disjoint: local squares summed over every rank. (torch's norm and clip take
-    DTensors of one mesh only.)"""
-    total = torch.zeros((), dtype=torch.float32, device=params[0].grad.device)
-    for p in params:
-        total += (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).float().pow(2).sum()
-    dist.all_reduce(total)
-    return total.sqrt()
-
-
-@torch.no_grad()
-def scale_grads(params: list[nn.Parameter], factor: float) -> None:
-    for p in params:
-        (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(factor)

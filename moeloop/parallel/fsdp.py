@@ -1,36 +1,50 @@
 """Data parallelism with FSDP2 (`fully_shard`), applied to a plain model from outside.
 
-    mesh = build_dp_mesh(device_type)            # 1-D "dp" mesh over the default group
+    mesh = build_dp_mesh(device_type)            # "dp" over the default group; (dp, tp) under tensor parallelism
     apply_fsdp(model, mesh)                      # per decoder layer, lm_head, then the root
 Each decoder layer is its own FSDP unit; lm_head (a `LogprobHead` in the trainer) is one too, so its
 weight is unsharded exactly while the chunked logprob kernel runs and its gradient is
-reduce-scattered by FSDP's own hooks.
+reduce-scattered by FSDP's own hooks. Under tensor parallelism (`parallel.tensor`) the dense units shard over the
+mesh's dp dim (the dp * cp ranks of one tp rank) and the routed experts, which tp does not split, over every rank.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
+
+from moeloop.model.experts import Experts
+from moeloop.parallel.groups import tp_size
 
 
 def build_dp_mesh(device_type: str) -> DeviceMesh | None:
-    """A 1-D data-parallel mesh over all ranks, or None without a process group (single process)."""
+    """A 1-D data-parallel mesh over all ranks, or None without a process group (single process); under tensor
+    parallelism (`parallel.groups.tp_size()` > 1) the 2-D (dp, tp) mesh, tp innermost."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None
-    return init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("dp",))
+    world, tp = dist.get_world_size(), tp_size()
+    if tp > 1:
+        return init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    return init_device_mesh(device_type, (world,), mesh_dim_names=("dp",))
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | None = None,
                experts: set[nn.Parameter] = frozenset()) -> None:
     """`experts`: expert-parallel experts' parameters (`parallel.expert`), DTensors on their ep mesh: their modules
-    become FSDP units over their mesh's expert_dp dim when it is > 1, and the dense units leave them alone."""
+    become FSDP units over their mesh's expert_dp dim when it is > 1, and the dense units leave them alone. A (dp, tp)
+    `mesh`: the dense units over dp, the routed experts (without EP) units over every rank."""
     if model.cfg.tie_word_embeddings:
         raise ValueError("FSDP with tied embeddings is not supported: set tie_word_embeddings=false")
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     shard_experts(model, policy)
+    if mesh.ndim == 2:
+        experts = set(experts) | shard_tp_replicated_experts(model, mesh.device_type, policy)
+        mesh = mesh["dp"]
     kw = dict(mesh=mesh, mp_policy=policy, ignored_params=set(experts) or None)
     for layer in model.model.layers:
         fully_shard(layer, **kw)
@@ -47,6 +61,19 @@ def shard_experts(model: nn.Module, policy: MixedPrecisionPolicy) -> None:
             fully_shard(module, mesh=mesh["expert_dp"], mp_policy=policy)
 
 
+def shard_tp_replicated_experts(model: nn.Module, device_type: str, policy: MixedPrecisionPolicy) -> set[nn.Parameter]:
+    """Under tensor parallelism without EP: each routed-experts module an FSDP unit over every rank (tp does not split
+    them; their gradients are equal on the tp ranks of a replica, so averaging over every rank is averaging over
+    dp * cp). Returns their parameters, for the dense units to leave alone."""
+    modules = [m for m in model.modules() if isinstance(m, Experts) and getattr(m, "ep_mesh", None) is None]
+    if not modules:
+        return set()
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("expert_dp",))
+    for module in modules:
+        fully_shard(module, mesh=mesh, mp_policy=policy)
+    return {p for m in modules for p in m.parameters()}
+
+
 def reshard(model: nn.Module) -> None:
     """Every FSDP module of `model` back to its sharded parameters. The root keeps its own parameters (embedding,
     final norm) gathered after a forward, as plain tensors, until its next backward or this call; code that reads
@@ -60,3 +87,28 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """A parameter's or state entry's whole value: gathered when FSDP sharded it (a DTensor; collective), else as it
     is (detached)."""
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+
+
+@torch.no_grad()
+def grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
+    """The global L2 norm of the gradients of `params`, whose shards lie on DTensor meshes of their own (FSDP's over
+    dp, tp's, the experts' over every rank or over ep and expert_dp): each rank's squares, divided by the number of
+    ranks holding the same shard, summed over every rank. (torch's norm and clip take DTensors of one mesh only.)"""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    total = torch.zeros((), dtype=torch.float32, device=params[0].grad.device)
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor):
+            shards = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if not isinstance(pl, Replicate))
+            total += g.to_local().float().pow(2).sum() * (shards / world)
+        else:  # whole on every rank
+            total += g.float().pow(2).sum() / world
+    if world > 1:
+        dist.all_reduce(total)
+    return total.sqrt()
+
+
+@torch.no_grad()
+def scale_grads(params: list[nn.Parameter], factor: float) -> None:
+    for p in params:
+        (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(factor)

@@ -1,6 +1,12 @@
-"""The process groups of the parallel layouts the trainer applies: context parallel groups of cp consecutive ranks
-(`parallel.context`), and the data-parallel ranks across them (one rank of each cp group), over which host-side sums
-and object gathers run. Without context parallelism (cp 1) the data-parallel ranks are all ranks."""
+"""The process groups of the parallel layouts the trainer applies, over ranks ordered (dp, cp, tp) with tp innermost
+(Megatron's order): rank = (d * cp + c) * tp + t.
+
+- tp groups: tp consecutive ranks (`parallel.tensor`; their DeviceMesh dim, `parallel.fsdp.build_dp_mesh`);
+- cp groups: the ranks of one (d, t) (`parallel.context`);
+- replica groups: the cp * tp consecutive ranks of one d, which train on the same samples;
+- dp groups: the ranks of one (c, t), one rank of each replica group, over which host-side sums and object gathers
+  run (a sum over every rank would count each sample cp * tp times).
+Without context or tensor parallelism (cp = tp = 1) the data-parallel ranks are all ranks."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,33 +20,46 @@ from moeloop.errors import InputError
 @dataclass
 class _Groups:
     cp: int = 1
+    tp: int = 1
     cp_group: Any = None  # this rank's cp group (None: cp 1)
-    dp_group: Any = None  # the ranks with this rank's position in their cp group (None: every rank, cp 1)
+    replica_group: Any = None  # the cp * tp ranks holding this rank's samples (None: cp * tp = 1)
+    dp_group: Any = None  # the ranks with this rank's (c, t) (None: every rank, cp * tp = 1)
 
 
 _GROUPS = _Groups()
 
 
-def init_context_parallel(cp: int) -> None:
-    """Make the cp and dp groups of the current process group (collective: every rank calls it, with the same cp,
-    once a run: groups made for an earlier process group would be stale); cp 1 resets them."""
+def init_parallel_groups(cp: int = 1, tp: int = 1) -> None:
+    """Make the cp, replica and dp groups of the current process group (collective: every rank calls it, with the
+    same sizes, once a run: groups made for an earlier process group would be stale); cp = tp = 1 resets them."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if cp < 1 or world % cp:
-        raise InputError(f"parallel.cp={cp} must be >= 1 and divide the {world} ranks")
-    if cp == 1:
-        _GROUPS.cp, _GROUPS.cp_group, _GROUPS.dp_group = 1, None, None
+    for name, size in (("cp", cp), ("tp", tp)):
+        if size < 1 or world % size:
+            raise InputError(f"parallel.{name}={size} must be >= 1 and divide the {world} ranks")
+    if world % (cp * tp):
+        raise InputError(f"parallel.cp * parallel.tp = {cp} * {tp} must divide the {world} ranks")
+    if cp * tp == 1:
+        _GROUPS.cp, _GROUPS.tp, _GROUPS.cp_group, _GROUPS.replica_group, _GROUPS.dp_group = 1, 1, None, None, None
         return
-    rank = dist.get_rank()
-    cp_group = dp_group = None
-    for start in range(0, world, cp):  # every rank makes every group (new_group is collective)
-        group = dist.new_group(list(range(start, start + cp)))
-        if start <= rank < start + cp:
-            cp_group = group
-    for offset in range(cp):
-        group = dist.new_group(list(range(offset, world, cp)))
-        if rank % cp == offset:
-            dp_group = group
-    _GROUPS.cp, _GROUPS.cp_group, _GROUPS.dp_group = cp, cp_group, dp_group
+    rank, replica = dist.get_rank(), cp * tp
+    mine = {}
+    # every rank makes every group, in the same order (new_group is collective)
+    for start in range(0, world, replica):
+        for t in range(tp):
+            ranks = list(range(start + t, start + replica, tp))
+            group = dist.new_group(ranks) if cp > 1 else None
+            if rank in ranks:
+                mine["cp"] = group
+    for start in range(0, world, replica):
+        group = dist.new_group(list(range(start, start + replica)))
+        if start <= rank < start + replica:
+            mine["replica"] = group
+    for offset in range(replica):
+        group = dist.new_group(list(range(offset, world, replica)))
+        if rank % replica == offset:
+            mine["dp"] = group
+    _GROUPS.cp, _GROUPS.tp = cp, tp
+    _GROUPS.cp_group, _GROUPS.replica_group, _GROUPS.dp_group = mine["cp"], mine["replica"], mine["dp"]
 
 
 def cp_size() -> int:
@@ -52,16 +71,30 @@ def cp_group():
 
 
 def cp_rank() -> int:
-    return dist.get_rank() % _GROUPS.cp if _GROUPS.cp > 1 else 0
+    return (dist.get_rank() // _GROUPS.tp) % _GROUPS.cp if _GROUPS.cp > 1 else 0
+
+
+def tp_size() -> int:
+    return _GROUPS.tp
+
+
+def replica_size() -> int:
+    """Ranks that train on the same samples: cp * tp."""
+    return _GROUPS.cp * _GROUPS.tp
+
+
+def replica_group():
+    """The process group of this rank's replica group (None: cp * tp = 1)."""
+    return _GROUPS.replica_group
 
 
 def dp_size() -> int:
     """Data-parallel ranks: groups of ranks that hold different samples."""
-    return (dist.get_world_size() if dist.is_initialized() else 1) // _GROUPS.cp
+    return (dist.get_world_size() if dist.is_initialized() else 1) // replica_size()
 
 
 def dp_rank() -> int:
-    return (dist.get_rank() if dist.is_initialized() else 0) // _GROUPS.cp
+    return (dist.get_rank() if dist.is_initialized() else 0) // replica_size()
 
 
 def dp_group():

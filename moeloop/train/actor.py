@@ -25,14 +25,15 @@ from torch.distributed.tensor import DTensor
 from moeloop.algo.token_rewards import response_mask_values
 from moeloop.algo.losses import SHARE_KEYS, PolicyInputs, actor_loss, metrics_to_floats, reduce_metrics
 from moeloop.config.schema import ActorSection
+from moeloop.errors import InputError
 from moeloop.model.attention import GatheredAttention, PackedAttention, RowMap, gather_rows
 from moeloop.model.routes import RouteTape
 from moeloop.parallel.collectives import all_gather_rows, global_values
 from moeloop.parallel.context import UlyssesAttention, check_heads
-from moeloop.parallel.expert import (apply_ep, build_expert_mesh, ep_grad_norm, expert_params, reduce_expert_grads,
-                                     scale_grads)
-from moeloop.parallel.fsdp import apply_fsdp, build_dp_mesh, full_tensor, reshard
-from moeloop.parallel.groups import cp_group, cp_rank, cp_size, dp_group, dp_size
+from moeloop.parallel.expert import apply_ep, build_expert_mesh, expert_params, reduce_expert_grads
+from moeloop.parallel.fsdp import apply_fsdp, build_dp_mesh, full_tensor, grad_norm, reshard, scale_grads
+from moeloop.parallel.groups import cp_group, cp_rank, cp_size, dp_group, dp_size, tp_size
+from moeloop.parallel.tensor import apply_tp, reduce_tp_grads
 from moeloop.train.head import LogprobHead
 from moeloop.train.lora import apply_lora, merged_weights
 from moeloop.train.precision import cast_params, upcast_trainable
@@ -52,7 +53,8 @@ class PolicyForward:
                  param_dtype: torch.dtype | None = None, head: nn.Module | None = None, ep: int = 1,
                  master_weights: bool = False):
         """`head` replaces lm_head (the critic's value head); default: the chunked `LogprobHead`. `ep` > 1: the routed
-        experts split over ep ranks (`parallel.expert`), the rest sharded by FSDP over every rank. `master_weights`:
+        experts split over ep ranks (`parallel.expert`), the rest sharded by FSDP over every rank. Context and tensor
+        parallelism come from `parallel.groups` (`parallel.context`, `parallel.tensor`). `master_weights`:
         trainable bf16 parameters are kept in fp32 and computed in bf16 (`train.precision`)."""
         # the token budget counts what one rank holds: under context parallelism a micro-batch packs cp x as many (verl's
         # ppo_max_token_len_per_gpu x ulysses_sequence_parallel_size), and `moeloop plan` counts it so
@@ -66,8 +68,10 @@ class PolicyForward:
         self.model.to(device)
         # fp32 masters of trainable bf16 weights: the dtype they compute in, their names
         self.compute_dtype, self.master_names = upcast_trainable(model) if master_weights else (None, set())
-        experts = apply_ep(model, build_expert_mesh(device.type, ep)) if ep > 1 else set()
         mesh = build_dp_mesh(device.type)
+        if tp_size() > 1:  # tensor parallel (`parallel.tensor`): before EP and FSDP, on the mesh's tp dim
+            apply_tp(model, mesh["tp"])
+        experts = apply_ep(model, build_expert_mesh(device.type, ep)) if ep > 1 else set()
         self.casts_params = self.compute_dtype is not None and mesh is None  # else FSDP casts them
         if mesh is not None:
             apply_fsdp(model, mesh, param_dtype or self.compute_dtype, experts=experts)
@@ -244,10 +248,11 @@ def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip:
     params = [p for p in model.parameters() if p.grad is not None]
     # clip_grad_norm_ always scales by min(clip / (norm + 1e-6), 1): a scale of exactly 1 is a pass over every
     # gradient that changes nothing, so it runs only when it clips (same result, one memory pass fewer)
-    if any(p.grad is not None for p in expert_params(model)):
-        # expert parallel: DTensors on two meshes, which torch's norm and clip do not mix
+    if tp_size() > 1 or any(p.grad is not None for p in expert_params(model)):
+        # expert or tensor parallel: DTensors on several meshes, which torch's norm and clip do not mix
         reduce_expert_grads(model)
-        norm = ep_grad_norm(params)
+        reduce_tp_grads(model)
+        norm = grad_norm(params)
         if grad_clip and float(grad_clip / (norm + 1e-6)) < 1.0:
             scale_grads(params, float(grad_clip / (norm + 1e-6)))
     else:
@@ -266,6 +271,9 @@ class Actor(PolicyForward):
                  seed: int = 0, master_weights: bool = True):
         """With `cfg.lora_rank` > 0 the model gets LoRA adapters first (`train.lora`): they alone train, drawn from
         `seed` (the run's trainer.seed: the same adapters on every rank)."""
+        if cfg.lora_rank and tp_size() > 1:
+            raise InputError(f"actor.lora_rank={cfg.lora_rank} with parallel.tp={tp_size()}: LoRA adapters are not "
+                             "split by tensor parallelism yet; use parallel.tp=1 (data, context or expert parallel)")
         self.lora_modules = apply_lora(model, cfg, seed) if cfg.lora_rank else []  # (before FSDP shards the model)
         super().__init__(model, device, cfg.max_tokens_per_micro_batch, chunk_tokens, param_dtype, ep=ep,
                          master_weights=master_weights)

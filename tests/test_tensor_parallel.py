@@ -1,0 +1,196 @@
+"""Tensor parallelism (`parallel.tp`, `moeloop.parallel.tensor`): attention heads and dense MLPs split over the tp
+ranks give the one-process logprobs, RL update (gradient clipping on) and SFT step, alone and beside data, context
+and expert parallelism, for Qwen3-MoE and for DeepSeek-V3 (MLA, a dense layer, shared experts). Tolerance as the
+DP tests': fp32 summation order of the all-reduced activations and gradients."""
+import shutil
+from dataclasses import replace
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+from moeloop.config.schema import CriticSection
+from moeloop.errors import InputError
+from moeloop.loop.rl import run_rl
+from moeloop.loop.sft import run_sft
+from moeloop.model.config import ModelConfig
+from moeloop.model.factory import init_model
+from moeloop.model.transformer import MoEForCausalLM
+from moeloop.parallel.fsdp import full_tensor
+from moeloop.parallel.groups import dp_rank, dp_size, init_parallel_groups
+from moeloop.train.actor import Actor
+from moeloop.train.critic import Critic
+from tests.dist import run_ranks
+from tests.hf_tiny import TINY_HF_CONFIGS
+from tests.test_rl_loop import _cfg as rl_cfg, _rows, _weights
+from tests.test_sft import _cfg as sft_cfg, _conversations
+from tests.trainer_fixtures import actor_cfg, rl_batch, tiny_model, use_sgd
+
+
+def _model(arch: str):
+    if arch == "qwen3_moe":
+        return tiny_model()
+    torch.manual_seed(0)
+    model = MoEForCausalLM(ModelConfig.from_hf_dict(dict(TINY_HF_CONFIGS[arch])))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.1) if p.dim() > 1 else p.fill_(1.0)
+    return model
+
+
+def _shard(samples):
+    """This rank's samples: its dp rank's groups (the tp and cp ranks of a replica share them)."""
+    groups = sorted({s.group_id for s in samples})
+    return [s for s in samples if groups.index(s.group_id) % dp_size() == dp_rank()]
+
+
+def _run(tp: int = 1, cp: int = 1, ep: int = 1, kind: str = "rl", arch: str = "qwen3_moe"):
+    """On this rank's share of `rl_batch()`: the old logprobs and entropies (or the critic's values), then 2 SGD steps
+    (GRPO updates with the gradient clipped to 0.1, SFT steps, or critic updates); a GRPO actor's steps come after an
+    update with every advantage 0. Returns the first pass's values by sample, the step metrics, the weights, and the
+    shapes of this rank's q_proj weights."""
+    init_parallel_groups(cp, tp)
+    samples = _shard(rl_batch())
+    if kind == "critic":
+        for s in samples:
+            s.returns = [a + 0.5 for a in s.advantages]
+        cfg = CriticSection()
+        cfg.max_tokens_per_micro_batch, cfg.ppo_mini_batch_size = 24, 4
+        model = Critic(_model(arch), cfg, torch.device("cpu"), 8, master_weights=False)
+        use_sgd(model, 0.05)
+        model.compute_values(samples)
+        first = {(s.group_id, tuple(s.response_ids)): (s.values,) for s in samples}
+        metrics = [model.update(samples)["critic/vf_loss"] for _ in range(2)]
+        weights = {n: full_tensor(t).clone() for n, t in model.model.state_dict().items()}
+        return first, metrics, weights, _local_shapes(model.model)
+    model = Actor(_model(arch), actor_cfg(max_tokens_per_micro_batch=24, grad_clip=0.1), torch.device("cpu"), 8, ep=ep)
+    use_sgd(model, 0.05)
+    model.compute_logprobs(samples, "old_logprobs", entropy_field="old_entropy")
+    first = {(s.group_id, tuple(s.response_ids)): (s.old_logprobs, s.old_entropy) for s in samples}
+    if kind == "sft":
+        metrics = [model.sft_step(samples)["sft_loss"] for _ in range(2)]
+    else:
+        model.update([replace(s, advantages=[0.0] * len(s.advantages)) for s in samples])
+        metrics = [v for m in (model.update(samples) for _ in range(2)) for v in (m["pg_loss"], m["grad_norm"])]
+    return first, metrics, {n: t.clone() for n, t in model.named_weights()}, _local_shapes(model.model)
+
+
+def _local_shapes(model) -> tuple:
+    """The last layer's query projection: its placement on the mesh's tp dim (None: not split by tp), its shape."""
+    attn = model.model.layers[-1].self_attn
+    w = attn.q_proj.weight if hasattr(attn, "q_proj") else attn.q_b_proj.weight
+    names = w.device_mesh.mesh_dim_names if isinstance(w, DTensor) else ()
+    return (w.placements[names.index("tp")] if "tp" in names else None), tuple(w.shape)
+
+
+def _rank(rank, world, tp, cp, ep, kind, arch):
+    return _run(tp, cp, ep, kind, arch)
+
+
+@pytest.mark.parametrize("world,tp,cp,ep,kind,arch", [
+    (2, 2, 1, 1, "rl", "qwen3_moe"),  # tp alone: 2 of the 4 query heads and 1 of the 2 kv heads a rank
+    (4, 2, 1, 1, "rl", "qwen3_moe"),  # dp 2 x tp 2
+    (2, 2, 1, 1, "rl", "deepseek_v3"),  # MLA's head projections, the dense layer's MLP, the shared experts
+    (2, 2, 1, 1, "sft", "qwen3_moe"),
+    (2, 2, 1, 1, "critic", "qwen3_moe"),
+    (4, 2, 2, 1, "rl", "qwen3_moe"),  # cp 2 x tp 2: Ulysses over each tp rank's heads
+    (4, 2, 1, 2, "rl", "qwen3_moe"),  # dp 2 x tp 2 with the experts split over ep 2
+])
+def test_tensor_parallel_matches_one_process(world, tp, cp, ep, kind, arch):
+    want_first, want_metrics, want, (_, shape) = _run(kind=kind, arch=arch)
+    results = run_ranks(_rank, world, tp, cp, ep, kind, arch)
+    got_first = {}
+    for first, metrics, weights, (local, whole) in results:
+        assert whole == shape and local == Shard(0)  # the tp ranks split the heads (FSDP shards over dp besides)
+        got_first.update(first)
+        assert metrics == pytest.approx(want_metrics, rel=1e-5)
+        for name, w in want.items():
+            torch.testing.assert_close(weights[name], w, rtol=1e-5, atol=1e-6)
+    assert got_first.keys() == want_first.keys()
+    for key, values in want_first.items():
+        for got, value in zip(got_first[key], values, strict=True):
+            torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(value), rtol=1e-5, atol=1e-5)
+
+
+def test_the_gradient_is_clipped_at_tensor_parallel_as_in_one_process():
+    """The clipped steps above clip: the one-process gradient norm is above the 0.1 clip."""
+    _, metrics, _, _ = _run()
+    assert all(norm > 0.1 for norm in metrics[1::2])
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return init_model("qwen3_moe", "tiny", tmp_path_factory.mktemp("model") / "m", seed=3)
+
+
+def _loop_rank(rank, world, command, model_dir, run_dir, *extra):
+    """Runs the command; returns the tp sizes the trainer split a model over (one a model: the actor's)."""
+    import moeloop.train.actor as actor
+    splits, apply_tp = [], actor.apply_tp
+    actor.apply_tp = lambda model, mesh: (splits.append(mesh.size()), apply_tp(model, mesh))
+    try:
+        if command == "sft":
+            run_sft(sft_cfg(model_dir, run_dir, *extra))
+        else:
+            run_rl(rl_cfg(model_dir, run_dir, "actor.optim.lr=1e-4", *extra))
+    finally:
+        actor.apply_tp = apply_tp
+    return splits
+
+
+@pytest.mark.parametrize("world,extra", [
+    (2, ()),  # tp 2: each rank generates its share of the prompts, the tp pair trains on both ranks' samples
+    (4, ("actor.ppo_mini_batch_size=4",)),  # dp 2 x tp 2
+])
+def test_the_rl_loop_at_tensor_parallel_matches_one_process(model_dir, tmp_path, world, extra):
+    """`moeloop rl` with parallel.tp=2 gives one process's metrics and weights (tolerance as the DP loop tests': Adam
+    over all-reduced fp32 gradients)."""
+    assert _loop_rank(0, 1, "rl", model_dir, tmp_path / "one", *extra) == []
+    assert run_ranks(_loop_rank, world, "rl", model_dir, tmp_path / "tp", *extra, "parallel.tp=2") == [[2]] * world
+    one, tp = _rows(tmp_path / "one"), _rows(tmp_path / "tp")
+    keys = ("reward/mean", "reward/samples", "pg_loss", "grad_norm", "response/len_mean")
+    assert len(one) == len(tp)
+    for r1, r2 in zip(one, tp):
+        for key in keys:
+            assert r2[key] == pytest.approx(r1[key], rel=1e-4, abs=1e-6), key
+    w1, w2 = _weights(tmp_path / "one"), _weights(tmp_path / "tp")
+    for name in w1:
+        torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=5e-5)
+
+
+def test_sft_at_tensor_parallel_resumes_in_one_process_and_at_dp_2(model_dir, tmp_path):
+    """`moeloop sft` at tp 2 for 2 steps gives one process's losses; its checkpoint (DCP, the heads split over the tp
+    pair) resumes in one process, and at dp 2 in another directory's copy, for the 3rd and 4th steps, which end at
+    the straight 4-step run's weights."""
+    train = _conversations(tmp_path / "train.jsonl")
+    extra = ("data.prompt_key=messages", "data.max_response_length=16", f"data.train_files=[{train}]",
+             "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "data.val_files=[]")
+    run_sft(sft_cfg(model_dir, tmp_path / "one", "trainer.steps=4", *extra))
+    assert run_ranks(_loop_rank, 2, "sft", model_dir, tmp_path / "tp", "trainer.steps=2", "parallel.tp=2", *extra) \
+        == [[2], [2]]
+    shutil.copytree(tmp_path / "tp", tmp_path / "dp")
+    run_sft(sft_cfg(model_dir, tmp_path / "tp", "trainer.steps=4", *extra), resume=True)
+    run_ranks(_resume_rank, 2, model_dir, tmp_path / "dp", "trainer.steps=4", *extra)
+    one = [r["sft_loss"] for r in _rows(tmp_path / "one")]
+    for run in ("tp", "dp"):
+        assert [r["sft_loss"] for r in _rows(tmp_path / run)] == pytest.approx(one, rel=1e-5), run
+        w1, w2 = _weights(tmp_path / "one"), _weights(tmp_path / run)
+        for name in w1:
+            torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=5e-5)
+
+
+def _resume_rank(rank, world, model_dir, run_dir, *extra):
+    run_sft(sft_cfg(model_dir, run_dir, *extra), resume=True)
+    return True
+
+
+def test_tensor_parallel_refuses_what_it_cannot_split(model_dir, tmp_path):
+    with pytest.raises(AssertionError, match=r"parallel.tp=3 must be >= 1 and divide the 2 ranks"):
+        run_ranks(_loop_rank, 2, "rl", model_dir, tmp_path / "a", "parallel.tp=3")
+    with pytest.raises(InputError, match=r"actor.lora_rank=4 with parallel.tp=2"):
+        run_rl(rl_cfg(model_dir, tmp_path / "b", "parallel.tp=2", "actor.lora_rank=4"))
+    from moeloop.parallel.tensor import check_tp
+    cfg = ModelConfig.from_hf_dict(dict(TINY_HF_CONFIGS["deepseek_v3"]))
+    with pytest.raises(InputError, match=r"parallel.tp=3 must divide the model's num_attention_heads=4, "
+                                         r"intermediate_size=128, the shared experts' width 32$"):
+        check_tp(cfg, 3)
