@@ -20,6 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from expert_parallel import COLUMNS, launch, samples_of, timed_updates
 from moeloop.config.schema import ActorSection
@@ -34,12 +35,14 @@ class SavedBytes:
     def __init__(self):
         self.seen: dict[int, int] = {}
 
-    def pack(self, t: torch.Tensor):
+    def pack(self, saved: torch.Tensor):
+        t = saved._local_tensor if isinstance(saved, DTensor) else saved  # (tensor parallel: the shard's bytes)
         base = t._base if t._base is not None else t
-        if not isinstance(base, nn.Parameter) and not isinstance(t, nn.Parameter) and t.device.type == "cpu":
+        params = (nn.Parameter,)
+        if not any(isinstance(x, params) for x in (saved, t, base)) and t.device.type == "cpu":
             storage = t.untyped_storage()
             self.seen[storage.data_ptr()] = storage.nbytes()
-        return t
+        return saved
 
     @property
     def total(self) -> int:

@@ -9,15 +9,18 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
+from moeloop.config import load_config
 from moeloop.config.schema import CriticSection
 from moeloop.errors import InputError
 from moeloop.loop.rl import run_rl
 from moeloop.loop.sft import run_sft
 from moeloop.model.config import ModelConfig
-from moeloop.model.factory import init_model
+from moeloop.model.factory import build_model, hf_config_dict, init_model
 from moeloop.model.transformer import MoEForCausalLM
+from moeloop.parallel import Layout
 from moeloop.parallel.fsdp import full_tensor
 from moeloop.parallel.groups import dp_rank, dp_size, init_parallel_groups
+from moeloop.plan import memory_ledger, model_stats
 from moeloop.train.actor import Actor
 from moeloop.train.critic import Critic
 from tests.dist import run_ranks
@@ -194,3 +197,24 @@ def test_tensor_parallel_refuses_what_it_cannot_split(model_dir, tmp_path):
     with pytest.raises(InputError, match=r"parallel.tp=3 must divide the model's num_attention_heads=4, "
                                          r"intermediate_size=128, the shared experts' width 32$"):
         check_tp(cfg, 3)
+
+
+def _weights_rank(rank, world, tp):
+    init_parallel_groups(1, tp)
+    model = build_model("qwen3_moe", "tiny", seed=0).to(torch.bfloat16)
+    Actor(model, actor_cfg(), torch.device("cpu"), 8, master_weights=False)
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() * 2 for p in model.parameters())
+
+
+@pytest.mark.parametrize("world,tp", [(2, 2), (4, 2), (2, 1)])
+def test_the_planner_counts_the_weights_a_tensor_parallel_rank_keeps(world, tp):
+    """`moeloop plan`'s weights entry for dp x tp is the mean bytes a rank of the trainer keeps: the heads and dense
+    widths split by tp, the embedding, head, norms and router whole on each tp rank, all sharded by FSDP over dp, and
+    the routed experts over every rank."""
+    kept = run_ranks(_weights_rank, world, tp)
+    cfg = load_config(None, ["model.path=unused", f"parallel.dp={world // tp}", f"parallel.tp={tp}",
+                             "model.dtype=bfloat16", "model.fp32_master_weights=false"])
+    cfg.plan.hf_config = hf_config_dict("qwen3_moe", "tiny")
+    stats = model_stats(ModelConfig.from_hf_dict(cfg.plan.hf_config))
+    planned = memory_ledger(cfg, stats, Layout.from_section(cfg.parallel)).entries["weights"]
+    assert sum(kept) / world == pytest.approx(planned, rel=1e-9)

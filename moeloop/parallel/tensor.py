@@ -33,9 +33,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               parallelize_module)
 
 from moeloop.errors import InputError
 from moeloop.model.attn import Attention
@@ -66,6 +67,11 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh) -> None:
     tp = mesh.size()
     check_tp(model.cfg, tp)
     col, row = ColwiseParallel(), RowwiseParallel()
+
+
+    def replicated_input(num_args: int) -> PrepareModuleInput:  # the first of num_args positional inputs a DTensor
+        layouts = (Replicate(),) + (None,) * (num_args - 1)
+        return PrepareModuleInput(input_layouts=layouts, desired_input_layouts=layouts, use_local_output=False)
     partial: list[nn.Module] = []
     for layer in model.model.layers:
         attn = layer.self_attn
@@ -74,7 +80,8 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh) -> None:
             # its rope key is shared by every head: each rank's gradient of it covers its heads only
             attn.kv_a_proj_with_mqa.register_forward_hook(_sum_grad_of_columns(attn.kv_lora_rank, mesh))
         elif isinstance(attn, Attention):
-            heads = {"q_proj": col, "k_proj": col, "v_proj": col, "o_proj": row}
+            # x enters as one replicated DTensor: the three column splits' input gradients sum into one all-reduce
+            heads = {"": replicated_input(3), "q_proj": col, "k_proj": col, "v_proj": col, "o_proj": row}
             attn.num_kv_heads //= tp
         else:
             raise InputError(f"parallel.tp={tp}: no tensor-parallel plan for {type(attn).__name__}")
@@ -83,7 +90,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh) -> None:
         # a per-head q/k norm (Qwen3) normalises only this rank's heads: its weight's gradient is a part of the whole
         partial += [norm for norm in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if norm is not None]
         for mlp in _dense_mlps(layer.mlp):
-            parallelize_module(mlp, mesh, {"gate_proj": col, "up_proj": col, "down_proj": row})
+            parallelize_module(mlp, mesh, {"": replicated_input(1), "gate_proj": col, "up_proj": col, "down_proj": row})
     model.tp_mesh, model.tp_partial_grads = mesh, partial
 
 

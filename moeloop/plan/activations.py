@@ -1,8 +1,10 @@
 """Activation and logits memory per rank for a token budget, with and without activation checkpointing.
 
 Bytes per token per layer count the tensors autograd keeps for backward in bf16 (fp32 where kernels keep
-fp32: softmax statistics, router logits). Token-wise tensors are split by tp (sequence parallel), head-wise
-ones by tp, expert intermediates by etp. Full checkpointing keeps each layer's input and, during backward,
+fp32: softmax statistics, router logits). Head-wise tensors (attention, dense and shared-expert MLP widths) are
+split by tp, expert intermediates by etp; token-wise ones (the residual stream, norms, the router, the routed
+experts' copies, the logits) are whole on each tp rank, as the trainer's tensor parallelism runs them (no sequence
+parallelism, no vocabulary split: `moeloop.parallel.tensor`). Full checkpointing keeps each layer's input and, during backward,
 one layer's full set at a time. Formulas in the spirit of Korthikanti et al. 2022 with flash attention.
 """
 from __future__ import annotations
@@ -19,14 +21,14 @@ NORM_BYTES = FP32 + BF16
 def layer_activation_bytes_per_token(m: ModelConfig, layer_idx: int, layout: Layout) -> float:
     """Bytes one token leaves saved in one decoder layer (no checkpointing), on one rank."""
     tp, h = layout.tp, m.hidden_size
-    x = 2 * BF16 * h / tp  # layer input and the residual after attention
-    norms = 2 * NORM_BYTES * h / tp  # the two RMSNorms
+    x = 2 * BF16 * h  # layer input and the residual after attention
+    norms = 2 * NORM_BYTES * h  # the two RMSNorms
     return x + norms + _attention_bytes(m, tp) + _mlp_bytes(m, layer_idx, layout)
 
 
 def checkpoint_bytes_per_token(m: ModelConfig, layout: Layout) -> float:
     """Bytes one token leaves per layer under full recompute: the layer input only."""
-    return BF16 * m.hidden_size / layout.tp
+    return BF16 * m.hidden_size
 
 
 def _attention_bytes(m: ModelConfig, tp: int) -> float:
@@ -47,9 +49,9 @@ def _mlp_bytes(m: ModelConfig, layer_idx: int, layout: Layout) -> float:
         return swiglu * m.intermediate_size / tp
     k = m.num_experts_per_tok
     upcast = FP32 * h if m.scoring_func == "sigmoid" else 0.0  # DeepSeek's router runs on an fp32 copy of its input
-    router = (upcast + 2 * FP32 * m.num_experts) / tp  # + logits and probabilities
-    routed = k * (BF16 * h + swiglu * m.moe_intermediate_size / layout.etp) / tp  # permuted copies, balanced routing
-    combine = k * BF16 * h / tp  # expert outputs before the weighted sum
+    router = upcast + 2 * FP32 * m.num_experts  # + logits and probabilities
+    routed = k * (BF16 * h + swiglu * m.moe_intermediate_size / layout.etp)  # permuted copies, balanced routing
+    combine = k * BF16 * h  # expert outputs before the weighted sum
     shared = swiglu * m.n_shared_experts * m.moe_intermediate_size / tp
     return router + routed + combine + shared
 
@@ -75,11 +77,11 @@ def stage_activation_bytes(m: ModelConfig, layout: Layout, layer_ids: list[int],
 
 
 def logits_bytes(m: ModelConfig, layout: Layout, tokens: int, chunk_tokens: int, chunked: bool) -> float:
-    """Logprob workspace on the last stage: bf16 logits, fp32 log-softmax and its gradient over the vocab shard.
+    """Logprob workspace on the last stage: bf16 logits, fp32 log-softmax and its gradient over the vocabulary.
 
     Chunked keeps only `chunk_tokens` rows of that at a time, plus fp32 logprob and entropy per token.
     """
-    per_row = (BF16 + 2 * FP32) * m.vocab_size / layout.tp
+    per_row = (BF16 + 2 * FP32) * m.vocab_size
     rows = min(tokens, chunk_tokens) if chunked else tokens
     return rows * per_row + (2 * FP32 * tokens if chunked else 0)
 
@@ -90,7 +92,7 @@ def alltoall_bytes(m: ModelConfig, layout: Layout, tokens: int) -> float:
     heads do not divide over cp), for one micro-batch of `tokens` a rank."""
     ep = 0.0
     if layout.ep > 1 and m.num_experts:
-        ep = 2 * tokens * m.num_experts_per_tok * BF16 * m.hidden_size / layout.tp
+        ep = 2 * tokens * m.num_experts_per_tok * BF16 * m.hidden_size
     if layout.cp == 1:
         return ep
     kv_heads = m.num_heads if m.is_mla or m.num_kv_heads % (layout.tp * layout.cp) else m.num_kv_heads

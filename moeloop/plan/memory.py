@@ -111,10 +111,10 @@ def rank_params(stats: ModelStats, layout: Layout, stage: int) -> tuple[float, f
     layers = stats.layers[lo:hi]
     dense = sum(l.dense for l in layers) / layout.tp + sum(l.replicated for l in layers)
     last = stage == layout.pp - 1
-    if stage == 0:
-        dense += stats.embedding / layout.tp
+    if stage == 0:  # the embedding and the head are whole on each tp rank (no vocabulary split)
+        dense += stats.embedding
     if last:
-        dense += (stats.lm_head or (stats.embedding if layout.pp > 1 else 0)) / layout.tp + stats.final_norm
+        dense += (stats.lm_head or (stats.embedding if layout.pp > 1 else 0)) + stats.final_norm
     expert = sum(l.experts for l in layers) / layout.expert_shards
     return dense, expert
 

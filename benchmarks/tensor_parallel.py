@@ -1,0 +1,126 @@
+"""Tensor parallelism (`parallel.tp`) against data parallelism alone: the actor's update at N gloo ranks on this CPU,
+per rank per step: the weights a rank keeps and the activation bytes autograd saves for the backward (the largest
+micro-batch's), each beside `moeloop plan`'s entry for the same layout; the bytes each collective moves (FSDP's
+all-gathers and reduce-scatters, tensor parallelism's all-reduces); and the step's median seconds.
+
+    python benchmarks/tensor_parallel.py --world 4 --tp 1,2 --prompt 256 --response 768
+
+Every layout trains the same global batch: `--groups` GRPO groups a rank at tp 1, so at tp t each of the N / t dp
+groups holds t x as many. A micro-batch is one sequence. bf16 weights and activations (the planner's units), one
+thread a rank. Timings on a 2-core VM with 4 ranks are indicative only: the ranks share the cores.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from context_parallel import SavedBytes
+from expert_parallel import launch, local_bytes, samples_of, timed_updates
+from moeloop.config.schema import ActorSection
+from moeloop.model.config import ModelConfig
+from moeloop.model.factory import build_model, hf_config_dict
+
+FUNCOL = {"all_reduce": "tp_all_reduce", "all_gather_tensor": "tp_all_gather", "reduce_scatter_tensor": "tp_reduce_scatter"}
+COLUMNS = ("all_gather", "reduce_scatter", "all_reduce", "tp_all_reduce", "tp_all_gather", "tp_reduce_scatter")
+
+
+def count_funcol(moved: dict[str, int]) -> None:
+    """Wrap the functional collectives DTensor's redistributions call (tensor parallelism's all-reduces) to add each
+    call's input bytes to `moved`."""
+    import torch.distributed._functional_collectives as funcol
+    for name, column in FUNCOL.items():
+        real = getattr(funcol, name)
+
+        def spy(tensor, *args, _real=real, _column=column, **kw):
+            moved[_column] = moved.get(_column, 0) + tensor.numel() * tensor.element_size()
+            return _real(tensor, *args, **kw)
+        setattr(funcol, name, spy)
+
+
+def rank_main(rank: int, world: int, init_file: str, args, tp: int, queue) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=1800))
+    from moeloop.parallel.groups import dp_rank, init_parallel_groups
+    from moeloop.train.actor import Actor  # (after the group: the meshes are built from it)
+    init_parallel_groups(1, tp)
+    model = build_model("qwen3_moe", args.size, seed=0).to(torch.bfloat16)
+    actor_cfg = ActorSection()
+    actor_cfg.ppo_mini_batch_size = args.groups * world
+    actor_cfg.max_tokens_per_micro_batch = args.prompt + args.response
+    actor = Actor(model, actor_cfg, torch.device("cpu"), args.response, master_weights=False)
+    weights = sum(local_bytes(p) for p in model.parameters())
+    # each dp group's samples (tp x a tp-1 rank's); `samples_of` seeds by its first argument
+    samples = [s for r in range(tp) for s in samples_of(dp_rank() * tp + r, args.groups, args.n, model.cfg.vocab_size,
+                                                          args.prompt, args.response)]
+    actor.update(samples)  # warm-up: lazy init, optimizer state
+    saved = SavedBytes()
+    forward_batch = actor.forward_batch
+
+    def measured(*a, **kw):  # the largest micro-batch's saved bytes
+        probe = SavedBytes()
+        with torch.autograd.graph.saved_tensors_hooks(probe.pack, lambda t: t):
+            out = forward_batch(*a, **kw)
+        saved.seen = max(saved.seen, probe.seen, key=lambda d: sum(d.values()))
+        return out
+
+    actor.forward_batch = measured
+    actor.update(samples)
+    actor.forward_batch = forward_batch
+    tp_moved: dict[str, int] = {}
+    count_funcol(tp_moved)
+    moved, seconds = timed_updates(actor, samples, args.steps)
+    moved.update({k: v / args.steps for k, v in tp_moved.items()})
+    queue.put((rank, weights, saved.total, moved, seconds, len(actor.micro_batches(samples))))
+    dist.destroy_process_group()
+
+
+def planned_mb(args, tp: int) -> tuple[float, float]:
+    """`moeloop plan`'s weights and activations a rank (MB) for the layout."""
+    from moeloop.config.load import load_config
+    from moeloop.parallel import Layout
+    from moeloop.plan import memory_ledger, model_stats
+    cfg = load_config(None, ["model.path=unused", f"parallel.dp={args.world // tp}", f"parallel.tp={tp}",
+                             "model.dtype=bfloat16", "model.fp32_master_weights=false",
+                             f"actor.max_tokens_per_micro_batch={args.prompt + args.response}",
+                             f"data.max_prompt_length={args.prompt}", f"data.max_response_length={args.response}"])
+    cfg.plan.hf_config = hf_config_dict("qwen3_moe", args.size)
+    stats = model_stats(ModelConfig.from_hf_dict(cfg.plan.hf_config))
+    led = memory_ledger(cfg, stats, Layout.from_section(cfg.parallel))
+    return led.entries["weights"] / 1e6, led.entries["activations"] / 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size", default="small", choices=("tiny", "small"))
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--tp", default="1,2", help="comma-separated; 1 = data parallel alone")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--groups", type=int, default=1, help="GRPO groups a rank at tp 1")
+    ap.add_argument("--n", type=int, default=2, help="samples a group")
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--response", type=int, default=768)
+    args = ap.parse_args()
+    print(f"{args.size} qwen3_moe, {args.world} gloo ranks, {args.groups * args.world} groups x {args.n} samples x "
+          f"({args.prompt} + {args.response}) tokens a step, bf16; a micro-batch is one sequence; per rank per update "
+          "step (rank 0; max over ranks for seconds); MB moved a step by collective")
+    print("| tp | dp | micro-batches | weights MB measured | planned | activations MB measured | planned | "
+          + " | ".join(COLUMNS) + " | step s |")
+    print("|---|---|---|---|---|---|---|" + "---|" * len(COLUMNS) + "---|")
+    for tp in (int(t) for t in args.tp.split(",")):
+        rows = launch(rank_main, args.world, args, tp)
+        _, weights, saved, moved, _, micro = rows[0]
+        step = max(r[4] for r in rows)
+        plan_weights, plan_acts = planned_mb(args, tp)
+        print(f"| {tp} | {args.world // tp} | {micro} | {weights / 1e6:.2f} | {plan_weights:.2f} | {saved / 1e6:.1f} | "
+              f"{plan_acts:.1f} | " + " | ".join(f"{moved.get(k, 0) / 1e6:.1f}" for k in COLUMNS) + f" | {step:.2f} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
