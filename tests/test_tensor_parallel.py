@@ -192,7 +192,10 @@ def test_tensor_parallel_refuses_what_it_cannot_split(model_dir, tmp_path):
         run_ranks(_loop_rank, 2, "rl", model_dir, tmp_path / "a", "parallel.tp=3")
     with pytest.raises(InputError, match=r"actor.lora_rank=4 with parallel.tp=2"):
         run_rl(rl_cfg(model_dir, tmp_path / "b", "parallel.tp=2", "actor.lora_rank=4"))
+    from moeloop.parallel.context import check_heads
     from moeloop.parallel.tensor import check_tp
+    with pytest.raises(InputError, match=r"parallel.cp=2 x parallel.tp=4 must divide the model's 4 attention heads"):
+        check_heads(4, 2, 4)  # Ulysses splits each tp rank's 1 head over cp 2
     cfg = ModelConfig.from_hf_dict(dict(TINY_HF_CONFIGS["deepseek_v3"]))
     with pytest.raises(InputError, match=r"parallel.tp=3 must divide the model's num_attention_heads=4, "
                                          r"intermediate_size=128, the shared experts' width 32$"):

@@ -29,7 +29,7 @@ def sample_record(sample: Sample, step: int, **extra: Any) -> dict[str, Any]:
 
 def gather_records(records: list[dict[str, Any]], every_rank: bool = False) -> list[dict[str, Any]]:
     """Every DP rank's records, rank after rank (collective under DP; the same list on every rank). `every_rank`:
-    every process's (what each generated; without it, the cp ranks of a group hold the same samples)."""
+    every process's (what each generated; without it, the cp * tp ranks of a replica group hold the same samples)."""
     world = dist.get_world_size() if every_rank and dist.is_initialized() else dp_size()
     if world == 1:
         return records

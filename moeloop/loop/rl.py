@@ -302,7 +302,7 @@ def _dynamic_batch(c: Components, cfg: RunConfig, timer: PhaseTimer, step: int) 
         kept = sorted(kept + _gather(mine, world), key=lambda entry: entry[:2])
         if len(kept) >= batch:
             break
-    kept = kept[:batch]  # dealt to the DP ranks (the cp ranks of a group take the same groups)
+    kept = kept[:batch]  # dealt to the DP ranks (the cp * tp ranks of a replica take the same groups)
     dp, dp_rank = c.env.dp_size, c.env.dp_rank
     per_mini = max(1, min(cfg.actor.ppo_mini_batch_size, len(kept)) // dp)
     samples = [s for p, (_, _, g) in enumerate(kept) if (p // per_mini) % dp == dp_rank for s in g]

@@ -61,7 +61,7 @@ def run_sft(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
     val_every = cfg.trainer.val_every
     if val is not None and val_every and start == 0 and (cfg.trainer.val_before_train or steps == 0):
         logger.log(0, actor.sft_eval(val), "val.jsonl")
-    per_rank = cfg.data.train_batch_size // env.dp_size  # (the cp ranks of a group take the same slice)
+    per_rank = cfg.data.train_batch_size // env.dp_size  # (the cp * tp ranks of a replica take the same slice)
     for step in range(start, steps):
         indices = cursor.take(cfg.data.train_batch_size)[env.dp_rank * per_rank:(env.dp_rank + 1) * per_rank]
         with timer("update_actor"):

@@ -2,8 +2,9 @@
 (or max) across ranks so that N ranks compute what one process would; and the differentiable exchanges that
 expert and context parallelism run inside the model.
 
-Under context parallelism (`parallel.context`, `parallel.groups`) the data-parallel ranks are one rank of each cp group: the others
-hold the same samples, so a sum over every rank would count them cp times."""
+Under context or tensor parallelism (`parallel.context`, `parallel.tensor`, `parallel.groups`) the data-parallel ranks
+are one rank of each replica group: the others hold the same samples, so a sum over every rank would count them
+cp * tp times."""
 from __future__ import annotations
 
 import torch
@@ -16,7 +17,7 @@ def global_values(values: list[float], op: dist.ReduceOp = dist.ReduceOp.SUM,
                   every_rank: bool = False) -> list[float]:
     """`values` reduced over the DP ranks with `op`, in float64 (as they are in one process). Collective under DP.
     `every_rank`: over every process instead, for what each generated (its engine's share of the prompts) before
-    the cp ranks of a group pooled their samples."""
+    the cp * tp ranks of a replica group pooled their samples."""
     if (dist.get_world_size() if every_rank and dist.is_initialized() else dp_size()) == 1:
         return [float(v) for v in values]
     t = torch.tensor(values, dtype=torch.float64)

@@ -13,9 +13,10 @@ second all-to-all brings the outputs back to their rows. With fewer key/value he
 repeated to the query heads first. Activations per rank shrink by cp; the weights do not (FSDP shards them over
 every rank, the cp ones included).
 
-Ranks r*cp .. r*cp + cp - 1 form a cp group and hold the same samples: data is sharded over the dp = world / cp
-groups, and host-side sums (`collectives.global_values`) and object gathers run over the dp group of the rank
-(one rank of each cp group), so nothing is counted cp times.
+At tp 1, ranks r*cp .. r*cp + cp - 1 form a cp group and hold the same samples (under tensor parallelism a cp group's
+ranks are tp apart, `parallel.groups`): data is sharded over the dp = world / (cp * tp) replica groups, and host-side
+sums (`collectives.global_values`) and object gathers run over the dp group of the rank (one rank of each replica
+group), so nothing is counted twice.
 """
 from __future__ import annotations
 
@@ -32,10 +33,11 @@ from moeloop.parallel.collectives import all_gather_rows, all_to_all
 from moeloop.parallel.groups import cp_group, cp_rank, cp_size
 
 
-def check_heads(num_heads: int, cp: int) -> None:
-    if num_heads % cp:
-        raise InputError(f"parallel.cp={cp} must divide the model's {num_heads} attention heads (Ulysses splits "
-                         "the heads over the cp ranks)")
+def check_heads(num_heads: int, cp: int, tp: int = 1) -> None:
+    if num_heads % (cp * tp):
+        of = f"parallel.cp={cp} x parallel.tp={tp}" if tp > 1 else f"parallel.cp={cp}"
+        raise InputError(f"{of} must divide the model's {num_heads} attention heads (Ulysses splits each tp rank's "
+                         "heads over the cp ranks)")
 
 
 class UlyssesAttention:

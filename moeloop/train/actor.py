@@ -60,7 +60,7 @@ class PolicyForward:
         # ppo_max_token_len_per_gpu x ulysses_sequence_parallel_size), and `moeloop plan` counts it so
         self.model, self.device, self.budget = model, device, max_tokens_per_micro_batch * cp_size()
         if cp_size() > 1:  # context parallel (`parallel.context`): the groups exist (`parallel.groups`)
-            check_heads(model.cfg.num_heads, cp_size())
+            check_heads(model.cfg.num_heads, cp_size(), tp_size())
         if head is None:
             LogprobHead.replace_in(model, chunk_tokens)
         else:
