@@ -85,8 +85,13 @@ def reshard(model: nn.Module) -> None:
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """A parameter's or state entry's whole value: gathered when FSDP sharded it (a DTensor; collective), else as it
-    is (detached)."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+    is (detached). On a 2-D mesh (FSDP over dp, a tensor-parallel split over tp) the dp dim is gathered first, then the
+    tp one: one all-gather a dim, where a single redistribution warns that it runs two in a row."""
+    if not isinstance(tensor, DTensor):
+        return tensor.detach()
+    if tensor.device_mesh.ndim == 2 and not isinstance(tensor.placements[0], Replicate):
+        tensor = tensor.redistribute(placements=[Replicate(), tensor.placements[1]])
+    return tensor.full_tensor()
 
 
 @torch.no_grad()
