@@ -65,17 +65,25 @@ def _run(tp: int = 1, cp: int = 1, ep: int = 1, kind: str = "rl", arch: str = "q
         first = {(s.group_id, tuple(s.response_ids)): (s.values,) for s in samples}
         metrics = [model.update(samples)["critic/vf_loss"] for _ in range(2)]
         weights = {n: full_tensor(t).clone() for n, t in model.model.state_dict().items()}
-        return first, metrics, weights, _local_shapes(model.model)
-    model = Actor(_model(arch), actor_cfg(max_tokens_per_micro_batch=24, grad_clip=0.1), torch.device("cpu"), 8, ep=ep)
+        return first, metrics, weights, _local_shapes(model.model) + (None,)
+    policy = _model(arch)
+    rows = [0, 0]  # the rows the MoE blocks took here, and those their routed experts ran on
+    for block in policy.moe_blocks():  # (registered before tp's own hooks, which split the block's rows)
+        block.register_forward_pre_hook(lambda module, args: rows.__setitem__(0, rows[0] + args[0].shape[0]))
+        block.experts.register_forward_pre_hook(lambda module, args: rows.__setitem__(1, rows[1] + args[0].shape[0]))
+    cfg = actor_cfg(max_tokens_per_micro_batch=24, grad_clip=0.1, router_replay="R2" if kind == "r2" else "off")
+    model = Actor(policy, cfg, torch.device("cpu"), 8, ep=ep)
     use_sgd(model, 0.05)
-    model.compute_logprobs(samples, "old_logprobs", entropy_field="old_entropy")
-    first = {(s.group_id, tuple(s.response_ids)): (s.old_logprobs, s.old_entropy) for s in samples}
+    model.compute_logprobs(samples, "old_logprobs", routes="record" if kind == "r2" else "off",
+                           entropy_field="old_entropy")
+    first = {(s.group_id, tuple(s.response_ids)): (s.old_logprobs, s.old_entropy)
+             + ((torch.as_tensor(s.routed_experts),) if kind == "r2" else ()) for s in samples}
     if kind == "sft":
         metrics = [model.sft_step(samples)["sft_loss"] for _ in range(2)]
     else:
         model.update([replace(s, advantages=[0.0] * len(s.advantages)) for s in samples])
         metrics = [v for m in (model.update(samples) for _ in range(2)) for v in (m["pg_loss"], m["grad_norm"])]
-    return first, metrics, {n: t.clone() for n, t in model.named_weights()}, _local_shapes(model.model)
+    return first, metrics, {n: t.clone() for n, t in model.named_weights()}, _local_shapes(model.model) + (rows,)
 
 
 def _local_shapes(model) -> tuple:
@@ -98,12 +106,19 @@ def _rank(rank, world, tp, cp, ep, kind, arch):
     (2, 2, 1, 1, "critic", "qwen3_moe"),
     (4, 2, 2, 1, "rl", "qwen3_moe"),  # cp 2 x tp 2: Ulysses over each tp rank's heads
     (4, 2, 1, 2, "rl", "qwen3_moe"),  # dp 2 x tp 2 with the experts split over ep 2
+    (2, 2, 1, 1, "r2", "qwen3_moe"),  # routes recorded (gathered from the tp ranks' rows) and replayed (sliced)
 ])
 def test_tensor_parallel_matches_one_process(world, tp, cp, ep, kind, arch):
-    want_first, want_metrics, want, (_, shape) = _run(kind=kind, arch=arch)
+    """Besides the numbers: the query projection is `Shard(0)` on the mesh's tp dim, and the routed experts of the tp
+    ranks of a replica ran on the rows of its MoE blocks between them (each rank on its share, fewer than all)."""
+    want_first, want_metrics, want, (_, shape, _) = _run(kind=kind, arch=arch)
     results = run_ranks(_rank, world, tp, cp, ep, kind, arch)
     got_first = {}
-    for first, metrics, weights, (local, whole) in results:
+    if kind != "critic":
+        for first_rank in range(0, world, tp):
+            (blocks, _), *_ = tp_rows = [r[3][2] for r in results[first_rank:first_rank + tp]]
+            assert all(b == blocks and 0 < e < b for b, e in tp_rows) and sum(e for _, e in tp_rows) == blocks
+    for first, metrics, weights, (local, whole, _) in results:
         assert whole == shape and local == Shard(0)  # the tp ranks split the heads (FSDP shards over dp besides)
         got_first.update(first)
         assert metrics == pytest.approx(want_metrics, rel=1e-5)
@@ -198,26 +213,28 @@ def test_tensor_parallel_refuses_what_it_cannot_split(model_dir, tmp_path):
         check_heads(4, 2, 4)  # Ulysses splits each tp rank's 1 head over cp 2
     cfg = ModelConfig.from_hf_dict(dict(TINY_HF_CONFIGS["deepseek_v3"]))
     with pytest.raises(InputError, match=r"parallel.tp=3 must divide the model's num_attention_heads=4, "
-                                         r"intermediate_size=128, the shared experts' width 32$"):
+                                         r"intermediate_size=128$"):
         check_tp(cfg, 3)
 
 
-def _weights_rank(rank, world, tp):
+def _weights_rank(rank, world, tp, arch):
     init_parallel_groups(1, tp)
-    model = build_model("qwen3_moe", "tiny", seed=0).to(torch.bfloat16)
+    model = build_model(arch, "tiny", seed=0).to(torch.bfloat16)
     Actor(model, actor_cfg(), torch.device("cpu"), 8, master_weights=False)
-    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() * 2 for p in model.parameters())
+    persistent = [b for name, b in model.named_buffers() if name in model.state_dict()]  # (DeepSeek's router bias)
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() * 2 for p in [*model.parameters(), *persistent])
 
 
-@pytest.mark.parametrize("world,tp", [(2, 2), (4, 2), (2, 1)])
-def test_the_planner_counts_the_weights_a_tensor_parallel_rank_keeps(world, tp):
+@pytest.mark.parametrize("world,tp,arch", [(2, 2, "qwen3_moe"), (4, 2, "qwen3_moe"), (2, 1, "qwen3_moe"),
+                                           (2, 2, "deepseek_v3")])
+def test_the_planner_counts_the_weights_a_tensor_parallel_rank_keeps(world, tp, arch):
     """`moeloop plan`'s weights entry for dp x tp is the mean bytes a rank of the trainer keeps: the heads and dense
-    widths split by tp, the embedding, head, norms and router whole on each tp rank, all sharded by FSDP over dp, and
-    the routed experts over every rank."""
-    kept = run_ranks(_weights_rank, world, tp)
+    widths split by tp, the embedding, head, norms, router and shared experts whole on each tp rank, all sharded by
+    FSDP over dp, and the routed experts over every rank."""
+    kept = run_ranks(_weights_rank, world, tp, arch)
     cfg = load_config(None, ["model.path=unused", f"parallel.dp={world // tp}", f"parallel.tp={tp}",
                              "model.dtype=bfloat16", "model.fp32_master_weights=false"])
-    cfg.plan.hf_config = hf_config_dict("qwen3_moe", "tiny")
+    cfg.plan.hf_config = hf_config_dict(arch, "tiny")
     stats = model_stats(ModelConfig.from_hf_dict(cfg.plan.hf_config))
     planned = memory_ledger(cfg, stats, Layout.from_section(cfg.parallel)).entries["weights"]
     assert sum(kept) / world == pytest.approx(planned, rel=1e-9)

@@ -106,8 +106,8 @@ class Router(nn.Module):
 
     def _mask_groups(self, choice_TE: torch.Tensor) -> torch.Tensor:
         T = choice_TE.shape[0]
-        grouped_TNgEg = choice_TE.view(T, self.n_group, -1)
+        grouped_TNgEg = choice_TE.view(T, self.n_group, choice_TE.shape[1] // self.n_group)  # (T may be 0)
         group_scores_TNg = grouped_TNgEg.topk(2, dim=-1)[0].sum(dim=-1)
         keep_idx = torch.topk(group_scores_TNg, self.topk_group, dim=-1, sorted=False)[1]
         keep_TNg = torch.zeros_like(group_scores_TNg, dtype=torch.bool).scatter_(1, keep_idx, True)
-        return grouped_TNgEg.masked_fill(~keep_TNg[..., None], float("-inf")).view(T, -1)
+        return grouped_TNgEg.masked_fill(~keep_TNg[..., None], float("-inf")).view(T, choice_TE.shape[1])

@@ -103,7 +103,7 @@ def ep_experts(experts: Experts, x_TD: torch.Tensor, ids_TK: torch.Tensor, weigh
     y_SD = torch.empty_like(x_SD)
     y_SD[order_S] = _local_experts(experts, x_SD[order_S], got_RL.sum(0))
     y_SD = all_to_all(y_SD, send, recv, group)
-    y_TKD = y_SD[inv_perm_S].view(T, K, -1)
+    y_TKD = y_SD[inv_perm_S].view(T, K, experts.dim)  # (T may be 0: a tensor-parallel rank's share)
     return (y_TKD * weights_TK.float()[..., None]).sum(dim=1).to(x_TD.dtype)
 
 

@@ -3,35 +3,39 @@ torch's DTensor plans, before FSDP (torchtitan's 2-D layout):
 
     init_parallel_groups(cp, tp)                  # collective: ranks ordered (dp, cp, tp), tp innermost
     mesh = build_dp_mesh(device_type)             # (dp, tp): FSDP over "dp" (dp * cp ranks), TP over "tp"
-    apply_tp(model, mesh["tp"])                   # attention heads and dense MLPs split over the tp ranks
+    apply_tp(model, mesh["tp"])                   # attention heads and dense MLPs split, MoE tokens split
     apply_fsdp(model, mesh, ...)                  # the dense weights sharded over "dp", the routed experts over every rank
 
 What is split: each attention's q, k and v projections by output (its heads: H / tp query heads and G / tp key/value
 heads a rank, so the attention context sees only local heads) and o_proj by input, with one all-reduce of its output;
-MLA's head projections (q_proj or q_b_proj, kv_b_proj) the same way, its low-rank latents kept whole; every dense MLP
-and shared expert as gate and up by output, down by input. The tp ranks hold the same tokens (no sequence
-parallelism: norms, the router, the head and the token-wise activations are whole on each), so the layers' outputs,
-and so the loss, are the same on each rank; the column split's backward all-reduces its input's gradient. A per-head
-q/k norm sees only its rank's heads, so its weight's gradient is summed over the tp ranks (`reduce_tp_grads`), and
-so is the gradient of MLA's rope key, which every head shares (a hook on its projection's output).
+MLA's head projections (q_proj or q_b_proj, kv_b_proj) the same way, its low-rank latents kept whole; every dense
+MLP as gate and up by output, down by input. The tp ranks hold the same tokens (no sequence parallelism), so the
+norms, the head and the residual stream are whole on each, and the loss is the same on each rank; a column split's
+backward all-reduces its input's gradient (once for q, k and v: they take one replicated DTensor input).
 
-The routed experts are not split by tp (`parallel.etp` stays 1): each tp rank computes them on its tokens, and FSDP
-shards them over every rank (Megatron's expert data parallel, expert_dp = dp * cp * tp / ep, as `moeloop plan`
-counts), so they take no more memory a rank than the planner says, and their gradients, equal on the tp ranks of
-a replica, average to one process's. With `parallel.ep` the experts split over ep ranks as before (`parallel.expert`).
+An MoE block (router, routed and shared experts) works token by token, so each tp rank runs it on its 1/tp of the
+block's input rows and the ranks all-gather the outputs (`split_moe_tokens`; Megatron runs MoE on sequence-parallel
+tokens the same way): the experts' work is split, not repeated. Its weights are not split by tp (`parallel.etp` stays
+1: DCP cannot save the strided shards a gate_up split would need): FSDP shards the routed experts over every rank
+(Megatron's expert data parallel, expert_dp = dp * cp * tp / ep, as `moeloop plan` counts) and the shared experts and
+router over dp, whole on each tp rank. With `parallel.ep` the routed experts split over ep ranks as before
+(`parallel.expert`), each rank sending its own share of the tokens.
 
 Gradients: the trainer scales each rank's loss by dp (the data-parallel size); FSDP averages the dense gradients
-over its dp * cp ranks, and the split weights' gradients are exact slices, so every weight gets one process's
-gradient. The gradient norm weights each rank's squares by how many ranks hold the same shard
-(`parallel.fsdp.grad_norm`).
-The weights are DTensors, so the state dict, DCP checkpoints (which reshard across layouts) and `full_tensor`
-(weight sync, HF export) see whole tensors under their usual names.
+over its dp * cp ranks, and the split weights' gradients are exact slices. What each tp rank holds a part of is
+completed before the optimizer step (`reduce_tp_grads`): a per-head q/k norm's (its heads) and the router's and
+shared experts' (its tokens) are summed over the tp ranks, and the routed experts', averaged over every rank by
+FSDP, are scaled by tp; MLA's rope key, which every head shares, has its gradient summed by a hook on its
+projection's output. The gradient norm weights each rank's squares by how many ranks hold the same shard
+(`parallel.fsdp.grad_norm`). The weights are DTensors, so the state dict, DCP checkpoints (which reshard across
+layouts) and `full_tensor` (weight sync, HF export) see whole tensors under their usual names.
 """
 # H query heads, G key/value heads
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
@@ -41,7 +45,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from moeloop.errors import InputError
 from moeloop.model.attn import Attention
 from moeloop.model.mla import MLAttention
-from moeloop.model.mlp import GatedMLP
+from moeloop.model.moe import MoE
 
 
 def check_tp(cfg, tp: int) -> None:
@@ -56,8 +60,6 @@ def check_tp(cfg, tp: int) -> None:
     if cfg.intermediate_size and any(not cfg.is_moe_layer(i) for i in range(cfg.num_layers)) \
             and cfg.intermediate_size % tp:
         problems.append(f"intermediate_size={cfg.intermediate_size}")
-    if cfg.n_shared_experts and (cfg.moe_intermediate_size * cfg.n_shared_experts) % tp:
-        problems.append(f"the shared experts' width {cfg.moe_intermediate_size * cfg.n_shared_experts}")
     if problems:
         raise InputError(f"parallel.tp={tp} must divide the model's {', '.join(problems)}")
 
@@ -68,11 +70,12 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh) -> None:
     check_tp(model.cfg, tp)
     col, row = ColwiseParallel(), RowwiseParallel()
 
-
     def replicated_input(num_args: int) -> PrepareModuleInput:  # the first of num_args positional inputs a DTensor
         layouts = (Replicate(),) + (None,) * (num_args - 1)
         return PrepareModuleInput(input_layouts=layouts, desired_input_layouts=layouts, use_local_output=False)
-    partial: list[nn.Module] = []
+
+    partial: list[nn.Module] = []  # modules whose parameters' gradients each tp rank holds a part of
+    split_experts: list[nn.Module] = []  # routed experts that run on a tp rank's share of the tokens
     for layer in model.model.layers:
         attn = layer.self_attn
         if isinstance(attn, MLAttention):
@@ -89,23 +92,122 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh) -> None:
         attn.num_heads //= tp
         # a per-head q/k norm (Qwen3) normalises only this rank's heads: its weight's gradient is a part of the whole
         partial += [norm for norm in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if norm is not None]
-        for mlp in _dense_mlps(layer.mlp):
-            parallelize_module(mlp, mesh, {"": replicated_input(1), "gate_proj": col, "up_proj": col, "down_proj": row})
-    model.tp_mesh, model.tp_partial_grads = mesh, partial
+        if isinstance(layer.mlp, MoE):
+            split_moe_tokens(layer.mlp, mesh)
+            partial += [layer.mlp.gate] + list(getattr(layer.mlp, "shared_experts", nn.Module()).children())
+            split_experts.append(layer.mlp.experts)
+        else:
+            parallelize_module(layer.mlp, mesh, {"": replicated_input(1), "gate_proj": col, "up_proj": col,
+                                                 "down_proj": row})
+    model.tp_mesh, model.tp_partial_grads, model.tp_split_experts = mesh, partial, split_experts
 
 
 @torch.no_grad()
 def reduce_tp_grads(model: nn.Module) -> None:
-    """Sum over the tp ranks the gradients each holds a part of (the per-head norms' weights: each rank's covers its
-    heads), in place, before the optimizer step: the whole gradient on every rank. FSDP shards them over dp alike on
-    the tp ranks (the dp mesh of a rank is its tp coordinate's), so the local shards line up. A no-op without TP."""
+    """Before the optimizer step, in place: sum over the tp ranks the gradients each holds a part of (the per-head
+    norms' weights, each rank's covering its heads; the router's and the shared experts', each rank's covering its
+    tokens), so every rank has the whole gradient (FSDP shards them over dp alike on the tp ranks: the dp mesh of a
+    rank is its tp coordinate's, so the local shards line up); and scale the routed experts' by tp (FSDP, or EP and
+    FSDP, average them over every rank, tp ranks included, whose tokens differ). A no-op without TP."""
     mesh = getattr(model, "tp_mesh", None)
     if mesh is None:
         return
     for module in model.tp_partial_grads:
-        grad = module.weight.grad
-        if grad is not None:
-            dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=mesh.get_group())
+        for p in module.parameters(recurse=False):
+            if p.grad is not None:
+                dist.all_reduce(_local(p.grad), group=mesh.get_group())
+    for experts in model.tp_split_experts:
+        for p in experts.parameters(recurse=False):
+            if p.grad is not None:
+                _local(p.grad).mul_(mesh.size())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class _Rows:
+    """This tp rank's share of a [T, ...] tensor's rows: rank r takes sizes[r] consecutive rows (T split as evenly as
+    it goes: the first T % tp ranks one more; a rank may take none)."""
+
+    def __init__(self, num_rows: int, group):
+        tp, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.sizes = [num_rows // tp + (r < num_rows % tp) for r in range(tp)]
+        self.lo = sum(self.sizes[:rank])
+        self.hi, self.group = self.lo + self.sizes[rank], group
+
+    def gather(self, x_nX: torch.Tensor) -> torch.Tensor:
+        """Every rank's rows, in order (equal blocks padded for the all-gather, the pads dropped)."""
+        most = max(self.sizes)
+        parts = [x_nX.new_empty((most,) + tuple(x_nX.shape[1:])) for _ in self.sizes]
+        dist.all_gather(parts, F.pad(x_nX, (0, 0) * (x_nX.dim() - 1) + (0, most - x_nX.shape[0])).contiguous(),
+                        group=self.group)
+        return torch.cat([part[:n] for part, n in zip(parts, self.sizes)])
+
+
+class _TakeRows(torch.autograd.Function):
+    """Forward: this rank's rows of a tensor every tp rank holds whole; backward: every rank's rows' gradients
+    gathered (the rows fed only their own rank's block, and the whole gradient is needed on each)."""
+
+    @staticmethod
+    def forward(ctx, x_TX: torch.Tensor, rows: _Rows) -> torch.Tensor:
+        ctx.rows = rows
+        return x_TX[rows.lo:rows.hi]
+
+    @staticmethod
+    def backward(ctx, grad_nX: torch.Tensor):
+        return ctx.rows.gather(grad_nX), None
+
+
+class _GatherRows(torch.autograd.Function):
+    """Forward: every tp rank's rows gathered into the whole tensor; backward: this rank's rows of the gradient (each
+    rank's loss, the same, used every row: its gradient is whole on each)."""
+
+    @staticmethod
+    def forward(ctx, x_nX: torch.Tensor, rows: _Rows) -> torch.Tensor:
+        ctx.rows = rows
+        return rows.gather(x_nX)
+
+    @staticmethod
+    def backward(ctx, grad_TX: torch.Tensor):
+        return grad_TX[ctx.rows.lo:ctx.rows.hi], None
+
+
+class _RowsTape:
+    """A route tape (`model.routes.RouteTape`) seen through a tp rank's rows: replayed ids sliced, recorded ids
+    gathered from every rank into the whole tape."""
+
+    def __init__(self, tape, rows: _Rows):
+        self.tape, self.rows = tape, rows
+
+    def replay(self, moe_index: int):
+        replayed = self.tape.replay(moe_index)
+        if replayed is None:
+            return None
+        ids_TK, valid_T = replayed
+        lo, hi = self.rows.lo, self.rows.hi
+        return ids_TK[lo:hi], (None if valid_T is None else valid_T[lo:hi])
+
+    def record(self, moe_index: int, ids_nK: torch.Tensor) -> None:
+        if getattr(self.tape, "recorded", None) is not None:  # (the same on every tp rank)
+            self.tape.record(moe_index, self.rows.gather(ids_nK))
+
+
+def split_moe_tokens(moe: nn.Module, mesh: DeviceMesh) -> None:
+    """Run the MoE block `moe` on this tp rank's share of its input rows (router, routed and shared experts: token by
+    token), and gather every rank's output rows: the tp ranks of a replica hold the same tokens, so each computes
+    1/tp of the block's tokens, not all of them (Megatron's MoE under sequence parallelism, inside the block only)."""
+    group = mesh.get_group()
+
+    def take(module, args):
+        x_TD, *rest = args
+        module.tp_rows = rows = _Rows(x_TD.shape[0], group)
+        if rest and rest[0] is not None:
+            rest[0] = _RowsTape(rest[0], rows)
+        return (_TakeRows.apply(x_TD, rows), *rest)
+
+    moe.register_forward_pre_hook(take)
+    moe.register_forward_hook(lambda module, args, y_nD: _GatherRows.apply(y_nD, module.tp_rows))
 
 
 class _SumGradOfColumns(torch.autograd.Function):
@@ -129,10 +231,3 @@ class _SumGradOfColumns(torch.autograd.Function):
 def _sum_grad_of_columns(first: int, mesh: DeviceMesh):
     group = mesh.get_group()
     return lambda module, args, out: _SumGradOfColumns.apply(out, first, group)
-
-
-def _dense_mlps(mlp: nn.Module) -> list[GatedMLP]:
-    if isinstance(mlp, GatedMLP):
-        return [mlp]
-    shared = getattr(mlp, "shared_experts", None)
-    return [shared] if shared is not None else []

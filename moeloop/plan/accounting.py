@@ -17,15 +17,17 @@ from moeloop.model.config import ModelConfig
 class LayerParams:
     """One decoder layer: matmul weights split by TP (`dense`), routed experts split by EP*ETP, replicated rest."""
 
-    dense: int  # attention + dense MLP / shared experts (tensor-parallel)
+    dense: int  # attention + dense MLP (tensor-parallel)
     router: int  # router (+ sigmoid correction bias): a matmul, replicated across tp
     norms: int  # RMSNorm weights (incl. q/k norms, MLA latent norms), replicated
     experts: int  # routed experts (expert-parallel)
     active_experts: int  # routed-expert parameters one token touches (top-k)
+    whole: int = 0  # matmuls whole on each tp rank: the shared experts (a tp rank runs them on 1/tp of the MoE
+    # block's tokens) and MLA's latent projections
 
     @property
     def replicated(self) -> int:
-        return self.router + self.norms
+        return self.router + self.norms + self.whole
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,7 @@ class ModelStats:
     def matmul_active_params(self) -> int:
         """Active parameters that cost 2 FLOPs per token: everything but the embedding lookup and norms."""
         lm_head = self.lm_head or self.embedding
-        return sum(layer.dense + layer.router + layer.active_experts for layer in self.layers) + lm_head
+        return sum(layer.dense + layer.router + layer.whole + layer.active_experts for layer in self.layers) + lm_head
 
     def attention_flops_per_token(self, context_tokens: int) -> int:
         """Forward QK^T and AV FLOPs of one token attending to `context_tokens` keys, all layers."""
@@ -119,33 +121,34 @@ def stats_from_counts(dense: float, expert: float, active: float = 0.0, num_laye
 
 
 def _layer(m: ModelConfig, i: int) -> LayerParams:
-    attn, attn_norms = _attention(m)
+    attn, latents, attn_norms = _attention(m)
     norms = 2 * m.hidden_size + attn_norms
     if not m.num_experts or not m.is_moe_layer(i):
         return LayerParams(dense=attn + 3 * m.hidden_size * m.intermediate_size, router=0, norms=norms, experts=0,
-                           active_experts=0)
+                           active_experts=0, whole=latents)
     per_expert = 3 * m.hidden_size * m.moe_intermediate_size
     shared = m.n_shared_experts * per_expert
     router = m.hidden_size * m.num_experts + (m.num_experts if m.scoring_func == "sigmoid" else 0)
-    return LayerParams(dense=attn + shared, router=router, norms=norms, experts=m.num_experts * per_expert,
-                       active_experts=m.num_experts_per_tok * per_expert)
+    return LayerParams(dense=attn, router=router, norms=norms, experts=m.num_experts * per_expert,
+                       active_experts=m.num_experts_per_tok * per_expert, whole=shared + latents)
 
 
 def _attention(m: ModelConfig) -> tuple[int, int]:
-    """(matmul weights incl. biases, norm weights) of one attention block."""
+    """(matmul weights incl. biases split by tp, those whole on each tp rank, norm weights) of one attention block:
+    MLA's head projections split, its latent ones (q_a_proj, kv_a_proj_with_mqa) whole."""
     h = m.hidden_size
     if m.is_mla:
         q_out = m.num_heads * m.qk_head_dim
-        q = h * m.q_lora_rank + m.q_lora_rank * q_out if m.q_lora_rank else h * q_out
+        q_a, q_b = (h * m.q_lora_rank, m.q_lora_rank * q_out) if m.q_lora_rank else (0, h * q_out)
         kv_a = h * (m.kv_lora_rank + m.qk_rope_head_dim)
         kv_b = m.kv_lora_rank * m.num_heads * (m.qk_nope_head_dim + m.v_head_dim)
         o = m.num_heads * m.v_head_dim * h
-        return q + kv_a + kv_b + o, (m.q_lora_rank or 0) + m.kv_lora_rank
+        return q_b + kv_b + o, q_a + kv_a, (m.q_lora_rank or 0) + m.kv_lora_rank
     q_out, kv_out = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
     weights = h * q_out + 2 * h * kv_out + q_out * h
     bias = q_out + 2 * kv_out if m.attention_bias else 0
     qk_norm = 2 * m.head_dim if m.qk_norm else 0
-    return weights + bias, qk_norm
+    return weights + bias, 0, qk_norm
 
 
 def decoder_linears(m: ModelConfig) -> list[tuple[str, int, int]]:

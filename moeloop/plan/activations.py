@@ -2,9 +2,10 @@
 
 Bytes per token per layer count the tensors autograd keeps for backward in bf16 (fp32 where kernels keep
 fp32: softmax statistics, router logits). Head-wise tensors (attention, dense and shared-expert MLP widths) are
-split by tp, expert intermediates by etp; token-wise ones (the residual stream, norms, the router, the routed
-experts' copies, the logits) are whole on each tp rank, as the trainer's tensor parallelism runs them (no sequence
-parallelism, no vocabulary split: `moeloop.parallel.tensor`). Full checkpointing keeps each layer's input and, during backward,
+split by tp, expert intermediates by etp; the MoE block's (router, routed and shared experts) by tp too, each tp rank
+running it on 1/tp of the tokens; the other token-wise ones (the residual stream, norms, the logits) are whole on each
+tp rank, as the trainer's tensor parallelism runs them (no sequence parallelism outside the MoE block, no vocabulary
+split: `moeloop.parallel.tensor`). Full checkpointing keeps each layer's input and, during backward,
 one layer's full set at a time. Formulas in the spirit of Korthikanti et al. 2022 with flash attention.
 """
 from __future__ import annotations
@@ -49,9 +50,10 @@ def _mlp_bytes(m: ModelConfig, layer_idx: int, layout: Layout) -> float:
         return swiglu * m.intermediate_size / tp
     k = m.num_experts_per_tok
     upcast = FP32 * h if m.scoring_func == "sigmoid" else 0.0  # DeepSeek's router runs on an fp32 copy of its input
-    router = upcast + 2 * FP32 * m.num_experts  # + logits and probabilities
-    routed = k * (BF16 * h + swiglu * m.moe_intermediate_size / layout.etp)  # permuted copies, balanced routing
-    combine = k * BF16 * h  # expert outputs before the weighted sum
+    # the MoE block runs on this tp rank's 1/tp of the tokens (`parallel.tensor`), whole width
+    router = (upcast + 2 * FP32 * m.num_experts) / tp  # + logits and probabilities
+    routed = k * (BF16 * h + swiglu * m.moe_intermediate_size / layout.etp) / tp  # permuted copies, balanced routing
+    combine = k * BF16 * h / tp  # expert outputs before the weighted sum
     shared = swiglu * m.n_shared_experts * m.moe_intermediate_size / tp
     return router + routed + combine + shared
 
@@ -92,7 +94,7 @@ def alltoall_bytes(m: ModelConfig, layout: Layout, tokens: int) -> float:
     heads do not divide over cp), for one micro-batch of `tokens` a rank."""
     ep = 0.0
     if layout.ep > 1 and m.num_experts:
-        ep = 2 * tokens * m.num_experts_per_tok * BF16 * m.hidden_size
+        ep = 2 * tokens * m.num_experts_per_tok * BF16 * m.hidden_size / layout.tp  # (a tp rank's 1/tp of the tokens)
     if layout.cp == 1:
         return ep
     kv_heads = m.num_heads if m.is_mla or m.num_kv_heads % (layout.tp * layout.cp) else m.num_kv_heads

@@ -253,7 +253,8 @@ def _work_entries(cfg: RunConfig, stats: ModelStats, layout: Layout, stage: int)
     logits = logits_bytes(m, layout, tokens, cfg.model.logprob_chunk_tokens, cfg.plan.logits == "chunked") if last else 0.0
     comm += alltoall_bytes(m, layout, tokens)
     if cfg.plan.sharding == "fsdp":  # one layer unsharded for compute, one prefetched
-        comm += 2 * BF16 * max((l.dense / layout.tp + l.experts / layout.expert_shards for l in stats.layers[lo:hi]), default=0)
+        comm += 2 * BF16 * max((l.dense / layout.tp + l.whole + l.experts / layout.expert_shards
+                                for l in stats.layers[lo:hi]), default=0)
     sync += BF16 * m.vocab_size * m.hidden_size  # the largest tensor gathered whole (embedding / lm_head)
     return {"activations": acts, "logits": logits, "comm_buffers": comm, "sync_buffers": sync}
 
