@@ -25,12 +25,14 @@ from moeloop.model.config import ModelConfig
 from moeloop.model.factory import build_model, hf_config_dict
 
 FUNCOL = {"all_reduce": "tp_all_reduce", "all_gather_tensor": "tp_all_gather", "reduce_scatter_tensor": "tp_reduce_scatter"}
-COLUMNS = ("all_gather", "reduce_scatter", "all_reduce", "tp_all_reduce", "tp_all_gather", "tp_reduce_scatter")
+COLUMNS = ("all_gather", "reduce_scatter", "all_reduce", "tp_all_reduce", "tp_all_gather", "tp_reduce_scatter",
+           "moe_rows")
 
 
-def count_funcol(moved: dict[str, int]) -> None:
+def count_tp(moved: dict[str, int]) -> None:
     """Wrap the functional collectives DTensor's redistributions call (tensor parallelism's all-reduces) to add each
-    call's input bytes to `moved`."""
+    call's input bytes to `moved`, and `dist.all_gather` (the MoE blocks' rows, gathered from the tp ranks) to add its
+    output's."""
     import torch.distributed._functional_collectives as funcol
     for name, column in FUNCOL.items():
         real = getattr(funcol, name)
@@ -39,6 +41,12 @@ def count_funcol(moved: dict[str, int]) -> None:
             moved[_column] = moved.get(_column, 0) + tensor.numel() * tensor.element_size()
             return _real(tensor, *args, **kw)
         setattr(funcol, name, spy)
+    gather = dist.all_gather
+
+    def rows(parts, tensor, *args, **kw):
+        moved["moe_rows"] = moved.get("moe_rows", 0) + sum(p.numel() * p.element_size() for p in parts)
+        return gather(parts, tensor, *args, **kw)
+    dist.all_gather = rows
 
 
 def rank_main(rank: int, world: int, init_file: str, args, tp: int, queue) -> None:
@@ -73,7 +81,7 @@ def rank_main(rank: int, world: int, init_file: str, args, tp: int, queue) -> No
     actor.update(samples)
     actor.forward_batch = forward_batch
     tp_moved: dict[str, int] = {}
-    count_funcol(tp_moved)
+    count_tp(tp_moved)
     moved, seconds = timed_updates(actor, samples, args.steps)
     moved.update({k: v / args.steps for k, v in tp_moved.items()})
     queue.put((rank, weights, saved.total, moved, seconds, len(actor.micro_batches(samples))))
@@ -108,7 +116,8 @@ def main() -> None:
     args = ap.parse_args()
     print(f"{args.size} qwen3_moe, {args.world} gloo ranks, {args.groups * args.world} groups x {args.n} samples x "
           f"({args.prompt} + {args.response}) tokens a step, bf16; a micro-batch is one sequence; per rank per update "
-          "step (rank 0; max over ranks for seconds); MB moved a step by collective")
+          "step (rank 0; max over ranks for seconds); MB moved a step by collective (moe_rows: the MoE blocks' rows gathered "
+          "from the tp ranks, forward and backward)")
     print("| tp | dp | micro-batches | weights MB measured | planned | activations MB measured | planned | "
           + " | ".join(COLUMNS) + " | step s |")
     print("|---|---|---|---|---|---|---|" + "---|" * len(COLUMNS) + "---|")
