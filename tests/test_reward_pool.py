@@ -90,25 +90,47 @@ class Flaky:
         return RewardResult(1.0)
 
 
-@pytest.mark.parametrize("mode,counter", [("raise", "errored"), ("hang", "timed_out")])
-def test_transient_failures_are_retried_then_scored(mode: str, counter: str) -> None:
+# `errored` counts samples, `timed_out` attempts
+@pytest.mark.parametrize("mode,counter,count", [("raise", "errored", 6), ("hang", "timed_out", 12)])
+def test_transient_failures_are_retried_then_scored(mode: str, counter: str, count: int) -> None:
     with RewardPool(Flaky(mode, fail_times=2), retries=2, timeout_s=0.05, backoff_s=0.01) as pool:
         samples = batch(6)
         stats = pool.score(samples)
-    assert stats.scored == 6 and stats.retried == 12 and getattr(stats, counter) == 12
+    assert stats.scored == 6 and stats.retried == 12 and getattr(stats, counter) == count
     assert stats.fallen_back == 0 and all(s.reward == 1.0 and s.in_loss for s in samples)
 
 
-@pytest.mark.parametrize("mode,counter", [("raise", "errored"), ("hang", "timed_out")])
-def test_mask_fallback_removes_sample_from_loss(mode: str, counter: str) -> None:
+@pytest.mark.parametrize("mode,counter,count", [("raise", "errored", 4), ("hang", "timed_out", 12)])
+def test_mask_fallback_removes_sample_from_loss(mode: str, counter: str, count: int) -> None:
     with RewardPool(Flaky(mode, fail_times=99), retries=2, timeout_s=0.05, backoff_s=0.0, fallback="mask") as pool:
         samples = batch(4)
         stats = pool.score(samples)
-    assert getattr(stats, counter) == 12 and stats.retried == 8
+    assert getattr(stats, counter) == count and stats.retried == 8
     assert stats.fallen_back == stats.masked == 4 and stats.scored == 0
     assert stats.metrics()["reward/fallen_back_rate"] == 1.0
     assert all(s.reward_status == "masked" and not s.in_loss for s in samples)
     assert all(s.reward_info["fallback"] == "mask" and s.reward_info["error"] for s in samples)
+
+
+def test_errored_counts_samples_not_attempts() -> None:
+    """A sample whose scoring raised counts once in `errored`, however many attempts raised; the attempts after the
+    first are in `retried`. So `reward/errored_rate` is a fraction of the samples, at most 1."""
+    seen: dict[str, int] = {}
+
+    def fn(sample: Sample) -> RewardResult:
+        n = seen[sample.response_text] = seen.get(sample.response_text, 0) + 1
+        if sample.response_text in ("0", "1") and n <= 2:  # raises twice, then scores
+            raise ConnectionError("transient")
+        if sample.response_text == "2":  # raises on every attempt: falls back after the retries
+            raise ConnectionError("down")
+        return RewardResult(1.0)
+
+    with RewardPool(fn, retries=3, backoff_s=0.0) as pool:
+        stats = pool.score(batch(5))  # "3" and "4" score at once
+    assert seen == {"0": 3, "1": 3, "2": 4, "3": 1, "4": 1}
+    assert stats.errored == 3 and stats.retried == 2 + 2 + 3
+    assert stats.scored == 4 and stats.masked == 1
+    assert stats.metrics()["reward/errored_rate"] == 3 / 5
 
 
 def test_inline_rule_runs_on_the_callers_thread_with_retries() -> None:
@@ -128,7 +150,7 @@ def test_inline_rule_runs_on_the_callers_thread_with_retries() -> None:
         samples = batch(4)
         stats = pool.score(samples)
     assert threads == {threading.current_thread().name}
-    assert stats.scored == 3 and stats.errored == 3 and stats.retried == 2 and stats.masked == 1
+    assert stats.scored == 3 and stats.errored == 2 and stats.retried == 2 and stats.masked == 1
     assert [s.in_loss for s in samples] == [True, True, True, False]
     assert arith_reward.runs_inline is True
 
@@ -146,7 +168,7 @@ def test_neutral_fallback_scores_but_keeps_in_loss() -> None:
     with RewardPool(fn, retries=1, backoff_s=0.0, fallback="neutral", neutral_score=0.25) as pool:
         samples = batch(3)
         stats = pool.score(samples)
-    assert stats.fallen_back == 3 and stats.masked == 0 and stats.errored == 6
+    assert stats.fallen_back == 3 and stats.masked == 0 and stats.errored == 3
     assert all(s.reward == 0.25 and s.reward_status == "fallback" and s.in_loss for s in samples)
 
 
@@ -168,8 +190,8 @@ def test_partial_failure_rates_and_reuse_across_steps() -> None:
             samples = batch(8)
             stats = pool.score(samples)
             m = stats.metrics()
-            assert (stats.scored, stats.masked, stats.errored, stats.retried) == (4, 4, 8, 4)
-            assert m["reward/scored_rate"] == 0.5 and m["reward/masked_rate"] == 0.5
+            assert (stats.scored, stats.masked, stats.errored, stats.retried) == (4, 4, 4, 4)
+            assert m["reward/scored_rate"] == m["reward/masked_rate"] == m["reward/errored_rate"] == 0.5
             assert [s.in_loss for s in samples] == [True, False] * 4
 
 

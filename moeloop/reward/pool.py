@@ -112,7 +112,9 @@ class RewardPool:
         return stats
 
     async def _score_one(self, sample: Sample, stats: RewardStats) -> None:
-        error = "not attempted"
+        """Attempt `sample` up to 1 + retries times, then fall back. Counts per sample: `errored` once if any attempt
+        raised (the repeats are in `retried`); the breaker hears of every timed-out or raising attempt."""
+        error, raised = "not attempted", False
         for attempt in range(self.retries + 1):
             if attempt:
                 stats.retried += 1
@@ -127,18 +129,18 @@ class RewardPool:
                 stats.timed_out += 1
                 error = f"timeout after {self.timeout_s}s"
             except UnscorableSample as err:  # no attempt would score it; not the service's failure
-                stats.errored += 1
-                error = f"{type(err).__name__}: {err}"
+                error, raised = f"{type(err).__name__}: {err}", True
                 break
             except Exception as err:  # noqa: BLE001 - any failure of user code is retried, then falls back
-                stats.errored += 1
-                error = f"{type(err).__name__}: {err}"
+                error, raised = f"{type(err).__name__}: {err}", True
             else:
                 self.breaker.success()
                 sample.reward, sample.reward_status, sample.reward_info = result.score, "scored", result.info
                 stats.scored += 1
+                stats.errored += raised
                 return
             self.breaker.failure()
+        stats.errored += raised
         self._fall_back(sample, error, stats)
 
     def _fall_back(self, sample: Sample, error: str, stats: RewardStats) -> None:
