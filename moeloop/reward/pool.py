@@ -112,9 +112,9 @@ class RewardPool:
         return stats
 
     async def _score_one(self, sample: Sample, stats: RewardStats) -> None:
-        """Attempt `sample` up to 1 + retries times, then fall back. Counts per sample: `errored` once if any attempt
-        raised (the repeats are in `retried`); the breaker hears of every timed-out or raising attempt."""
-        error, raised = "not attempted", False
+        """Attempt `sample` up to 1 + retries times, then fall back. Counts per sample: `errored` / `timed_out` once if
+        any attempt raised / timed out (the repeats are in `retried`); the breaker hears of every failed attempt."""
+        error, raised, timed = "not attempted", False, False
         for attempt in range(self.retries + 1):
             if attempt:
                 stats.retried += 1
@@ -126,8 +126,7 @@ class RewardPool:
                 error = "circuit breaker open"
                 break
             except asyncio.TimeoutError:
-                stats.timed_out += 1
-                error = f"timeout after {self.timeout_s}s"
+                error, timed = f"timeout after {self.timeout_s}s", True
             except UnscorableSample as err:  # no attempt would score it; not the service's failure
                 error, raised = f"{type(err).__name__}: {err}", True
                 break
@@ -137,10 +136,10 @@ class RewardPool:
                 self.breaker.success()
                 sample.reward, sample.reward_status, sample.reward_info = result.score, "scored", result.info
                 stats.scored += 1
-                stats.errored += raised
+                stats.errored, stats.timed_out = stats.errored + raised, stats.timed_out + timed
                 return
             self.breaker.failure()
-        stats.errored += raised
+        stats.errored, stats.timed_out = stats.errored + raised, stats.timed_out + timed
         self._fall_back(sample, error, stats)
 
     def _fall_back(self, sample: Sample, error: str, stats: RewardStats) -> None:

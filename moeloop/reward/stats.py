@@ -6,11 +6,11 @@ from dataclasses import dataclass, field
 
 @dataclass
 class RewardStats:
-    """Rates divide a count by `num_samples`. Each count is of samples, except `timed_out` and `retried`: attempts,
-    so their rates can pass 1."""
+    """Rates divide a count by `num_samples`. Each count is of samples, except `retried`: attempts, so its rate can
+    pass 1."""
     num_samples: int = 0
     scored: int = 0  # samples with a reward from the function
-    timed_out: int = 0  # attempts that hit reward.timeout_s
+    timed_out: int = 0  # samples with at least one attempt that hit reward.timeout_s (once each)
     errored: int = 0  # samples with at least one attempt that raised (once each, however many attempts raised)
     retried: int = 0  # attempts after the first, whatever failed before them
     rejected: int = 0  # samples refused by the open circuit breaker
