@@ -49,6 +49,26 @@ class SavedBytes:
         return sum(self.seen.values())
 
 
+def largest_saved(actor, samples) -> int:
+    """One update of `actor` on `samples`; the bytes autograd saved in its largest micro-batch's forward."""
+    saved = SavedBytes()
+    forward_batch = actor.forward_batch
+
+    def measured(*a, **kw):
+        probe = SavedBytes()
+        with torch.autograd.graph.saved_tensors_hooks(probe.pack, lambda t: t):
+            out = forward_batch(*a, **kw)
+        saved.seen = max(saved.seen, probe.seen, key=lambda d: sum(d.values()))
+        return out
+
+    actor.forward_batch = measured
+    try:
+        actor.update(samples)
+    finally:
+        actor.forward_batch = forward_batch
+    return saved.total
+
+
 def rank_main(rank: int, world: int, init_file: str, args, cp: int, queue) -> None:
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
@@ -66,21 +86,9 @@ def rank_main(rank: int, world: int, init_file: str, args, cp: int, queue) -> No
     samples = [s for r in range(cp) for s in samples_of(dp_rank() * cp + r, args.groups, args.n, model.cfg.vocab_size,
                                                           args.prompt, args.response)]
     actor.update(samples)  # warm-up: lazy init, optimizer state
-    saved = SavedBytes()
-    forward_batch = actor.forward_batch
-
-    def measured(*a, **kw):  # the largest micro-batch's saved bytes
-        probe = SavedBytes()
-        with torch.autograd.graph.saved_tensors_hooks(probe.pack, lambda t: t):
-            out = forward_batch(*a, **kw)
-        saved.seen = max(saved.seen, probe.seen, key=lambda d: sum(d.values()))
-        return out
-
-    actor.forward_batch = measured
-    actor.update(samples)
-    actor.forward_batch = forward_batch
+    saved = largest_saved(actor, samples)
     moved, seconds = timed_updates(actor, samples, args.steps)
-    queue.put((rank, saved.total, moved, seconds, len(actor.micro_batches(samples))))
+    queue.put((rank, saved, moved, seconds, len(actor.micro_batches(samples))))
     dist.destroy_process_group()
 
 

@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from context_parallel import SavedBytes
+from context_parallel import largest_saved
 from expert_parallel import launch, local_bytes, samples_of, timed_updates
 from moeloop.config.schema import ActorSection
 from moeloop.model.config import ModelConfig
@@ -67,24 +67,12 @@ def rank_main(rank: int, world: int, init_file: str, args, tp: int, queue) -> No
     samples = [s for r in range(tp) for s in samples_of(dp_rank() * tp + r, args.groups, args.n, model.cfg.vocab_size,
                                                           args.prompt, args.response)]
     actor.update(samples)  # warm-up: lazy init, optimizer state
-    saved = SavedBytes()
-    forward_batch = actor.forward_batch
-
-    def measured(*a, **kw):  # the largest micro-batch's saved bytes
-        probe = SavedBytes()
-        with torch.autograd.graph.saved_tensors_hooks(probe.pack, lambda t: t):
-            out = forward_batch(*a, **kw)
-        saved.seen = max(saved.seen, probe.seen, key=lambda d: sum(d.values()))
-        return out
-
-    actor.forward_batch = measured
-    actor.update(samples)
-    actor.forward_batch = forward_batch
+    saved = largest_saved(actor, samples)
     tp_moved: dict[str, int] = {}
     count_tp(tp_moved)
     moved, seconds = timed_updates(actor, samples, args.steps)
     moved.update({k: v / args.steps for k, v in tp_moved.items()})
-    queue.put((rank, weights, saved.total, moved, seconds, len(actor.micro_batches(samples))))
+    queue.put((rank, weights, saved, moved, seconds, len(actor.micro_batches(samples))))
     dist.destroy_process_group()
 
 
