@@ -2,7 +2,6 @@
 the cp ranks of a group gives the one-process logprobs, RL update and SFT step, alone and beside data parallelism
 (4 ranks = dp 2 x cp 2), and with more ranks than key/value heads (cp 4 over the tiny model's 2: they are repeated).
 Tolerance as the DP tests': fp32 summation order of the gathered gradients."""
-from dataclasses import replace
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ from moeloop.train.critic import Critic
 from tests.dist import run_ranks
 from tests.test_rl_loop import _cfg as rl_cfg, _rows, _rows_of, _weights
 from tests.test_sft import _cfg as sft_cfg, _conversations
-from tests.trainer_fixtures import actor_cfg, rl_batch, tiny_model, use_sgd
+from tests.trainer_fixtures import actor_cfg, first_pass_then_steps, rl_batch, tiny_model, use_sgd
 
 
 def _shard(samples):
@@ -66,15 +65,7 @@ def _run(budget: int, cp: int = 1, kind: str = "rl", ep: int = 1):
         policy.gradient_checkpointing = kind == "lora"  # (the recompute runs the exchanges again in the backward)
         model = Actor(policy, cfg, torch.device("cpu"), 8, ep=ep)
         use_sgd(model, 0.05)
-        model.compute_logprobs(samples, "old_logprobs", routes="record" if kind == "r2" else "off",
-                               entropy_field="old_entropy")
-        first = {(s.group_id, tuple(s.response_ids)): (s.old_logprobs, s.old_entropy)
-                 + ((torch.as_tensor(s.routed_experts),) if kind == "r2" else ()) for s in samples}
-        if kind == "sft":
-            losses = [model.sft_step(samples)["sft_loss"] for _ in range(2)]
-        else:
-            model.update([replace(s, advantages=[0.0] * len(s.advantages)) for s in samples])
-            losses = [model.update(samples)["pg_loss"] for _ in range(2)]
+        first, losses = first_pass_then_steps(model, samples, kind)
     finally:
         UlyssesAttention.attend = attend
     return first, losses, {n: t.clone() for n, t in model.named_weights()}, calls

@@ -3,7 +3,6 @@ ranks give the one-process logprobs, RL update (gradient clipping on) and SFT st
 and expert parallelism, for Qwen3-MoE and for DeepSeek-V3 (MLA, a dense layer, shared experts). Tolerance as the
 DP tests': fp32 summation order of the all-reduced activations and gradients."""
 import shutil
-from dataclasses import replace
 
 import pytest
 import torch
@@ -27,7 +26,7 @@ from tests.dist import run_ranks
 from tests.hf_tiny import TINY_HF_CONFIGS
 from tests.test_rl_loop import _cfg as rl_cfg, _rows, _weights
 from tests.test_sft import _cfg as sft_cfg, _conversations
-from tests.trainer_fixtures import actor_cfg, rl_batch, tiny_model, use_sgd
+from tests.trainer_fixtures import actor_cfg, first_pass_then_steps, rl_batch, tiny_model, use_sgd
 
 
 def _model(arch: str):
@@ -74,15 +73,7 @@ def _run(tp: int = 1, cp: int = 1, ep: int = 1, kind: str = "rl", arch: str = "q
     cfg = actor_cfg(max_tokens_per_micro_batch=24, grad_clip=0.1, router_replay="R2" if kind == "r2" else "off")
     model = Actor(policy, cfg, torch.device("cpu"), 8, ep=ep)
     use_sgd(model, 0.05)
-    model.compute_logprobs(samples, "old_logprobs", routes="record" if kind == "r2" else "off",
-                           entropy_field="old_entropy")
-    first = {(s.group_id, tuple(s.response_ids)): (s.old_logprobs, s.old_entropy)
-             + ((torch.as_tensor(s.routed_experts),) if kind == "r2" else ()) for s in samples}
-    if kind == "sft":
-        metrics = [model.sft_step(samples)["sft_loss"] for _ in range(2)]
-    else:
-        model.update([replace(s, advantages=[0.0] * len(s.advantages)) for s in samples])
-        metrics = [v for m in (model.update(samples) for _ in range(2)) for v in (m["pg_loss"], m["grad_norm"])]
+    first, metrics = first_pass_then_steps(model, samples, kind, ("pg_loss", "grad_norm"))
     return first, metrics, {n: t.clone() for n, t in model.named_weights()}, _local_shapes(model.model) + (rows,)
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import torch
 
@@ -55,3 +56,17 @@ def use_sgd(actor, lr: float) -> None:
     """Exact-equivalence tests use SGD: Adam magnifies fp32 reduction-order noise (notes/cpu-stack.md)."""
     actor.optimizer = torch.optim.SGD(actor.model.parameters(), lr=lr)
     actor.scheduler = torch.optim.lr_scheduler.LambdaLR(actor.optimizer, lambda step: 1.0)
+
+
+def first_pass_then_steps(model, samples: list[Sample], kind: str, metrics: tuple[str, ...] = ("pg_loss",)):
+    """The old logprobs and entropies of `samples` (kind "r2": the routes recorded too), then 2 SFT steps (kind "sft")
+    or, after an update with every advantage 0 (nothing to train), 2 GRPO updates; returns the first pass's values by
+    sample and the steps' `metrics` (the SFT loss for SFT), in order. For the parallel layouts' tests."""
+    model.compute_logprobs(samples, "old_logprobs", routes="record" if kind == "r2" else "off",
+                           entropy_field="old_entropy")
+    first = {(s.group_id, tuple(s.response_ids)): (s.old_logprobs, s.old_entropy)
+             + ((torch.as_tensor(s.routed_experts),) if kind == "r2" else ()) for s in samples}
+    if kind == "sft":
+        return first, [model.sft_step(samples)["sft_loss"] for _ in range(2)]
+    model.update([replace(s, advantages=[0.0] * len(s.advantages)) for s in samples])
+    return first, [m[k] for m in (model.update(samples) for _ in range(2)) for k in metrics]
