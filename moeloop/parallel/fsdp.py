@@ -5,7 +5,8 @@
 Each decoder layer is its own FSDP unit; lm_head (a `LogprobHead` in the trainer) is one too, so its
 weight is unsharded exactly while the chunked logprob kernel runs and its gradient is
 reduce-scattered by FSDP's own hooks. Under tensor parallelism (`parallel.tensor`) the dense units shard over the
-mesh's dp dim (the dp * cp ranks of one tp rank) and the routed experts, which tp does not split, over every rank.
+mesh's dp dim (the dp * cp ranks of one tp rank) and the routed experts, whose weights tp does not split, over every
+rank.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | No
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     shard_experts(model, policy)
     if mesh.ndim == 2:
-        experts = set(experts) | shard_tp_replicated_experts(model, mesh.device_type, policy)
+        experts = set(experts) | shard_experts_over_every_rank(model, mesh.device_type, policy)
         mesh = mesh["dp"]
     kw = dict(mesh=mesh, mp_policy=policy, ignored_params=set(experts) or None)
     for layer in model.model.layers:
@@ -61,10 +62,11 @@ def shard_experts(model: nn.Module, policy: MixedPrecisionPolicy) -> None:
             fully_shard(module, mesh=mesh["expert_dp"], mp_policy=policy)
 
 
-def shard_tp_replicated_experts(model: nn.Module, device_type: str, policy: MixedPrecisionPolicy) -> set[nn.Parameter]:
-    """Under tensor parallelism without EP: each routed-experts module an FSDP unit over every rank (tp does not split
-    them; their gradients are equal on the tp ranks of a replica, so averaging over every rank is averaging over
-    dp * cp). Returns their parameters, for the dense units to leave alone."""
+def shard_experts_over_every_rank(model: nn.Module, device_type: str, policy: MixedPrecisionPolicy) -> set[nn.Parameter]:
+    """Under tensor parallelism without EP: each routed-experts module an FSDP unit over every rank (Megatron's expert
+    data parallel: tp does not split their weights; each tp rank runs them on its share of the tokens, and
+    `parallel.tensor.reduce_tp_grads` scales the average FSDP takes over every rank back to the sum over the tp ranks).
+    Returns their parameters, for the dense units to leave alone."""
     modules = [m for m in model.modules() if isinstance(m, Experts) and getattr(m, "ep_mesh", None) is None]
     if not modules:
         return set()
