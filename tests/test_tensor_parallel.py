@@ -150,6 +150,9 @@ def _loop_rank(rank, world, command, model_dir, run_dir, *extra):
 @pytest.mark.parametrize("world,extra", [
     (2, ()),  # tp 2: each rank generates its share of the prompts, the tp pair trains on both ranks' samples
     (4, ("actor.ppo_mini_batch_size=4",)),  # dp 2 x tp 2
+    (2, ("actor.router_replay=R3",)),  # the engine's routes, pooled with the samples, replayed on each rank's MoE rows
+    (2, ("rollout.mode=async", "rollout.max_staleness=1")),  # generated on a thread, pooled on the main one
+    (2, ("algorithm.dynamic_sampling=true", "algorithm.max_refill_rounds=2")),  # kept groups dealt by dp rank
 ])
 def test_the_rl_loop_at_tensor_parallel_matches_one_process(model_dir, tmp_path, world, extra):
     """`moeloop rl` with parallel.tp=2 gives one process's metrics and weights (tolerance as the DP loop tests': Adam
