@@ -9,6 +9,7 @@ then fails ("Unable to handle autograd's threading in combination with fork-base
 """
 from __future__ import annotations
 
+import faulthandler
 import io
 import os
 import tempfile
@@ -21,8 +22,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple, queue: Any) -> None:
+def _entry(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple, queue: Any,
+           hang_s: float) -> None:
     torch.set_num_threads(1)
+    # a rank still running near the parent's timeout prints every thread's stack (to the test's captured stderr), so a
+    # hang says where it is
+    faulthandler.dump_traceback_later(hang_s, exit=True)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
@@ -45,7 +50,8 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300)
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_entry, args=(r, world_size, init_file, fn, args, queue)) for r in range(world_size)]
+        procs = [ctx.Process(target=_entry, args=(r, world_size, init_file, fn, args, queue, max(1.0, timeout_s - 10)))
+                 for r in range(world_size)]
         for p in procs:
             p.start()
         results: dict[int, Any] = {}

@@ -22,6 +22,7 @@ class _Groups:
     cp: int = 1
     tp: int = 1
     cp_group: Any = None  # this rank's cp group (None: cp 1)
+    tp_group: Any = None  # this rank's tp group (None: tp 1)
     replica_group: Any = None  # the cp * tp ranks holding this rank's samples (None: cp * tp = 1)
     dp_group: Any = None  # the ranks with this rank's (c, t) (None: every rank, cp * tp = 1)
 
@@ -39,7 +40,8 @@ def init_parallel_groups(cp: int = 1, tp: int = 1) -> None:
     if world % (cp * tp):
         raise InputError(f"parallel.cp * parallel.tp = {cp} * {tp} must divide the {world} ranks")
     if cp * tp == 1:
-        _GROUPS.cp, _GROUPS.tp, _GROUPS.cp_group, _GROUPS.replica_group, _GROUPS.dp_group = 1, 1, None, None, None
+        _GROUPS.cp, _GROUPS.tp, _GROUPS.cp_group, _GROUPS.tp_group = 1, 1, None, None
+        _GROUPS.replica_group = _GROUPS.dp_group = None
         return
     rank, replica = dist.get_rank(), cp * tp
     mine = {}
@@ -50,6 +52,10 @@ def init_parallel_groups(cp: int = 1, tp: int = 1) -> None:
             group = dist.new_group(ranks) if cp > 1 else None
             if rank in ranks:
                 mine["cp"] = group
+    for start in range(0, world, tp):
+        group = dist.new_group(list(range(start, start + tp))) if tp > 1 else None
+        if start <= rank < start + tp:
+            mine["tp"] = group
     for start in range(0, world, replica):
         group = dist.new_group(list(range(start, start + replica)))
         if start <= rank < start + replica:
@@ -59,7 +65,8 @@ def init_parallel_groups(cp: int = 1, tp: int = 1) -> None:
         if rank % replica == offset:
             mine["dp"] = group
     _GROUPS.cp, _GROUPS.tp = cp, tp
-    _GROUPS.cp_group, _GROUPS.replica_group, _GROUPS.dp_group = mine["cp"], mine["replica"], mine["dp"]
+    _GROUPS.cp_group, _GROUPS.tp_group = mine["cp"], mine["tp"]
+    _GROUPS.replica_group, _GROUPS.dp_group = mine["replica"], mine["dp"]
 
 
 def cp_size() -> int:
@@ -76,6 +83,10 @@ def cp_rank() -> int:
 
 def tp_size() -> int:
     return _GROUPS.tp
+
+
+def tp_group():
+    return _GROUPS.tp_group
 
 
 def replica_size() -> int:

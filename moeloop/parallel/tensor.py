@@ -10,8 +10,10 @@ What is split: each attention's q, k and v projections by output (its heads: H /
 heads a rank, so the attention context sees only local heads) and o_proj by input, with one all-reduce of its output;
 MLA's head projections (q_proj or q_b_proj, kv_b_proj) the same way, its low-rank latents kept whole; every dense
 MLP as gate and up by output, down by input. The tp ranks hold the same tokens (no sequence parallelism), so the
-norms, the head and the residual stream are whole on each, and the loss is the same on each rank; a column split's
-backward all-reduces its input's gradient (once for q, k and v: they take one replicated DTensor input).
+norms and the residual stream are whole on each, and the loss is the same on each rank; a column split's backward
+all-reduces its input's gradient (once for q, k and v: they take one replicated DTensor input). The logprob (or
+value) head takes a tp rank's share of the positions, and the ranks all-gather the per-token values (`over_tp_rows`,
+called by the trainer's `over_positions`).
 
 An MoE block (router, routed and shared experts) works token by token, so each tp rank runs it on its 1/tp of the
 block's input rows and the ranks all-gather the outputs (`split_moe_tokens`; Megatron runs MoE on sequence-parallel
@@ -23,8 +25,8 @@ router over dp, whole on each tp rank. With `parallel.ep` the routed experts spl
 
 Gradients: the trainer scales each rank's loss by dp (the data-parallel size); FSDP averages the dense gradients
 over its dp * cp ranks, and the split weights' gradients are exact slices. What each tp rank holds a part of is
-completed before the optimizer step (`reduce_tp_grads`): a per-head q/k norm's (its heads) and the router's and
-shared experts' (its tokens) are summed over the tp ranks, and the routed experts', averaged over every rank by
+completed before the optimizer step (`reduce_tp_grads`): a per-head q/k norm's (its heads) and the router's, shared
+experts' and head's (its tokens) are summed over the tp ranks, and the routed experts', averaged over every rank by
 FSDP, are scaled by tp; MLA's rope key, which every head shares, has its gradient summed by a hook on its
 projection's output. The gradient norm weights each rank's squares by how many ranks hold the same shard
 (`parallel.fsdp.grad_norm`). The weights are DTensors, so the state dict, DCP checkpoints (which reshard across
@@ -94,11 +96,12 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh) -> None:
         partial += [norm for norm in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if norm is not None]
         if isinstance(layer.mlp, MoE):
             split_moe_tokens(layer.mlp, mesh)
-            partial += [layer.mlp.gate] + list(getattr(layer.mlp, "shared_experts", nn.Module()).children())
+            partial += [layer.mlp.gate] + ([layer.mlp.shared_experts] if hasattr(layer.mlp, "shared_experts") else [])
             split_experts.append(layer.mlp.experts)
         else:
             parallelize_module(layer.mlp, mesh, {"": replicated_input(1), "gate_proj": col, "up_proj": col,
                                                  "down_proj": row})
+    partial.append(model.lm_head)  # the logprob (or value) head takes a tp rank's share of the positions
     model.tp_mesh, model.tp_partial_grads, model.tp_split_experts = mesh, partial, split_experts
 
 
@@ -113,7 +116,7 @@ def reduce_tp_grads(model: nn.Module) -> None:
     if mesh is None:
         return
     for module in model.tp_partial_grads:
-        for p in module.parameters(recurse=False):
+        for p in module.parameters():
             if p.grad is not None:
                 dist.all_reduce(_local(p.grad), group=mesh.get_group())
     for experts in model.tp_split_experts:
@@ -191,6 +194,18 @@ class _RowsTape:
     def record(self, moe_index: int, ids_nK: torch.Tensor) -> None:
         if getattr(self.tape, "recorded", None) is not None:  # (the same on every tp rank)
             self.tape.record(moe_index, self.rows.gather(ids_nK))
+
+
+def over_tp_rows(head, group, hidden_TD: torch.Tensor, *per_position_T: torch.Tensor):
+    """`head(hidden_TD, *per_position_T)` (per-position values: a tensor, or a tuple of tensors and Nones) with each tp
+    rank of `group` taking its share of the positions and every rank getting all the values back: the head's work
+    and its logits split over tp, not repeated. The hidden rows' gradient is gathered whole on each rank; the head's
+    weights' is each rank's part (`reduce_tp_grads` sums it)."""
+    rows = _Rows(hidden_TD.shape[0], group)
+    out = head(_TakeRows.apply(hidden_TD, rows), *(x[rows.lo:rows.hi] for x in per_position_T))
+    if isinstance(out, tuple):
+        return tuple(None if x is None else _GatherRows.apply(x, rows) for x in out)
+    return _GatherRows.apply(out, rows)
 
 
 def split_moe_tokens(moe: nn.Module, mesh: DeviceMesh) -> None:

@@ -1,12 +1,12 @@
 """Activation and logits memory per rank for a token budget, with and without activation checkpointing.
 
 Bytes per token per layer count the tensors autograd keeps for backward in bf16 (fp32 where kernels keep
-fp32: softmax statistics, router logits). Head-wise tensors (attention, dense and shared-expert MLP widths) are
-split by tp, expert intermediates by etp; the MoE block's (router, routed and shared experts) by tp too, each tp rank
-running it on 1/tp of the tokens; the other token-wise ones (the residual stream, norms, the logits) are whole on each
-tp rank, as the trainer's tensor parallelism runs them (no sequence parallelism outside the MoE block, no vocabulary
-split: `moeloop.parallel.tensor`). Full checkpointing keeps each layer's input and, during backward,
-one layer's full set at a time. Formulas in the spirit of Korthikanti et al. 2022 with flash attention.
+fp32: softmax statistics, router logits). As the trainer's tensor parallelism runs them (`moeloop.parallel.tensor`):
+head-wise tensors (attention, dense MLP widths) are split by tp, expert intermediates by etp; the MoE block's (router,
+routed and shared experts) by tp too, each tp rank running it on 1/tp of the tokens; the logits too, the head taking
+1/tp of the positions (over the whole vocabulary); the other token-wise ones (the residual stream, norms) are whole on
+each tp rank (no sequence parallelism outside the MoE block). Full checkpointing keeps each layer's input and, during
+backward, one layer's full set at a time. Formulas in the spirit of Korthikanti et al. 2022 with flash attention.
 """
 from __future__ import annotations
 
@@ -79,12 +79,14 @@ def stage_activation_bytes(m: ModelConfig, layout: Layout, layer_ids: list[int],
 
 
 def logits_bytes(m: ModelConfig, layout: Layout, tokens: int, chunk_tokens: int, chunked: bool) -> float:
-    """Logprob workspace on the last stage: bf16 logits, fp32 log-softmax and its gradient over the vocabulary.
+    """Logprob workspace on the last stage: bf16 logits, fp32 log-softmax and its gradient over the vocabulary, for
+    a tp rank's 1/tp of the positions (the trainer's head splits the positions, not the vocabulary).
 
     Chunked keeps only `chunk_tokens` rows of that at a time, plus fp32 logprob and entropy per token.
     """
     per_row = (BF16 + 2 * FP32) * m.vocab_size
-    rows = min(tokens, chunk_tokens) if chunked else tokens
+    mine = tokens / layout.tp
+    rows = min(mine, chunk_tokens) if chunked else mine
     return rows * per_row + (2 * FP32 * tokens if chunked else 0)
 
 

@@ -12,6 +12,7 @@ Logprobs are of the policy at temperature 1, the distribution the rollout engine
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from typing import Iterator
 
@@ -32,8 +33,8 @@ from moeloop.parallel.collectives import all_gather_rows, global_values
 from moeloop.parallel.context import UlyssesAttention, check_heads
 from moeloop.parallel.expert import apply_ep, build_expert_mesh, expert_params, reduce_expert_grads
 from moeloop.parallel.fsdp import apply_fsdp, build_dp_mesh, full_tensor, grad_norm, reshard, scale_grads
-from moeloop.parallel.groups import cp_group, cp_rank, cp_size, dp_group, dp_size, tp_size
-from moeloop.parallel.tensor import apply_tp, reduce_tp_grads
+from moeloop.parallel.groups import cp_group, cp_rank, cp_size, dp_group, dp_size, tp_group, tp_size
+from moeloop.parallel.tensor import apply_tp, over_tp_rows, reduce_tp_grads
 from moeloop.train.head import LogprobHead
 from moeloop.train.lora import apply_lora, merged_weights
 from moeloop.train.precision import cast_params, upcast_trainable
@@ -160,6 +161,8 @@ def over_positions(head, hidden_TD: torch.Tensor, *per_position_T: torch.Tensor)
     """`head(hidden_TD, *per_position_T)` (a tensor of per-position values, or a tuple of them and Nones). Under
     context parallelism each cp rank's head takes 1/cp of the positions and every rank gets all the values back, so
     a loss of them is the same on each rank, and the gathers' backward sums the ranks' gradients."""
+    if tp_size() > 1:  # tensor parallel: each tp rank's head takes its share of the (cp rank's) positions
+        head = functools.partial(over_tp_rows, head, tp_group())
     if cp_size() == 1:
         return head(hidden_TD, *per_position_T)
     T = hidden_TD.shape[0]
