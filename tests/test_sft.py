@@ -256,3 +256,23 @@ def test_a_resumed_run_replaces_the_rows_logged_after_its_checkpoint(model_dir, 
     events.Reload()
     assert [e.step for e in events.Scalars("sft_loss")] == [1, 2, 3, 4, 5, 6]
     assert [e.value for e in events.Scalars("sft_loss")] == pytest.approx(_losses(tmp_path / "straight"), rel=1e-6)
+
+
+def test_a_failed_sft_run_closes_its_logger(model_dir, tmp_path, monkeypatch):
+    """An exception (or Ctrl-C) in the middle of `moeloop sft` still closes the metrics logger (its progress bar and
+    TensorBoard writer), before the exception goes on."""
+    from moeloop.loop.metrics import MetricsLogger
+    from moeloop.train.actor import Actor
+    closed, step = [], Actor.sft_step
+
+    def second_fails(self, samples):
+        if closed == [] and getattr(self, "_calls", 0) == 1:
+            raise KeyboardInterrupt
+        self._calls = getattr(self, "_calls", 0) + 1
+        return step(self, samples)
+
+    monkeypatch.setattr(Actor, "sft_step", second_fails)
+    monkeypatch.setattr(MetricsLogger, "close", lambda self: closed.append(True))
+    with pytest.raises(KeyboardInterrupt):
+        run_sft(_cfg(model_dir, tmp_path / "run"))
+    assert closed == [True]

@@ -57,27 +57,29 @@ def run_sft(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
         start = meta["step"]
     logger = MetricsLogger.for_run(cfg, env.run_dir, env.is_main, append=start > 0)
     logger.start_at(start)
-    timer, last = PhaseTimer(), {}
-    val_every = cfg.trainer.val_every
-    if val is not None and val_every and start == 0 and (cfg.trainer.val_before_train or steps == 0):
-        logger.log(0, actor.sft_eval(val), "val.jsonl")
-    per_rank = cfg.data.train_batch_size // env.dp_size  # (the cp * tp ranks of a replica take the same slice)
-    for step in range(start, steps):
-        indices = cursor.take(cfg.data.train_batch_size)[env.dp_rank * per_rank:(env.dp_rank + 1) * per_rank]
-        with timer("update_actor"):
-            last = actor.sft_step([_sample(data[i], i) for i in indices])
-        if cfg.checkpoint.save_every and (step + 1) % cfg.checkpoint.save_every == 0:
-            with timer("save_checkpoint"):
-                actor_state_save(ckpt, step + 1, actor, cursor)
-        val_metrics = {}
-        if val is not None and val_every and ((step + 1) % val_every == 0 or step + 1 == steps):
-            val_metrics = actor.sft_eval(val)
-            logger.log(step + 1, val_metrics, "val.jsonl")
-        last.update(val_metrics)
-        logger.log(step + 1, {**last, **timer.pop(), "memory/peak_bytes": peak_memory_bytes(env.device)})
-    actor_state_save(ckpt, steps, actor, cursor)
-    export_policy(actor, env.run_dir, cfg.model.path, write=env.is_main)
-    logger.close()
+    try:  # (an interrupted or failed run closes its logs too: the progress bar, TensorBoard)
+        timer, last = PhaseTimer(), {}
+        val_every = cfg.trainer.val_every
+        if val is not None and val_every and start == 0 and (cfg.trainer.val_before_train or steps == 0):
+            logger.log(0, actor.sft_eval(val), "val.jsonl")
+        per_rank = cfg.data.train_batch_size // env.dp_size  # (the cp * tp ranks of a replica take the same slice)
+        for step in range(start, steps):
+            indices = cursor.take(cfg.data.train_batch_size)[env.dp_rank * per_rank:(env.dp_rank + 1) * per_rank]
+            with timer("update_actor"):
+                last = actor.sft_step([_sample(data[i], i) for i in indices])
+            if cfg.checkpoint.save_every and (step + 1) % cfg.checkpoint.save_every == 0:
+                with timer("save_checkpoint"):
+                    actor_state_save(ckpt, step + 1, actor, cursor)
+            val_metrics = {}
+            if val is not None and val_every and ((step + 1) % val_every == 0 or step + 1 == steps):
+                val_metrics = actor.sft_eval(val)
+                logger.log(step + 1, val_metrics, "val.jsonl")
+            last.update(val_metrics)
+            logger.log(step + 1, {**last, **timer.pop(), "memory/peak_bytes": peak_memory_bytes(env.device)})
+        actor_state_save(ckpt, steps, actor, cursor)
+        export_policy(actor, env.run_dir, cfg.model.path, write=env.is_main)
+    finally:
+        logger.close()
     return last
 
 
