@@ -18,7 +18,6 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from pathlib import Path
 
 from moeloop.errors import InputError
 
@@ -107,8 +106,8 @@ def _checkpoint_note(argv: list[str]) -> str | None:
         cfg = load_config(args[0], args[1:])
     except (ValueError, OSError):  # (InputError is a ValueError)
         return None
-    directory = Path(cfg.checkpoint.dir or Path(cfg.trainer.run_dir) / "checkpoints")
-    latest = CheckpointManager(directory).latest()
+    ckpt = CheckpointManager.for_run(cfg)
+    directory, latest = ckpt.directory, ckpt.latest()
     if latest is None:
         return f"no checkpoint was saved in {directory}"
     return f"the newest checkpoint is {latest} (resume with --resume)"

@@ -18,9 +18,10 @@ from moeloop.parallel.fsdp import full_tensor
 from moeloop.train.actor import Actor
 from moeloop.train.critic import Critic
 from tests.dist import run_ranks
-from tests.test_rl_loop import _cfg as rl_cfg, _rows, _rows_of, _weights
+from tests.test_rl_loop import _cfg as rl_cfg, _rows, _rows_of, _weights, assert_same_run
 from tests.test_sft import _cfg as sft_cfg, _conversations
-from tests.trainer_fixtures import actor_cfg, first_pass_then_steps, rl_batch, tiny_model, use_sgd
+from tests.trainer_fixtures import (actor_cfg, assert_ranks_match, first_pass_then_steps, rl_batch, tiny_model,
+                                    use_sgd)
 
 
 def _shard(samples):
@@ -83,17 +84,9 @@ def test_context_parallel_matches_one_process(world, cp, kind, ep):
     want_first, want_losses, want, calls = _run(24, kind=kind)
     assert not calls
     results = run_ranks(_rank, world, 24, cp, kind, ep)
-    got_first = {}
-    for first, losses, weights, calls in results:
+    for *_, calls in results:
         assert calls and all(rows == -(-total // cp) for rows, total in calls)  # 1/cp of each stream's rows
-        got_first.update(first)
-        assert losses == pytest.approx(want_losses, rel=1e-5)
-        for name, w in want.items():
-            torch.testing.assert_close(weights[name], w, rtol=1e-5, atol=1e-6)
-    assert got_first.keys() == want_first.keys()
-    for key, values in want_first.items():
-        for got, value in zip(got_first[key], values, strict=True):
-            torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(value), rtol=1e-5, atol=1e-5)
+    assert_ranks_match([r[:3] for r in results], want_first, want_losses, want)
 
 
 @pytest.fixture(scope="module")
@@ -121,15 +114,8 @@ def test_the_rl_loop_at_context_parallel_matches_one_process(model_dir, tmp_path
     over all-reduced fp32 gradients)."""
     _loop_rank(0, 1, command, model_dir, tmp_path / "one", *extra)
     run_ranks(_loop_rank, world, command, model_dir, tmp_path / "cp", *extra, "parallel.cp=2")
-    one, cp = _rows(tmp_path / "one"), _rows(tmp_path / "cp")
-    keys = ("reward/mean", "reward/samples", "pg_loss", "response/len_mean")
-    assert len(one) == len(cp)
-    for r1, r2 in zip(one, cp):
-        for key in keys:
-            assert r2[key] == pytest.approx(r1[key], rel=1e-4, abs=1e-6), key
-    w1, w2 = _weights(tmp_path / "one"), _weights(tmp_path / "cp")
-    for name in w1:
-        torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=5e-5)
+    assert_same_run(tmp_path / "one", tmp_path / "cp",
+                    ("reward/mean", "reward/samples", "pg_loss", "response/len_mean"))
 
 
 def test_sft_at_context_parallel_matches_one_process_and_its_checkpoint_resumes_in_one(model_dir, tmp_path):

@@ -47,6 +47,19 @@ def _weights(run_dir):
     return load_pretrained(run_dir / "hf").state_dict()
 
 
+def assert_same_run(one, other, keys: tuple[str, ...]) -> None:
+    """Run `other` logged run `one`'s metrics `keys` at every step and ended at its weights (tolerance as the DP loop
+    tests': Adam over all-reduced fp32 gradients, notes/cpu-stack.md)."""
+    rows_one, rows_other = _rows(one), _rows(other)
+    assert len(rows_one) == len(rows_other)
+    for r1, r2 in zip(rows_one, rows_other):
+        for key in keys:
+            assert r2[key] == pytest.approx(r1[key], rel=1e-4, abs=1e-6), key
+    w1, w2 = _weights(one), _weights(other)
+    for name in w1:
+        torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=5e-5)
+
+
 def test_loop_runs_and_pushes_versions(model_dir, tmp_path):
     last = run_rl(_cfg(model_dir, tmp_path / "run"))
     assert last["policy/version"] == STEPS and last["batch/samples"] == 16

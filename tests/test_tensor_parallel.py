@@ -24,9 +24,10 @@ from moeloop.train.actor import Actor
 from moeloop.train.critic import Critic
 from tests.dist import run_ranks
 from tests.hf_tiny import TINY_HF_CONFIGS
-from tests.test_rl_loop import _cfg as rl_cfg, _rows, _weights
+from tests.test_rl_loop import _cfg as rl_cfg, _rows, _weights, assert_same_run
 from tests.test_sft import _cfg as sft_cfg, _conversations
-from tests.trainer_fixtures import actor_cfg, first_pass_then_steps, rl_batch, tiny_model, use_sgd
+from tests.trainer_fixtures import (actor_cfg, assert_ranks_match, first_pass_then_steps, rl_batch, tiny_model,
+                                    use_sgd)
 
 
 def _model(arch: str):
@@ -104,21 +105,13 @@ def test_tensor_parallel_matches_one_process(world, tp, cp, ep, kind, arch):
     ranks of a replica ran on the rows of its MoE blocks between them (each rank on its share, fewer than all)."""
     want_first, want_metrics, want, (_, shape, _) = _run(kind=kind, arch=arch)
     results = run_ranks(_rank, world, tp, cp, ep, kind, arch)
-    got_first = {}
     if kind != "critic":
         for first_rank in range(0, world, tp):
             (blocks, _), *_ = tp_rows = [r[3][2] for r in results[first_rank:first_rank + tp]]
             assert all(b == blocks and 0 < e < b for b, e in tp_rows) and sum(e for _, e in tp_rows) == blocks
-    for first, metrics, weights, (local, whole, _) in results:
+    for *_, (local, whole, _) in results:
         assert whole == shape and local == Shard(0)  # the tp ranks split the heads (FSDP shards over dp besides)
-        got_first.update(first)
-        assert metrics == pytest.approx(want_metrics, rel=1e-5)
-        for name, w in want.items():
-            torch.testing.assert_close(weights[name], w, rtol=1e-5, atol=1e-6)
-    assert got_first.keys() == want_first.keys()
-    for key, values in want_first.items():
-        for got, value in zip(got_first[key], values, strict=True):
-            torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(value), rtol=1e-5, atol=1e-5)
+    assert_ranks_match([r[:3] for r in results], want_first, want_metrics, want)
 
 
 def test_the_gradient_is_clipped_at_tensor_parallel_as_in_one_process():
@@ -159,15 +152,8 @@ def test_the_rl_loop_at_tensor_parallel_matches_one_process(model_dir, tmp_path,
     over all-reduced fp32 gradients)."""
     assert _loop_rank(0, 1, "rl", model_dir, tmp_path / "one", *extra) == []
     assert run_ranks(_loop_rank, world, "rl", model_dir, tmp_path / "tp", *extra, "parallel.tp=2") == [[2]] * world
-    one, tp = _rows(tmp_path / "one"), _rows(tmp_path / "tp")
-    keys = ("reward/mean", "reward/samples", "pg_loss", "grad_norm", "response/len_mean")
-    assert len(one) == len(tp)
-    for r1, r2 in zip(one, tp):
-        for key in keys:
-            assert r2[key] == pytest.approx(r1[key], rel=1e-4, abs=1e-6), key
-    w1, w2 = _weights(tmp_path / "one"), _weights(tmp_path / "tp")
-    for name in w1:
-        torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=5e-5)
+    assert_same_run(tmp_path / "one", tmp_path / "tp",
+                    ("reward/mean", "reward/samples", "pg_loss", "grad_norm", "response/len_mean"))
 
 
 def test_sft_at_tensor_parallel_resumes_in_one_process_and_at_dp_2(model_dir, tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
+import pytest
 import torch
 
 from moeloop.config.schema import ActorSection
@@ -70,3 +71,18 @@ def first_pass_then_steps(model, samples: list[Sample], kind: str, metrics: tupl
         return first, [model.sft_step(samples)["sft_loss"] for _ in range(2)]
     model.update([replace(s, advantages=[0.0] * len(s.advantages)) for s in samples])
     return first, [m[k] for m in (model.update(samples) for _ in range(2)) for k in metrics]
+
+
+def assert_ranks_match(ranks, want_first: dict, want_metrics: list, want_weights: dict) -> None:
+    """Each rank's (first-pass values by sample, step metrics, weights) against one process's: the ranks' samples
+    together are its samples, with its values; every rank's metrics and weights are its (fp32 summation order)."""
+    got_first = {}
+    for first, metrics, weights in ranks:
+        got_first.update(first)
+        assert metrics == pytest.approx(want_metrics, rel=1e-5)
+        for name, w in want_weights.items():
+            torch.testing.assert_close(weights[name], w, rtol=1e-5, atol=1e-6)
+    assert got_first.keys() == want_first.keys()
+    for key, values in want_first.items():
+        for got, value in zip(got_first[key], values, strict=True):
+            torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(value), rtol=1e-5, atol=1e-5)

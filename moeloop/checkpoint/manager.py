@@ -118,6 +118,12 @@ class CheckpointManager:
     def __init__(self, directory: str | Path, keep: int = 2):
         self.directory, self.keep = Path(directory), keep
 
+    @classmethod
+    def for_run(cls, cfg) -> "CheckpointManager":
+        """The checkpoints of the run `cfg` (a `RunConfig`) configures: checkpoint.dir, else
+        <trainer.run_dir>/checkpoints."""
+        return cls(cfg.checkpoint.dir or Path(cfg.trainer.run_dir) / "checkpoints", cfg.checkpoint.keep)
+
     def latest(self) -> Path | None:
         pointer = self.directory / "latest"
         if not pointer.is_file():

@@ -347,7 +347,7 @@ def build_components(cfg: RunConfig, resume: bool) -> Components:
         transport = _colocated_transport(cfg, env)
     if shares_weights(cfg):
         drain_before_step(actor.optimizer, engine)  # weights it shares change at the optimizer step
-    ckpt = CheckpointManager(cfg.checkpoint.dir or env.run_dir / "checkpoints", cfg.checkpoint.keep)
+    ckpt = CheckpointManager.for_run(cfg)
     latest = resume_from(ckpt, resume, env.is_main, cfg.checkpoint.resume_from)
     c = Components(
         cfg=cfg, env=env, tokenizer=tokenizer, train=train, val=val,

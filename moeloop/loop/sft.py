@@ -50,7 +50,7 @@ def run_sft(cfg: RunConfig, resume: bool = False) -> dict[str, float]:
     write_run_config(cfg, env.run_dir, env.is_main)
     actor = Actor(model, cfg.actor, env.device, cfg.data.max_response_length, cfg.model.logprob_chunk_tokens, steps,
                   ep=cfg.parallel.ep, seed=cfg.trainer.seed, master_weights=cfg.model.fp32_master_weights)
-    ckpt = CheckpointManager(cfg.checkpoint.dir or env.run_dir / "checkpoints", cfg.checkpoint.keep)
+    ckpt = CheckpointManager.for_run(cfg)
     start = 0
     if (latest := resume_from(ckpt, resume, env.is_main, cfg.checkpoint.resume_from)) is not None:
         meta = actor_state_load(ckpt, latest, actor, cursor)
