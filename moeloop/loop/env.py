@@ -54,7 +54,8 @@ class RunEnv:
             dist.init_process_group(backend, timeout=timedelta(minutes=10))
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
-        init_parallel_groups(cfg.parallel.cp, cfg.parallel.tp)
+        p = cfg.parallel
+        init_parallel_groups(p.cp, p.tp, p.pp, p.first_stage_layers, p.last_stage_layers)
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(device)
@@ -77,12 +78,16 @@ def _pick_device(choice: str) -> torch.device:
 
 def check_parallel_support(cfg: RunConfig) -> None:
     p = cfg.parallel
-    for name in ("pp", "etp", "vpp"):
+    for name in ("etp", "vpp"):
         if getattr(p, name) != 1:
-            raise InputError(f"parallel.{name}={getattr(p, name)}: the trainer applies data, tensor, expert and context "
-                             f"parallelism only so far (torchrun --nproc_per_node N gives dp=N; parallel.tp splits the "
-                             f"attention heads and dense MLPs over tp of them, parallel.ep the experts over ep of them, "
-                             f"parallel.cp each sequence over cp of them); {name} is used by `moeloop plan`")
+            raise InputError(f"parallel.{name}={getattr(p, name)}: the trainer applies data, tensor, pipeline, expert and "
+                             f"context parallelism only so far (torchrun --nproc_per_node N gives dp=N; parallel.tp "
+                             f"splits the attention heads and dense MLPs over tp of them, parallel.pp the layers over pp "
+                             f"stages, parallel.ep the experts over ep of them, parallel.cp each sequence over cp of "
+                             f"them); {name} is used by `moeloop plan`")
+    if p.pp > 1 and cfg.actor.router_replay != "off":
+        raise InputError(f"actor.router_replay={cfg.actor.router_replay} with parallel.pp={p.pp}: route tapes are not "
+                         "passed between pipeline stages yet; use actor.router_replay=off or parallel.pp=1")
     if p.tp > 1 and cfg.actor.lora_rank:
         raise InputError(f"actor.lora_rank={cfg.actor.lora_rank} with parallel.tp={p.tp}: LoRA adapters are not split "
                          "by tensor parallelism yet; use parallel.tp=1")

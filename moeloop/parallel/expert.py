@@ -29,22 +29,24 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from moeloop.errors import InputError
 from moeloop.model.experts import Experts, register_experts_impl
 from moeloop.parallel.collectives import all_to_all
+from moeloop.parallel.fsdp import stage_mesh, stage_world
 
 EP_IMPL = "expert_parallel"
 
 
 def build_expert_mesh(device_type: str, ep: int) -> DeviceMesh:
-    """The (expert_dp, ep) mesh over every rank of the default group."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    """The (expert_dp, ep) mesh over every rank of the default group (of this rank's pipeline stage under pipeline
+    parallelism)."""
+    world = stage_world()
     if ep < 2 or world % ep:
         raise InputError(f"parallel.ep={ep} must divide the {world} data-parallel ranks (ep ranks split the experts)")
-    return init_device_mesh(device_type, (world // ep, ep), mesh_dim_names=("expert_dp", "ep"))
+    return stage_mesh(device_type, (world // ep, ep), ("expert_dp", "ep"))
 
 
 def apply_ep(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter]:

@@ -1,12 +1,12 @@
 """Data parallelism with FSDP2 (`fully_shard`), applied to a plain model from outside.
 
     mesh = build_dp_mesh(device_type)            # "dp" over the default group; (dp, tp) under tensor parallelism
-    apply_fsdp(model, mesh)                      # per decoder layer, lm_head, then the root
+    apply_fsdp(model, mesh)                      # per decoder layer, lm_head (on the last stage), then the root
 Each decoder layer is its own FSDP unit; lm_head (a `LogprobHead` in the trainer) is one too, so its
 weight is unsharded exactly while the chunked logprob kernel runs and its gradient is
 reduce-scattered by FSDP's own hooks. Under tensor parallelism (`parallel.tensor`) the dense units shard over the
 mesh's dp dim (the dp * cp ranks of one tp rank) and the routed experts, whose weights tp does not split, over every
-rank.
+rank. Under pipeline parallelism (`parallel.pipeline`) all of it runs within the ranks of one stage (`stage_mesh`).
 """
 from __future__ import annotations
 
@@ -20,18 +20,34 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 
 from moeloop.model.experts import Experts
-from moeloop.parallel.groups import tp_size
+from moeloop.parallel.groups import pp_size, stage_ranks, tp_size
+
+
+def stage_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """A mesh of `shape` (dims `names`) over the ranks of this rank's pipeline stage, in their (d, c, t) order: every
+    rank without pipeline parallelism. (Collective: DeviceMesh makes the groups of every stage, so it is built over
+    all ranks with a leading pp dim and sliced.)"""
+    if pp_size() == 1:
+        return init_device_mesh(device_type, shape, mesh_dim_names=names)
+    ranks = torch.tensor(stage_ranks()).reshape(pp_size(), *shape)
+    return DeviceMesh(device_type, ranks, mesh_dim_names=("pp", *names))[names if len(names) > 1 else names[0]]
+
+
+def stage_world() -> int:
+    """The ranks of one pipeline stage (every rank without pipeline parallelism)."""
+    return (dist.get_world_size() if dist.is_initialized() else 1) // pp_size()
 
 
 def build_dp_mesh(device_type: str) -> DeviceMesh | None:
-    """A 1-D data-parallel mesh over all ranks, or None without a process group (single process); under tensor
-    parallelism (`parallel.groups.tp_size()` > 1) the 2-D (dp, tp) mesh, tp innermost."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    """A 1-D data-parallel mesh over the ranks of this rank's pipeline stage (all ranks without pipeline parallelism),
+    or None when that is one rank; under tensor parallelism (`parallel.groups.tp_size()` > 1) the 2-D (dp, tp) mesh,
+    tp innermost."""
+    world, tp = stage_world(), tp_size()
+    if world == 1:
         return None
-    world, tp = dist.get_world_size(), tp_size()
     if tp > 1:
-        return init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
-    return init_device_mesh(device_type, (world,), mesh_dim_names=("dp",))
+        return stage_mesh(device_type, (world // tp, tp), ("dp", "tp"))
+    return stage_mesh(device_type, (world,), ("dp",))
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | None = None,
@@ -49,7 +65,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | No
     kw = dict(mesh=mesh, mp_policy=policy, ignored_params=set(experts) or None)
     for layer in model.model.layers:
         fully_shard(layer, **kw)
-    fully_shard(model.lm_head, **kw)
+    if model.lm_head is not None:  # (a pipeline stage before the last has none)
+        fully_shard(model.lm_head, **kw)
     fully_shard(model, **kw)
 
 
@@ -70,7 +87,7 @@ def shard_experts_over_every_rank(model: nn.Module, device_type: str, policy: Mi
     modules = [m for m in model.modules() if isinstance(m, Experts) and getattr(m, "ep_mesh", None) is None]
     if not modules:
         return set()
-    mesh = init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("expert_dp",))
+    mesh = stage_mesh(device_type, (stage_world(),), ("expert_dp",))
     for module in modules:
         fully_shard(module, mesh=mesh, mp_policy=policy)
     return {p for m in modules for p in m.parameters()}
@@ -100,8 +117,10 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
 def grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
     """The global L2 norm of the gradients of `params`, whose shards lie on DTensor meshes of their own (FSDP's over
     dp, tp's, the experts' over every rank or over ep and expert_dp): each rank's squares, divided by the number of
-    ranks holding the same shard, summed over every rank. (torch's norm and clip take DTensors of one mesh only.)"""
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    ranks holding the same shard, summed over every rank. (torch's norm and clip take DTensors of one mesh only.) Under
+    pipeline parallelism the stages hold different parameters: a shard is held within a stage, and the sum over every
+    rank adds the stages' squares."""
+    world = stage_world()
     total = torch.zeros((), dtype=torch.float32, device=params[0].grad.device)
     for p in params:
         g = p.grad
@@ -110,7 +129,7 @@ def grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
             total += g.to_local().float().pow(2).sum() * (shards / world)
         else:  # whole on every rank
             total += g.float().pow(2).sum() / world
-    if world > 1:
+    if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total)
     return total.sqrt()
 

@@ -1,12 +1,16 @@
-"""The process groups of the parallel layouts the trainer applies, over ranks ordered (dp, cp, tp) with tp innermost
-(Megatron's order): rank = (d * cp + c) * tp + t.
+"""The process groups of the parallel layouts the trainer applies, over ranks ordered (dp, pp, cp, tp) with tp innermost
+(Megatron's order within a pipeline stage): rank = ((d * pp + p) * cp + c) * tp + t.
 
 - tp groups: tp consecutive ranks (`parallel.tensor`; their DeviceMesh dim, `parallel.fsdp.build_dp_mesh`);
-- cp groups: the ranks of one (d, t) (`parallel.context`);
-- replica groups: the cp * tp consecutive ranks of one d, which train on the same samples;
-- dp groups: the ranks of one (c, t), one rank of each replica group, over which host-side sums and object gathers
-  run (a sum over every rank would count each sample cp * tp times).
-Without context or tensor parallelism (cp = tp = 1) the data-parallel ranks are all ranks."""
+- cp groups: the ranks of one (d, p, t) (`parallel.context`);
+- pp groups: the ranks of one (d, c, t), one a pipeline stage (`parallel.pipeline`): each passes its activations to
+  the next;
+- replica groups: the pp * cp * tp consecutive ranks of one d, which train on the same samples;
+- dp groups: the ranks of one (p, c, t), one rank of each replica group, over which host-side sums and object gathers
+  run (a sum over every rank would count each sample pp * cp * tp times);
+- a stage's ranks: those of one p (d, c and t vary), which hold the same layers: FSDP, expert and tensor parallelism
+  run within them (`stage_ranks`).
+Without pipeline, context or tensor parallelism (pp = cp = tp = 1) the data-parallel ranks are all ranks."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,34 +25,43 @@ from moeloop.errors import InputError
 class _Groups:
     cp: int = 1
     tp: int = 1
+    pp: int = 1
+    pp_group: Any = None  # this rank's pp group (None: pp 1)
+    pp_ranks: tuple[int, ...] = ()  # the global ranks of this rank's pp group, stage by stage
+    first_stage_layers: int = 0  # decoder layers of the first and last stages (0: an even split)
+    last_stage_layers: int = 0
     cp_group: Any = None  # this rank's cp group (None: cp 1)
     tp_group: Any = None  # this rank's tp group (None: tp 1)
-    replica_group: Any = None  # the cp * tp ranks holding this rank's samples (None: cp * tp = 1)
-    dp_group: Any = None  # the ranks with this rank's (c, t) (None: every rank, cp * tp = 1)
+    replica_group: Any = None  # the pp * cp * tp ranks holding this rank's samples (None: pp * cp * tp = 1)
+    dp_group: Any = None  # the ranks with this rank's (p, c, t) (None: every rank, pp * cp * tp = 1)
 
 
 _GROUPS = _Groups()
 
 
-def init_parallel_groups(cp: int = 1, tp: int = 1) -> None:
-    """Make the cp, replica and dp groups of the current process group (collective: every rank calls it, with the
-    same sizes, once a run: groups made for an earlier process group would be stale); cp = tp = 1 resets them."""
+def init_parallel_groups(cp: int = 1, tp: int = 1, pp: int = 1, first_stage_layers: int = 0,
+                         last_stage_layers: int = 0) -> None:
+    """Make the cp, tp, pp, replica and dp groups of the current process group (collective: every rank calls it, with
+    the same sizes, once a run: groups made for an earlier process group would be stale); cp = tp = pp = 1 resets
+    them. `first_stage_layers` / `last_stage_layers`: an uneven pipeline split (`stage_layer_counts`)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    for name, size in (("cp", cp), ("tp", tp)):
+    for name, size in (("cp", cp), ("tp", tp), ("pp", pp)):
         if size < 1 or world % size:
             raise InputError(f"parallel.{name}={size} must be >= 1 and divide the {world} ranks")
-    if world % (cp * tp):
-        raise InputError(f"parallel.cp * parallel.tp = {cp} * {tp} must divide the {world} ranks")
-    if cp * tp == 1:
-        _GROUPS.cp, _GROUPS.tp, _GROUPS.cp_group, _GROUPS.tp_group = 1, 1, None, None
-        _GROUPS.replica_group = _GROUPS.dp_group = None
+    if world % (pp * cp * tp):
+        raise InputError(f"parallel.pp * parallel.cp * parallel.tp = {pp} * {cp} * {tp} must divide the {world} ranks")
+    _GROUPS.cp, _GROUPS.tp, _GROUPS.pp = 1, 1, 1
+    _GROUPS.cp_group = _GROUPS.tp_group = _GROUPS.pp_group = _GROUPS.replica_group = _GROUPS.dp_group = None
+    _GROUPS.pp_ranks = ()
+    _GROUPS.first_stage_layers, _GROUPS.last_stage_layers = first_stage_layers, last_stage_layers
+    if pp * cp * tp == 1:
         return
-    rank, replica = dist.get_rank(), cp * tp
+    rank, block, replica = dist.get_rank(), cp * tp, pp * cp * tp
     mine = {}
     # every rank makes every group, in the same order (new_group is collective)
-    for start in range(0, world, replica):
+    for start in range(0, world, block):  # one (d, p): its cp * tp ranks
         for t in range(tp):
-            ranks = list(range(start + t, start + replica, tp))
+            ranks = list(range(start + t, start + block, tp))
             group = dist.new_group(ranks) if cp > 1 else None
             if rank in ranks:
                 mine["cp"] = group
@@ -57,6 +70,12 @@ def init_parallel_groups(cp: int = 1, tp: int = 1) -> None:
         if start <= rank < start + tp:
             mine["tp"] = group
     for start in range(0, world, replica):
+        for offset in range(block):  # one (d, c, t): a rank of each stage
+            ranks = [start + p * block + offset for p in range(pp)]
+            group = dist.new_group(ranks) if pp > 1 else None
+            if rank in ranks:
+                mine["pp"], mine["pp_ranks"] = group, tuple(ranks)
+    for start in range(0, world, replica):
         group = dist.new_group(list(range(start, start + replica)))
         if start <= rank < start + replica:
             mine["replica"] = group
@@ -64,8 +83,9 @@ def init_parallel_groups(cp: int = 1, tp: int = 1) -> None:
         group = dist.new_group(list(range(offset, world, replica)))
         if rank % replica == offset:
             mine["dp"] = group
-    _GROUPS.cp, _GROUPS.tp = cp, tp
+    _GROUPS.cp, _GROUPS.tp, _GROUPS.pp = cp, tp, pp
     _GROUPS.cp_group, _GROUPS.tp_group = mine["cp"], mine["tp"]
+    _GROUPS.pp_group, _GROUPS.pp_ranks = mine["pp"], mine["pp_ranks"] if pp > 1 else ()
     _GROUPS.replica_group, _GROUPS.dp_group = mine["replica"], mine["dp"]
 
 
@@ -89,9 +109,45 @@ def tp_group():
     return _GROUPS.tp_group
 
 
+def pp_size() -> int:
+    return _GROUPS.pp
+
+
+def pp_group():
+    return _GROUPS.pp_group
+
+
+def pp_rank() -> int:
+    """This rank's pipeline stage."""
+    return (dist.get_rank() // (_GROUPS.cp * _GROUPS.tp)) % _GROUPS.pp if _GROUPS.pp > 1 else 0
+
+
+def pp_peer(stage: int) -> int:
+    """The global rank of `stage` in this rank's pp group (same d, c, t)."""
+    return _GROUPS.pp_ranks[stage] if _GROUPS.pp > 1 else dist.get_rank()
+
+
+def stage_layer_counts(num_layers: int) -> list[int]:
+    """Decoder layers of each pipeline stage: `moeloop plan`'s split (`parallel.layout.Layout.stage_layers`), an even
+    one unless the first or last stage's count is set."""
+    from moeloop.parallel.layout import Layout  # (layout imports the model config)
+
+    return Layout(pp=_GROUPS.pp, first_stage_layers=_GROUPS.first_stage_layers,
+                  last_stage_layers=_GROUPS.last_stage_layers).stage_layers(num_layers)
+
+
+def stage_ranks() -> list[list[int]]:
+    """The ranks of each pipeline stage, stage by stage, each in (d, c, t) order: what FSDP, expert and tensor
+    parallelism split over (every rank, as one stage, without pipeline parallelism)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    block, replica = _GROUPS.cp * _GROUPS.tp, replica_size()
+    return [[start + p * block + offset for start in range(0, world, replica) for offset in range(block)]
+            for p in range(_GROUPS.pp)]
+
+
 def replica_size() -> int:
-    """Ranks that train on the same samples: cp * tp."""
-    return _GROUPS.cp * _GROUPS.tp
+    """Ranks that train on the same samples: pp * cp * tp."""
+    return _GROUPS.pp * _GROUPS.cp * _GROUPS.tp
 
 
 def replica_group():

@@ -101,7 +101,8 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh) -> None:
         else:
             parallelize_module(layer.mlp, mesh, {"": replicated_input(1), "gate_proj": col, "up_proj": col,
                                                  "down_proj": row})
-    partial.append(model.lm_head)  # the logprob (or value) head takes a tp rank's share of the positions
+    if model.lm_head is not None:  # (a pipeline stage before the last has none)
+        partial.append(model.lm_head)  # the logprob (or value) head takes a tp rank's share of the positions
     model.tp_mesh, model.tp_partial_grads, model.tp_split_experts = mesh, partial, split_experts
 
 

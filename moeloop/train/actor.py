@@ -33,7 +33,8 @@ from moeloop.parallel.collectives import all_gather_rows, global_values
 from moeloop.parallel.context import UlyssesAttention, check_heads
 from moeloop.parallel.expert import apply_ep, build_expert_mesh, expert_params, reduce_expert_grads
 from moeloop.parallel.fsdp import apply_fsdp, build_dp_mesh, full_tensor, grad_norm, reshard, scale_grads
-from moeloop.parallel.groups import cp_group, cp_rank, cp_size, dp_group, dp_size, tp_group, tp_size
+from moeloop.parallel.groups import cp_group, cp_rank, cp_size, dp_group, dp_size, pp_size, tp_group, tp_size
+from moeloop.parallel.pipeline import gather_stage_weights, split_stages, stage_outputs
 from moeloop.parallel.tensor import apply_tp, over_tp_rows, reduce_tp_grads
 from moeloop.train.head import LogprobHead
 from moeloop.train.lora import apply_lora, merged_weights
@@ -55,16 +56,19 @@ class PolicyForward:
                  master_weights: bool = False):
         """`head` replaces lm_head (the critic's value head); default: the chunked `LogprobHead`. `ep` > 1: the routed
         experts split over ep ranks (`parallel.expert`), the rest sharded by FSDP over every rank. Context and tensor
-        parallelism come from `parallel.groups` (`parallel.context`, `parallel.tensor`). `master_weights`:
+        parallelism come from `parallel.groups` (`parallel.context`, `parallel.tensor`), and so does pipeline
+        parallelism: the model keeps its stage's layers (`parallel.pipeline`), the head the last stage. `master_weights`:
         trainable bf16 parameters are kept in fp32 and computed in bf16 (`train.precision`)."""
         # the token budget counts what one rank holds: under context parallelism a micro-batch packs cp x as many (verl's
         # ppo_max_token_len_per_gpu x ulysses_sequence_parallel_size), and `moeloop plan` counts it so
         self.model, self.device, self.budget = model, device, max_tokens_per_micro_batch * cp_size()
         if cp_size() > 1:  # context parallel (`parallel.context`): the groups exist (`parallel.groups`)
             check_heads(model.cfg.num_heads, cp_size(), tp_size())
-        if head is None:
+        if pp_size() > 1:  # pipeline parallel: this stage's layers (a stage before the last has no head)
+            split_stages(model)
+        if model.lm_head is not None and head is None:
             LogprobHead.replace_in(model, chunk_tokens)
-        else:
+        elif model.lm_head is not None:
             model.lm_head = head
         self.model.to(device)
         # fp32 masters of trainable bf16 weights: the dtype they compute in, their names
@@ -129,8 +133,12 @@ class PolicyForward:
                     sample.routed_experts = recorded
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, full tensor) in state_dict order; collective under FSDP (all ranks iterate). fp32 master weights
-        come rounded to the dtype the forward computes in (the engine's and the export's)."""
+        """(name, full tensor) in state_dict order; collective under FSDP (all ranks iterate); every stage's under
+        pipeline parallelism. fp32 master weights come rounded to the dtype the forward computes in (the engine's and
+        the export's)."""
+        return gather_stage_weights(self._stage_weights(), self.device)
+
+    def _stage_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self.model.state_dict().items():
             full = full_tensor(tensor)
             yield name, full.to(self.compute_dtype) if name in self.master_names else full
@@ -160,7 +168,12 @@ def packed_hidden(model: nn.Module, batch: PackedBatch, routes: RouteTape | None
 def over_positions(head, hidden_TD: torch.Tensor, *per_position_T: torch.Tensor):
     """`head(hidden_TD, *per_position_T)` (a tensor of per-position values, or a tuple of them and Nones). Under
     context parallelism each cp rank's head takes 1/cp of the positions and every rank gets all the values back, so
-    a loss of them is the same on each rank, and the gathers' backward sums the ranks' gradients."""
+    a loss of them is the same on each rank, and the gathers' backward sums the ranks' gradients. Under pipeline
+    parallelism the last stage runs the head, and the other stages get its values (`parallel.pipeline`)."""
+    return stage_outputs(lambda h_TD: _over_rows(head, h_TD, *per_position_T), hidden_TD)
+
+
+def _over_rows(head, hidden_TD: torch.Tensor, *per_position_T: torch.Tensor):
     if tp_size() > 1:  # tensor parallel: each tp rank's head takes its share of the (cp rank's) positions
         head = functools.partial(over_tp_rows, head, tp_group())
     if cp_size() == 1:
@@ -251,8 +264,9 @@ def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip:
     params = [p for p in model.parameters() if p.grad is not None]
     # clip_grad_norm_ always scales by min(clip / (norm + 1e-6), 1): a scale of exactly 1 is a pass over every
     # gradient that changes nothing, so it runs only when it clips (same result, one memory pass fewer)
-    if tp_size() > 1 or any(p.grad is not None for p in expert_params(model)):
-        # expert or tensor parallel: DTensors on several meshes, which torch's norm and clip do not mix
+    if tp_size() > 1 or pp_size() > 1 or any(p.grad is not None for p in expert_params(model)):
+        # expert or tensor parallel: DTensors on several meshes, which torch's norm and clip do not mix; pipeline
+        # parallel: the stages' norms add
         reduce_expert_grads(model)
         reduce_tp_grads(model)
         norm = grad_norm(params)
@@ -287,7 +301,9 @@ class Actor(PolicyForward):
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The policy's full weights under the plain model's names (under LoRA, merged: what the engine and the HF
         export get); collective under FSDP."""
-        return merged_weights(self.model) if self.lora_modules else super().named_weights()
+        if self.lora_modules:
+            return gather_stage_weights(merged_weights(self.model), self.device)
+        return super().named_weights()
 
     def update(self, samples: list[Sample]) -> dict[str, float]:
         """PPO-style update: `ppo_epochs` passes over mini-batches of whole groups (one optimizer step each)."""

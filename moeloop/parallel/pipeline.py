@@ -1,0 +1,219 @@
+"""Pipeline parallelism (`parallel.pp`): each of pp stages holds a contiguous run of the decoder layers, applied to a
+plain model from outside, before tensor, expert and data parallelism (which then run within a stage's ranks):
+
+    init_parallel_groups(cp, tp, pp)          # collective: ranks ordered (dp, pp, cp, tp); pp groups across stages
+    split_stages(model)                       # this stage's layers; the first keeps the embedding, the last the norm
+    hidden = model(ids, positions, attn)      # stage s receives stage s - 1's activations and sends its own on
+    out = stage_outputs(head, hidden)         # the last stage's head outputs, on every stage of the pp group
+    loss(out).backward()                      # each stage's backward receives its output's gradient, sends its input's
+    for name, t in gather_stage_weights(it):  # every stage's full weights on every rank (weight sync, HF export)
+
+The stages' ranks hold the same samples (a replica group of pp * cp * tp ranks pools what each generated), pack the
+same micro-batches and run the same passes in order. For each micro-batch the activations go forward stage by stage
+by point-to-point send/recv (a header with the shape and dtype first, so packed micro-batches of any length pass);
+the last stage runs the final norm and the logprob (or value) head and broadcasts the per-position outputs over the
+pp group, so every stage computes the same loss and metrics; the backward runs the other way, each stage receiving
+the gradient of its output and sending that of its input. The passes are not overlapped: one micro-batch is in flight
+at a time (GPipe's and 1F1B's schedules keep pp of them in flight to fill the pipeline; here a stage waits while the
+others compute: the bubble is (pp - 1) / pp of a step). What it buys is memory: each rank holds 1/pp of the layers'
+weights, gradients and optimizer state, and the activations of its own layers for one micro-batch.
+(torch.distributed.pipelining's stages and schedules take micro-batches of one fixed shape cut from one batch tensor;
+the trainer's micro-batches are packed token streams of varying length with per-token loss inputs.)
+
+Names stay the whole model's (`model.layers.<i>`), so DCP checkpoints reshard between pipeline layouts and one process,
+and the weight sync and the HF export see the whole model (`gather_stage_weights`).
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moeloop.errors import InputError
+from moeloop.parallel.groups import pp_group, pp_peer, pp_rank, pp_size, stage_layer_counts
+
+WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # an activation's dtype goes as its index here
+HOST = torch.device("cpu")  # names and shapes go through gloo (on GPUs too: the default group is cpu:gloo,cuda:nccl)
+
+
+class StageLayers(nn.ModuleDict):
+    """A stage's decoder layers under their whole-model indices (`model.layers.<i>` as in the whole model); iterating
+    it gives the layers in order, as iterating the whole model's ModuleList does."""
+
+    def __iter__(self):
+        return iter(self.values())
+
+
+class StageInput(nn.Module):
+    """The embedding's place on a stage after the first: the previous stage's activations for these tokens."""
+
+    def __init__(self, src: int):
+        super().__init__()
+        self.src = src  # the previous stage's global rank
+
+    def forward(self, input_ids_T: torch.Tensor) -> torch.Tensor:
+        # an empty leaf that requires grad puts the receive in the autograd graph, whose backward sends the gradient
+        anchor = torch.empty(0, device=input_ids_T.device, requires_grad=torch.is_grad_enabled())
+        return _Receive.apply(anchor, self.src, input_ids_T.shape[0])
+
+
+class StageOutput(nn.Module):
+    """The final norm's place on a stage before the last: sends the activations to the next stage and returns zeros
+    of their shape, which carry no gradient back (the backward receives the real one from the next stage)."""
+
+    def __init__(self, dst: int):
+        super().__init__()
+        self.dst = dst
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        return _Send.apply(x_TD, self.dst)
+
+
+def _send_tensor(x: torch.Tensor, dst: int) -> None:
+    if x.dtype not in WIRE_DTYPES:
+        raise TypeError(f"pipeline stage output of dtype {x.dtype}: expected one of {WIRE_DTYPES}")
+    header = torch.tensor([*x.shape, WIRE_DTYPES.index(x.dtype)], dtype=torch.int64, device=x.device)
+    dist.send(header, dst)
+    dist.send(x.contiguous(), dst)
+
+
+def _recv_tensor(src: int, device: torch.device) -> torch.Tensor:
+    header = torch.empty(3, dtype=torch.int64, device=device)
+    dist.recv(header, src)
+    rows, dim, code = header.tolist()
+    x = torch.empty(rows, dim, dtype=WIRE_DTYPES[code], device=device)
+    dist.recv(x, src)
+    return x
+
+
+class _Receive(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, src: int, num_rows: int) -> torch.Tensor:
+        x_TD = _recv_tensor(src, anchor.device)
+        if x_TD.shape[0] != num_rows:
+            raise RuntimeError(f"pipeline stage {pp_rank()}: received {x_TD.shape[0]} rows from rank {src} for a "
+                               f"micro-batch of {num_rows} tokens (the stages' micro-batches differ)")
+        ctx.src = src
+        return x_TD
+
+    @staticmethod
+    def backward(ctx, grad_TD: torch.Tensor):
+        dist.send(grad_TD.contiguous(), ctx.src)
+        return None, None, None
+
+
+class _Send(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TD: torch.Tensor, dst: int) -> torch.Tensor:
+        _send_tensor(x_TD.detach(), dst)
+        ctx.dst, ctx.shape, ctx.dtype = dst, x_TD.shape, x_TD.dtype
+        return torch.zeros_like(x_TD)
+
+    @staticmethod
+    def backward(ctx, _unused: torch.Tensor):
+        grad_TD = torch.empty(ctx.shape, dtype=ctx.dtype, device=_unused.device)
+        dist.recv(grad_TD, ctx.dst)
+        return grad_TD, None
+
+
+def split_stages(model: nn.Module) -> None:
+    """Keep this rank's stage of `model` (in place, before anything shards it): its decoder layers
+    (`parallel.groups.stage_layer_counts`); the embedding on the first stage, the final norm and lm_head on the last.
+    The other stages' places take a receive and a send."""
+    pp, stage = pp_size(), pp_rank()
+    counts = stage_layer_counts(model.cfg.num_layers)
+    if min(counts) < 1:
+        raise InputError(f"parallel.pp={pp}: the stages would hold {counts} of the {model.cfg.num_layers} decoder "
+                         "layers; every stage needs one at least (parallel.first_stage_layers / last_stage_layers)")
+    if model.cfg.tie_word_embeddings:
+        raise InputError("parallel.pp > 1 with tie_word_embeddings=true: the embedding (first stage) and lm_head (last "
+                         "stage) would share a weight across ranks; set tie_word_embeddings=false")
+    start = sum(counts[:stage])
+    keep = range(start, start + counts[stage])
+    model.model.layers = StageLayers({str(i): model.model.layers[i] for i in keep})
+    if stage > 0:
+        model.model.embed_tokens = StageInput(pp_peer(stage - 1))
+    if stage < pp - 1:
+        model.model.norm = StageOutput(pp_peer(stage + 1))
+        model.lm_head = None
+    model.pipeline_stage = stage
+
+
+def is_last_stage() -> bool:
+    return pp_rank() == pp_size() - 1
+
+
+def stage_outputs(head_fn, hidden_TD: torch.Tensor):
+    """`head_fn(hidden_TD)` (a tensor of per-position values, or a tuple of them and Nones) on every stage: the last
+    stage computes it and broadcasts the values (fp32) over its pp group; on the others `hidden_TD` is the placeholder
+    `StageOutput` returned, and the values come back as outputs of it whose backward gives it zeros (the real
+    gradient reaches the stage from the next one)."""
+    if pp_size() == 1:
+        return head_fn(hidden_TD)
+    src, group = pp_peer(pp_size() - 1), pp_group()
+    if is_last_stage():
+        out = head_fn(hidden_TD)
+        values = list(out) if isinstance(out, tuple) else [out]
+        if len(values) > 4:
+            raise ValueError(f"stage_outputs: a head of {len(values)} outputs (at most 4)")
+        flags = [int(isinstance(out, tuple)), len(values)] + [int(v is not None) for v in values]
+        dist.broadcast(torch.tensor(flags + [0] * (6 - len(flags)), dtype=torch.int64, device=hidden_TD.device),
+                       src=src, group=group)
+        for v in values:
+            if v is not None:
+                dist.broadcast(v.detach().float().contiguous(), src=src, group=group)
+        return out
+    flags = torch.empty(6, dtype=torch.int64, device=hidden_TD.device)
+    dist.broadcast(flags, src=src, group=group)
+    is_tuple, count, *present = flags.tolist()
+    received = list(_ReceiveOutputs.apply(hidden_TD, src, sum(present[:count])))
+    values = [received.pop(0) if present[i] else None for i in range(count)]
+    return tuple(values) if is_tuple else values[0]
+
+
+class _ReceiveOutputs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden_TD: torch.Tensor, src: int, count: int):
+        ctx.shape, ctx.dtype = hidden_TD.shape, hidden_TD.dtype
+        values = []
+        for _ in range(count):
+            v = torch.empty(hidden_TD.shape[0], dtype=torch.float32, device=hidden_TD.device)
+            dist.broadcast(v, src=src, group=pp_group())
+            values.append(v)
+        return tuple(values)
+
+    @staticmethod
+    def backward(ctx, *_grads):
+        return torch.zeros(ctx.shape, dtype=ctx.dtype, device=_grads[0].device), None, None
+
+
+def gather_stage_weights(local: Iterator[tuple[str, torch.Tensor]],
+                         device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) of the whole model on every rank, stage by stage (the whole model's order), from each
+    stage's `local` ones: the stage's ranks iterate theirs (FSDP's gathers within the stage) and broadcast each over
+    their pp groups. Collective: every rank iterates to the end."""
+    if pp_size() == 1:
+        yield from local
+        return
+    group, mine = pp_group(), pp_rank()
+    for stage in range(pp_size()):
+        src = pp_peer(stage)
+        if stage == mine:
+            for name, tensor in local:
+                header = [(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))]
+                dist.broadcast_object_list(header, src=src, group=group, device=HOST)
+                dist.broadcast(tensor.to(device).contiguous(), src=src, group=group)
+                yield name, tensor
+            dist.broadcast_object_list([None], src=src, group=group, device=HOST)
+            continue
+        while True:
+            header = [None]
+            dist.broadcast_object_list(header, src=src, group=group, device=HOST)
+            if header[0] is None:
+                break
+            name, shape, dtype = header[0]
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+            dist.broadcast(tensor, src=src, group=group)
+            yield name, tensor
