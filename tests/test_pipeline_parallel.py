@@ -17,7 +17,8 @@ from moeloop.model.config import ModelConfig
 from moeloop.model.factory import build_model, hf_config_dict, init_model
 from moeloop.parallel import Layout
 from moeloop.parallel.groups import init_parallel_groups, pp_rank
-from moeloop.plan import memory_ledger, model_stats
+from moeloop.plan import model_stats
+from moeloop.plan.memory import stage_ledgers
 from moeloop.train.actor import Actor
 from moeloop.train.critic import Critic
 from tests.dist import run_ranks
@@ -94,3 +95,103 @@ def test_the_gradient_is_clipped_at_pipeline_parallel_as_in_one_process():
     """The clipped steps above clip: the one-process gradient norm is above the 0.1 clip."""
     _, metrics, _, _ = _run()
     assert all(norm > 0.1 for norm in metrics[1::2])
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return init_model("qwen3_moe", "tiny", tmp_path_factory.mktemp("model") / "m", seed=3)
+
+
+def _loop_rank(rank, world, command, model_dir, run_dir, *extra):
+    """Runs the command; returns the stage each model the trainer built kept (one a model: the actor's, ...)."""
+    import moeloop.train.actor as actor
+    stages, split_stages = [], actor.split_stages
+    actor.split_stages = lambda model: (split_stages(model), stages.append(model.pipeline_stage))
+    try:
+        if command == "sft":
+            run_sft(sft_cfg(model_dir, run_dir, *extra))
+        else:
+            run_rl(rl_cfg(model_dir, run_dir, "actor.optim.lr=1e-4", *extra))
+    finally:
+        actor.split_stages = split_stages
+    return stages
+
+
+@pytest.mark.parametrize("world,extra", [
+    (2, ()),  # pp 2: each rank generates its share of the prompts, both stages train on both ranks' samples
+    (4, ("actor.ppo_mini_batch_size=4",)),  # dp 2 x pp 2
+    (2, ("rollout.mode=async", "rollout.max_staleness=1")),  # generated on a thread, pooled on the main one
+    (2, ("actor.use_kl_loss=true", "critic.enable=true", "algorithm.adv_estimator=gae")),  # reference and critic too
+])
+def test_the_rl_loop_at_pipeline_parallel_matches_one_process(model_dir, tmp_path, world, extra):
+    """`moeloop rl` with parallel.pp=2 gives one process's metrics and weights (tolerance as the DP loop tests': Adam
+    over all-reduced fp32 gradients); the engine of every rank gets the whole model from the stages."""
+    assert _loop_rank(0, 1, "rl", model_dir, tmp_path / "one", *extra) == []
+    models = 1 + ("actor.use_kl_loss=true" in extra) + ("critic.enable=true" in extra)
+    stages = run_ranks(_loop_rank, world, "rl", model_dir, tmp_path / "pp", *extra, "parallel.pp=2")
+    assert stages == [[rank % 2] * models for rank in range(world)]  # ranks ordered (dp, pp)
+    assert_same_run(tmp_path / "one", tmp_path / "pp",
+                    ("reward/mean", "reward/samples", "pg_loss", "grad_norm", "response/len_mean"))
+
+
+def test_sft_at_pipeline_parallel_resumes_in_one_process_and_at_dp_2(model_dir, tmp_path):
+    """`moeloop sft` at pp 2 for 2 steps gives one process's losses; its checkpoint (DCP, each stage's layers saved by
+    its ranks) resumes in one process, and at dp 2 in another directory's copy, for the 3rd and 4th steps, which end
+    at the straight 4-step run's weights."""
+    train = _conversations(tmp_path / "train.jsonl")
+    extra = ("data.prompt_key=messages", "data.max_response_length=16", f"data.train_files=[{train}]",
+             "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "data.val_files=[]")
+    run_sft(sft_cfg(model_dir, tmp_path / "one", "trainer.steps=4", *extra))
+    assert run_ranks(_loop_rank, 2, "sft", model_dir, tmp_path / "pp", "trainer.steps=2", "parallel.pp=2", *extra) \
+        == [[0], [1]]
+    shutil.copytree(tmp_path / "pp", tmp_path / "dp")
+    run_sft(sft_cfg(model_dir, tmp_path / "pp", "trainer.steps=4", *extra), resume=True)
+    run_ranks(_resume_rank, 2, model_dir, tmp_path / "dp", "trainer.steps=4", *extra)
+    one = [r["sft_loss"] for r in _rows(tmp_path / "one")]
+    for run in ("pp", "dp"):
+        assert [r["sft_loss"] for r in _rows(tmp_path / run)] == pytest.approx(one, rel=1e-5), run
+        w1, w2 = _weights(tmp_path / "one"), _weights(tmp_path / run)
+        for name in w1:
+            torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=5e-5)
+
+
+def _resume_rank(rank, world, model_dir, run_dir, *extra):
+    run_sft(sft_cfg(model_dir, run_dir, *extra), resume=True)
+    return True
+
+
+def test_pipeline_parallel_refuses_what_it_cannot_split(model_dir, tmp_path):
+    with pytest.raises(AssertionError, match=r"parallel.pp=3 must be >= 1 and divide the 2 ranks"):
+        run_ranks(_loop_rank, 2, "rl", model_dir, tmp_path / "a", "parallel.pp=3")
+    with pytest.raises(InputError, match=r"actor.router_replay=R3 with parallel.pp=2"):
+        run_rl(rl_cfg(model_dir, tmp_path / "b", "parallel.pp=2", "actor.router_replay=R3"))
+    with pytest.raises(InputError, match=r"parallel.vpp=2"):
+        run_rl(rl_cfg(model_dir, tmp_path / "c", "parallel.pp=2", "parallel.vpp=2"))
+    with pytest.raises(AssertionError, match=r"the stages would hold \[2, 0\] of the 2 decoder layers"):
+        run_ranks(_loop_rank, 2, "rl", model_dir, tmp_path / "d", "parallel.pp=2", "parallel.first_stage_layers=2")
+
+
+def _weights_rank(rank, world, pp, tp, arch):
+    init_parallel_groups(1, tp, pp)
+    model = build_model(arch, "tiny", seed=0).to(torch.bfloat16)
+    Actor(model, actor_cfg(), torch.device("cpu"), 8, master_weights=False)
+    persistent = [b for name, b in model.named_buffers() if name in model.state_dict()]  # (DeepSeek's router bias)
+    kept = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * 2 for p in [*model.parameters(), *persistent])
+    return pp_rank(), kept
+
+
+@pytest.mark.parametrize("world,pp,tp,arch", [(2, 2, 1, "qwen3_moe"), (4, 2, 1, "qwen3_moe"), (4, 2, 2, "qwen3_moe"),
+                                              (3, 3, 1, "deepseek_v3")])
+def test_the_planner_counts_the_weights_a_pipeline_stage_keeps(world, pp, tp, arch):
+    """`moeloop plan`'s weights entry of each stage is the mean bytes a rank of that stage keeps: its layers (the
+    embedding on the first stage, the final norm and head on the last), sharded as without pipeline parallelism."""
+    kept = run_ranks(_weights_rank, world, pp, tp, arch)
+    cfg = load_config(None, ["model.path=unused", f"parallel.dp={world // (pp * tp)}", f"parallel.tp={tp}",
+                             f"parallel.pp={pp}", "model.dtype=bfloat16", "model.fp32_master_weights=false"])
+    cfg.plan.hf_config = hf_config_dict(arch, "tiny")
+    stats = model_stats(ModelConfig.from_hf_dict(cfg.plan.hf_config))
+    ledgers = stage_ledgers(cfg, stats, Layout.from_section(cfg.parallel))
+    for stage, ledger in enumerate(ledgers):
+        mine = [b for s, b in kept if s == stage]
+        assert len(mine) == world // pp
+        assert sum(mine) / len(mine) == pytest.approx(ledger.entries["weights"], rel=1e-9), stage
