@@ -1,0 +1,123 @@
+"""Pipeline parallelism (`parallel.pp`) against data parallelism alone: the actor's update at N gloo ranks on this CPU,
+per stage per step: the weights a rank keeps and the activation bytes autograd saves for the backward (the largest
+micro-batch's), each beside `moeloop plan`'s entry for the same stage; the bytes each rank sends to the next stage
+(activations forward, gradients backward) and the head outputs the last stage broadcasts; FSDP's all-gathers; and the
+step's median seconds (the slowest rank's).
+
+    python benchmarks/pipeline_parallel.py --world 4 --pp 1,2,4 --prompt 256 --response 768
+
+Every layout trains the same global batch: `--groups` GRPO groups a rank at pp 1, so at pp p each of the N / p dp
+groups holds p x as many (its stages train them together). A micro-batch is one sequence. bf16 weights and
+activations (the planner's units), one thread a rank. The planner counts 1F1B's in-flight micro-batches (pp - s on
+stage s); moeloop's schedule runs one micro-batch at a time through the stages, so it keeps one. Timings on a 2-core
+VM with 4 ranks are indicative only: the ranks share the cores, so a stage that waits gives its core to another.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from context_parallel import largest_saved
+from expert_parallel import launch, local_bytes, samples_of, timed_updates
+from moeloop.config.schema import ActorSection
+from moeloop.model.config import ModelConfig
+from moeloop.model.factory import build_model, hf_config_dict
+
+COLUMNS = ("p2p_sent", "head_broadcast", "all_gather", "reduce_scatter")
+
+
+def count_p2p(moved: dict[str, int]) -> None:
+    """Wrap `dist.send` (activations and gradients to the neighbouring stage) and `dist.broadcast` (the last stage's
+    head outputs, counted on the stage that sends them) to add their bytes to `moved`."""
+    send, broadcast = dist.send, dist.broadcast
+
+    def sent(tensor, *args, **kw):
+        moved["p2p_sent"] = moved.get("p2p_sent", 0) + tensor.numel() * tensor.element_size()
+        return send(tensor, *args, **kw)
+
+    def broadcasted(tensor, src, *args, **kw):
+        if src == dist.get_rank():
+            moved["head_broadcast"] = moved.get("head_broadcast", 0) + tensor.numel() * tensor.element_size()
+        return broadcast(tensor, src, *args, **kw)
+    dist.send, dist.broadcast = sent, broadcasted
+
+
+def rank_main(rank: int, world: int, init_file: str, args, pp: int, queue) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=1800))
+    from moeloop.parallel.groups import dp_rank, init_parallel_groups, pp_rank
+    from moeloop.train.actor import Actor  # (after the group: the meshes are built from it)
+    init_parallel_groups(1, 1, pp)
+    model = build_model("qwen3_moe", args.size, seed=0).to(torch.bfloat16)
+    actor_cfg = ActorSection()
+    actor_cfg.ppo_mini_batch_size = args.groups * world
+    actor_cfg.max_tokens_per_micro_batch = args.prompt + args.response
+    actor = Actor(model, actor_cfg, torch.device("cpu"), args.response, master_weights=False)
+    weights = sum(local_bytes(p) for p in model.parameters())
+    # each dp group's samples (pp x a pp-1 rank's); `samples_of` seeds by its first argument
+    samples = [s for r in range(pp) for s in samples_of(dp_rank() * pp + r, args.groups, args.n, model.cfg.vocab_size,
+                                                          args.prompt, args.response)]
+    actor.update(samples)  # warm-up: lazy init, optimizer state
+    saved = largest_saved(actor, samples)
+    p2p: dict[str, int] = {}
+    count_p2p(p2p)
+    moved, seconds = timed_updates(actor, samples, args.steps)
+    moved.update({k: v / args.steps for k, v in p2p.items()})
+    queue.put((rank, pp_rank(), weights, saved, moved, seconds, len(actor.micro_batches(samples))))
+    dist.destroy_process_group()
+
+
+def planned_mb(args, pp: int) -> list[tuple[float, float]]:
+    """`moeloop plan`'s (weights, activations) a rank of each stage (MB) for the layout."""
+    from moeloop.config.load import load_config
+    from moeloop.parallel import Layout
+    from moeloop.plan import model_stats
+    from moeloop.plan.memory import stage_ledgers
+    cfg = load_config(None, ["model.path=unused", f"parallel.dp={args.world // pp}", f"parallel.pp={pp}",
+                             "model.dtype=bfloat16", "model.fp32_master_weights=false",
+                             f"actor.ppo_mini_batch_size={args.groups * args.world}", f"rollout.n={args.n}",
+                             f"actor.max_tokens_per_micro_batch={args.prompt + args.response}",
+                             f"data.max_prompt_length={args.prompt}", f"data.max_response_length={args.response}"])
+    cfg.plan.hf_config = hf_config_dict("qwen3_moe", args.size)
+    stats = model_stats(ModelConfig.from_hf_dict(cfg.plan.hf_config))
+    return [(led.entries["weights"] / 1e6, led.entries["activations"] / 1e6)
+            for led in stage_ledgers(cfg, stats, Layout.from_section(cfg.parallel))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size", default="small", choices=("tiny", "small"))
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--pp", default="1,2,4", help="comma-separated; 1 = data parallel alone")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--groups", type=int, default=1, help="GRPO groups a rank at pp 1")
+    ap.add_argument("--n", type=int, default=2, help="samples a group")
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--response", type=int, default=768)
+    args = ap.parse_args()
+    print(f"{args.size} qwen3_moe, {args.world} gloo ranks, {args.groups * args.world} groups x {args.n} samples x "
+          f"({args.prompt} + {args.response}) tokens a step, bf16; a micro-batch is one sequence; per rank per update "
+          "step (the stage's first rank; max over all ranks for seconds); MB moved a step: p2p_sent to the neighbouring "
+          "stages, head_broadcast from the last stage, FSDP's all_gather and reduce_scatter")
+    print("| pp | dp | stage | micro-batches | weights MB measured | planned | activations MB measured | planned (1F1B) | "
+          + " | ".join(COLUMNS) + " | step s |")
+    print("|---|---|---|---|---|---|---|---|" + "---|" * len(COLUMNS) + "---|")
+    for pp in (int(p) for p in args.pp.split(",")):
+        rows = launch(rank_main, args.world, args, pp)
+        step = max(r[5] for r in rows)
+        plan = planned_mb(args, pp)
+        for stage in range(pp):
+            _, _, weights, saved, moved, _, micro = next(r for r in rows if r[1] == stage)
+            print(f"| {pp} | {args.world // pp} | {stage} | {micro} | {weights / 1e6:.2f} | {plan[stage][0]:.2f} | "
+                  f"{saved / 1e6:.1f} | {plan[stage][1]:.1f} | "
+                  + " | ".join(f"{moved.get(k, 0) / 1e6:.1f}" for k in COLUMNS) + f" | {step:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
