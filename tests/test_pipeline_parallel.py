@@ -122,12 +122,15 @@ def _loop_rank(rank, world, command, model_dir, run_dir, *extra):
     (4, ("actor.ppo_mini_batch_size=4",)),  # dp 2 x pp 2
     (2, ("rollout.mode=async", "rollout.max_staleness=1")),  # generated on a thread, pooled on the main one
     (2, ("actor.use_kl_loss=true", "critic.enable=true", "algorithm.adv_estimator=gae")),  # reference and critic too
+    (2, ("actor.lora_rank=4", "actor.use_kl_loss=true")),  # adapters on each stage's layers; the engine gets merged weights
+    (2, ("algorithm.dynamic_sampling=true", "algorithm.max_refill_rounds=2")),  # kept groups dealt by dp rank
 ])
 def test_the_rl_loop_at_pipeline_parallel_matches_one_process(model_dir, tmp_path, world, extra):
     """`moeloop rl` with parallel.pp=2 gives one process's metrics and weights (tolerance as the DP loop tests': Adam
     over all-reduced fp32 gradients); the engine of every rank gets the whole model from the stages."""
     assert _loop_rank(0, 1, "rl", model_dir, tmp_path / "one", *extra) == []
-    models = 1 + ("actor.use_kl_loss=true" in extra) + ("critic.enable=true" in extra)
+    # the actor, the reference (under LoRA the actor with its adapters off: no model of its own), the critic
+    models = 1 + ("actor.use_kl_loss=true" in extra and "actor.lora_rank=4" not in extra) + ("critic.enable=true" in extra)
     stages = run_ranks(_loop_rank, world, "rl", model_dir, tmp_path / "pp", *extra, "parallel.pp=2")
     assert stages == [[rank % 2] * models for rank in range(world)]  # ranks ordered (dp, pp)
     assert_same_run(tmp_path / "one", tmp_path / "pp",
