@@ -198,3 +198,27 @@ def test_the_planner_counts_the_weights_a_pipeline_stage_keeps(world, pp, tp, ar
         mine = [b for s, b in kept if s == stage]
         assert len(mine) == world // pp
         assert sum(mine) / len(mine) == pytest.approx(ledger.entries["weights"], rel=1e-9), stage
+
+
+def _schedule_rank(rank, world, passes):
+    from moeloop.parallel.pipeline import run_passes
+    init_parallel_groups(1, 1, world)
+    events = []
+
+    def forward(i):
+        events.append(f"F{i}")
+        x = torch.ones((), requires_grad=True)
+        x.register_hook(lambda grad, i=i: events.append(f"B{i}"))
+        return x * 2
+    run_passes(range(passes), forward)
+    return events
+
+
+def test_the_stages_run_their_passes_in_1f1b_order():
+    """Stage s runs pp - 1 - s forwards ahead, then a forward and a backward in turn, then the backwards left (at most
+    pp - s micro-batches in flight, as `moeloop plan` counts); with fewer passes than that, all forwards first."""
+    assert run_ranks(_schedule_rank, 3, 4) == [
+        ["F0", "F1", "F2", "B0", "F3", "B1", "B2", "B3"],
+        ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"],
+        ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"]]
+    assert run_ranks(_schedule_rank, 3, 1) == [["F0", "B0"]] * 3

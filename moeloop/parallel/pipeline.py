@@ -25,7 +25,8 @@ and the weight sync and the HF export see the whole model (`gather_stage_weights
 """
 from __future__ import annotations
 
-from typing import Iterator
+from collections import deque
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,7 @@ from moeloop.errors import InputError
 from moeloop.parallel.groups import pp_group, pp_peer, pp_rank, pp_size, stage_layer_counts
 
 WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # an activation's dtype goes as its index here
+Item = TypeVar("Item")
 HOST = torch.device("cpu")  # names and shapes go through gloo (on GPUs too: the default group is cpu:gloo,cuda:nccl)
 
 
@@ -71,12 +73,26 @@ class StageOutput(nn.Module):
         return _Send.apply(x_TD, self.dst)
 
 
+_SENDS: list[tuple[Any, torch.Tensor]] = []  # sends in flight and their tensors (kept alive until they complete)
+
+
+def _isend(x: torch.Tensor, dst: int) -> None:
+    x = x.contiguous()
+    _SENDS.append((dist.isend(x, dst), x))
+
+
+def finish_sends() -> None:
+    """Wait for every send in flight (`run_passes` does at its end)."""
+    for work, _ in _SENDS:
+        work.wait()
+    _SENDS.clear()
+
+
 def _send_tensor(x: torch.Tensor, dst: int) -> None:
     if x.dtype not in WIRE_DTYPES:
         raise TypeError(f"pipeline stage output of dtype {x.dtype}: expected one of {WIRE_DTYPES}")
-    header = torch.tensor([*x.shape, WIRE_DTYPES.index(x.dtype)], dtype=torch.int64, device=x.device)
-    dist.send(header, dst)
-    dist.send(x.contiguous(), dst)
+    _isend(torch.tensor([*x.shape, WIRE_DTYPES.index(x.dtype)], dtype=torch.int64, device=x.device), dst)
+    _isend(x, dst)
 
 
 def _recv_tensor(src: int, device: torch.device) -> torch.Tensor:
@@ -100,7 +116,7 @@ class _Receive(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_TD: torch.Tensor):
-        dist.send(grad_TD.contiguous(), ctx.src)
+        _isend(grad_TD, ctx.src)
         return None, None, None
 
 
@@ -145,48 +161,91 @@ def is_last_stage() -> bool:
     return pp_rank() == pp_size() - 1
 
 
-def stage_outputs(head_fn, hidden_TD: torch.Tensor):
-    """`head_fn(hidden_TD)` (a tensor of per-position values, or a tuple of them and Nones) on every stage: the last
-    stage computes it and broadcasts the values (fp32) over its pp group; on the others `hidden_TD` is the placeholder
-    `StageOutput` returned, and the values come back as outputs of it whose backward gives it zeros (the real
-    gradient reaches the stage from the next one)."""
+def stage_outputs(head_fn, hidden_TD: torch.Tensor, outputs: tuple[bool, ...] | None = None):
+    """`head_fn(hidden_TD)` on every stage: per-position values, one tensor (`outputs` None) or a tuple of tensors and
+    Nones (`outputs` says which are tensors). The last stage computes it; in a forward-only pass it broadcasts the
+    values (fp32) over its pp group, and on the other stages, where `hidden_TD` is the placeholder `StageOutput`
+    returned, they arrive as outputs of it whose backward gives it zeros. Inside `run_passes` nothing is broadcast:
+    the other stages get zeros of their shape (their loss is not used: their backward takes the next stage's gradient,
+    and their metrics are replaced by the last stage's, `last_stage_value`)."""
     if pp_size() == 1:
         return head_fn(hidden_TD)
     src, group = pp_peer(pp_size() - 1), pp_group()
     if is_last_stage():
         out = head_fn(hidden_TD)
-        values = list(out) if isinstance(out, tuple) else [out]
-        if len(values) > 4:
-            raise ValueError(f"stage_outputs: a head of {len(values)} outputs (at most 4)")
-        flags = [int(isinstance(out, tuple)), len(values)] + [int(v is not None) for v in values]
-        dist.broadcast(torch.tensor(flags + [0] * (6 - len(flags)), dtype=torch.int64, device=hidden_TD.device),
-                       src=src, group=group)
-        for v in values:
-            if v is not None:
-                dist.broadcast(v.detach().float().contiguous(), src=src, group=group)
+        if not _SCHEDULE.running:
+            for v in (out if isinstance(out, tuple) else (out,)):
+                if v is not None:
+                    dist.broadcast(v.detach().float().contiguous(), src=src, group=group)
         return out
-    flags = torch.empty(6, dtype=torch.int64, device=hidden_TD.device)
-    dist.broadcast(flags, src=src, group=group)
-    is_tuple, count, *present = flags.tolist()
-    received = list(_ReceiveOutputs.apply(hidden_TD, src, sum(present[:count])))
-    values = [received.pop(0) if present[i] else None for i in range(count)]
-    return tuple(values) if is_tuple else values[0]
+    present = (True,) if outputs is None else outputs
+    received = list(_StageOutputs.apply(hidden_TD, None if _SCHEDULE.running else src, sum(present)))
+    if not _SCHEDULE.running:
+        finish_sends()  # (the last stage received this stage's activations before it broadcast)
+    values = [received.pop(0) if p else None for p in present]
+    return values[0] if outputs is None else tuple(values)
 
 
-class _ReceiveOutputs(torch.autograd.Function):
+class _StageOutputs(torch.autograd.Function):
+    """The head's values on a stage before the last: broadcast from rank `src` (None: zeros)."""
+
     @staticmethod
-    def forward(ctx, hidden_TD: torch.Tensor, src: int, count: int):
+    def forward(ctx, hidden_TD: torch.Tensor, src: int | None, count: int):
         ctx.shape, ctx.dtype = hidden_TD.shape, hidden_TD.dtype
         values = []
         for _ in range(count):
-            v = torch.empty(hidden_TD.shape[0], dtype=torch.float32, device=hidden_TD.device)
-            dist.broadcast(v, src=src, group=pp_group())
+            v = torch.zeros(hidden_TD.shape[0], dtype=torch.float32, device=hidden_TD.device)
+            if src is not None:
+                dist.broadcast(v, src=src, group=pp_group())
             values.append(v)
         return tuple(values)
 
     @staticmethod
-    def backward(ctx, *_grads):
-        return torch.zeros(ctx.shape, dtype=ctx.dtype, device=_grads[0].device), None, None
+    def backward(ctx, *grads):
+        return torch.zeros(ctx.shape, dtype=ctx.dtype, device=grads[0].device), None, None
+
+
+class _Schedule:
+    running = False  # inside `run_passes`
+
+
+_SCHEDULE = _Schedule()
+
+
+def run_passes(passes: Iterable[Item], forward: Callable[[Item], torch.Tensor]) -> None:
+    """Each of `passes` through `forward(p)`, which runs a micro-batch's forward and returns its loss, and that loss's
+    backward. Without pipeline parallelism in turn. With it in 1F1B order: stage s runs pp - 1 - s forwards ahead,
+    then one forward and one backward in turn, then the backwards left, so that each stage computes while the
+    others do (at most pp - s micro-batches' activations in flight on stage s, as `moeloop plan` counts). The stages
+    before the last compute no real loss (`stage_outputs` gives them zeros): their backward takes the gradient the next
+    stage sends. Sends are asynchronous; they are completed before it returns."""
+    if pp_size() == 1:
+        for item in passes:
+            forward(item).backward()
+        return
+    ahead = pp_size() - 1 - pp_rank()
+    in_flight: deque[torch.Tensor] = deque()
+    _SCHEDULE.running = True
+    try:
+        for i, item in enumerate(passes):
+            in_flight.append(forward(item))
+            if i >= ahead:
+                in_flight.popleft().backward()
+        while in_flight:
+            in_flight.popleft().backward()
+    finally:
+        _SCHEDULE.running = False
+        finish_sends()
+
+
+def last_stage_value(value: Any) -> Any:
+    """`value` as the last pipeline stage has it, on every stage of the pp group (a loss or metrics `run_passes`
+    computed: only the last stage's are real); `value` itself without pipeline parallelism."""
+    if pp_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=pp_peer(pp_size() - 1), group=pp_group(), device=HOST)
+    return box[0]
 
 
 def gather_stage_weights(local: Iterator[tuple[str, torch.Tensor]],

@@ -34,7 +34,7 @@ from moeloop.parallel.context import UlyssesAttention, check_heads
 from moeloop.parallel.expert import apply_ep, build_expert_mesh, expert_params, reduce_expert_grads
 from moeloop.parallel.fsdp import apply_fsdp, build_dp_mesh, full_tensor, grad_norm, reshard, scale_grads
 from moeloop.parallel.groups import cp_group, cp_rank, cp_size, dp_group, dp_size, pp_size, tp_group, tp_size
-from moeloop.parallel.pipeline import gather_stage_weights, split_stages, stage_outputs
+from moeloop.parallel.pipeline import gather_stage_weights, last_stage_value, run_passes, split_stages, stage_outputs
 from moeloop.parallel.tensor import apply_tp, over_tp_rows, reduce_tp_grads
 from moeloop.train.head import LogprobHead
 from moeloop.train.lora import apply_lora, merged_weights
@@ -84,7 +84,8 @@ class PolicyForward:
     def forward_batch(self, batch: PackedBatch, with_entropy: bool,
                       routes: RouteTape | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         head = lambda hidden_TD, labels_T: self.model.lm_head(hidden_TD, labels_T, 1.0, with_entropy)  # noqa: E731
-        return over_positions(head, packed_hidden(self.model, batch, routes), batch.labels_T)
+        hidden_TD = packed_hidden(self.model, batch, routes)
+        return over_positions(head, hidden_TD, batch.labels_T, outputs=(True, with_entropy))
 
     def micro_batches(self, samples: list[Sample], at_least: int = 0) -> list[list[int]]:
         """Token-budget cut, padded with empty micro-batches to the max count over DP ranks (and to `at_least`)."""
@@ -165,12 +166,14 @@ def packed_hidden(model: nn.Module, batch: PackedBatch, routes: RouteTape | None
     return hidden_UD if st is None else gather_rows(hidden_UD, RowMap.of_gather(st.gather_T, st.owner_U))
 
 
-def over_positions(head, hidden_TD: torch.Tensor, *per_position_T: torch.Tensor):
+def over_positions(head, hidden_TD: torch.Tensor, *per_position_T: torch.Tensor,
+                   outputs: tuple[bool, ...] | None = None):
     """`head(hidden_TD, *per_position_T)` (a tensor of per-position values, or a tuple of them and Nones). Under
     context parallelism each cp rank's head takes 1/cp of the positions and every rank gets all the values back, so
     a loss of them is the same on each rank, and the gathers' backward sums the ranks' gradients. Under pipeline
-    parallelism the last stage runs the head, and the other stages get its values (`parallel.pipeline`)."""
-    return stage_outputs(lambda h_TD: _over_rows(head, h_TD, *per_position_T), hidden_TD)
+    parallelism the last stage runs the head, and the other stages get its values (`parallel.pipeline`); `outputs`:
+    which entries of the head's tuple are tensors (None: it returns one tensor)."""
+    return stage_outputs(lambda h_TD: _over_rows(head, h_TD, *per_position_T), hidden_TD, outputs)
 
 
 def _over_rows(head, hidden_TD: torch.Tensor, *per_position_T: torch.Tensor):
@@ -345,7 +348,10 @@ class Actor(PolicyForward):
         # and AdamW still steps them (momentum, weight decay): they get zeros, or before any pass has shown which they
         # are, one dummy pass (its ~2,400 launches cost the reference model 0.1 s on the H200) gives them zeros
         passes = 0
-        for part, batch in self.packed_micro_batches(trained, at_least=int(self._reached is None)):
+
+        def micro_loss(item: tuple[list[Sample], PackedBatch]) -> torch.Tensor:
+            nonlocal passes
+            part, batch = item
             passes += 1
             tape = route_tape(batch, "replay" if self.cfg.router_replay != "off" else "off")
             logprobs_T, entropy_T = self.forward_batch(batch, with_entropy=True, routes=tape)  # entropy: bonus, metric
@@ -357,16 +363,19 @@ class Actor(PolicyForward):
             inputs = PolicyInputs(logprobs_T, old, batch.advantages_T, batch.loss_mask_T, batch.cu_seqlens,
                                   batch.ref_logprobs_T, entropy_T, batch.rollout_logprobs_T, keep)
             loss, m = actor_loss(inputs, self.cfg, denominator, host_metrics=False)
-            (loss * dp_size()).backward()  # FSDP averages gradients over DP; the loss is already global
             if part:
                 per_micro.append(m)
+            return loss * dp_size()  # FSDP averages gradients over DP; the loss is already global
+
+        run_passes(self.packed_micro_batches(trained, at_least=int(self._reached is None)), micro_loss)
         if passes:
             self._reached = [p for p in self.model.parameters() if p.grad is not None]
         else:
             for p in self._reached:
                 p.grad = torch.zeros_like(p)
         grad_norm = clip_and_step(self.model, self.optimizer, self.cfg.grad_clip)
-        per_micro = [metrics_to_floats(m) for m in per_micro]  # after the step: no wait between forward and backward
+        # after the step: no wait between forward and backward; under pipeline parallelism the last stage's
+        per_micro = last_stage_value([metrics_to_floats(m) for m in per_micro])
         out = global_metrics(reduce_metrics(per_micro) if per_micro else {})
         out["grad_norm"] = grad_norm
         return out
@@ -376,12 +385,16 @@ class Actor(PolicyForward):
         all of them when None), over all DP ranks' samples (SFT entrance)."""
         self.model.train()
         num_tokens = max(all_reduce_scalar(float(sum(sum(response_mask_values(s)) for s in samples))), 1.0)
-        total = 0.0
-        for _, batch in self.packed_micro_batches(samples):
-            logprobs_T, _ = self.forward_batch(batch, with_entropy=False)
-            loss = -(logprobs_T * batch.loss_mask_T).sum() / num_tokens  # the dummy's mask is all zero
-            (loss * dp_size()).backward()
-            total += float(loss.detach())
+        losses: list[torch.Tensor] = []
+
+        def micro_loss(item: tuple[list[Sample], PackedBatch]) -> torch.Tensor:
+            logprobs_T, _ = self.forward_batch(item[1], with_entropy=False)
+            loss = -(logprobs_T * item[1].loss_mask_T).sum() / num_tokens  # the dummy's mask is all zero
+            losses.append(loss.detach())
+            return loss * dp_size()
+
+        run_passes(self.packed_micro_batches(samples), micro_loss)
+        total = last_stage_value(sum(float(loss) for loss in losses))
         grad_norm = clip_and_step(self.model, self.optimizer, self.cfg.grad_clip)
         self.scheduler.step()
         return {"sft_loss": all_reduce_scalar(total), "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0]}

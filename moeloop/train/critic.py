@@ -15,6 +15,7 @@ from moeloop.algo.losses import reduce_metrics, value_loss
 from moeloop.config.schema import CriticSection
 from moeloop.train.actor import (PolicyForward, all_reduce_scalar, build_optimizer, clip_and_step, dp_size,
                                  global_metrics, num_mini_batches, over_positions, packed_hidden, split_groups)
+from moeloop.parallel.pipeline import last_stage_value, run_passes
 from moeloop.train.packing import PackedBatch, global_loss_denominators
 from moeloop.types import Sample
 
@@ -66,12 +67,17 @@ class Critic(PolicyForward):
         denominator = max(all_reduce_scalar(global_loss_denominators(samples, self.cfg.loss_agg_mode,
                                                                      self.max_response_length)), 1.0)
         per_micro = []
-        for part, batch in self.packed_micro_batches(samples):
+
+        def micro_loss(item: tuple[list[Sample], PackedBatch]) -> torch.Tensor:
+            part, batch = item
             values_T = self.values_of(batch)
             loss, m = value_loss(values_T, batch.values_T, batch.returns_T, batch.loss_mask_T, batch.cu_seqlens,
                                  self.cfg, denominator)
-            (loss * dp_size()).backward()
             if part:
                 per_micro.append(m)
+            return loss * dp_size()
+
+        run_passes(self.packed_micro_batches(samples), micro_loss)
+        per_micro = last_stage_value(per_micro)  # (under pipeline parallelism only the last stage's are real)
         grad_norm = clip_and_step(self.model, self.optimizer, self.cfg.grad_clip)
         return {**global_metrics(reduce_metrics(per_micro) if per_micro else {}), "grad_norm": grad_norm}
