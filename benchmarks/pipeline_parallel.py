@@ -8,9 +8,9 @@ step's median seconds (the slowest rank's).
 
 Every layout trains the same global batch: `--groups` GRPO groups a rank at pp 1, so at pp p each of the N / p dp
 groups holds p x as many (its stages train them together). A micro-batch is one sequence. bf16 weights and
-activations (the planner's units), one thread a rank. The planner counts 1F1B's in-flight micro-batches (pp - s on
-stage s); moeloop's schedule runs one micro-batch at a time through the stages, so it keeps one. Timings on a 2-core
-VM with 4 ranks are indicative only: the ranks share the cores, so a stage that waits gives its core to another.
+activations (the planner's units), one thread a rank. The update runs in 1F1B order, so stage s holds up to pp - s
+micro-batches' activations, as the planner counts. Timings on a 2-core VM with 4 ranks are indicative only: the ranks
+share the cores, so a stage that waits gives its core to another.
 """
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ def main() -> None:
           f"({args.prompt} + {args.response}) tokens a step, bf16; a micro-batch is one sequence; per rank per update "
           "step (the stage's first rank; max over all ranks for seconds); MB moved a step: p2p_sent to the neighbouring "
           "stages, head_broadcast from the last stage, FSDP's all_gather and reduce_scatter")
-    print("| pp | dp | stage | micro-batches | weights MB measured | planned | activations MB measured | planned (1F1B) | "
+    print("| pp | dp | stage | micro-batches | weights MB measured | planned | activations MB measured | planned | "
           + " | ".join(COLUMNS) + " | step s |")
     print("|---|---|---|---|---|---|---|---|" + "---|" * len(COLUMNS) + "---|")
     for pp in (int(p) for p in args.pp.split(",")):

@@ -4,19 +4,21 @@ plain model from outside, before tensor, expert and data parallelism (which then
     init_parallel_groups(cp, tp, pp)          # collective: ranks ordered (dp, pp, cp, tp); pp groups across stages
     split_stages(model)                       # this stage's layers; the first keeps the embedding, the last the norm
     hidden = model(ids, positions, attn)      # stage s receives stage s - 1's activations and sends its own on
-    out = stage_outputs(head, hidden)         # the last stage's head outputs, on every stage of the pp group
-    loss(out).backward()                      # each stage's backward receives its output's gradient, sends its input's
+    out = stage_outputs(head, hidden)         # forward-only: the last stage's head outputs, on every stage
+    run_passes(micro_batches, micro_loss)     # training: forwards and backwards in 1F1B order across the stages
+    loss = last_stage_value(loss)             # the last stage's loss and metrics, on every stage
     for name, t in gather_stage_weights(it):  # every stage's full weights on every rank (weight sync, HF export)
 
 The stages' ranks hold the same samples (a replica group of pp * cp * tp ranks pools what each generated), pack the
-same micro-batches and run the same passes in order. For each micro-batch the activations go forward stage by stage
-by point-to-point send/recv (a header with the shape and dtype first, so packed micro-batches of any length pass);
-the last stage runs the final norm and the logprob (or value) head and broadcasts the per-position outputs over the
-pp group, so every stage computes the same loss and metrics; the backward runs the other way, each stage receiving
-the gradient of its output and sending that of its input. The passes are not overlapped: one micro-batch is in flight
-at a time (GPipe's and 1F1B's schedules keep pp of them in flight to fill the pipeline; here a stage waits while the
-others compute: the bubble is (pp - 1) / pp of a step). What it buys is memory: each rank holds 1/pp of the layers'
-weights, gradients and optimizer state, and the activations of its own layers for one micro-batch.
+same micro-batches and run the same passes. Activations go forward stage by stage by point-to-point sends inside
+autograd (a header with the shape and dtype first, so packed micro-batches of any length pass; sends asynchronous,
+receives blocking); the backward runs the other way, each stage receiving the gradient of its output and sending that
+of its input. Training passes run in 1F1B order (`run_passes`: Megatron's non-interleaved schedule): stage s runs
+pp - 1 - s forwards ahead, then a forward and a backward in turn, so the stages compute at once and stage s holds at
+most pp - s micro-batches' activations. The last stage alone runs the final norm, the head and the loss; the other
+stages' backward takes the next stage's gradient, and their metrics are the last stage's, sent after the passes. In a
+forward-only pass (old and reference logprobs, values) the last stage broadcasts the head's per-position outputs over
+the pp group for each micro-batch, one micro-batch at a time.
 (torch.distributed.pipelining's stages and schedules take micro-batches of one fixed shape cut from one batch tensor;
 the trainer's micro-batches are packed token streams of varying length with per-token loss inputs.)
 
