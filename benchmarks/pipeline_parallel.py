@@ -1,6 +1,6 @@
 """Pipeline parallelism (`parallel.pp`) against data parallelism alone: the actor's update at N gloo ranks on this CPU,
-per stage per step: the weights a rank keeps and the activation bytes autograd saves for the backward (the largest
-micro-batch's), each beside `moeloop plan`'s entry for the same stage; the bytes each rank sends to the next stage
+per stage per step: the weights a rank keeps and the most activation bytes autograd holds for the backward at once
+(the micro-batches in flight together), each beside `moeloop plan`'s entry for the same stage; the bytes each rank sends to the next stage
 (activations forward, gradients backward) and the head outputs the last stage broadcasts; FSDP's all-gathers; and the
 step's median seconds (the slowest rank's).
 
@@ -21,13 +21,63 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from context_parallel import largest_saved
+from torch import nn
+from torch.distributed.tensor import DTensor
+
 from expert_parallel import launch, local_bytes, samples_of, timed_updates
 from moeloop.config.schema import ActorSection
 from moeloop.model.config import ModelConfig
 from moeloop.model.factory import build_model, hf_config_dict
 
 COLUMNS = ("p2p_sent", "head_broadcast", "all_gather", "reduce_scatter")
+
+
+class InFlight:
+    """The bytes of the distinct tensors autograd holds for backward at once (parameters left out: the state counts
+    them), and their peak: what 1F1B's forwards ahead add up to."""
+
+    def __init__(self):
+        self.held: dict[int, list[int]] = {}  # storage pointer -> [bytes, saved references to it]
+        self.now = self.peak = 0
+
+    def pack(self, saved: torch.Tensor):
+        t = saved._local_tensor if isinstance(saved, DTensor) else saved
+        base = t._base if t._base is not None else t
+        if any(isinstance(x, nn.Parameter) for x in (saved, t, base)):
+            return saved
+        key = t.untyped_storage().data_ptr()
+        entry = self.held.setdefault(key, [t.untyped_storage().nbytes(), 0])
+        if entry[1] == 0:
+            self.now += entry[0]
+            self.peak = max(self.peak, self.now)
+        entry[1] += 1
+        return _Held(saved, key, self)
+
+    def release(self, key: int) -> None:
+        entry = self.held[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.now -= entry[0]
+            del self.held[key]
+
+
+class _Held:
+    """A saved tensor; autograd drops it after the backward that used it (or with its graph)."""
+
+    def __init__(self, tensor: torch.Tensor, key: int, meter: InFlight):
+        self.tensor, self.key, self.meter = tensor, key, meter
+
+    def __del__(self):
+        self.meter.release(self.key)
+
+
+def peak_in_flight(actor, samples) -> int:
+    """One update of `actor` on `samples`; the most activation bytes autograd held at once."""
+    meter = InFlight()
+    with torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda held: held.tensor if isinstance(held, _Held)
+                                                  else held):
+        actor.update(samples)
+    return meter.peak
 
 
 def count_p2p(moved: dict[str, int]) -> None:
@@ -64,7 +114,7 @@ def rank_main(rank: int, world: int, init_file: str, args, pp: int, queue) -> No
     samples = [s for r in range(pp) for s in samples_of(dp_rank() * pp + r, args.groups, args.n, model.cfg.vocab_size,
                                                           args.prompt, args.response)]
     actor.update(samples)  # warm-up: lazy init, optimizer state
-    saved = largest_saved(actor, samples)
+    saved = peak_in_flight(actor, samples)
     p2p: dict[str, int] = {}
     count_p2p(p2p)
     moved, seconds = timed_updates(actor, samples, args.steps)
