@@ -1,7 +1,7 @@
 """Pipeline parallelism (`parallel.pp`) against data parallelism alone: the actor's update at N gloo ranks on this CPU,
 per stage per step: the weights a rank keeps and the most activation bytes autograd holds for the backward at once
-(the micro-batches in flight together), each beside `moeloop plan`'s entry for the same stage; the bytes each rank sends to the next stage
-(activations forward, gradients backward) and the head outputs the last stage broadcasts; FSDP's all-gathers; and the
+(the micro-batches in flight together), each beside `moeloop plan`'s entry for the same stage; the bytes a rank sends
+to the neighbouring stages (activations forward, gradients backward); FSDP's all-gathers and reduce-scatters; and the
 step's median seconds (the slowest rank's).
 
     python benchmarks/pipeline_parallel.py --world 4 --pp 1,2,4 --prompt 256 --response 768
@@ -29,7 +29,7 @@ from moeloop.config.schema import ActorSection
 from moeloop.model.config import ModelConfig
 from moeloop.model.factory import build_model, hf_config_dict
 
-COLUMNS = ("p2p_sent", "head_broadcast", "all_gather", "reduce_scatter")
+COLUMNS = ("p2p_sent", "all_gather", "reduce_scatter")
 
 
 class InFlight:
@@ -81,19 +81,13 @@ def peak_in_flight(actor, samples) -> int:
 
 
 def count_p2p(moved: dict[str, int]) -> None:
-    """Wrap `dist.send` (activations and gradients to the neighbouring stage) and `dist.broadcast` (the last stage's
-    head outputs, counted on the stage that sends them) to add their bytes to `moved`."""
-    send, broadcast = dist.send, dist.broadcast
+    """Wrap `dist.isend` (activations and gradients to the neighbouring stages) to add its bytes to `moved`."""
+    isend = dist.isend
 
     def sent(tensor, *args, **kw):
         moved["p2p_sent"] = moved.get("p2p_sent", 0) + tensor.numel() * tensor.element_size()
-        return send(tensor, *args, **kw)
-
-    def broadcasted(tensor, src, *args, **kw):
-        if src == dist.get_rank():
-            moved["head_broadcast"] = moved.get("head_broadcast", 0) + tensor.numel() * tensor.element_size()
-        return broadcast(tensor, src, *args, **kw)
-    dist.send, dist.broadcast = sent, broadcasted
+        return isend(tensor, *args, **kw)
+    dist.isend = sent
 
 
 def rank_main(rank: int, world: int, init_file: str, args, pp: int, queue) -> None:
@@ -154,7 +148,7 @@ def main() -> None:
     print(f"{args.size} qwen3_moe, {args.world} gloo ranks, {args.groups * args.world} groups x {args.n} samples x "
           f"({args.prompt} + {args.response}) tokens a step, bf16; a micro-batch is one sequence; per rank per update "
           "step (the stage's first rank; max over all ranks for seconds); MB moved a step: p2p_sent to the neighbouring "
-          "stages, head_broadcast from the last stage, FSDP's all_gather and reduce_scatter")
+          "stages, FSDP's all_gather and reduce_scatter")
     print("| pp | dp | stage | micro-batches | weights MB measured | planned | activations MB measured | planned | "
           + " | ".join(COLUMNS) + " | step s |")
     print("|---|---|---|---|---|---|---|---|" + "---|" * len(COLUMNS) + "---|")
