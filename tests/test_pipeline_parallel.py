@@ -48,7 +48,7 @@ def _run(pp: int = 1, tp: int = 1, cp: int = 1, ep: int = 1, kind: str = "rl", a
         first = {(s.group_id, tuple(s.response_ids)): (s.values,) for s in samples}
         metrics = [model.update(samples)["critic/vf_loss"] for _ in range(2)]
     else:
-        cfg = actor_cfg(max_tokens_per_micro_batch=24, grad_clip=0.1)
+        cfg = actor_cfg(max_tokens_per_micro_batch=24, grad_clip=0.1, router_replay="R2" if kind == "r2" else "off")
         model = Actor(_model(arch), cfg, torch.device("cpu"), 8, ep=ep)
         use_sgd(model, 0.05)
         first, metrics = first_pass_then_steps(model, samples, kind, ("pg_loss", "grad_norm"))
@@ -74,6 +74,7 @@ def _rank(rank, world, pp, tp, cp, ep, kind, arch, first_stage_layers):
     (4, 2, 2, 1, 1, "rl", "qwen3_moe", 0),  # pp 2 x tp 2
     (4, 2, 1, 2, 1, "rl", "qwen3_moe", 0),  # pp 2 x cp 2: each cp rank passes its rows to its next stage's
     (4, 2, 1, 1, 2, "rl", "qwen3_moe", 0),  # dp 2 x pp 2 with the experts split over ep 2 within a stage
+    (2, 2, 1, 1, 1, "r2", "qwen3_moe", 0),  # routes recorded by each stage's layers, pooled; replayed by each stage
 ])
 def test_pipeline_parallel_matches_one_process(world, pp, tp, cp, ep, kind, arch, first):
     """Besides the numbers: each rank holds its stage's layers only (the embedding on the first stage, the head on
@@ -121,6 +122,7 @@ def _loop_rank(rank, world, command, model_dir, run_dir, *extra):
     (2, ()),  # pp 2: each rank generates its share of the prompts, both stages train on both ranks' samples
     (4, ("actor.ppo_mini_batch_size=4",)),  # dp 2 x pp 2
     (2, ("rollout.mode=async", "rollout.max_staleness=1")),  # generated on a thread, pooled on the main one
+    (2, ("actor.router_replay=R3",)),  # the engine's routes, pooled with the samples; each stage replays its layers
     (2, ("actor.use_kl_loss=true", "critic.enable=true", "algorithm.adv_estimator=gae")),  # reference and critic too
     (2, ("actor.lora_rank=4", "actor.use_kl_loss=true")),  # adapters on each stage's layers; the engine gets merged weights
     (2, ("algorithm.dynamic_sampling=true", "algorithm.max_refill_rounds=2")),  # kept groups dealt by dp rank
@@ -166,8 +168,6 @@ def _resume_rank(rank, world, model_dir, run_dir, *extra):
 def test_pipeline_parallel_refuses_what_it_cannot_split(model_dir, tmp_path):
     with pytest.raises(AssertionError, match=r"parallel.pp=3 must be >= 1 and divide the 2 ranks"):
         run_ranks(_loop_rank, 2, "rl", model_dir, tmp_path / "a", "parallel.pp=3")
-    with pytest.raises(InputError, match=r"actor.router_replay=R3 with parallel.pp=2"):
-        run_rl(rl_cfg(model_dir, tmp_path / "b", "parallel.pp=2", "actor.router_replay=R3"))
     with pytest.raises(InputError, match=r"parallel.vpp=2"):
         run_rl(rl_cfg(model_dir, tmp_path / "c", "parallel.pp=2", "parallel.vpp=2"))
     with pytest.raises(AssertionError, match=r"the stages would hold \[2, 0\] of the 2 decoder layers"):

@@ -85,9 +85,6 @@ def check_parallel_support(cfg: RunConfig) -> None:
                              f"splits the attention heads and dense MLPs over tp of them, parallel.pp the layers over pp "
                              f"stages, parallel.ep the experts over ep of them, parallel.cp each sequence over cp of "
                              f"them); {name} is used by `moeloop plan`")
-    if p.pp > 1 and cfg.actor.router_replay != "off":
-        raise InputError(f"actor.router_replay={cfg.actor.router_replay} with parallel.pp={p.pp}: route tapes are not "
-                         "passed between pipeline stages yet; use actor.router_replay=off or parallel.pp=1")
     if p.tp > 1 and cfg.actor.lora_rank:
         raise InputError(f"actor.lora_rank={cfg.actor.lora_rank} with parallel.tp={p.tp}: LoRA adapters are not split "
                          "by tensor parallelism yet; use parallel.tp=1")

@@ -250,6 +250,19 @@ def last_stage_value(value: Any) -> Any:
     return box[0]
 
 
+def gather_recorded_routes(tape) -> None:
+    """A route tape that recorded this stage's MoE layers (router replay R2, `model.routes.RouteTape`) gets every
+    stage's, by their MoE-layer index (collective over the pp group; a no-op without pipeline parallelism)."""
+    if pp_size() == 1 or tape is None or tape.recorded is None:
+        return
+    parts: list[dict] = [{} for _ in range(pp_size())]
+    dist.all_gather_object(parts, {i: t.cpu() for i, t in tape.recorded.items()}, group=pp_group())
+    device = next(iter(tape.recorded.values())).device if tape.recorded else HOST
+    for part in parts:
+        for i, t in part.items():
+            tape.recorded.setdefault(i, t.to(device))
+
+
 def gather_stage_weights(local: Iterator[tuple[str, torch.Tensor]],
                          device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) of the whole model on every rank, stage by stage (the whole model's order), from each

@@ -34,7 +34,8 @@ from moeloop.parallel.context import UlyssesAttention, check_heads
 from moeloop.parallel.expert import apply_ep, build_expert_mesh, expert_params, reduce_expert_grads
 from moeloop.parallel.fsdp import apply_fsdp, build_dp_mesh, full_tensor, grad_norm, reshard, scale_grads
 from moeloop.parallel.groups import cp_group, cp_rank, cp_size, dp_group, dp_size, pp_size, tp_group, tp_size
-from moeloop.parallel.pipeline import gather_stage_weights, last_stage_value, run_passes, split_stages, stage_outputs
+from moeloop.parallel.pipeline import (gather_recorded_routes, gather_stage_weights, last_stage_value, run_passes,
+                                      split_stages, stage_outputs)
 from moeloop.parallel.tensor import apply_tp, over_tp_rows, reduce_tp_grads
 from moeloop.train.head import LogprobHead
 from moeloop.train.lora import apply_lora, merged_weights
@@ -129,6 +130,7 @@ class PolicyForward:
                     setattr(sample, field, logprobs_T[rows].float().cpu().tolist())
                 if entropy_field is not None:
                     setattr(sample, entropy_field, entropy_T[rows].float().cpu().tolist())
+            gather_recorded_routes(tape)  # (pipeline parallel: each stage recorded its own layers)
             if routes == "record" and part and tape.recorded:
                 for sample, recorded in zip(part, unpack_routes(batch, tape.stacked())):
                     sample.routed_experts = recorded
