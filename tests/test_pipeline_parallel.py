@@ -52,6 +52,8 @@ def _run(pp: int = 1, tp: int = 1, cp: int = 1, ep: int = 1, kind: str = "rl", a
         model = Actor(_model(arch), cfg, torch.device("cpu"), 8, ep=ep)
         use_sgd(model, 0.05)
         first, metrics = first_pass_then_steps(model, samples, kind, ("pg_loss", "grad_norm"))
+        if kind == "sft":  # the held-out loss's forward-only passes too
+            metrics.append(model.sft_eval(samples)["val/sft_loss"])
     weights = {n: t.clone() for n, t in model.named_weights()}
     layers = sorted(int(name.split(".")[2]) for name, _ in model.model.named_parameters()
                     if name.startswith("model.layers."))

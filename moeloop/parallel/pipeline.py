@@ -4,8 +4,8 @@ plain model from outside, before tensor, expert and data parallelism (which then
     init_parallel_groups(cp, tp, pp)          # collective: ranks ordered (dp, pp, cp, tp); pp groups across stages
     split_stages(model)                       # this stage's layers; the first keeps the embedding, the last the norm
     hidden = model(ids, positions, attn)      # stage s receives stage s - 1's activations and sends its own on
-    out = stage_outputs(head, hidden)         # forward-only: the last stage's head outputs, on every stage
     run_passes(micro_batches, micro_loss)     # training: forwards and backwards in 1F1B order across the stages
+    for item, out in forward_passes(micro_batches, forward):  # forward-only: all forwards, then the head outputs
     loss = last_stage_value(loss)             # the last stage's loss and metrics, on every stage
     for name, t in gather_stage_weights(it):  # every stage's full weights on every rank (weight sync, HF export)
 
@@ -16,9 +16,9 @@ receives blocking); the backward runs the other way, each stage receiving the gr
 of its input. Training passes run in 1F1B order (`run_passes`: Megatron's non-interleaved schedule): stage s runs
 pp - 1 - s forwards ahead, then a forward and a backward in turn, so the stages compute at once and stage s holds at
 most pp - s micro-batches' activations. The last stage alone runs the final norm, the head and the loss; the other
-stages' backward takes the next stage's gradient, and their metrics are the last stage's, sent after the passes. In a
-forward-only pass (old and reference logprobs, values) the last stage broadcasts the head's per-position outputs over
-the pp group for each micro-batch, one micro-batch at a time.
+stages' backward takes the next stage's gradient, and their metrics are the last stage's, sent after the passes. A
+forward-only pass (old and reference logprobs, values; `forward_passes`) runs every forward first on each stage, so
+the stages compute at once, then the last stage broadcasts the head's per-position outputs over the pp group.
 (torch.distributed.pipelining's stages and schedules take micro-batches of one fixed shape cut from one batch tensor;
 the trainer's micro-batches are packed token streams of varying length with per-token loss inputs.)
 
@@ -238,6 +238,34 @@ def run_passes(passes: Iterable[Item], forward: Callable[[Item], torch.Tensor]) 
     finally:
         _SCHEDULE.running = False
         finish_sends()
+
+
+def forward_passes(passes: Iterable[Item], forward: Callable[[Item], Any]) -> Iterator[tuple[Item, Any]]:
+    """(item, forward(item)) for each of `passes`, in a forward-only pass (no grad): `forward` returns the head's
+    per-position outputs (a tensor, or a tuple of tensors and Nones). Without pipeline parallelism one at a time, as
+    they come. With it, each stage runs all its forwards first, so the stages compute at once (stage s + 1 on a
+    micro-batch while stage s goes on to the next), then the last stage broadcasts the outputs (fp32) micro-batch by
+    micro-batch into the zeros the other stages got."""
+    if pp_size() == 1:
+        for item in passes:
+            yield item, forward(item)
+        return
+    done = []
+    _SCHEDULE.running = True
+    try:
+        for item in passes:
+            done.append((item, forward(item)))
+    finally:
+        _SCHEDULE.running = False
+        finish_sends()
+    src, group = pp_peer(pp_size() - 1), pp_group()
+    for item, out in done:
+        for v in (out if isinstance(out, tuple) else (out,)):
+            if v is not None:
+                if v.dtype != torch.float32 or not v.is_contiguous():
+                    raise TypeError(f"forward_passes: head outputs are broadcast as contiguous fp32, got {v.dtype}")
+                dist.broadcast(v, src=src, group=group)
+        yield item, out
 
 
 def last_stage_value(value: Any) -> Any:

@@ -34,8 +34,8 @@ from moeloop.parallel.context import UlyssesAttention, check_heads
 from moeloop.parallel.expert import apply_ep, build_expert_mesh, expert_params, reduce_expert_grads
 from moeloop.parallel.fsdp import apply_fsdp, build_dp_mesh, full_tensor, grad_norm, reshard, scale_grads
 from moeloop.parallel.groups import cp_group, cp_rank, cp_size, dp_group, dp_size, pp_size, tp_group, tp_size
-from moeloop.parallel.pipeline import (gather_recorded_routes, gather_stage_weights, last_stage_value, run_passes,
-                                      split_stages, stage_outputs)
+from moeloop.parallel.pipeline import (forward_passes, gather_recorded_routes, gather_stage_weights, last_stage_value,
+                                      run_passes, split_stages, stage_outputs)
 from moeloop.parallel.tensor import apply_tp, over_tp_rows, reduce_tp_grads
 from moeloop.train.head import LogprobHead
 from moeloop.train.lora import apply_lora, merged_weights
@@ -121,9 +121,14 @@ class PolicyForward:
         `routes`: "replay" routes through each sample's `routed_experts`, "record" sets them to the experts this
         pass chose. `entropy_field`: each response token's entropy is written there too."""
         self.model.eval()
-        for part, batch in self.packed_micro_batches(samples):
-            tape = route_tape(batch, routes)
-            logprobs_T, entropy_T = self.forward_batch(batch, with_entropy=entropy_field is not None, routes=tape)
+        tapes: dict[int, RouteTape | None] = {}
+
+        def forward(item: tuple[list[Sample], PackedBatch]):
+            tapes[id(item[1])] = tape = route_tape(item[1], routes)
+            return self.forward_batch(item[1], with_entropy=entropy_field is not None, routes=tape)
+
+        for (part, batch), (logprobs_T, entropy_T) in forward_passes(self.packed_micro_batches(samples), forward):
+            tape = tapes.pop(id(batch))
             for seq, sample in enumerate(part):
                 rows = batch.response_slice(seq)
                 if field is not None:
@@ -406,8 +411,8 @@ class Actor(PolicyForward):
         """The SFT loss of held-out samples (token mean over all DP ranks' loss tokens), without a step."""
         self.model.eval()
         nll = tokens = 0.0
-        for _, batch in self.packed_micro_batches(samples):
-            logprobs_T, _ = self.forward_batch(batch, with_entropy=False)
+        forward = lambda item: self.forward_batch(item[1], with_entropy=False)  # noqa: E731
+        for (_, batch), (logprobs_T, _) in forward_passes(self.packed_micro_batches(samples), forward):
             nll -= float((logprobs_T.double() * batch.loss_mask_T).sum())
             tokens += float(batch.loss_mask_T.sum())
         nll, tokens = global_values([nll, tokens])

@@ -15,7 +15,7 @@ from moeloop.algo.losses import reduce_metrics, value_loss
 from moeloop.config.schema import CriticSection
 from moeloop.train.actor import (PolicyForward, all_reduce_scalar, build_optimizer, clip_and_step, dp_size,
                                  global_metrics, num_mini_batches, over_positions, packed_hidden, split_groups)
-from moeloop.parallel.pipeline import last_stage_value, run_passes
+from moeloop.parallel.pipeline import forward_passes, last_stage_value, run_passes
 from moeloop.train.packing import PackedBatch, global_loss_denominators
 from moeloop.types import Sample
 
@@ -49,8 +49,8 @@ class Critic(PolicyForward):
     @torch.no_grad()
     def compute_values(self, samples: list[Sample]) -> None:
         self.model.eval()
-        for part, batch in self.packed_micro_batches(samples):
-            values_T = self.values_of(batch)
+        passes = forward_passes(self.packed_micro_batches(samples), lambda item: self.values_of(item[1]))
+        for (part, batch), values_T in passes:
             for seq, sample in enumerate(part):
                 sample.values = values_T[batch.response_slice(seq)].cpu().tolist()
 
