@@ -2,7 +2,7 @@
 per stage per step: the weights a rank keeps and the most activation bytes autograd holds for the backward at once
 (the micro-batches in flight together), each beside `moeloop plan`'s entry for the same stage; the bytes a rank sends
 to the neighbouring stages (activations forward, gradients backward); FSDP's all-gathers and reduce-scatters; and the
-step's median seconds (the slowest rank's).
+step's median seconds (the slowest rank's), and a forward-only logprob pass's.
 
     python benchmarks/pipeline_parallel.py --world 4 --pp 1,2,4 --prompt 256 --response 768
 
@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
+import time
 from datetime import timedelta
 
 import torch
@@ -113,7 +115,14 @@ def rank_main(rank: int, world: int, init_file: str, args, pp: int, queue) -> No
     count_p2p(p2p)
     moved, seconds = timed_updates(actor, samples, args.steps)
     moved.update({k: v / args.steps for k, v in p2p.items()})
-    queue.put((rank, pp_rank(), weights, saved, moved, seconds, len(actor.micro_batches(samples))))
+    forward = []
+    for _ in range(args.steps):  # a forward-only pass (the old or reference logprobs)
+        dist.barrier()
+        start = time.perf_counter()
+        actor.compute_logprobs(samples, None)
+        forward.append(time.perf_counter() - start)
+    queue.put((rank, pp_rank(), weights, saved, moved, seconds, len(actor.micro_batches(samples)),
+               statistics.median(forward)))
     dist.destroy_process_group()
 
 
@@ -150,17 +159,17 @@ def main() -> None:
           "step (the stage's first rank; max over all ranks for seconds); MB moved a step: p2p_sent to the neighbouring "
           "stages, FSDP's all_gather and reduce_scatter")
     print("| pp | dp | stage | micro-batches | weights MB measured | planned | activations MB measured | planned | "
-          + " | ".join(COLUMNS) + " | step s |")
-    print("|---|---|---|---|---|---|---|---|" + "---|" * len(COLUMNS) + "---|")
+          + " | ".join(COLUMNS) + " | step s | logprob pass s |")
+    print("|---|---|---|---|---|---|---|---|" + "---|" * len(COLUMNS) + "---|---|")
     for pp in (int(p) for p in args.pp.split(",")):
         rows = launch(rank_main, args.world, args, pp)
-        step = max(r[5] for r in rows)
+        step, forward = max(r[5] for r in rows), max(r[7] for r in rows)
         plan = planned_mb(args, pp)
         for stage in range(pp):
-            _, _, weights, saved, moved, _, micro = next(r for r in rows if r[1] == stage)
+            _, _, weights, saved, moved, _, micro, _ = next(r for r in rows if r[1] == stage)
             print(f"| {pp} | {args.world // pp} | {stage} | {micro} | {weights / 1e6:.2f} | {plan[stage][0]:.2f} | "
                   f"{saved / 1e6:.1f} | {plan[stage][1]:.1f} | "
-                  + " | ".join(f"{moved.get(k, 0) / 1e6:.1f}" for k in COLUMNS) + f" | {step:.2f} |", flush=True)
+                  + " | ".join(f"{moved.get(k, 0) / 1e6:.1f}" for k in COLUMNS) + f" | {step:.2f} | {forward:.2f} |", flush=True)
 
 
 if __name__ == "__main__":
