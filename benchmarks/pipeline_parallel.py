@@ -14,7 +14,6 @@ share the cores, so a stage that waits gives its core to another.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
@@ -27,9 +26,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from expert_parallel import launch, local_bytes, samples_of, timed_updates
+from tensor_parallel import layout_args, plan_inputs
 from moeloop.config.schema import ActorSection
-from moeloop.model.config import ModelConfig
-from moeloop.model.factory import build_model, hf_config_dict
+from moeloop.model.factory import build_model
 
 COLUMNS = ("p2p_sent", "all_gather", "reduce_scatter")
 
@@ -127,33 +126,16 @@ def rank_main(rank: int, world: int, init_file: str, args, pp: int, queue) -> No
 
 
 def planned_mb(args, pp: int) -> list[tuple[float, float]]:
-    """`moeloop plan`'s (weights, activations) a rank of each stage (MB) for the layout."""
-    from moeloop.config.load import load_config
-    from moeloop.parallel import Layout
-    from moeloop.plan import model_stats
+    """`moeloop plan`'s (weights, activations) a rank of each stage (MB) for the layout (the mini-batch's micro-batch
+    count bounds 1F1B's in-flight ones)."""
     from moeloop.plan.memory import stage_ledgers
-    cfg = load_config(None, ["model.path=unused", f"parallel.dp={args.world // pp}", f"parallel.pp={pp}",
-                             "model.dtype=bfloat16", "model.fp32_master_weights=false",
-                             f"actor.ppo_mini_batch_size={args.groups * args.world}", f"rollout.n={args.n}",
-                             f"actor.max_tokens_per_micro_batch={args.prompt + args.response}",
-                             f"data.max_prompt_length={args.prompt}", f"data.max_response_length={args.response}"])
-    cfg.plan.hf_config = hf_config_dict("qwen3_moe", args.size)
-    stats = model_stats(ModelConfig.from_hf_dict(cfg.plan.hf_config))
-    return [(led.entries["weights"] / 1e6, led.entries["activations"] / 1e6)
-            for led in stage_ledgers(cfg, stats, Layout.from_section(cfg.parallel))]
+    ledgers = stage_ledgers(*plan_inputs(args, f"parallel.dp={args.world // pp}", f"parallel.pp={pp}",
+                                         f"actor.ppo_mini_batch_size={args.groups * args.world}", f"rollout.n={args.n}"))
+    return [(led.entries["weights"] / 1e6, led.entries["activations"] / 1e6) for led in ledgers]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--size", default="small", choices=("tiny", "small"))
-    ap.add_argument("--world", type=int, default=4)
-    ap.add_argument("--pp", default="1,2,4", help="comma-separated; 1 = data parallel alone")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--groups", type=int, default=1, help="GRPO groups a rank at pp 1")
-    ap.add_argument("--n", type=int, default=2, help="samples a group")
-    ap.add_argument("--prompt", type=int, default=256)
-    ap.add_argument("--response", type=int, default=768)
-    args = ap.parse_args()
+    args = layout_args(__doc__.split("\n")[0], "pp", "1,2,4")
     print(f"{args.size} qwen3_moe, {args.world} gloo ranks, {args.groups * args.world} groups x {args.n} samples x "
           f"({args.prompt} + {args.response}) tokens a step, bf16; a micro-batch is one sequence; per rank per update "
           "step (the stage's first rank; max over all ranks for seconds); MB moved a step: p2p_sent to the neighbouring "

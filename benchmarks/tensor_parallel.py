@@ -76,32 +76,43 @@ def rank_main(rank: int, world: int, init_file: str, args, tp: int, queue) -> No
     dist.destroy_process_group()
 
 
-def planned_mb(args, tp: int) -> tuple[float, float]:
-    """`moeloop plan`'s weights and activations a rank (MB) for the layout."""
+def plan_inputs(args, *overrides: str):
+    """The run config (bf16 weights, no fp32 masters, one sequence a micro-batch) with `overrides`, its model's stats
+    and its layout: what `moeloop plan`'s ledger takes."""
     from moeloop.config.load import load_config
     from moeloop.parallel import Layout
-    from moeloop.plan import memory_ledger, model_stats
-    cfg = load_config(None, ["model.path=unused", f"parallel.dp={args.world // tp}", f"parallel.tp={tp}",
-                             "model.dtype=bfloat16", "model.fp32_master_weights=false",
+    from moeloop.plan import model_stats
+    cfg = load_config(None, ["model.path=unused", "model.dtype=bfloat16", "model.fp32_master_weights=false",
                              f"actor.max_tokens_per_micro_batch={args.prompt + args.response}",
-                             f"data.max_prompt_length={args.prompt}", f"data.max_response_length={args.response}"])
+                             f"data.max_prompt_length={args.prompt}", f"data.max_response_length={args.response}",
+                             *overrides])
     cfg.plan.hf_config = hf_config_dict("qwen3_moe", args.size)
-    stats = model_stats(ModelConfig.from_hf_dict(cfg.plan.hf_config))
-    led = memory_ledger(cfg, stats, Layout.from_section(cfg.parallel))
+    return cfg, model_stats(ModelConfig.from_hf_dict(cfg.plan.hf_config)), Layout.from_section(cfg.parallel)
+
+
+def planned_mb(args, tp: int) -> tuple[float, float]:
+    """`moeloop plan`'s weights and activations a rank (MB) for the layout."""
+    from moeloop.plan import memory_ledger
+    led = memory_ledger(*plan_inputs(args, f"parallel.dp={args.world // tp}", f"parallel.tp={tp}"))
     return led.entries["weights"] / 1e6, led.entries["activations"] / 1e6
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def layout_args(description: str, layout: str, sizes: str) -> argparse.Namespace:
+    """The layout benchmarks' arguments; `--<layout>`: the sizes to compare (`sizes` by default)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--size", default="small", choices=("tiny", "small"))
     ap.add_argument("--world", type=int, default=4)
-    ap.add_argument("--tp", default="1,2", help="comma-separated; 1 = data parallel alone")
+    ap.add_argument(f"--{layout}", default=sizes, help="comma-separated; 1 = data parallel alone")
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--groups", type=int, default=1, help="GRPO groups a rank at tp 1")
+    ap.add_argument("--groups", type=int, default=1, help=f"GRPO groups a rank at {layout} 1")
     ap.add_argument("--n", type=int, default=2, help="samples a group")
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--response", type=int, default=768)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = layout_args(__doc__.split("\n")[0], "tp", "1,2")
     print(f"{args.size} qwen3_moe, {args.world} gloo ranks, {args.groups * args.world} groups x {args.n} samples x "
           f"({args.prompt} + {args.response}) tokens a step, bf16; a micro-batch is one sequence; per rank per update "
           "step (rank 0; max over ranks for seconds); MB moved a step by collective (moe_rows: the MoE blocks' rows gathered "

@@ -2,8 +2,6 @@
 one-process logprobs, RL update (gradient clipping on), SFT step and critic update, alone and beside data, tensor,
 context and expert parallelism, with a middle stage (DeepSeek-V3, pp 3) and an uneven split. Tolerance as the DP
 tests': fp32 summation order of the reduced gradients."""
-import shutil
-
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
@@ -22,9 +20,9 @@ from moeloop.plan.memory import stage_ledgers
 from moeloop.train.actor import Actor
 from moeloop.train.critic import Critic
 from tests.dist import run_ranks
-from tests.test_rl_loop import _cfg as rl_cfg, _rows, _weights, assert_same_run
-from tests.test_sft import _cfg as sft_cfg, _conversations
-from tests.test_tensor_parallel import _model, _shard
+from tests.test_rl_loop import _cfg as rl_cfg, assert_same_run
+from tests.test_sft import _cfg as sft_cfg
+from tests.test_tensor_parallel import _model, _shard, assert_sft_resumes_in_one_process_and_at_dp_2
 from tests.trainer_fixtures import actor_cfg, assert_ranks_match, first_pass_then_steps, rl_batch, use_sgd
 
 
@@ -142,29 +140,9 @@ def test_the_rl_loop_at_pipeline_parallel_matches_one_process(model_dir, tmp_pat
 
 
 def test_sft_at_pipeline_parallel_resumes_in_one_process_and_at_dp_2(model_dir, tmp_path):
-    """`moeloop sft` at pp 2 for 2 steps gives one process's losses; its checkpoint (DCP, each stage's layers saved by
-    its ranks) resumes in one process, and at dp 2 in another directory's copy, for the 3rd and 4th steps, which end
-    at the straight 4-step run's weights."""
-    train = _conversations(tmp_path / "train.jsonl")
-    extra = ("data.prompt_key=messages", "data.max_response_length=16", f"data.train_files=[{train}]",
-             "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "data.val_files=[]")
-    run_sft(sft_cfg(model_dir, tmp_path / "one", "trainer.steps=4", *extra))
-    assert run_ranks(_loop_rank, 2, "sft", model_dir, tmp_path / "pp", "trainer.steps=2", "parallel.pp=2", *extra) \
-        == [[0], [1]]
-    shutil.copytree(tmp_path / "pp", tmp_path / "dp")
-    run_sft(sft_cfg(model_dir, tmp_path / "pp", "trainer.steps=4", *extra), resume=True)
-    run_ranks(_resume_rank, 2, model_dir, tmp_path / "dp", "trainer.steps=4", *extra)
-    one = [r["sft_loss"] for r in _rows(tmp_path / "one")]
-    for run in ("pp", "dp"):
-        assert [r["sft_loss"] for r in _rows(tmp_path / run)] == pytest.approx(one, rel=1e-5), run
-        w1, w2 = _weights(tmp_path / "one"), _weights(tmp_path / run)
-        for name in w1:
-            torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=5e-5)
-
-
-def _resume_rank(rank, world, model_dir, run_dir, *extra):
-    run_sft(sft_cfg(model_dir, run_dir, *extra), resume=True)
-    return True
+    """`moeloop sft` at pp 2 (each stage's layers saved by its rank in its DCP checkpoint): see
+    `assert_sft_resumes_in_one_process_and_at_dp_2`."""
+    assert_sft_resumes_in_one_process_and_at_dp_2(model_dir, tmp_path, _loop_rank, "parallel.pp=2", [[0], [1]])
 
 
 def test_pipeline_parallel_refuses_what_it_cannot_split(model_dir, tmp_path):

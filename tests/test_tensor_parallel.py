@@ -157,20 +157,25 @@ def test_the_rl_loop_at_tensor_parallel_matches_one_process(model_dir, tmp_path,
 
 
 def test_sft_at_tensor_parallel_resumes_in_one_process_and_at_dp_2(model_dir, tmp_path):
-    """`moeloop sft` at tp 2 for 2 steps gives one process's losses; its checkpoint (DCP, the heads split over the tp
-    pair) resumes in one process, and at dp 2 in another directory's copy, for the 3rd and 4th steps, which end at
-    the straight 4-step run's weights."""
+    """`moeloop sft` at tp 2 (the heads split over the tp pair in its DCP checkpoint): see
+    `assert_sft_resumes_in_one_process_and_at_dp_2`."""
+    assert_sft_resumes_in_one_process_and_at_dp_2(model_dir, tmp_path, _loop_rank, "parallel.tp=2", [[2], [2]])
+
+
+def assert_sft_resumes_in_one_process_and_at_dp_2(model_dir, tmp_path, loop_rank, layout: str, splits: list) -> None:
+    """`moeloop sft` at `layout` (an override) on 2 ranks for 2 steps gives one process's losses (`loop_rank` returns
+    how the trainer split its model on each rank: `splits`); its checkpoint resumes in one process, and at dp 2 in
+    another directory's copy, for the 3rd and 4th steps, which end at the straight 4-step run's weights."""
     train = _conversations(tmp_path / "train.jsonl")
     extra = ("data.prompt_key=messages", "data.max_response_length=16", f"data.train_files=[{train}]",
              "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "data.val_files=[]")
     run_sft(sft_cfg(model_dir, tmp_path / "one", "trainer.steps=4", *extra))
-    assert run_ranks(_loop_rank, 2, "sft", model_dir, tmp_path / "tp", "trainer.steps=2", "parallel.tp=2", *extra) \
-        == [[2], [2]]
-    shutil.copytree(tmp_path / "tp", tmp_path / "dp")
-    run_sft(sft_cfg(model_dir, tmp_path / "tp", "trainer.steps=4", *extra), resume=True)
+    assert run_ranks(loop_rank, 2, "sft", model_dir, tmp_path / "split", "trainer.steps=2", layout, *extra) == splits
+    shutil.copytree(tmp_path / "split", tmp_path / "dp")
+    run_sft(sft_cfg(model_dir, tmp_path / "split", "trainer.steps=4", *extra), resume=True)
     run_ranks(_resume_rank, 2, model_dir, tmp_path / "dp", "trainer.steps=4", *extra)
     one = [r["sft_loss"] for r in _rows(tmp_path / "one")]
-    for run in ("tp", "dp"):
+    for run in ("split", "dp"):
         assert [r["sft_loss"] for r in _rows(tmp_path / run)] == pytest.approx(one, rel=1e-5), run
         w1, w2 = _weights(tmp_path / "one"), _weights(tmp_path / run)
         for name in w1:
