@@ -14,10 +14,8 @@ share the cores, so a stage that waits gives its core to another.
 """
 from __future__ import annotations
 
-import os
 import statistics
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -25,10 +23,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from expert_parallel import launch, local_bytes, samples_of, timed_updates
-from tensor_parallel import layout_args, plan_inputs
-from moeloop.config.schema import ActorSection
-from moeloop.model.factory import build_model
+from expert_parallel import launch, timed_updates
+from tensor_parallel import layout_actor, layout_args, plan_inputs
 
 COLUMNS = ("p2p_sent", "all_gather", "reduce_scatter")
 
@@ -92,23 +88,8 @@ def count_p2p(moved: dict[str, int]) -> None:
 
 
 def rank_main(rank: int, world: int, init_file: str, args, pp: int, queue) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=1800))
-    from moeloop.parallel.groups import dp_rank, init_parallel_groups, pp_rank
-    from moeloop.train.actor import Actor  # (after the group: the meshes are built from it)
-    init_parallel_groups(1, 1, pp)
-    model = build_model("qwen3_moe", args.size, seed=0).to(torch.bfloat16)
-    actor_cfg = ActorSection()
-    actor_cfg.ppo_mini_batch_size = args.groups * world
-    actor_cfg.max_tokens_per_micro_batch = args.prompt + args.response
-    actor = Actor(model, actor_cfg, torch.device("cpu"), args.response, master_weights=False)
-    weights = sum(local_bytes(p) for p in model.parameters())
-    # each dp group's samples (pp x a pp-1 rank's); `samples_of` seeds by its first argument
-    samples = [s for r in range(pp) for s in samples_of(dp_rank() * pp + r, args.groups, args.n, model.cfg.vocab_size,
-                                                          args.prompt, args.response)]
-    actor.update(samples)  # warm-up: lazy init, optimizer state
+    from moeloop.parallel.groups import pp_rank
+    actor, samples, weights = layout_actor(rank, world, init_file, args, pp=pp)
     saved = peak_in_flight(actor, samples)
     p2p: dict[str, int] = {}
     count_p2p(p2p)

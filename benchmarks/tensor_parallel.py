@@ -49,24 +49,32 @@ def count_tp(moved: dict[str, int]) -> None:
     dist.all_gather = rows
 
 
-def rank_main(rank: int, world: int, init_file: str, args, tp: int, queue) -> None:
+def layout_actor(rank: int, world: int, init_file: str, args, tp: int = 1, pp: int = 1):
+    """On a forked rank, one thread: the gloo group, the tp and pp groups, the bf16 actor of the `args.size` model
+    (one sequence a micro-batch) and its dp group's samples (tp * pp x a single rank's), after a warm-up update (lazy
+    init, optimizer state). Returns (actor, samples, the weight bytes this rank keeps)."""
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=1800))
     from moeloop.parallel.groups import dp_rank, init_parallel_groups
     from moeloop.train.actor import Actor  # (after the group: the meshes are built from it)
-    init_parallel_groups(1, tp)
+    init_parallel_groups(1, tp, pp)
     model = build_model("qwen3_moe", args.size, seed=0).to(torch.bfloat16)
     actor_cfg = ActorSection()
     actor_cfg.ppo_mini_batch_size = args.groups * world
     actor_cfg.max_tokens_per_micro_batch = args.prompt + args.response
     actor = Actor(model, actor_cfg, torch.device("cpu"), args.response, master_weights=False)
     weights = sum(local_bytes(p) for p in model.parameters())
-    # each dp group's samples (tp x a tp-1 rank's); `samples_of` seeds by its first argument
-    samples = [s for r in range(tp) for s in samples_of(dp_rank() * tp + r, args.groups, args.n, model.cfg.vocab_size,
-                                                          args.prompt, args.response)]
-    actor.update(samples)  # warm-up: lazy init, optimizer state
+    share = tp * pp  # `samples_of` seeds by its first argument
+    samples = [s for r in range(share) for s in samples_of(dp_rank() * share + r, args.groups, args.n,
+                                                             model.cfg.vocab_size, args.prompt, args.response)]
+    actor.update(samples)
+    return actor, samples, weights
+
+
+def rank_main(rank: int, world: int, init_file: str, args, tp: int, queue) -> None:
+    actor, samples, weights = layout_actor(rank, world, init_file, args, tp=tp)
     saved = largest_saved(actor, samples)
     tp_moved: dict[str, int] = {}
     count_tp(tp_moved)

@@ -7,10 +7,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from moeloop.config import load_config
-from moeloop.config.schema import CriticSection
 from moeloop.errors import InputError
 from moeloop.loop.rl import run_rl
-from moeloop.loop.sft import run_sft
 from moeloop.model.config import ModelConfig
 from moeloop.model.factory import build_model, hf_config_dict, init_model
 from moeloop.parallel import Layout
@@ -18,11 +16,10 @@ from moeloop.parallel.groups import init_parallel_groups, pp_rank
 from moeloop.plan import model_stats
 from moeloop.plan.memory import stage_ledgers
 from moeloop.train.actor import Actor
-from moeloop.train.critic import Critic
 from tests.dist import run_ranks
 from tests.test_rl_loop import _cfg as rl_cfg, assert_same_run
-from tests.test_sft import _cfg as sft_cfg
-from tests.test_tensor_parallel import _model, _shard, assert_sft_resumes_in_one_process_and_at_dp_2
+from tests.test_tensor_parallel import (_model, _shard, assert_sft_resumes_in_one_process_and_at_dp_2,
+                                       critic_pass_then_steps, run_command)
 from tests.trainer_fixtures import actor_cfg, assert_ranks_match, first_pass_then_steps, rl_batch, use_sgd
 
 
@@ -36,15 +33,7 @@ def _run(pp: int = 1, tp: int = 1, cp: int = 1, ep: int = 1, kind: str = "rl", a
     init_parallel_groups(cp, tp, pp, first_stage_layers)
     samples = _shard(rl_batch())
     if kind == "critic":
-        for s in samples:
-            s.returns = [a + 0.5 for a in s.advantages]
-        cfg = CriticSection()
-        cfg.max_tokens_per_micro_batch, cfg.ppo_mini_batch_size = 24, 4
-        model = Critic(_model(arch), cfg, torch.device("cpu"), 8, master_weights=False)
-        use_sgd(model, 0.05)
-        model.compute_values(samples)
-        first = {(s.group_id, tuple(s.response_ids)): (s.values,) for s in samples}
-        metrics = [model.update(samples)["critic/vf_loss"] for _ in range(2)]
+        model, first, metrics = critic_pass_then_steps(arch, samples)
     else:
         cfg = actor_cfg(max_tokens_per_micro_batch=24, grad_clip=0.1, router_replay="R2" if kind == "r2" else "off")
         model = Actor(_model(arch), cfg, torch.device("cpu"), 8, ep=ep)
@@ -78,7 +67,8 @@ def _rank(rank, world, pp, tp, cp, ep, kind, arch, first_stage_layers):
 ])
 def test_pipeline_parallel_matches_one_process(world, pp, tp, cp, ep, kind, arch, first):
     """Besides the numbers: each rank holds its stage's layers only (the embedding on the first stage, the head on
-    the last), and `named_weights` gives every rank the whole model."""
+    the last), and `named_weights` gives every rank the whole model. The steps' gradient is clipped: these are
+    test_tensor_parallel's one-process steps, whose norm its `test_the_gradient_is_clipped...` shows above the clip."""
     want_first, want_metrics, want, _ = _run(kind=kind, arch=arch)
     results = run_ranks(_rank, world, pp, tp, cp, ep, kind, arch, first)
     num_layers = _model(arch).cfg.num_layers
@@ -92,12 +82,6 @@ def test_pipeline_parallel_matches_one_process(world, pp, tp, cp, ep, kind, arch
     assert_ranks_match([r[:3] for r in results], want_first, want_metrics, want)
 
 
-def test_the_gradient_is_clipped_at_pipeline_parallel_as_in_one_process():
-    """The clipped steps above clip: the one-process gradient norm is above the 0.1 clip."""
-    _, metrics, _, _ = _run()
-    assert all(norm > 0.1 for norm in metrics[1::2])
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return init_model("qwen3_moe", "tiny", tmp_path_factory.mktemp("model") / "m", seed=3)
@@ -109,10 +93,7 @@ def _loop_rank(rank, world, command, model_dir, run_dir, *extra):
     stages, split_stages = [], actor.split_stages
     actor.split_stages = lambda model: (split_stages(model), stages.append(model.pipeline_stage))
     try:
-        if command == "sft":
-            run_sft(sft_cfg(model_dir, run_dir, *extra))
-        else:
-            run_rl(rl_cfg(model_dir, run_dir, "actor.optim.lr=1e-4", *extra))
+        run_command(command, model_dir, run_dir, *extra)
     finally:
         actor.split_stages = split_stages
     return stages

@@ -55,15 +55,7 @@ def _run(tp: int = 1, cp: int = 1, ep: int = 1, kind: str = "rl", arch: str = "q
     init_parallel_groups(cp, tp)
     samples = _shard(rl_batch())
     if kind == "critic":
-        for s in samples:
-            s.returns = [a + 0.5 for a in s.advantages]
-        cfg = CriticSection()
-        cfg.max_tokens_per_micro_batch, cfg.ppo_mini_batch_size = 24, 4
-        model = Critic(_model(arch), cfg, torch.device("cpu"), 8, master_weights=False)
-        use_sgd(model, 0.05)
-        model.compute_values(samples)
-        first = {(s.group_id, tuple(s.response_ids)): (s.values,) for s in samples}
-        metrics = [model.update(samples)["critic/vf_loss"] for _ in range(2)]
+        model, first, metrics = critic_pass_then_steps(arch, samples)
         weights = {n: full_tensor(t).clone() for n, t in model.model.state_dict().items()}
         return first, metrics, weights, _local_shapes(model.model) + (None,)
     policy = _model(arch)
@@ -76,6 +68,20 @@ def _run(tp: int = 1, cp: int = 1, ep: int = 1, kind: str = "rl", arch: str = "q
     use_sgd(model, 0.05)
     first, metrics = first_pass_then_steps(model, samples, kind, ("pg_loss", "grad_norm"))
     return first, metrics, {n: t.clone() for n, t in model.named_weights()}, _local_shapes(model.model) + (rows,)
+
+
+def critic_pass_then_steps(arch: str, samples):
+    """A critic of `_model(arch)` (SGD): its values of `samples` (returns: advantages + 0.5), then 2 updates; returns
+    it, the values by sample and the value losses."""
+    for s in samples:
+        s.returns = [a + 0.5 for a in s.advantages]
+    cfg = CriticSection()
+    cfg.max_tokens_per_micro_batch, cfg.ppo_mini_batch_size = 24, 4
+    model = Critic(_model(arch), cfg, torch.device("cpu"), 8, master_weights=False)
+    use_sgd(model, 0.05)
+    model.compute_values(samples)
+    first = {(s.group_id, tuple(s.response_ids)): (s.values,) for s in samples}
+    return model, first, [model.update(samples)["critic/vf_loss"] for _ in range(2)]
 
 
 def _local_shapes(model) -> tuple:
@@ -125,16 +131,21 @@ def model_dir(tmp_path_factory):
     return init_model("qwen3_moe", "tiny", tmp_path_factory.mktemp("model") / "m", seed=3)
 
 
+def run_command(command: str, model_dir, run_dir, *extra: str) -> None:
+    """`moeloop sft` or `moeloop rl` (lr 1e-4) of the tiny model with the loop tests' configs and `extra` overrides."""
+    if command == "sft":
+        run_sft(sft_cfg(model_dir, run_dir, *extra))
+    else:
+        run_rl(rl_cfg(model_dir, run_dir, "actor.optim.lr=1e-4", *extra))
+
+
 def _loop_rank(rank, world, command, model_dir, run_dir, *extra):
     """Runs the command; returns the tp sizes the trainer split a model over (one a model: the actor's)."""
     import moeloop.train.actor as actor
     splits, apply_tp = [], actor.apply_tp
     actor.apply_tp = lambda model, mesh: (splits.append(mesh.size()), apply_tp(model, mesh))
     try:
-        if command == "sft":
-            run_sft(sft_cfg(model_dir, run_dir, *extra))
-        else:
-            run_rl(rl_cfg(model_dir, run_dir, "actor.optim.lr=1e-4", *extra))
+        run_command(command, model_dir, run_dir, *extra)
     finally:
         actor.apply_tp = apply_tp
     return splits
