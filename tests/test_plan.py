@@ -11,7 +11,8 @@ from moeloop.plan import (build_plan, decode_tokens_per_s, memory_ledger, model_
                           predict_peak_bytes, save_every_steps, stats_from_counts, transfer_s, young_daly_interval_s)
 from moeloop.plan.command import main as plan_main
 from moeloop.plan.memory import GB
-from moeloop.plan.step_time import step_seconds
+from moeloop.plan.memory import num_micro_batches
+from moeloop.plan.step_time import step_phases, step_seconds
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 SEED002 = EXAMPLES / "plan_seed002.yaml"
@@ -287,3 +288,17 @@ def test_the_engine_decode_packs_are_planned_as_the_engine_allocates_them():
     assert tp > 1 and led.entries["rollout_weights"] == pytest.approx(2 * stats.total_params / tp
                                                                       + decode_pack_bytes(ref, tp))
     assert decode_pack_bytes(ref, tp) > decode_pack_bytes(ref) / tp  # the composed routers are not split
+
+
+def test_the_trainer_phases_count_the_pipeline_bubble():
+    """Under parallel.pp the update's compute spreads over pp x the GPUs, and its 1F1B pipeline fills and drains once a
+    mini-batch: (m + pp - 1) / m of that for m micro-batches a stage; the forward-only passes fill once a step."""
+    cfg1 = load_config(DSV3, ["parallel.pp=1", "parallel.dp=4", "actor.use_kl_loss=true"])
+    cfg4 = load_config(DSV3, ["parallel.pp=4", "parallel.dp=4", "actor.use_kl_loss=true"])
+    stats = model_stats(ModelConfig.from_hf_dict(dict(cfg1.plan.hf_config)))
+    one, four = (step_phases(c, stats, Layout.from_section(c.parallel), 0.0, 0.0, 0.0) for c in (cfg1, cfg4))
+    m = num_micro_batches(cfg4, Layout.from_section(cfg4.parallel))
+    fills = cfg4.data.train_batch_size // cfg4.actor.ppo_mini_batch_size
+    assert m > 1 and fills > 1
+    assert four["update_actor"] == pytest.approx(one["update_actor"] / 4 * (m + 3) / m, rel=1e-12)
+    assert four["ref"] == pytest.approx(one["ref"] / 4 * (m * fills + 3) / (m * fills), rel=1e-12)

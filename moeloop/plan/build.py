@@ -92,7 +92,7 @@ def build_plan(cfg: RunConfig, stats: Optional[ModelStats] = None) -> Plan:
     time_sliced = cfg.rollout.mode == "colocated"  # only then does offloaded state go out and back each step
     offload_s = (offload_round_trip_s(ledger.cpu_bytes_per_rank, cfg.hardware.pcie_gbps) if (ledger and time_sliced)
                  else 0.0)
-    phases = step_phases(cfg, stats, layout.world_size, decode.tokens_per_s if decode else 0.0,
+    phases = step_phases(cfg, stats, layout, decode.tokens_per_s if decode else 0.0,
                          sync_s[sync_transport(cfg)], offload_s, decode.gpus if decode else 0)
     step_s = step_seconds(phases, cfg.rollout.generates_ahead and not colocated)
     return Plan(stats, layout, pool, problems, ledger, gpu_v, cpu_v,

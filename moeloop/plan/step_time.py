@@ -8,6 +8,7 @@
     old_log_prob   forward FLOPs when the pass runs (`RunConfig.old_logprob_pass`) / (train GPUs * peak * plan.mfu)
     ref            forward FLOPs (with a KL term)     / same
     update_actor   train FLOPs * ppo_epochs          / same
+                   (these three x the pipeline's stretch under parallel.pp: `pipeline_stretch`)
     update_weights sync bytes / the configured transport (disaggregated: CUDA IPC over NVLink, `build.sync_transport`)
     offload        colocated only: training state to host and back over PCIe
 Phases run one after another, except where the next batch is generated ahead on devices of its own
@@ -15,14 +16,14 @@ Phases run one after another, except where the next batch is generated ahead on 
 push waits for both (the RL loop joins the rollout before it pushes). rollout.mode=async generates ahead on the
 training GPUs, where both sides are HBM-bound and share it: modelled in turn, as measured on the H200 (0.720 s a
 step against 0.750 s colocated, BENCHMARKS.md session 20).
-Prompt prefill, the long tail of generation lengths (per turn, with tool calls) and pipeline bubbles are not
-modelled.
+Prompt prefill and the long tail of generation lengths (per turn, with tool calls) are not modelled.
 """
 from __future__ import annotations
 
 from moeloop.config.schema import RunConfig
 from moeloop.plan.accounting import ModelStats
-from moeloop.plan.memory import avg_seq_tokens
+from moeloop.parallel.layout import Layout
+from moeloop.plan.memory import avg_seq_tokens, num_micro_batches
 
 TFLOP = 1e12
 
@@ -38,9 +39,19 @@ def tool_turns(cfg: RunConfig) -> tuple[float, int]:
     return calls, min(cfg.plan.avg_tool_tokens or int(calls * mt.max_tool_response_tokens), response)
 
 
-def step_phases(cfg: RunConfig, stats: ModelStats, train_gpus: int, decode_tokens_per_s: float,
+def pipeline_stretch(layout: Layout, passes_per_fill: int) -> float:
+    """How much longer than its compute a trainer pass takes on `layout.pp` stages when its pipeline fills and drains
+    once every `passes_per_fill` micro-batches of a stage: (m + pp - 1) / m (Megatron's 1F1B bubble, (pp - 1) / m of
+    the compute, balanced stages); 1 without pipeline parallelism. moeloop's update fills once a mini-batch, its
+    forward-only passes once a step (`parallel.pipeline`)."""
+    return (passes_per_fill + layout.pp - 1) / passes_per_fill
+
+
+def step_phases(cfg: RunConfig, stats: ModelStats, layout: Layout, decode_tokens_per_s: float,
                 sync_s: float, offload_s: float, rollout_gpus: int = 0) -> dict[str, float]:
-    """Seconds per phase of one RL step; `rollout_gpus`: the GPUs that generate (they prefill the tool turns)."""
+    """Seconds per phase of one RL step on the training `layout`; `rollout_gpus`: the GPUs that generate (they
+    prefill the tool turns)."""
+    train_gpus = layout.world_size
     samples = cfg.data.train_batch_size * cfg.rollout.n
     generated = samples + (cfg.data.train_batch_size if cfg.algorithm.adv_estimator == "remax" else 0)
     response = cfg.plan.avg_response_tokens or cfg.data.max_response_length
@@ -49,8 +60,11 @@ def step_phases(cfg: RunConfig, stats: ModelStats, train_gpus: int, decode_token
     tokens = samples * seq
     peak_s = cfg.hardware.peak_tflops * TFLOP * cfg.plan.mfu
     flops_s = train_gpus * peak_s
-    fwd = tokens * stats.forward_flops_per_token(seq) / flops_s
-    train = tokens * stats.train_flops_per_token(seq, cfg.model.gradient_checkpointing) * cfg.actor.ppo_epochs / flops_s
+    per_mini = num_micro_batches(cfg, layout)  # a stage's micro-batches a mini-batch
+    mini_batches = max(1, cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size)
+    fwd = tokens * stats.forward_flops_per_token(seq) / flops_s * pipeline_stretch(layout, per_mini * mini_batches)
+    train = (tokens * stats.train_flops_per_token(seq, cfg.model.gradient_checkpointing) * cfg.actor.ppo_epochs / flops_s
+             * pipeline_stretch(layout, per_mini))
     use_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
     gen = generated * (response - tool_tokens) / decode_tokens_per_s if decode_tokens_per_s > 0 else 0.0
     if tool_tokens and rollout_gpus:
