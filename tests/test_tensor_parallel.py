@@ -120,6 +120,16 @@ def test_tensor_parallel_matches_one_process(world, tp, cp, ep, kind, arch):
     assert_ranks_match([r[:3] for r in results], want_first, want_metrics, want)
 
 
+@pytest.mark.parametrize("world,tp,kind", [(2, 1, "rl"), (2, 1, "sft"), (2, 2, "rl"), (4, 2, "rl")])
+def test_tied_embeddings_at_data_and_tensor_parallel_match_one_process(world, tp, kind):
+    """A dense model whose head is its embedding (tie_word_embeddings, as Qwen3's and Llama's small models): FSDP shards
+    the shared weight once, in the root's unit, and under tp each rank's gradient of it sums its share of the head's
+    with 1/tp of the embedding's (every tp rank embeds every token)."""
+    want_first, want_metrics, want, _ = _run(kind=kind, arch="llama_tied")
+    results = run_ranks(_rank, world, tp, 1, 1, kind, "llama_tied")
+    assert_ranks_match([r[:3] for r in results], want_first, want_metrics, want)
+
+
 def test_the_gradient_is_clipped_at_tensor_parallel_as_in_one_process():
     """The clipped steps above clip: the one-process gradient norm is above the 0.1 clip."""
     _, metrics, _, _ = _run()

@@ -55,8 +55,6 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | No
     """`experts`: expert-parallel experts' parameters (`parallel.expert`), DTensors on their ep mesh: their modules
     become FSDP units over their mesh's expert_dp dim when it is > 1, and the dense units leave them alone. A (dp, tp)
     `mesh`: the dense units over dp, the routed experts (without EP) units over every rank."""
-    if model.cfg.tie_word_embeddings:
-        raise ValueError("FSDP with tied embeddings is not supported: set tie_word_embeddings=false")
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     shard_experts(model, policy)
     if mesh.ndim == 2:
@@ -65,7 +63,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | No
     kw = dict(mesh=mesh, mp_policy=policy, ignored_params=set(experts) or None)
     for layer in model.model.layers:
         fully_shard(layer, **kw)
-    if model.lm_head is not None:  # (a pipeline stage before the last has none)
+    # (a pipeline stage before the last has no head; a head tied to the embedding stays in the root's unit, which
+    # holds the embedding: FSDP shards a shared parameter once and gathers it for every module that uses it)
+    if model.lm_head is not None and not model.cfg.tie_word_embeddings:
         fully_shard(model.lm_head, **kw)
     fully_shard(model, **kw)
 

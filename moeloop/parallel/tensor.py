@@ -103,6 +103,11 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh) -> None:
                                                  "down_proj": row})
     if model.lm_head is not None:  # (a pipeline stage before the last has none)
         partial.append(model.lm_head)  # the logprob (or value) head takes a tp rank's share of the positions
+        if model.lm_head.weight is model.model.embed_tokens.weight:
+            # tied to the embedding, which every tp rank runs on every token: each rank's gradient of the weight holds
+            # the whole embedding part beside its share of the head's, and the sum over tp would count the former tp
+            # times, so the embedding's part is taken at 1/tp on each rank
+            model.model.embed_tokens.register_forward_hook(lambda module, args, out: _ScaleGrad.apply(out, 1 / tp))
     model.tp_mesh, model.tp_partial_grads, model.tp_split_experts = mesh, partial, split_experts
 
 
@@ -224,6 +229,19 @@ def split_moe_tokens(moe: nn.Module, mesh: DeviceMesh) -> None:
 
     moe.register_forward_pre_hook(take)
     moe.register_forward_hook(lambda module, args, y_nD: _GatherRows.apply(y_nD, module.tp_rows))
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the backward scales the gradient by `factor`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.factor, None
 
 
 class _SumGradOfColumns(torch.autograd.Function):
