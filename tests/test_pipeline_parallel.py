@@ -64,6 +64,9 @@ def _rank(rank, world, pp, tp, cp, ep, kind, arch, first_stage_layers):
     (4, 2, 1, 2, 1, "rl", "qwen3_moe", 0),  # pp 2 x cp 2: each cp rank passes its rows to its next stage's
     (4, 2, 1, 1, 2, "rl", "qwen3_moe", 0),  # dp 2 x pp 2 with the experts split over ep 2 within a stage
     (2, 2, 1, 1, 1, "r2", "qwen3_moe", 0),  # routes recorded by each stage's layers, pooled; replayed by each stage
+    (2, 2, 1, 1, 1, "rl", "llama_tied", 0),  # the head tied to the embedding: a copy on each end, equal gradients
+    (4, 2, 2, 1, 1, "sft", "llama_tied", 0),  # ... with tp 2 on each stage
+    (2, 2, 1, 1, 1, "critic", "llama_tied", 0),  # a critic's value head is not tied to the embedding
 ])
 def test_pipeline_parallel_matches_one_process(world, pp, tp, cp, ep, kind, arch, first):
     """Besides the numbers: each rank holds its stage's layers only (the embedding on the first stage, the head on

@@ -28,6 +28,7 @@ class _Groups:
     pp: int = 1
     pp_group: Any = None  # this rank's pp group (None: pp 1)
     pp_ranks: tuple[int, ...] = ()  # the global ranks of this rank's pp group, stage by stage
+    ends_group: Any = None  # the first and last stage of this rank's pp group (a tied embedding's two copies)
     first_stage_layers: int = 0  # decoder layers of the first and last stages (0: an even split)
     last_stage_layers: int = 0
     cp_group: Any = None  # this rank's cp group (None: cp 1)
@@ -52,6 +53,7 @@ def init_parallel_groups(cp: int = 1, tp: int = 1, pp: int = 1, first_stage_laye
         raise InputError(f"parallel.pp * parallel.cp * parallel.tp = {pp} * {cp} * {tp} must divide the {world} ranks")
     _GROUPS.cp, _GROUPS.tp, _GROUPS.pp = 1, 1, 1
     _GROUPS.cp_group = _GROUPS.tp_group = _GROUPS.pp_group = _GROUPS.replica_group = _GROUPS.dp_group = None
+    _GROUPS.ends_group = None
     _GROUPS.pp_ranks = ()
     _GROUPS.first_stage_layers, _GROUPS.last_stage_layers = first_stage_layers, last_stage_layers
     if pp * cp * tp == 1:
@@ -73,8 +75,9 @@ def init_parallel_groups(cp: int = 1, tp: int = 1, pp: int = 1, first_stage_laye
         for offset in range(block):  # one (d, c, t): a rank of each stage
             ranks = [start + p * block + offset for p in range(pp)]
             group = dist.new_group(ranks) if pp > 1 else None
+            ends = dist.new_group([ranks[0], ranks[-1]]) if pp > 1 else None
             if rank in ranks:
-                mine["pp"], mine["pp_ranks"] = group, tuple(ranks)
+                mine["pp"], mine["pp_ranks"], mine["ends"] = group, tuple(ranks), ends
     for start in range(0, world, replica):
         group = dist.new_group(list(range(start, start + replica)))
         if start <= rank < start + replica:
@@ -86,6 +89,7 @@ def init_parallel_groups(cp: int = 1, tp: int = 1, pp: int = 1, first_stage_laye
     _GROUPS.cp, _GROUPS.tp, _GROUPS.pp = cp, tp, pp
     _GROUPS.cp_group, _GROUPS.tp_group = mine["cp"], mine["tp"]
     _GROUPS.pp_group, _GROUPS.pp_ranks = mine["pp"], mine["pp_ranks"] if pp > 1 else ()
+    _GROUPS.ends_group = mine["ends"]
     _GROUPS.replica_group, _GROUPS.dp_group = mine["replica"], mine["dp"]
 
 
@@ -120,6 +124,11 @@ def pp_group():
 def pp_rank() -> int:
     """This rank's pipeline stage."""
     return (dist.get_rank() // (_GROUPS.cp * _GROUPS.tp)) % _GROUPS.pp if _GROUPS.pp > 1 else 0
+
+
+def pipeline_ends_group():
+    """The process group of the first and the last stage of this rank's pp group (None: pp 1)."""
+    return _GROUPS.ends_group
 
 
 def pp_peer(stage: int) -> int:

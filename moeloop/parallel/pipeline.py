@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moeloop.errors import InputError
-from moeloop.parallel.groups import pp_group, pp_peer, pp_rank, pp_size, stage_layer_counts
+from moeloop.parallel.groups import pipeline_ends_group, pp_group, pp_peer, pp_rank, pp_size, stage_layer_counts
 
 WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # an activation's dtype goes as its index here
 Item = TypeVar("Item")
@@ -136,18 +136,16 @@ class _Send(torch.autograd.Function):
         return grad_TD, None
 
 
-def split_stages(model: nn.Module) -> None:
+def split_stages(model: nn.Module, keeps_head: bool = True) -> None:
     """Keep this rank's stage of `model` (in place, before anything shards it): its decoder layers
     (`parallel.groups.stage_layer_counts`); the embedding on the first stage, the final norm and lm_head on the last.
-    The other stages' places take a receive and a send."""
+    The other stages' places take a receive and a send. `keeps_head`: the model keeps its lm_head (not a critic's
+    value head), which tie_word_embeddings ties to the embedding."""
     pp, stage = pp_size(), pp_rank()
     counts = stage_layer_counts(model.cfg.num_layers)
     if min(counts) < 1:
         raise InputError(f"parallel.pp={pp}: the stages would hold {counts} of the {model.cfg.num_layers} decoder "
                          "layers; every stage needs one at least (parallel.first_stage_layers / last_stage_layers)")
-    if model.cfg.tie_word_embeddings:
-        raise InputError("parallel.pp > 1 with tie_word_embeddings=true: the embedding (first stage) and lm_head (last "
-                         "stage) would share a weight across ranks; set tie_word_embeddings=false")
     start = sum(counts[:stage])
     keep = range(start, start + counts[stage])
     model.model.layers = StageLayers({str(i): model.model.layers[i] for i in keep})
@@ -157,6 +155,28 @@ def split_stages(model: nn.Module) -> None:
         model.model.norm = StageOutput(pp_peer(stage + 1))
         model.lm_head = None
     model.pipeline_stage = stage
+    # tied embeddings: the first stage's embedding and the last stage's head are two copies of one weight (Megatron's
+    # word embeddings on both ends of the pipeline), equal at the start and kept equal by equal gradients
+    model.tied_across_stages = bool(model.cfg.tie_word_embeddings) and keeps_head and (stage == 0 or stage == pp - 1)
+
+
+def tied_copy(model: nn.Module) -> nn.Parameter | None:
+    """This stage's copy of a weight tied across the pipeline's ends (the embedding's or the head's), else None."""
+    if not getattr(model, "tied_across_stages", False):
+        return None
+    return model.model.embed_tokens.weight if model.pipeline_stage == 0 else model.lm_head.weight
+
+
+@torch.no_grad()
+def reduce_tied_grads(model: nn.Module) -> None:
+    """Before the optimizer step: the embedding's gradient (first stage) and the tied head's (last stage) summed over
+    the two, so both copies take the whole gradient of the shared weight and stay equal. (Their FSDP shards line up:
+    the stages' meshes are alike.) A no-op without a weight tied across stages."""
+    weight = tied_copy(model)
+    if weight is None or weight.grad is None:
+        return
+    grad = weight.grad
+    dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=pipeline_ends_group())
 
 
 def is_last_stage() -> bool:

@@ -103,7 +103,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh) -> None:
                                                  "down_proj": row})
     if model.lm_head is not None:  # (a pipeline stage before the last has none)
         partial.append(model.lm_head)  # the logprob (or value) head takes a tp rank's share of the positions
-        if model.lm_head.weight is model.model.embed_tokens.weight:
+        if getattr(model.lm_head, "weight", None) is getattr(model.model.embed_tokens, "weight", False):
             # tied to the embedding, which every tp rank runs on every token: each rank's gradient of the weight holds
             # the whole embedding part beside its share of the head's, and the sum over tp would count the former tp
             # times, so the embedding's part is taken at 1/tp on each rank

@@ -33,9 +33,9 @@ from moeloop.parallel.collectives import all_gather_rows, global_values
 from moeloop.parallel.context import UlyssesAttention, check_heads
 from moeloop.parallel.expert import apply_ep, build_expert_mesh, expert_params, reduce_expert_grads
 from moeloop.parallel.fsdp import apply_fsdp, build_dp_mesh, full_tensor, grad_norm, reshard, scale_grads
-from moeloop.parallel.groups import cp_group, cp_rank, cp_size, dp_group, dp_size, pp_size, tp_group, tp_size
+from moeloop.parallel.groups import cp_group, cp_rank, cp_size, dp_group, dp_size, pp_rank, pp_size, tp_group, tp_size
 from moeloop.parallel.pipeline import (forward_passes, gather_recorded_routes, gather_stage_weights, last_stage_value,
-                                      run_passes, split_stages, stage_outputs)
+                                      reduce_tied_grads, run_passes, split_stages, stage_outputs, tied_copy)
 from moeloop.parallel.tensor import apply_tp, over_tp_rows, reduce_tp_grads
 from moeloop.train.head import LogprobHead
 from moeloop.train.lora import apply_lora, merged_weights
@@ -66,7 +66,7 @@ class PolicyForward:
         if cp_size() > 1:  # context parallel (`parallel.context`): the groups exist (`parallel.groups`)
             check_heads(model.cfg.num_heads, cp_size(), tp_size())
         if pp_size() > 1:  # pipeline parallel: this stage's layers (a stage before the last has no head)
-            split_stages(model)
+            split_stages(model, keeps_head=head is None)
         if model.lm_head is not None and head is None:
             LogprobHead.replace_in(model, chunk_tokens)
         elif model.lm_head is not None:
@@ -279,7 +279,9 @@ def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip:
         # parallel: the stages' norms add
         reduce_expert_grads(model)
         reduce_tp_grads(model)
-        norm = grad_norm(params)
+        reduce_tied_grads(model)
+        tied = tied_copy(model) if pp_rank() == pp_size() - 1 else None  # (counted once: on the first stage)
+        norm = grad_norm([p for p in params if p is not tied])
         if grad_clip and float(grad_clip / (norm + 1e-6)) < 1.0:
             scale_grads(params, float(grad_clip / (norm + 1e-6)))
     else:
