@@ -94,7 +94,7 @@ def _loop_rank(rank, world, command, model_dir, run_dir, *extra):
     """Runs the command; returns the stage each model the trainer built kept (one a model: the actor's, ...)."""
     import moeloop.train.actor as actor
     stages, split_stages = [], actor.split_stages
-    actor.split_stages = lambda model: (split_stages(model), stages.append(model.pipeline_stage))
+    actor.split_stages = lambda model, **kw: (split_stages(model, **kw), stages.append(model.pipeline_stage))
     try:
         run_command(command, model_dir, run_dir, *extra)
     finally:
