@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
+from moeloop.checkpoint import CheckpointManager
 from moeloop.config import load_config
 from moeloop.errors import InputError
 from moeloop.loop.rl import run_rl
@@ -186,3 +187,32 @@ def test_the_stages_run_their_passes_in_1f1b_order():
         ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"],
         ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"]]
     assert run_ranks(_schedule_rank, 3, 1) == [["F0", "B0"]] * 3
+
+
+def _tied_checkpoint_rank(rank, world, pp, directory, save):
+    """A tied-head actor at `pp` stages: one update and a save, or a load (then the loaded weights)."""
+    init_parallel_groups(1, 1, pp)
+    actor = Actor(_model("llama_tied"), actor_cfg(max_tokens_per_micro_batch=24), torch.device("cpu"), 8)
+    manager = CheckpointManager(directory)
+    if save:
+        actor.update(rl_batch())
+        manager.save(1, actor.model, actor.optimizer, {})
+    else:
+        manager.load(manager.latest(), actor.model, actor.optimizer)
+    return {n: t.clone() for n, t in actor.named_weights()}
+
+
+def test_a_tied_heads_optimizer_state_is_refused_across_pipeline_layouts(tmp_path):
+    """The shared weight's optimizer state is saved twice at pp > 1 (both ends of the pipeline) and once without:
+    loading it at another pipeline layout is an InputError naming the checkpoint, on every rank (no rank is left in a
+    collective); at the layout it was saved at it resumes."""
+    _tied_checkpoint_rank(0, 1, 1, tmp_path / "one", True)
+    with pytest.raises(AssertionError, match=r"saved at parallel.pp=1, resumed at parallel.pp=2: the optimizer state"):
+        run_ranks(_tied_checkpoint_rank, 2, 2, tmp_path / "one", False)
+    saved = run_ranks(_tied_checkpoint_rank, 2, 2, tmp_path / "two", True)[0]
+    with pytest.raises(InputError, match=r"saved at parallel.pp=2, resumed at parallel.pp=1"):
+        _tied_checkpoint_rank(0, 1, 1, tmp_path / "two", False)
+    for weights in run_ranks(_tied_checkpoint_rank, 2, 2, tmp_path / "two", False):
+        assert weights.keys() == saved.keys()
+        for name, w in saved.items():
+            torch.testing.assert_close(weights[name], w, rtol=0, atol=0)

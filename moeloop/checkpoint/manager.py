@@ -30,6 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from moeloop.errors import InputError
+from moeloop.parallel.groups import pp_size
 
 
 def _check_fits(path: Path, model_sd: dict[str, Any]) -> None:
@@ -44,6 +45,19 @@ def _check_fits(path: Path, model_sd: dict[str, Any]) -> None:
         problems = ([f"{len(missing)} tensors missing (e.g. {missing[0]})"] if missing else []) + reshaped[:2]
         raise InputError(f"{path}: this checkpoint does not fit the model ({'; '.join(problems)}): was it saved from "
                          f"another model or config?")
+
+
+def _check_tied_layout(path: Path, model: torch.nn.Module) -> None:
+    """An InputError when a model whose head is tied to its embedding (`train.actor.PolicyForward` marks it
+    `ties_head` on every rank) would load optimizer state saved at another pipeline layout: with pp > 1 the shared
+    weight's state is saved twice (the first stage's embedding, the last stage's head), without it once, and DCP cannot
+    map one onto the other."""
+    saved = json.loads((Path(path) / "meta.json").read_text()).get("pp", 1)
+    if getattr(model, "ties_head", False) and saved != pp_size():
+        raise InputError(f"{path}: saved at parallel.pp={saved}, resumed at parallel.pp={pp_size()}: the optimizer "
+                         "state of a head tied to the embedding (tie_word_embeddings) does not move between pipeline "
+                         f"layouts yet; resume at parallel.pp={saved} (the weights alone load at any layout: "
+                         "model.path from its HF export)")
 
 
 def _dtype_changes(path: Path, model: torch.nn.Module) -> dict[tuple[torch.dtype, torch.dtype], int]:
@@ -147,7 +161,8 @@ class CheckpointManager:
         _barrier()
         if _rank() == 0:
             world = dist.get_world_size() if dist.is_initialized() else 1
-            (tmp / "meta.json").write_text(json.dumps({**meta, "step": step, "world_size": world}, indent=1))
+            (tmp / "meta.json").write_text(json.dumps({**meta, "step": step, "world_size": world, "pp": pp_size()},
+                                                      indent=1))
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             pointer_tmp = self.directory / "latest.tmp"
@@ -160,6 +175,8 @@ class CheckpointManager:
     def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
              trainable_only: bool = False) -> dict[str, Any]:
         """Load into the current layout (DCP reshards); restore this rank's RNG; return meta."""
+        if optimizer is not None:
+            _check_tied_layout(path, model)
         state = self._state(model, optimizer, trainable_only)
         _check_fits(path, state["model"])  # (every tensor of `state` is in the checkpoint: strict where it matters)
         with _one_process_quiet():

@@ -65,6 +65,7 @@ class PolicyForward:
         self.model, self.device, self.budget = model, device, max_tokens_per_micro_batch * cp_size()
         if cp_size() > 1:  # context parallel (`parallel.context`): the groups exist (`parallel.groups`)
             check_heads(model.cfg.num_heads, cp_size(), tp_size())
+        model.ties_head = bool(model.cfg.tie_word_embeddings) and head is None  # (the checkpoint's layout check)
         if pp_size() > 1:  # pipeline parallel: this stage's layers (a stage before the last has no head)
             split_stages(model, keeps_head=head is None)
         if model.lm_head is not None and head is None:
