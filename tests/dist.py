@@ -1,8 +1,15 @@
-"""Run a function on N gloo ranks forked from the test process (parent imports once; ~1 s per test).
+"""Run a function on N gloo ranks forked from a fork server (~1 s per test; the server starts once, in a few seconds).
 
     results = run_ranks(fn, world_size=2, *args)   # fn(rank, world_size, *args) -> picklable
 Ranks rendezvous through a file:// store in a temp dir; a rank's exception fails the test with its
 traceback. Each rank uses one thread so N ranks share the CI's 2 cores politely.
+The ranks are not forks of the test process: by then it has run threads (the async RL loop's rollout thread, reward
+pools, the tokenizer's pool), and a fork inherits every lock another thread holds at that moment, held for good
+(test_run_ranks.py). A thread `join()` has returned from may still be freeing its C thread-locals, MKL's buffers among
+them under MKL's allocator lock: a child forked then spins forever in its first matmul on a new thread (26 of 300 forks
+right after such a join, outside the suite). The async loop tests forked right after joining their one-process run's
+rollout thread, and their ranks start a rollout thread: the likely cause of their rare hangs until the timeout. The
+fork server is a fresh interpreter that runs no threads; `fn` and `args` must pickle.
 On a machine with CUDA the ranks are spawned instead (a few seconds more each; MOELOOP_TEST_START_METHOD
 overrides): there the parent's first backward starts autograd's device threads, and a forked child's backward
 then fails ("Unable to handle autograd's threading in combination with fork-based multiprocessing").
@@ -25,6 +32,7 @@ import torch.multiprocessing as mp
 def _entry(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple, queue: Any,
            hang_s: float) -> None:
     torch.set_num_threads(1)
+    faulthandler.enable()  # a rank that crashes prints its stack too (a forked one had inherited pytest's handler)
     # a rank still running near the parent's timeout prints every thread's stack (to the test's captured stderr), so a
     # hang says where it is
     faulthandler.dump_traceback_later(hang_s, exit=True)
@@ -44,9 +52,17 @@ def _entry(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple
             dist.destroy_process_group()
 
 
+# what the ranks import (the test modules their functions come from import pytest and transformers), imported once by
+# the fork server: a test module's import took 2.3 s a rank without them
+PRELOAD = ["torch", "torch.distributed", "pytest", "transformers", "moeloop.loop.rl", "moeloop.loop.sft",
+           "moeloop.model.tokenizer", "tests.dist"]
+
+
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300) -> list[Any]:
-    ctx = mp.get_context(os.environ.get("MOELOOP_TEST_START_METHOD") or ("spawn" if torch.cuda.is_available()
-                                                                        else "fork"))
+    method = os.environ.get("MOELOOP_TEST_START_METHOD") or ("spawn" if torch.cuda.is_available() else "forkserver")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")

@@ -125,7 +125,8 @@ def _broadcast_rank(rank, world_size):
 
 @pytest.mark.parametrize("start_method", ["", "spawn"])
 def test_broadcast_transport_over_gloo(monkeypatch, start_method):
-    """Also with the ranks spawned, as `run_ranks` starts them on a machine with CUDA (this CPU forks by default)."""
+    """Also with the ranks spawned, as `run_ranks` starts them on a machine with CUDA (on this CPU a fork server forks
+    them)."""
     monkeypatch.setenv("MOELOOP_TEST_START_METHOD", start_method)
     results = run_ranks(_broadcast_rank, 3)
     assert results[0] == 4
