@@ -21,6 +21,7 @@ import io
 import os
 import tempfile
 import traceback
+from pathlib import Path
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -52,10 +53,14 @@ def _entry(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple
             dist.destroy_process_group()
 
 
-# what the ranks import (the test modules their functions come from import pytest and transformers), imported once by
-# the fork server: a test module's import took 2.3 s a rank without them
-PRELOAD = ["torch", "torch.distributed", "pytest", "transformers", "moeloop.loop.rl", "moeloop.loop.sft",
-           "moeloop.model.tokenizer", "tests.dist"]
+# what the ranks import, imported once by the fork server: torch, the loops, and the test modules whose functions run
+# on ranks (they import pytest and transformers; a test module's import took 2.3 s a rank without them, and 1.2 s a
+# test went to importing its own module in each rank); torch._dynamo, which torch's optimizers import on first use
+# (1.0 s a rank), and transformers' Auto classes, which it imports on first use (0.7 s a rank)
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "pytest", "transformers", "moeloop.loop.rl", "moeloop.loop.sft",
+           "moeloop.model.tokenizer", "transformers.models.auto.tokenization_auto",
+           "transformers.models.auto.configuration_auto", "moeloop.reward.factory", "tests.dist"] + sorted(
+    f"tests.{path.stem}" for path in Path(__file__).parent.glob("test_*.py") if "run_ranks(" in path.read_text())
 
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300) -> list[Any]:
