@@ -47,12 +47,11 @@ def _check_fits(path: Path, model_sd: dict[str, Any]) -> None:
                          f"another model or config?")
 
 
-def _check_tied_layout(path: Path, model: torch.nn.Module) -> None:
+def _check_tied_layout(path: Path, saved: int, model: torch.nn.Module) -> None:
     """An InputError when a model whose head is tied to its embedding (`train.actor.PolicyForward` marks it
     `ties_head` on every rank) would load optimizer state saved at another pipeline layout: with pp > 1 the shared
     weight's state is saved twice (the first stage's embedding, the last stage's head), without it once, and DCP cannot
-    map one onto the other."""
-    saved = json.loads((Path(path) / "meta.json").read_text()).get("pp", 1)
+    map one onto the other. `saved`: the pipeline size the checkpoint was saved at."""
     if getattr(model, "ties_head", False) and saved != pp_size():
         raise InputError(f"{path}: saved at parallel.pp={saved}, resumed at parallel.pp={pp_size()}: the optimizer "
                          "state of a head tied to the embedding (tie_word_embeddings) does not move between pipeline "
@@ -175,8 +174,9 @@ class CheckpointManager:
     def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
              trainable_only: bool = False) -> dict[str, Any]:
         """Load into the current layout (DCP reshards); restore this rank's RNG; return meta."""
+        meta = json.loads((Path(path) / "meta.json").read_text())
         if optimizer is not None:
-            _check_tied_layout(path, model)
+            _check_tied_layout(path, meta.get("pp", 1), model)
         state = self._state(model, optimizer, trainable_only)
         _check_fits(path, state["model"])  # (every tensor of `state` is in the checkpoint: strict where it matters)
         with _one_process_quiet():
@@ -191,7 +191,7 @@ class CheckpointManager:
         rng_file = path / "rng" / f"rank{_rank()}.pt"
         if rng_file.is_file():
             set_rng_state(torch.load(rng_file, weights_only=False))
-        return json.loads((path / "meta.json").read_text())
+        return meta
 
     @staticmethod
     def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,

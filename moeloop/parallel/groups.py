@@ -88,7 +88,7 @@ def init_parallel_groups(cp: int = 1, tp: int = 1, pp: int = 1, first_stage_laye
             mine["dp"] = group
     _GROUPS.cp, _GROUPS.tp, _GROUPS.pp = cp, tp, pp
     _GROUPS.cp_group, _GROUPS.tp_group = mine["cp"], mine["tp"]
-    _GROUPS.pp_group, _GROUPS.pp_ranks = mine["pp"], mine["pp_ranks"] if pp > 1 else ()
+    _GROUPS.pp_group, _GROUPS.pp_ranks = mine["pp"], mine["pp_ranks"]
     _GROUPS.ends_group = mine["ends"]
     _GROUPS.replica_group, _GROUPS.dp_group = mine["replica"], mine["dp"]
 

@@ -28,6 +28,7 @@ and the weight sync and the HF export see the whole model (`gather_stage_weights
 from __future__ import annotations
 
 from collections import deque
+from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import torch
@@ -136,11 +137,10 @@ class _Send(torch.autograd.Function):
         return grad_TD, None
 
 
-def split_stages(model: nn.Module, keeps_head: bool = True) -> None:
+def split_stages(model: nn.Module) -> None:
     """Keep this rank's stage of `model` (in place, before anything shards it): its decoder layers
     (`parallel.groups.stage_layer_counts`); the embedding on the first stage, the final norm and lm_head on the last.
-    The other stages' places take a receive and a send. `keeps_head`: the model keeps its lm_head (not a critic's
-    value head), which tie_word_embeddings ties to the embedding."""
+    The other stages' places take a receive and a send."""
     pp, stage = pp_size(), pp_rank()
     counts = stage_layer_counts(model.cfg.num_layers)
     if min(counts) < 1:
@@ -155,16 +155,16 @@ def split_stages(model: nn.Module, keeps_head: bool = True) -> None:
         model.model.norm = StageOutput(pp_peer(stage + 1))
         model.lm_head = None
     model.pipeline_stage = stage
-    # tied embeddings: the first stage's embedding and the last stage's head are two copies of one weight (Megatron's
-    # word embeddings on both ends of the pipeline), equal at the start and kept equal by equal gradients
-    model.tied_across_stages = bool(model.cfg.tie_word_embeddings) and keeps_head and (stage == 0 or stage == pp - 1)
 
 
 def tied_copy(model: nn.Module) -> nn.Parameter | None:
-    """This stage's copy of a weight tied across the pipeline's ends (the embedding's or the head's), else None."""
-    if not getattr(model, "tied_across_stages", False):
+    """This stage's copy of a head weight tied to the embedding (`ties_head`, which the trainer sets) when the pipeline
+    splits the two: the first stage's embedding and the last stage's head are two copies of one weight (Megatron's
+    word embeddings on both ends of the pipeline), equal at the start and kept equal by equal gradients. Else None."""
+    stage = getattr(model, "pipeline_stage", None)
+    if not getattr(model, "ties_head", False) or stage not in (0, pp_size() - 1):
         return None
-    return model.model.embed_tokens.weight if model.pipeline_stage == 0 else model.lm_head.weight
+    return model.model.embed_tokens.weight if stage == 0 else model.lm_head.weight
 
 
 @torch.no_grad()
@@ -185,53 +185,53 @@ def is_last_stage() -> bool:
 
 def stage_outputs(head_fn, hidden_TD: torch.Tensor, outputs: tuple[bool, ...] | None = None):
     """`head_fn(hidden_TD)` on every stage: per-position values, one tensor (`outputs` None) or a tuple of tensors and
-    Nones (`outputs` says which are tensors). The last stage computes it; in a forward-only pass it broadcasts the
-    values (fp32) over its pp group, and on the other stages, where `hidden_TD` is the placeholder `StageOutput`
-    returned, they arrive as outputs of it whose backward gives it zeros. Inside `run_passes` nothing is broadcast:
-    the other stages get zeros of their shape (their loss is not used: their backward takes the next stage's gradient,
-    and their metrics are replaced by the last stage's, `last_stage_value`)."""
+    Nones (`outputs` says which are tensors). The last stage computes it. The other stages, where `hidden_TD` is the
+    placeholder `StageOutput` returned, get zeros of its shape, as outputs of it whose backward gives it zeros: their
+    loss is not used (their backward takes the next stage's gradient, and their metrics are replaced by the last
+    stage's, `last_stage_value`), and a forward-only pass's values arrive after its passes (`forward_passes`). So under
+    pipeline parallelism a forward runs inside `run_passes` or `forward_passes`."""
     if pp_size() == 1:
         return head_fn(hidden_TD)
-    src, group = pp_peer(pp_size() - 1), pp_group()
-    if is_last_stage():
-        out = head_fn(hidden_TD)
-        if not _SCHEDULE.running:
-            for v in (out if isinstance(out, tuple) else (out,)):
-                if v is not None:
-                    dist.broadcast(v.detach().float().contiguous(), src=src, group=group)
-        return out
-    present = (True,) if outputs is None else outputs
-    received = list(_StageOutputs.apply(hidden_TD, None if _SCHEDULE.running else src, sum(present)))
     if not _SCHEDULE.running:
-        finish_sends()  # (the last stage received this stage's activations before it broadcast)
-    values = [received.pop(0) if p else None for p in present]
+        raise RuntimeError("under pipeline parallelism a forward runs inside pipeline.run_passes or forward_passes")
+    if is_last_stage():
+        return head_fn(hidden_TD)
+    present = (True,) if outputs is None else outputs
+    zeros = list(_Placeholders.apply(hidden_TD, sum(present)))
+    values = [zeros.pop(0) if p else None for p in present]
     return values[0] if outputs is None else tuple(values)
 
 
-class _StageOutputs(torch.autograd.Function):
-    """The head's values on a stage before the last: broadcast from rank `src` (None: zeros)."""
+class _Placeholders(torch.autograd.Function):
+    """`count` fp32 zeros of a stage's rows, outputs of its placeholder hidden states (whose gradient they give zeros)."""
 
     @staticmethod
-    def forward(ctx, hidden_TD: torch.Tensor, src: int | None, count: int):
+    def forward(ctx, hidden_TD: torch.Tensor, count: int):
         ctx.shape, ctx.dtype = hidden_TD.shape, hidden_TD.dtype
-        values = []
-        for _ in range(count):
-            v = torch.zeros(hidden_TD.shape[0], dtype=torch.float32, device=hidden_TD.device)
-            if src is not None:
-                dist.broadcast(v, src=src, group=pp_group())
-            values.append(v)
-        return tuple(values)
+        return tuple(torch.zeros(hidden_TD.shape[0], dtype=torch.float32, device=hidden_TD.device)
+                     for _ in range(count))
 
     @staticmethod
     def backward(ctx, *grads):
-        return torch.zeros(ctx.shape, dtype=ctx.dtype, device=grads[0].device), None, None
+        return torch.zeros(ctx.shape, dtype=ctx.dtype, device=grads[0].device), None
 
 
 class _Schedule:
-    running = False  # inside `run_passes`
+    running = False  # inside `run_passes` or `forward_passes`
 
 
 _SCHEDULE = _Schedule()
+
+
+@contextmanager
+def _scheduled() -> Iterator[None]:
+    """A stretch of passes: `stage_outputs` gives the stages before the last zeros; the sends complete at its end."""
+    _SCHEDULE.running = True
+    try:
+        yield
+    finally:
+        _SCHEDULE.running = False
+        finish_sends()
 
 
 def run_passes(passes: Iterable[Item], forward: Callable[[Item], torch.Tensor]) -> None:
@@ -247,17 +247,13 @@ def run_passes(passes: Iterable[Item], forward: Callable[[Item], torch.Tensor]) 
         return
     ahead = pp_size() - 1 - pp_rank()
     in_flight: deque[torch.Tensor] = deque()
-    _SCHEDULE.running = True
-    try:
+    with _scheduled():
         for i, item in enumerate(passes):
             in_flight.append(forward(item))
             if i >= ahead:
                 in_flight.popleft().backward()
         while in_flight:
             in_flight.popleft().backward()
-    finally:
-        _SCHEDULE.running = False
-        finish_sends()
 
 
 def forward_passes(passes: Iterable[Item], forward: Callable[[Item], Any]) -> Iterator[tuple[Item, Any]]:
@@ -270,14 +266,8 @@ def forward_passes(passes: Iterable[Item], forward: Callable[[Item], Any]) -> It
         for item in passes:
             yield item, forward(item)
         return
-    done = []
-    _SCHEDULE.running = True
-    try:
-        for item in passes:
-            done.append((item, forward(item)))
-    finally:
-        _SCHEDULE.running = False
-        finish_sends()
+    with _scheduled():
+        done = [(item, forward(item)) for item in passes]
     src, group = pp_peer(pp_size() - 1), pp_group()
     for item, out in done:
         for v in (out if isinstance(out, tuple) else (out,)):

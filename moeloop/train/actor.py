@@ -33,9 +33,10 @@ from moeloop.parallel.collectives import all_gather_rows, global_values
 from moeloop.parallel.context import UlyssesAttention, check_heads
 from moeloop.parallel.expert import apply_ep, build_expert_mesh, expert_params, reduce_expert_grads
 from moeloop.parallel.fsdp import apply_fsdp, build_dp_mesh, full_tensor, grad_norm, reshard, scale_grads
-from moeloop.parallel.groups import cp_group, cp_rank, cp_size, dp_group, dp_size, pp_rank, pp_size, tp_group, tp_size
-from moeloop.parallel.pipeline import (forward_passes, gather_recorded_routes, gather_stage_weights, last_stage_value,
-                                      reduce_tied_grads, run_passes, split_stages, stage_outputs, tied_copy)
+from moeloop.parallel.groups import cp_group, cp_rank, cp_size, dp_group, dp_size, pp_size, tp_group, tp_size
+from moeloop.parallel.pipeline import (forward_passes, gather_recorded_routes, gather_stage_weights, is_last_stage,
+                                      last_stage_value, reduce_tied_grads, run_passes, split_stages, stage_outputs,
+                                      tied_copy)
 from moeloop.parallel.tensor import apply_tp, over_tp_rows, reduce_tp_grads
 from moeloop.train.head import LogprobHead
 from moeloop.train.lora import apply_lora, merged_weights
@@ -65,9 +66,10 @@ class PolicyForward:
         self.model, self.device, self.budget = model, device, max_tokens_per_micro_batch * cp_size()
         if cp_size() > 1:  # context parallel (`parallel.context`): the groups exist (`parallel.groups`)
             check_heads(model.cfg.num_heads, cp_size(), tp_size())
-        model.ties_head = bool(model.cfg.tie_word_embeddings) and head is None  # (the checkpoint's layout check)
+        # a head tied to the embedding (read by the pipeline's tied copies and the checkpoint's layout check)
+        model.ties_head = bool(model.cfg.tie_word_embeddings) and head is None
         if pp_size() > 1:  # pipeline parallel: this stage's layers (a stage before the last has no head)
-            split_stages(model, keeps_head=head is None)
+            split_stages(model)
         if model.lm_head is not None and head is None:
             LogprobHead.replace_in(model, chunk_tokens)
         elif model.lm_head is not None:
@@ -281,7 +283,7 @@ def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip:
         reduce_expert_grads(model)
         reduce_tp_grads(model)
         reduce_tied_grads(model)
-        tied = tied_copy(model) if pp_rank() == pp_size() - 1 else None  # (counted once: on the first stage)
+        tied = tied_copy(model) if is_last_stage() else None  # (counted once: on the first stage)
         norm = grad_norm([p for p in params if p is not tied])
         if grad_clip and float(grad_clip / (norm + 1e-6)) < 1.0:
             scale_grads(params, float(grad_clip / (norm + 1e-6)))
