@@ -30,7 +30,7 @@ def test_ep_must_divide_data_context_tensor_ranks():
 
 
 def test_every_violated_rule_is_reported_at_once():
-    lay = Layout(dp=3, tp=8, pp=5, vpp=2, ep=6, etp=1)
+    lay = Layout(dp=3, tp=8, pp=5, vpp=3, ep=6, etp=1)
     problems = lay.validate(model(num_attention_heads=12, num_key_value_heads=6), world_size=100,
                             batch=BatchInfo(num_micro_batches=6, mini_batch_samples=2))
     text = "\n".join(problems)
@@ -38,10 +38,10 @@ def test_every_violated_rule_is_reported_at_once():
     assert "num_attention_heads=12 % tp=8 != 0" in text
     assert "num_key_value_heads=6 % tp=8 != 0" in text
     assert "num_experts=64 % ep=6 != 0" in text
-    assert "num_layers=12 % (pp*vpp) = 12 % 10 != 0" in text
-    assert "micro-batches 6 % pp=5 != 0 with vpp>1" in text
+    assert ("num_layers=12: 12 layers for 15 pipeline chunks (pp*vpp = 5*3): every chunk needs one layer at least"
+            in text)
     assert "samples per mini-batch 2 < dp=3" in text
-    assert len(problems) == 7
+    assert len(problems) == 6
 
 
 def test_sizes_and_dense_model_rules():
@@ -59,9 +59,23 @@ def test_uneven_pipeline_like_verl_dsv3_demo():
     lay = Layout(dp=1, tp=8, pp=12, ep=8, last_stage_layers=6)
     assert lay.stage_layers(61) == [5] * 11 + [6]
     assert lay._pipeline_rules(61) == []
-    assert lay._pipeline_rules(62) == ["num_layers - first - last = 56 % (middle stages*vpp) = 56 % 11 != 0"]
-    assert Layout(pp=12).validate(model(num_hidden_layers=61))[0] == "num_layers=61 % (pp*vpp) = 61 % 12 != 0"
+    assert lay._pipeline_rules(16) == ["num_layers=16: 10 layers for 11 pipeline chunks (pp*vpp = 12*1 less the "
+                                       "first/last stage): every chunk needs one layer at least"]
+    assert lay._pipeline_rules(4) == ["first_stage_layers=0 + last_stage_layers=6 do not fit num_layers=4 with pp=12"]
+    # without first/last counts the runtime splits unevenly (the earlier stages one more), and so does the plan
+    assert Layout(pp=12).validate(model(num_hidden_layers=61)) == []
+    assert Layout(pp=12).stage_layers(61) == [6] + [5] * 11
     assert Layout(pp=4, first_stage_layers=2, last_stage_layers=2).stage_layers(12) == [2, 4, 4, 2]
+
+
+def test_interleaved_chunks_take_runs_of_layers_round_robin_over_the_stages():
+    """Chunk k of pp * vpp holds the k-th run of layers and sits on stage k % pp (Megatron's virtual pipeline)."""
+    lay = Layout(pp=2, vpp=2)
+    assert lay.chunk_layers(8) == [2, 2, 2, 2] and lay.stage_layers(8) == [4, 4]
+    assert lay.chunk_layers(6) == [2, 2, 1, 1] and lay.stage_layers(6) == [3, 3]
+    assert Layout(pp=3, vpp=2).chunk_layers(7) == [2, 1, 1, 1, 1, 1] and Layout(pp=3, vpp=2).stage_layers(7) == [3, 2, 2]
+    assert Layout(pp=2, vpp=2, last_stage_layers=1).validate()[0].startswith("first_stage_layers/last_stage_layers "
+                                                                             "with vpp > 1")
 
 
 def test_with_world_keeps_model_parallel_shape():

@@ -12,6 +12,8 @@ from moeloop.errors import InputError
 from moeloop.loop.rl import run_rl
 from moeloop.model.config import ModelConfig
 from moeloop.model.factory import build_model, hf_config_dict, init_model
+from moeloop.model.hf_io import save_pretrained
+from moeloop.model.tokenizer import build_tokenizer
 from moeloop.parallel import Layout
 from moeloop.parallel.groups import init_parallel_groups, pp_rank
 from moeloop.plan import model_stats
@@ -21,23 +23,36 @@ from tests.dist import run_ranks
 from tests.test_rl_loop import _cfg as rl_cfg, assert_same_run
 from tests.test_tensor_parallel import (_model, _shard, assert_sft_resumes_in_one_process_and_at_dp_2,
                                        critic_pass_then_steps, run_command)
-from tests.trainer_fixtures import actor_cfg, assert_ranks_match, first_pass_then_steps, rl_batch, use_sgd
+from moeloop.model.transformer import MoEForCausalLM
+from tests.trainer_fixtures import TINY_QWEN3_MOE, actor_cfg, assert_ranks_match, first_pass_then_steps, rl_batch, use_sgd
+
+
+def _model_of(arch: str):
+    """test_tensor_parallel's models, and "qwen3_moe_4": its tiny qwen3_moe with 4 decoder layers (for pp 2 x vpp 2)."""
+    if arch != "qwen3_moe_4":
+        return _model(arch)
+    torch.manual_seed(0)
+    model = MoEForCausalLM(ModelConfig.from_hf_dict({**TINY_QWEN3_MOE, "num_hidden_layers": 4}))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.1) if p.dim() > 1 else p.fill_(1.0)
+    return model
 
 
 def _run(pp: int = 1, tp: int = 1, cp: int = 1, ep: int = 1, kind: str = "rl", arch: str = "qwen3_moe",
-         first_stage_layers: int = 0):
+         first_stage_layers: int = 0, vpp: int = 1):
     """On this rank's share of `rl_batch()`: the old logprobs and entropies (or the critic's values), then 2 SGD steps
     (GRPO updates with the gradient clipped to 0.1, SFT steps, or critic updates); a GRPO actor's steps come after an
     update with every advantage 0. Returns the first pass's values by sample, the step metrics, the whole model's
     weights (`named_weights`: gathered from every stage), and (this rank's stage, the decoder layers it holds, whether
     it holds the embedding and the head)."""
-    init_parallel_groups(cp, tp, pp, first_stage_layers)
+    init_parallel_groups(cp, tp, pp, first_stage_layers, vpp=vpp)
     samples = _shard(rl_batch())
     if kind == "critic":
-        model, first, metrics = critic_pass_then_steps(arch, samples)
+        model, first, metrics = critic_pass_then_steps(arch, samples, _model_of(arch))
     else:
         cfg = actor_cfg(max_tokens_per_micro_batch=24, grad_clip=0.1, router_replay="R2" if kind == "r2" else "off")
-        model = Actor(_model(arch), cfg, torch.device("cpu"), 8, ep=ep)
+        model = Actor(_model_of(arch), cfg, torch.device("cpu"), 8, ep=ep)
         use_sgd(model, 0.05)
         first, metrics = first_pass_then_steps(model, samples, kind, ("pg_loss", "grad_norm"))
         if kind == "sft":  # the held-out loss's forward-only passes too
@@ -50,8 +65,8 @@ def _run(pp: int = 1, tp: int = 1, cp: int = 1, ep: int = 1, kind: str = "rl", a
     return first, metrics, weights, held
 
 
-def _rank(rank, world, pp, tp, cp, ep, kind, arch, first_stage_layers):
-    return _run(pp, tp, cp, ep, kind, arch, first_stage_layers)
+def _rank(rank, world, pp, tp, cp, ep, kind, arch, first_stage_layers, vpp=1):
+    return _run(pp, tp, cp, ep, kind, arch, first_stage_layers, vpp)
 
 
 @pytest.mark.parametrize("world,pp,tp,cp,ep,kind,arch,first", [
@@ -86,9 +101,43 @@ def test_pipeline_parallel_matches_one_process(world, pp, tp, cp, ep, kind, arch
     assert_ranks_match([r[:3] for r in results], want_first, want_metrics, want)
 
 
+@pytest.mark.parametrize("world,pp,vpp,tp,kind,arch", [
+    (2, 2, 2, 1, "rl", "qwen3_moe_4"),  # two chunks a stage: layers 0 and 2 on stage 0, 1 and 3 on stage 1
+    (2, 2, 2, 1, "sft", "qwen3_moe_4"),
+    (2, 2, 2, 1, "critic", "qwen3_moe_4"),
+    (2, 2, 2, 1, "r2", "qwen3_moe_4"),  # routes recorded by every chunk of a stage into one tape
+    (4, 2, 2, 1, "rl", "qwen3_moe_4"),  # dp 2 x pp 2 x vpp 2
+    (4, 2, 2, 2, "sft", "qwen3_moe_4"),  # pp 2 x vpp 2 x tp 2
+])
+def test_interleaved_pipeline_matches_one_process(world, pp, vpp, tp, kind, arch):
+    """`parallel.vpp`: each stage holds vpp chunks of layers (chunk k of pp * vpp on stage k % pp), its first chunk's
+    embedding on the first stage and its last chunk's head on the last, and the passes run in the interleaved order;
+    the numbers are one process's."""
+    want_first, want_metrics, want, _ = _run(kind=kind, arch=arch)
+    results = run_ranks(_rank, world, pp, tp, 1, 1, kind, arch, 0, vpp)
+    counts = Layout(pp=pp, vpp=vpp).chunk_layers(_model_of(arch).cfg.num_layers)
+    for *_, (stage, layers, embedding, head) in results:
+        kept = [k for k in range(pp * vpp) if k % pp == stage]
+        assert layers == [i for k in kept for i in range(sum(counts[:k]), sum(counts[:k + 1]))]
+        assert embedding == ("Embedding" if stage == 0 else "StageInput")
+        assert head == (stage == pp - 1)
+    assert_ranks_match([r[:3] for r in results], want_first, want_metrics, want)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return init_model("qwen3_moe", "tiny", tmp_path_factory.mktemp("model") / "m", seed=3)
+
+
+@pytest.fixture(scope="module")
+def model_dir_4(tmp_path_factory):
+    """The tiny qwen3_moe with 4 decoder layers (pp 2 x vpp 2: one a chunk), and the tokenizer."""
+    out = tmp_path_factory.mktemp("model4") / "m"
+    torch.manual_seed(3)
+    model = MoEForCausalLM(ModelConfig.from_hf_dict({**hf_config_dict("qwen3_moe", "tiny"), "num_hidden_layers": 4}))
+    build_tokenizer(out)
+    save_pretrained(model, out)
+    return out
 
 
 def _loop_rank(rank, world, command, model_dir, run_dir, *extra):
@@ -124,6 +173,28 @@ def test_the_rl_loop_at_pipeline_parallel_matches_one_process(model_dir, tmp_pat
                     ("reward/mean", "reward/samples", "pg_loss", "grad_norm", "response/len_mean"))
 
 
+@pytest.mark.parametrize("extra", [
+    (),
+    ("actor.use_kl_loss=true", "critic.enable=true", "algorithm.adv_estimator=gae"),  # reference and critic too
+])
+def test_the_rl_loop_at_an_interleaved_pipeline_matches_one_process(model_dir_4, tmp_path, extra):
+    """`moeloop rl` with parallel.pp=2 parallel.vpp=2 (two chunks of one layer a stage) gives one process's metrics
+    and weights; the engines get the whole model."""
+    run_command("rl", model_dir_4, tmp_path / "one", *extra)
+    models = 1 + 2 * ("critic.enable=true" in extra)
+    stages = run_ranks(_loop_rank, 2, "rl", model_dir_4, tmp_path / "pp", *extra, "parallel.pp=2", "parallel.vpp=2")
+    assert stages == [[0] * models, [1] * models]
+    assert_same_run(tmp_path / "one", tmp_path / "pp",
+                    ("reward/mean", "reward/samples", "pg_loss", "grad_norm", "response/len_mean"))
+
+
+def test_sft_at_an_interleaved_pipeline_resumes_in_one_process_and_at_dp_2(model_dir_4, tmp_path):
+    """Checkpoints of an interleaved pipeline (each rank saving its two chunks' layers) reshard: see
+    `assert_sft_resumes_in_one_process_and_at_dp_2`."""
+    assert_sft_resumes_in_one_process_and_at_dp_2(model_dir_4, tmp_path, _loop_rank, "parallel.pp=2 parallel.vpp=2",
+                                                  [[0], [1]])
+
+
 def test_sft_at_pipeline_parallel_resumes_in_one_process_and_at_dp_2(model_dir, tmp_path):
     """`moeloop sft` at pp 2 (each stage's layers saved by its rank in its DCP checkpoint): see
     `assert_sft_resumes_in_one_process_and_at_dp_2`."""
@@ -133,10 +204,17 @@ def test_sft_at_pipeline_parallel_resumes_in_one_process_and_at_dp_2(model_dir, 
 def test_pipeline_parallel_refuses_what_it_cannot_split(model_dir, tmp_path):
     with pytest.raises(AssertionError, match=r"parallel.pp=3 must be >= 1 and divide the 2 ranks"):
         run_ranks(_loop_rank, 2, "rl", model_dir, tmp_path / "a", "parallel.pp=3")
-    with pytest.raises(InputError, match=r"parallel.vpp=2"):
-        run_rl(rl_cfg(model_dir, tmp_path / "c", "parallel.pp=2", "parallel.vpp=2"))
-    with pytest.raises(AssertionError, match=r"the stages would hold \[2, 0\] of the 2 decoder layers"):
+    with pytest.raises(InputError, match=r"parallel.etp=2"):
+        run_rl(rl_cfg(model_dir, tmp_path / "c", "parallel.pp=2", "parallel.etp=2"))
+    with pytest.raises(AssertionError, match=r"the model chunks would hold \[2, 0\] of the 2 decoder layers"):
         run_ranks(_loop_rank, 2, "rl", model_dir, tmp_path / "d", "parallel.pp=2", "parallel.first_stage_layers=2")
+    with pytest.raises(AssertionError, match=r"parallel.pp=2, parallel.vpp=2: the model chunks would hold \[1, 1, 0, 0\]"):
+        run_ranks(_loop_rank, 2, "rl", model_dir, tmp_path / "e", "parallel.pp=2", "parallel.vpp=2")
+    with pytest.raises(AssertionError, match=r"parallel.vpp=2 with parallel.first_stage_layers / last_stage_layers"):
+        run_ranks(_loop_rank, 2, "rl", model_dir, tmp_path / "f", "parallel.pp=2", "parallel.vpp=2",
+                  "parallel.last_stage_layers=1")
+    with pytest.raises(InputError, match=r"parallel.vpp=2: .* pp > 1 for vpp > 1"):
+        run_rl(rl_cfg(model_dir, tmp_path / "g", "parallel.vpp=2"))
 
 
 def _weights_rank(rank, world, pp, tp, arch):

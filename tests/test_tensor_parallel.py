@@ -70,14 +70,14 @@ def _run(tp: int = 1, cp: int = 1, ep: int = 1, kind: str = "rl", arch: str = "q
     return first, metrics, {n: t.clone() for n, t in model.named_weights()}, _local_shapes(model.model) + (rows,)
 
 
-def critic_pass_then_steps(arch: str, samples):
-    """A critic of `_model(arch)` (SGD): its values of `samples` (returns: advantages + 0.5), then 2 updates; returns
-    it, the values by sample and the value losses."""
+def critic_pass_then_steps(arch: str, samples, model=None):
+    """A critic of `model` (default `_model(arch)`; SGD): its values of `samples` (returns: advantages + 0.5), then 2
+    updates; returns it, the values by sample and the value losses."""
     for s in samples:
         s.returns = [a + 0.5 for a in s.advantages]
     cfg = CriticSection()
     cfg.max_tokens_per_micro_batch, cfg.ppo_mini_batch_size = 24, 4
-    model = Critic(_model(arch), cfg, torch.device("cpu"), 8, master_weights=False)
+    model = Critic(_model(arch) if model is None else model, cfg, torch.device("cpu"), 8, master_weights=False)
     use_sgd(model, 0.05)
     model.compute_values(samples)
     first = {(s.group_id, tuple(s.response_ids)): (s.values,) for s in samples}
@@ -184,14 +184,15 @@ def test_sft_at_tensor_parallel_resumes_in_one_process_and_at_dp_2(model_dir, tm
 
 
 def assert_sft_resumes_in_one_process_and_at_dp_2(model_dir, tmp_path, loop_rank, layout: str, splits: list) -> None:
-    """`moeloop sft` at `layout` (an override) on 2 ranks for 2 steps gives one process's losses (`loop_rank` returns
+    """`moeloop sft` at `layout` (overrides, space-separated) on 2 ranks for 2 steps gives one process's losses (`loop_rank` returns
     how the trainer split its model on each rank: `splits`); its checkpoint resumes in one process, and at dp 2 in
     another directory's copy, for the 3rd and 4th steps, which end at the straight 4-step run's weights."""
     train = _conversations(tmp_path / "train.jsonl")
     extra = ("data.prompt_key=messages", "data.max_response_length=16", f"data.train_files=[{train}]",
              "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "data.val_files=[]")
     run_sft(sft_cfg(model_dir, tmp_path / "one", "trainer.steps=4", *extra))
-    assert run_ranks(loop_rank, 2, "sft", model_dir, tmp_path / "split", "trainer.steps=2", layout, *extra) == splits
+    assert run_ranks(loop_rank, 2, "sft", model_dir, tmp_path / "split", "trainer.steps=2", *layout.split(),
+                     *extra) == splits
     shutil.copytree(tmp_path / "split", tmp_path / "dp")
     run_sft(sft_cfg(model_dir, tmp_path / "split", "trainer.steps=4", *extra), resume=True)
     run_ranks(_resume_rank, 2, model_dir, tmp_path / "dp", "trainer.steps=4", *extra)

@@ -55,7 +55,7 @@ class RunEnv:
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
         p = cfg.parallel
-        init_parallel_groups(p.cp, p.tp, p.pp, p.first_stage_layers, p.last_stage_layers)
+        init_parallel_groups(p.cp, p.tp, p.pp, p.first_stage_layers, p.last_stage_layers, p.vpp)
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(device)
@@ -78,13 +78,12 @@ def _pick_device(choice: str) -> torch.device:
 
 def check_parallel_support(cfg: RunConfig) -> None:
     p = cfg.parallel
-    for name in ("etp", "vpp"):
-        if getattr(p, name) != 1:
-            raise InputError(f"parallel.{name}={getattr(p, name)}: the trainer applies data, tensor, pipeline, expert and "
-                             f"context parallelism only so far (torchrun --nproc_per_node N gives dp=N; parallel.tp "
-                             f"splits the attention heads and dense MLPs over tp of them, parallel.pp the layers over pp "
-                             f"stages, parallel.ep the experts over ep of them, parallel.cp each sequence over cp of "
-                             f"them); {name} is used by `moeloop plan`")
+    if p.etp != 1:
+        raise InputError(f"parallel.etp={p.etp}: the trainer applies data, tensor, pipeline (interleaved too), expert "
+                         f"and context parallelism only so far (torchrun --nproc_per_node N gives dp=N; parallel.tp "
+                         f"splits the attention heads and dense MLPs over tp of them, parallel.pp the layers over pp "
+                         f"stages, parallel.vpp each stage's into vpp chunks, parallel.ep the experts over ep of them, "
+                         f"parallel.cp each sequence over cp of them); etp is used by `moeloop plan`")
     if p.tp > 1 and cfg.actor.lora_rank:
         raise InputError(f"actor.lora_rank={cfg.actor.lora_rank} with parallel.tp={p.tp}: LoRA adapters are not split "
                          "by tensor parallelism yet; use parallel.tp=1")

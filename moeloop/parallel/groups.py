@@ -4,7 +4,8 @@
 - tp groups: tp consecutive ranks (`parallel.tensor`; their DeviceMesh dim, `parallel.fsdp.build_dp_mesh`);
 - cp groups: the ranks of one (d, p, t) (`parallel.context`);
 - pp groups: the ranks of one (d, c, t), one a pipeline stage (`parallel.pipeline`): each passes its activations to
-  the next;
+  the next (and a second group of the same ranks carries the gradients back, so the two kinds never queue behind each
+  other on one channel: under an interleaved pipeline two stages pass both ways);
 - replica groups: the pp * cp * tp consecutive ranks of one d, which train on the same samples;
 - dp groups: the ranks of one (p, c, t), one rank of each replica group, over which host-side sums and object gathers
   run (a sum over every rank would count each sample pp * cp * tp times);
@@ -26,7 +27,9 @@ class _Groups:
     cp: int = 1
     tp: int = 1
     pp: int = 1
-    pp_group: Any = None  # this rank's pp group (None: pp 1)
+    pp_group: Any = None  # this rank's pp group (None: pp 1): activations forward, collectives
+    pp_grad_group: Any = None  # the same ranks: gradients backward
+    vpp: int = 1  # model chunks a pipeline stage holds (interleaved schedule; Megatron's virtual pipeline size)
     pp_ranks: tuple[int, ...] = ()  # the global ranks of this rank's pp group, stage by stage
     ends_group: Any = None  # the first and last stage of this rank's pp group (a tied embedding's two copies)
     first_stage_layers: int = 0  # decoder layers of the first and last stages (0: an even split)
@@ -41,18 +44,26 @@ _GROUPS = _Groups()
 
 
 def init_parallel_groups(cp: int = 1, tp: int = 1, pp: int = 1, first_stage_layers: int = 0,
-                         last_stage_layers: int = 0) -> None:
+                         last_stage_layers: int = 0, vpp: int = 1) -> None:
     """Make the cp, tp, pp, replica and dp groups of the current process group (collective: every rank calls it, with
     the same sizes, once a run: groups made for an earlier process group would be stale); cp = tp = pp = 1 resets
-    them. `first_stage_layers` / `last_stage_layers`: an uneven pipeline split (`stage_layer_counts`)."""
+    them. `first_stage_layers` / `last_stage_layers`: an uneven pipeline split (`chunk_layer_counts`). `vpp`: model
+    chunks a stage holds (the interleaved schedule, `parallel.pipeline`)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     for name, size in (("cp", cp), ("tp", tp), ("pp", pp)):
         if size < 1 or world % size:
             raise InputError(f"parallel.{name}={size} must be >= 1 and divide the {world} ranks")
     if world % (pp * cp * tp):
         raise InputError(f"parallel.pp * parallel.cp * parallel.tp = {pp} * {cp} * {tp} must divide the {world} ranks")
-    _GROUPS.cp, _GROUPS.tp, _GROUPS.pp = 1, 1, 1
+    if vpp < 1 or (vpp > 1 and pp == 1):
+        raise InputError(f"parallel.vpp={vpp}: the model chunks of a pipeline stage need vpp >= 1, and pp > 1 for "
+                         f"vpp > 1 (parallel.pp={pp})")
+    if vpp > 1 and (first_stage_layers or last_stage_layers):
+        raise InputError(f"parallel.vpp={vpp} with parallel.first_stage_layers / last_stage_layers: an interleaved "
+                         "pipeline splits the layers evenly over its pp * vpp chunks (set both to 0)")
+    _GROUPS.cp, _GROUPS.tp, _GROUPS.pp, _GROUPS.vpp = 1, 1, 1, vpp
     _GROUPS.cp_group = _GROUPS.tp_group = _GROUPS.pp_group = _GROUPS.replica_group = _GROUPS.dp_group = None
+    _GROUPS.pp_grad_group = None
     _GROUPS.ends_group = None
     _GROUPS.pp_ranks = ()
     _GROUPS.first_stage_layers, _GROUPS.last_stage_layers = first_stage_layers, last_stage_layers
@@ -75,9 +86,10 @@ def init_parallel_groups(cp: int = 1, tp: int = 1, pp: int = 1, first_stage_laye
         for offset in range(block):  # one (d, c, t): a rank of each stage
             ranks = [start + p * block + offset for p in range(pp)]
             group = dist.new_group(ranks) if pp > 1 else None
+            grads = dist.new_group(ranks) if pp > 1 else None
             ends = dist.new_group([ranks[0], ranks[-1]]) if pp > 1 else None
             if rank in ranks:
-                mine["pp"], mine["pp_ranks"], mine["ends"] = group, tuple(ranks), ends
+                mine["pp"], mine["pp_grad"], mine["pp_ranks"], mine["ends"] = group, grads, tuple(ranks), ends
     for start in range(0, world, replica):
         group = dist.new_group(list(range(start, start + replica)))
         if start <= rank < start + replica:
@@ -88,7 +100,7 @@ def init_parallel_groups(cp: int = 1, tp: int = 1, pp: int = 1, first_stage_laye
             mine["dp"] = group
     _GROUPS.cp, _GROUPS.tp, _GROUPS.pp = cp, tp, pp
     _GROUPS.cp_group, _GROUPS.tp_group = mine["cp"], mine["tp"]
-    _GROUPS.pp_group, _GROUPS.pp_ranks = mine["pp"], mine["pp_ranks"]
+    _GROUPS.pp_group, _GROUPS.pp_grad_group, _GROUPS.pp_ranks = mine["pp"], mine["pp_grad"], mine["pp_ranks"]
     _GROUPS.ends_group = mine["ends"]
     _GROUPS.replica_group, _GROUPS.dp_group = mine["replica"], mine["dp"]
 
@@ -136,13 +148,24 @@ def pp_peer(stage: int) -> int:
     return _GROUPS.pp_ranks[stage] if _GROUPS.pp > 1 else dist.get_rank()
 
 
-def stage_layer_counts(num_layers: int) -> list[int]:
-    """Decoder layers of each pipeline stage: `moeloop plan`'s split (`parallel.layout.Layout.stage_layers`), an even
-    one unless the first or last stage's count is set."""
+def vpp_size() -> int:
+    """Model chunks a pipeline stage holds (1: not interleaved)."""
+    return _GROUPS.vpp
+
+
+def pp_grad_group():
+    """The pp group's ranks again: the gradients go back on it (`parallel.pipeline`)."""
+    return _GROUPS.pp_grad_group
+
+
+def chunk_layer_counts(num_layers: int) -> list[int]:
+    """Decoder layers of each of the pp * vpp model chunks, in the pipeline's order (chunk k on stage k % pp):
+    `moeloop plan`'s split (`parallel.layout.Layout.chunk_layers`), an even one unless the first or last stage's count
+    is set."""
     from moeloop.parallel.layout import Layout  # (layout imports the model config)
 
-    return Layout(pp=_GROUPS.pp, first_stage_layers=_GROUPS.first_stage_layers,
-                  last_stage_layers=_GROUPS.last_stage_layers).stage_layers(num_layers)
+    return Layout(pp=_GROUPS.pp, vpp=_GROUPS.vpp, first_stage_layers=_GROUPS.first_stage_layers,
+                  last_stage_layers=_GROUPS.last_stage_layers).chunk_layers(num_layers)
 
 
 def stage_ranks() -> list[list[int]]:

@@ -72,13 +72,20 @@ class Layout:
 
     def stage_layers(self, num_layers: int) -> list[int]:
         """Decoder layers held by each pipeline stage (all virtual chunks of a stage together)."""
+        chunks = self.chunk_layers(num_layers)
+        return [sum(chunks[stage::self.pp]) for stage in range(self.pp)]
+
+    def chunk_layers(self, num_layers: int) -> list[int]:
+        """Decoder layers of each model chunk in the pipeline's order: chunk k (of pp * vpp) is the (k // pp)-th chunk
+        of stage k % pp (Megatron's interleaving), and holds the k-th run of layers. Even, the earlier chunks one more
+        where they do not divide, unless the first or last stage's count is set (vpp 1 only)."""
         if self.pp == 1:
             return [num_layers]
         first, last = self.first_stage_layers, self.last_stage_layers
-        middle_stages = self.pp - (1 if first else 0) - (1 if last else 0)
+        middle_chunks = self.pp * self.vpp - (1 if first else 0) - (1 if last else 0)
         rest = num_layers - first - last
-        each, extra = divmod(rest, middle_stages) if middle_stages else (0, 0)
-        middle = [each + (1 if i < extra else 0) for i in range(middle_stages)]
+        each, extra = divmod(rest, middle_chunks) if middle_chunks else (0, 0)
+        middle = [each + (1 if i < extra else 0) for i in range(middle_chunks)]
         return ([first] if first else []) + middle + ([last] if last else [])
 
     def validate(self, model_cfg: Optional[ModelConfig] = None, world_size: Optional[int] = None,
@@ -97,6 +104,9 @@ class Layout:
             errors.append(f"vpp={self.vpp} needs pp > 1")
         if (self.first_stage_layers or self.last_stage_layers) and self.pp == 1:
             errors.append("first_stage_layers/last_stage_layers need pp > 1")
+        if (self.first_stage_layers or self.last_stage_layers) and self.vpp > 1:
+            errors.append("first_stage_layers/last_stage_layers with vpp > 1: an interleaved pipeline splits the "
+                          "layers evenly over its pp*vpp chunks")
         if model_cfg is not None:
             errors += self._model_rules(model_cfg)
         if batch is not None:
@@ -132,24 +142,23 @@ class Layout:
         return errors
 
     def _pipeline_rules(self, num_layers: int) -> list[str]:
+        """The layers split over the chunks as `chunk_layers` does (unevenly where they do not divide, as the runtime
+        does): every chunk needs one at least."""
+        if self.pp == 1:
+            return []
         first, last = self.first_stage_layers, self.last_stage_layers
-        if not (first or last):
-            chunks = self.pp * self.vpp
-            return [] if num_layers % chunks == 0 else [f"num_layers={num_layers} % (pp*vpp) = {num_layers} % {chunks} != 0"]
-        middle_stages = self.pp - (1 if first else 0) - (1 if last else 0)
+        middle_chunks = self.pp * self.vpp - (1 if first else 0) - (1 if last else 0)
         rest = num_layers - first - last
-        if rest < 0 or (middle_stages == 0 and rest):
+        if rest < 0 or (middle_chunks == 0 and rest):
             return [f"first_stage_layers={first} + last_stage_layers={last} do not fit num_layers={num_layers} with pp={self.pp}"]
-        chunks = middle_stages * self.vpp
-        if middle_stages and rest % chunks:
-            return [f"num_layers - first - last = {rest} % (middle stages*vpp) = {rest} % {chunks} != 0"]
+        if rest < middle_chunks:
+            return [f"num_layers={num_layers}: {rest} layers for {middle_chunks} pipeline chunks (pp*vpp = "
+                    f"{self.pp}*{self.vpp}{' less the first/last stage' if first or last else ''}): every chunk needs "
+                    "one layer at least"]
         return []
 
     def _batch_rules(self, b: BatchInfo) -> list[str]:
         errors = []
-        m = b.num_micro_batches
-        if m is not None and self.pp > 1 and self.vpp > 1 and m % self.pp:
-            errors.append(f"micro-batches {m} % pp={self.pp} != 0 with vpp>1 (interleaved schedule)")
         if b.mini_batch_samples is not None and b.mini_batch_samples < self.dp:
             errors.append(f"samples per mini-batch {b.mini_batch_samples} < dp={self.dp}: some DP ranks get no sample")
         return errors

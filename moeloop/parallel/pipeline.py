@@ -27,8 +27,9 @@ and the weight sync and the HF export see the whole model (`gather_stage_weights
 """
 from __future__ import annotations
 
-from collections import deque
+import weakref
 from contextlib import contextmanager
+from functools import lru_cache
 from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import torch
@@ -36,7 +37,8 @@ import torch.distributed as dist
 from torch import nn
 
 from moeloop.errors import InputError
-from moeloop.parallel.groups import pipeline_ends_group, pp_group, pp_peer, pp_rank, pp_size, stage_layer_counts
+from moeloop.parallel.groups import (chunk_layer_counts, pipeline_ends_group, pp_grad_group, pp_group, pp_peer, pp_rank,
+                                     pp_size, vpp_size)
 
 WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # an activation's dtype goes as its index here
 Item = TypeVar("Item")
@@ -45,10 +47,18 @@ HOST = torch.device("cpu")  # names and shapes go through gloo (on GPUs too: the
 
 class StageLayers(nn.ModuleDict):
     """A stage's decoder layers under their whole-model indices (`model.layers.<i>` as in the whole model); iterating
-    it gives the layers in order, as iterating the whole model's ModuleList does."""
+    it gives the layers in order, as iterating the whole model's ModuleList does, and inside a pass of an interleaved
+    schedule the layers of the model chunk the pass runs."""
+
+    def __init__(self, chunks: list[list[int]], layers: nn.ModuleList):
+        super().__init__({str(i): layers[i] for chunk in chunks for i in chunk})
+        self.chunks = chunks  # this stage's chunks' layer indices, chunk by chunk
 
     def __iter__(self):
-        return iter(self.values())
+        chunk = _SCHEDULE.chunk
+        if chunk is None or len(self.chunks) == 1:
+            return iter(self.values())
+        return iter(self[str(i)] for i in self.chunks[chunk])
 
 
 class StageInput(nn.Module):
@@ -79,9 +89,9 @@ class StageOutput(nn.Module):
 _SENDS: list[tuple[Any, torch.Tensor]] = []  # sends in flight and their tensors (kept alive until they complete)
 
 
-def _isend(x: torch.Tensor, dst: int) -> None:
+def _isend(x: torch.Tensor, dst: int, group) -> None:
     x = x.contiguous()
-    _SENDS.append((dist.isend(x, dst), x))
+    _SENDS.append((dist.isend(x, dst, group=group), x))
 
 
 def finish_sends() -> None:
@@ -94,16 +104,16 @@ def finish_sends() -> None:
 def _send_tensor(x: torch.Tensor, dst: int) -> None:
     if x.dtype not in WIRE_DTYPES:
         raise TypeError(f"pipeline stage output of dtype {x.dtype}: expected one of {WIRE_DTYPES}")
-    _isend(torch.tensor([*x.shape, WIRE_DTYPES.index(x.dtype)], dtype=torch.int64, device=x.device), dst)
-    _isend(x, dst)
+    _isend(torch.tensor([*x.shape, WIRE_DTYPES.index(x.dtype)], dtype=torch.int64, device=x.device), dst, pp_group())
+    _isend(x, dst, pp_group())
 
 
 def _recv_tensor(src: int, device: torch.device) -> torch.Tensor:
     header = torch.empty(3, dtype=torch.int64, device=device)
-    dist.recv(header, src)
+    dist.recv(header, src, group=pp_group())
     rows, dim, code = header.tolist()
     x = torch.empty(rows, dim, dtype=WIRE_DTYPES[code], device=device)
-    dist.recv(x, src)
+    dist.recv(x, src, group=pp_group())
     return x
 
 
@@ -119,7 +129,7 @@ class _Receive(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_TD: torch.Tensor):
-        _isend(grad_TD, ctx.src)
+        _isend(grad_TD, ctx.src, pp_grad_group())
         return None, None, None
 
 
@@ -133,28 +143,61 @@ class _Send(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _unused: torch.Tensor):
         grad_TD = torch.empty(ctx.shape, dtype=ctx.dtype, device=_unused.device)
-        dist.recv(grad_TD, ctx.dst)
+        dist.recv(grad_TD, ctx.dst, group=pp_grad_group())
         return grad_TD, None
 
 
 def split_stages(model: nn.Module) -> None:
     """Keep this rank's stage of `model` (in place, before anything shards it): its decoder layers
-    (`parallel.groups.stage_layer_counts`); the embedding on the first stage, the final norm and lm_head on the last.
-    The other stages' places take a receive and a send."""
-    pp, stage = pp_size(), pp_rank()
-    counts = stage_layer_counts(model.cfg.num_layers)
+    (`parallel.groups.chunk_layer_counts`: under an interleaved pipeline, vpp runs of them, chunk c the one of the
+    model's chunk c * pp + stage); the embedding on the first stage, the final norm and lm_head on the last. The other
+    stages' places take a receive and a send, and so do the first stage's chunks after its first (they receive from
+    the last stage's chunk before) and the last stage's chunks before its last (they send to the first stage's next)."""
+    pp, stage, vpp = pp_size(), pp_rank(), vpp_size()
+    counts = chunk_layer_counts(model.cfg.num_layers)
     if min(counts) < 1:
-        raise InputError(f"parallel.pp={pp}: the stages would hold {counts} of the {model.cfg.num_layers} decoder "
-                         "layers; every stage needs one at least (parallel.first_stage_layers / last_stage_layers)")
-    start = sum(counts[:stage])
-    keep = range(start, start + counts[stage])
-    model.model.layers = StageLayers({str(i): model.model.layers[i] for i in keep})
+        raise InputError(f"parallel.pp={pp}, parallel.vpp={vpp}: the model chunks would hold {counts} of the "
+                         f"{model.cfg.num_layers} decoder layers; every chunk needs one at least "
+                         "(parallel.first_stage_layers / last_stage_layers, parallel.vpp)")
+    starts = [sum(counts[:k]) for k in range(len(counts))]
+    chunks = [list(range(starts[k], starts[k] + counts[k])) for k in range(stage, pp * vpp, pp)]
+    model.model.layers = StageLayers(chunks, model.model.layers)
     if stage > 0:
         model.model.embed_tokens = StageInput(pp_peer(stage - 1))
     if stage < pp - 1:
         model.model.norm = StageOutput(pp_peer(stage + 1))
         model.lm_head = None
     model.pipeline_stage = stage
+    if vpp > 1 and stage in (0, pp - 1):
+        # the places a chunk's pass swaps in (`_in_chunk`): the first stage's later chunks receive from the last stage
+        model.pipeline_chunk_io = (StageInput(pp_peer(pp - 1)) if stage == 0 else None,
+                                   StageOutput(pp_peer(0)) if stage == pp - 1 else None)
+        _CHUNKED.add(model)
+
+
+_CHUNKED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # models whose first or last stage swaps places by chunk
+
+
+@contextmanager
+def _in_chunk(chunk: int) -> Iterator[None]:
+    """A pass of model chunk `chunk` (interleaved schedule): the stage's layers iterate as that chunk's, and a first
+    stage's chunk after its first takes a receive for its embedding, a last stage's chunk before its last a send for
+    its final norm (put back after the pass)."""
+    swapped = []
+    if vpp_size() > 1:
+        for model in _CHUNKED:
+            receive, send = model.pipeline_chunk_io
+            for name, place, used in (("embed_tokens", receive, chunk > 0), ("norm", send, chunk < vpp_size() - 1)):
+                if place is not None and used:
+                    swapped.append((model.model, name, getattr(model.model, name)))
+                    setattr(model.model, name, place)
+    _SCHEDULE.chunk = chunk
+    try:
+        yield
+    finally:
+        _SCHEDULE.chunk = None
+        for module, name, home in swapped:
+            setattr(module, name, home)
 
 
 def tied_copy(model: nn.Module) -> nn.Parameter | None:
@@ -183,6 +226,14 @@ def is_last_stage() -> bool:
     return pp_rank() == pp_size() - 1
 
 
+def holds_head() -> bool:
+    """Whether this pass's head outputs are real: no pipeline parallelism, or the last stage running its last chunk
+    (a pass's loss and metrics elsewhere are placeholders: record them only where this is true)."""
+    if pp_size() == 1:
+        return True
+    return is_last_stage() and (_SCHEDULE.chunk is None or _SCHEDULE.chunk == vpp_size() - 1)
+
+
 def stage_outputs(head_fn, hidden_TD: torch.Tensor, outputs: tuple[bool, ...] | None = None):
     """`head_fn(hidden_TD)` on every stage: per-position values, one tensor (`outputs` None) or a tuple of tensors and
     Nones (`outputs` says which are tensors). The last stage computes it. The other stages, where `hidden_TD` is the
@@ -194,7 +245,7 @@ def stage_outputs(head_fn, hidden_TD: torch.Tensor, outputs: tuple[bool, ...] | 
         return head_fn(hidden_TD)
     if not _SCHEDULE.running:
         raise RuntimeError("under pipeline parallelism a forward runs inside pipeline.run_passes or forward_passes")
-    if is_last_stage():
+    if holds_head():
         return head_fn(hidden_TD)
     present = (True,) if outputs is None else outputs
     zeros = list(_Placeholders.apply(hidden_TD, sum(present)))
@@ -218,6 +269,7 @@ class _Placeholders(torch.autograd.Function):
 
 class _Schedule:
     running = False  # inside `run_passes` or `forward_passes`
+    chunk: int | None = None  # the model chunk a pass of an interleaved schedule runs (None: outside a pass)
 
 
 _SCHEDULE = _Schedule()
@@ -234,26 +286,112 @@ def _scheduled() -> Iterator[None]:
         finish_sends()
 
 
+Unit = tuple[bool, int, int]  # (a forward, not a backward; micro-batch; model chunk)
+
+
+def _forward_order(m: int, pp: int, vpp: int, backward: bool = False) -> list[tuple[int, int]]:
+    """(micro-batch, chunk) in a stage's order: groups of pp micro-batches, each group through the chunks in turn
+    (the backward's chunks last to first); Megatron's interleaved order (one chunk: the micro-batches in turn)."""
+    chunks = range(vpp - 1, -1, -1) if backward else range(vpp)
+    return [(mb, c) for g in range(0, m, pp) for c in chunks for mb in range(g, min(g + pp, m))]
+
+
+def _stage_units(m: int, pp: int, vpp: int, warmup: int) -> list[Unit]:
+    forwards, backwards = _forward_order(m, pp, vpp), _forward_order(m, pp, vpp, backward=True)
+    warmup = min(warmup, len(forwards))
+    units = [(True, *u) for u in forwards[:warmup]]
+    for f, b in zip(forwards[warmup:], backwards):
+        units += [(True, *f), (False, *b)]
+    return units + [(False, *b) for b in backwards[len(forwards) - warmup:]]
+
+
+def _finish_time(schedules: list[list[Unit]] | tuple[tuple[Unit, ...], ...], pp: int, vpp: int) -> float | None:
+    """When the last stage is done if every stage runs its units in order, each once what it receives has been sent
+    (a forward of chunk k of the pp * vpp, `StageLayers`, takes chunk k - 1's output; a backward its own forward and
+    chunk k + 1's input gradient), a chunk's forward taking 1 / vpp and its backward 2 / vpp (balanced stages, free
+    sends); None if the stages get stuck. Sends never wait (they are asynchronous), so a schedule that runs through
+    here cannot deadlock, whatever the stages' speeds."""
+    done: dict[tuple[bool, int, int], float] = {}
+    at, free, last = [0] * pp, [0.0] * pp, pp * vpp - 1
+    while any(at[s] < len(schedules[s]) for s in range(pp)):
+        moved = False
+        for s in range(pp):
+            if at[s] == len(schedules[s]):
+                continue
+            forward, mb, c = schedules[s][at[s]]
+            k = c * pp + s
+            needs = [(True, mb, k - 1)] if forward else [(True, mb, k)] + ([(False, mb, k + 1)] if k < last else [])
+            needs = [n for n in needs if n[2] >= 0]
+            if all(n in done for n in needs):
+                start = max([free[s]] + [done[n] for n in needs])
+                free[s] = done[forward, mb, k] = start + (1 if forward else 2) / vpp
+                at[s] += 1
+                moved = True
+        if not moved:
+            return None
+    return max(free)
+
+
+@lru_cache(maxsize=256)
+def schedule(m: int, pp: int, vpp: int) -> tuple[tuple[Unit, ...], ...]:
+    """Each stage's passes for `m` micro-batches (a training step's forwards and backwards), in 1F1B order: stage s
+    runs its first `warmup` forwards ahead, then a forward and a backward in turn, then the backwards left. One chunk
+    a stage: Megatron's non-interleaved warmup, pp - 1 - s. vpp chunks: Megatron's interleaved one, 2 (pp - 1 - s) +
+    (vpp - 1) pp forwards (each of 1/vpp of the stage's layers), all of them when m = pp. With m not a multiple of pp
+    the last group is short, and where that would leave the stages stuck (`_finish_time`) every stage's warmup grows
+    by one until they are not (at most: all forwards first)."""
+    if vpp == 1:
+        warmups = [pp - 1 - s for s in range(pp)]
+    elif m == pp:
+        warmups = [m * vpp] * pp
+    else:
+        warmups = [2 * (pp - 1 - s) + (vpp - 1) * pp for s in range(pp)]
+    while True:
+        schedules = [_stage_units(m, pp, vpp, w) for w in warmups]
+        if _finish_time(schedules, pp, vpp) is not None:
+            return tuple(tuple(units) for units in schedules)
+        warmups = [w + 1 for w in warmups]
+
+
+def schedule_stretch(m: int, pp: int, vpp: int) -> float:
+    """How much longer than its compute a training pass of `m` micro-batches takes on `pp` balanced stages in
+    `schedule`'s order: (m + pp - 1) / m with one chunk a stage (Megatron's 1F1B bubble), about (m + (pp - 1) / vpp)
+    / m interleaved (`moeloop plan`'s update time)."""
+    return _finish_time(schedule(m, pp, vpp), pp, vpp) / (3 * m)
+
+
+def peak_in_flight(m: int, pp: int, vpp: int, stage: int) -> float:
+    """The most micro-batches' activations `stage` holds at once in `schedule`'s order, in whole stages' (a chunk's
+    pass holds 1 / vpp of them; `moeloop plan`'s activations)."""
+    held = peak = 0
+    for forward, _, _ in schedule(m, pp, vpp)[stage]:
+        held += 1 if forward else -1
+        peak = max(peak, held)
+    return peak / vpp
+
+
 def run_passes(passes: Iterable[Item], forward: Callable[[Item], torch.Tensor]) -> None:
     """Each of `passes` through `forward(p)`, which runs a micro-batch's forward and returns its loss, and that loss's
-    backward. Without pipeline parallelism in turn. With it in 1F1B order: stage s runs pp - 1 - s forwards ahead,
-    then one forward and one backward in turn, then the backwards left, so that each stage computes while the
-    others do (at most pp - s micro-batches' activations in flight on stage s, as `moeloop plan` counts). The stages
-    before the last compute no real loss (`stage_outputs` gives them zeros): their backward takes the gradient the next
-    stage sends. Sends are asynchronous; they are completed before it returns."""
+    backward. Without pipeline parallelism in turn. With it in 1F1B order (`schedule`): stage s runs pp - 1 - s
+    forwards ahead, then one forward and one backward in turn, then the backwards left, so that each stage computes
+    while the others do (at most pp - s micro-batches' activations in flight on stage s, as `moeloop plan` counts).
+    Under an interleaved pipeline (vpp chunks a stage) `forward(p)` runs once for each chunk, each time a pass of that
+    chunk's layers (`holds_head` says which pass's loss is real), in Megatron's interleaved order. The passes without
+    the head compute no real loss (`stage_outputs` gives them zeros): their backward takes the gradient the next
+    chunk sends. Sends are asynchronous; they are completed before it returns."""
     if pp_size() == 1:
         for item in passes:
             forward(item).backward()
         return
-    ahead = pp_size() - 1 - pp_rank()
-    in_flight: deque[torch.Tensor] = deque()
+    items = list(passes)
+    losses: dict[tuple[int, int], torch.Tensor] = {}
     with _scheduled():
-        for i, item in enumerate(passes):
-            in_flight.append(forward(item))
-            if i >= ahead:
-                in_flight.popleft().backward()
-        while in_flight:
-            in_flight.popleft().backward()
+        for is_forward, mb, chunk in schedule(len(items), pp_size(), vpp_size())[pp_rank()]:
+            if is_forward:
+                with _in_chunk(chunk):
+                    losses[mb, chunk] = forward(items[mb])
+            else:
+                losses.pop((mb, chunk)).backward()
 
 
 def forward_passes(passes: Iterable[Item], forward: Callable[[Item], Any]) -> Iterator[tuple[Item, Any]]:
@@ -266,8 +404,15 @@ def forward_passes(passes: Iterable[Item], forward: Callable[[Item], Any]) -> It
         for item in passes:
             yield item, forward(item)
         return
+    items = list(passes)
+    outputs: dict[int, Any] = {}
     with _scheduled():
-        done = [(item, forward(item)) for item in passes]
+        for mb, chunk in _forward_order(len(items), pp_size(), vpp_size()):
+            with _in_chunk(chunk):
+                out = forward(items[mb])
+            if chunk == vpp_size() - 1:  # (the last chunk's: the head's on the last stage)
+                outputs[mb] = out
+    done = [(item, outputs[mb]) for mb, item in enumerate(items)]
     src, group = pp_peer(pp_size() - 1), pp_group()
     for item, out in done:
         for v in (out if isinstance(out, tuple) else (out,)):

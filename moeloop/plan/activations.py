@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from moeloop.model.config import ModelConfig
 from moeloop.parallel.layout import Layout
+from moeloop.parallel.pipeline import peak_in_flight
 
 BF16, FP32 = 2, 4
 # RMSNorm in fp32 (as transformers): keeps its fp32 upcast input and the bf16 normalised output per element.
@@ -59,10 +60,11 @@ def _mlp_bytes(m: ModelConfig, layer_idx: int, layout: Layout) -> float:
 
 
 def in_flight_micro_batches(layout: Layout, stage: int, num_micro_batches: int) -> float:
-    """Micro-batches whose activations a stage holds at once under 1F1B (interleaving adds (pp-1-s)/vpp)."""
-    pp = layout.pp
-    warmup = pp - stage + ((pp - 1 - stage) / layout.vpp if layout.vpp > 1 else 0.0)
-    return max(1.0, min(float(num_micro_batches), warmup))
+    """Micro-batches whose activations a stage holds at once in the runtime's 1F1B order (`parallel.pipeline.schedule`:
+    min(m, pp - s) with one chunk a stage; interleaved, its chunks' passes counted in whole stages)."""
+    if layout.pp == 1:
+        return 1.0
+    return max(1.0, peak_in_flight(max(1, num_micro_batches), layout.pp, layout.vpp, stage))
 
 
 def stage_activation_bytes(m: ModelConfig, layout: Layout, layer_ids: list[int], tokens: int,

@@ -91,12 +91,14 @@ def state_bytes(cfg: RunConfig) -> StateBytes:
 
 
 def num_micro_batches(cfg: RunConfig, layout: Layout) -> int:
-    """Micro-batches per mini-batch on one DP rank: the token budget cut (plan.num_micro_batches overrides)."""
+    """Micro-batches per mini-batch on one DP rank: the token budget cut (plan.num_micro_batches overrides), under an
+    interleaved pipeline rounded up to a multiple of pp as the trainer does."""
     if cfg.plan.num_micro_batches:
         return cfg.plan.num_micro_batches
     samples = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
     tokens = samples * avg_seq_tokens(cfg)
-    return max(1, math.ceil(tokens / (layout.dp * layout.cp * cfg.actor.max_tokens_per_micro_batch)))
+    m = max(1, math.ceil(tokens / (layout.dp * layout.cp * cfg.actor.max_tokens_per_micro_batch)))
+    return -(-m // layout.pp) * layout.pp if layout.vpp > 1 else m
 
 
 def avg_seq_tokens(cfg: RunConfig) -> int:
@@ -105,10 +107,7 @@ def avg_seq_tokens(cfg: RunConfig) -> int:
 
 def rank_params(stats: ModelStats, layout: Layout, stage: int) -> tuple[float, float]:
     """(dense, expert) parameters on one rank of `stage` before any data-parallel sharding."""
-    n = len(stats.layers)
-    bounds = _stage_bounds(layout, n)
-    lo, hi = bounds[stage]
-    layers = stats.layers[lo:hi]
+    layers = [stats.layers[i] for i in stage_layer_ids(layout, len(stats.layers))[stage]]
     dense = sum(l.dense for l in layers) / layout.tp + sum(l.replicated for l in layers)
     last = stage == layout.pp - 1
     if stage == 0:  # the embedding and the head are whole on each tp rank (no vocabulary split)
@@ -119,13 +118,15 @@ def rank_params(stats: ModelStats, layout: Layout, stage: int) -> tuple[float, f
     return dense, expert
 
 
-def _stage_bounds(layout: Layout, num_layers: int) -> list[tuple[int, int]]:
-    sizes = layout.stage_layers(num_layers) if num_layers > 1 or layout.pp == 1 else [num_layers] + [0] * (layout.pp - 1)
-    out, start = [], 0
-    for s in sizes:
-        out.append((start, start + s))
-        start += s
-    return out
+def stage_layer_ids(layout: Layout, num_layers: int) -> list[list[int]]:
+    """The decoder layers of each pipeline stage: its chunks' runs (`Layout.chunk_layers`; one run without
+    interleaving), as the runtime splits them (`parallel.pipeline.split_stages`)."""
+    chunks = layout.chunk_layers(num_layers)
+    if num_layers <= 1 and layout.pp > 1:
+        chunks = [num_layers] + [0] * (len(chunks) - 1)
+    starts = [sum(chunks[:k]) for k in range(len(chunks))]
+    return [[i for k in range(stage, len(chunks), layout.pp) for i in range(starts[k], starts[k] + chunks[k])]
+            for stage in range(layout.pp)]
 
 
 def memory_ledger(cfg: RunConfig, stats: ModelStats, layout: Layout, colocated: bool | None = None) -> Ledger:
@@ -203,9 +204,9 @@ def full_training(cfg: RunConfig) -> RunConfig:
 def rank_lora_params(cfg: RunConfig, stats: ModelStats, layout: Layout, stage: int) -> tuple[float, float]:
     """(dense, expert) LoRA adapter parameters on one rank of `stage` before data-parallel sharding: split over tp
     (ep * etp for the routed experts') as the weights they adapt; zeros without LoRA."""
-    lo, hi = _stage_bounds(layout, len(stats.layers))[stage]
+    ids = stage_layer_ids(layout, len(stats.layers))[stage]
     dense, expert = lora_params(cfg, stats)
-    return sum(dense[lo:hi]) / layout.tp, sum(expert[lo:hi]) / layout.expert_shards
+    return sum(dense[i] for i in ids) / layout.tp, sum(expert[i] for i in ids) / layout.expert_shards
 
 
 def lora_params(cfg: RunConfig, stats: ModelStats) -> tuple[list[int], list[int]]:
@@ -246,15 +247,15 @@ def _work_entries(cfg: RunConfig, stats: ModelStats, layout: Layout, stage: int)
     sync = cfg.sync.bucket_bytes * held
     if m is None:  # bare parameter counts: activations and logits must come from plan.given_gb
         return {"activations": 0.0, "logits": 0.0, "comm_buffers": comm, "sync_buffers": sync}
-    lo, hi = _stage_bounds(layout, m.num_layers)[stage]
+    ids = stage_layer_ids(layout, m.num_layers)[stage]
     mb = num_micro_batches(cfg, layout)
-    acts = stage_activation_bytes(m, layout, list(range(lo, hi)), tokens, mb, stage, cfg.model.gradient_checkpointing)
+    acts = stage_activation_bytes(m, layout, ids, tokens, mb, stage, cfg.model.gradient_checkpointing)
     last = stage == layout.pp - 1
     logits = logits_bytes(m, layout, tokens, cfg.model.logprob_chunk_tokens, cfg.plan.logits == "chunked") if last else 0.0
     comm += alltoall_bytes(m, layout, tokens)
     if cfg.plan.sharding == "fsdp":  # one layer unsharded for compute, one prefetched
         comm += 2 * BF16 * max((l.dense / layout.tp + l.whole + l.experts / layout.expert_shards
-                                for l in stats.layers[lo:hi]), default=0)
+                                for l in (stats.layers[i] for i in ids)), default=0)
     sync += BF16 * m.vocab_size * m.hidden_size  # the largest tensor gathered whole (embedding / lm_head)
     return {"activations": acts, "logits": logits, "comm_buffers": comm, "sync_buffers": sync}
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 from moeloop.config.schema import RunConfig
 from moeloop.plan.accounting import ModelStats
 from moeloop.parallel.layout import Layout
+from moeloop.parallel.pipeline import schedule_stretch
 from moeloop.plan.memory import avg_seq_tokens, num_micro_batches
 
 TFLOP = 1e12
@@ -41,10 +42,13 @@ def tool_turns(cfg: RunConfig) -> tuple[float, int]:
 
 def pipeline_stretch(layout: Layout, passes_per_fill: int) -> float:
     """How much longer than its compute a trainer pass takes on `layout.pp` stages when its pipeline fills and drains
-    once every `passes_per_fill` micro-batches of a stage: (m + pp - 1) / m (Megatron's 1F1B bubble, (pp - 1) / m of
-    the compute, balanced stages); 1 without pipeline parallelism. moeloop's update fills once a mini-batch, its
-    forward-only passes once a step (`parallel.pipeline`)."""
-    return (passes_per_fill + layout.pp - 1) / passes_per_fill
+    once every `passes_per_fill` micro-batches of a stage, in the runtime's order (`parallel.pipeline.schedule_stretch`,
+    balanced stages): (m + pp - 1) / m with one chunk a stage (Megatron's 1F1B bubble), about (m + (pp - 1) / vpp) / m
+    interleaved; 1 without pipeline parallelism. moeloop's update fills once a mini-batch, its forward-only passes once
+    a step (`parallel.pipeline`)."""
+    if layout.pp == 1:
+        return 1.0
+    return schedule_stretch(max(1, passes_per_fill), layout.pp, layout.vpp)
 
 
 def step_phases(cfg: RunConfig, stats: ModelStats, layout: Layout, decode_tokens_per_s: float,

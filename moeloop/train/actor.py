@@ -33,10 +33,11 @@ from moeloop.parallel.collectives import all_gather_rows, global_values
 from moeloop.parallel.context import UlyssesAttention, check_heads
 from moeloop.parallel.expert import apply_ep, build_expert_mesh, expert_params, reduce_expert_grads
 from moeloop.parallel.fsdp import apply_fsdp, build_dp_mesh, full_tensor, grad_norm, reshard, scale_grads
-from moeloop.parallel.groups import cp_group, cp_rank, cp_size, dp_group, dp_size, pp_size, tp_group, tp_size
-from moeloop.parallel.pipeline import (forward_passes, gather_recorded_routes, gather_stage_weights, is_last_stage,
-                                      last_stage_value, reduce_tied_grads, run_passes, split_stages, stage_outputs,
-                                      tied_copy)
+from moeloop.parallel.groups import (cp_group, cp_rank, cp_size, dp_group, dp_size, pp_size, tp_group, tp_size,
+                                     vpp_size)
+from moeloop.parallel.pipeline import (forward_passes, gather_recorded_routes, gather_stage_weights, holds_head,
+                                      is_last_stage, last_stage_value, reduce_tied_grads, run_passes, split_stages,
+                                      stage_outputs, tied_copy)
 from moeloop.parallel.tensor import apply_tp, over_tp_rows, reduce_tp_grads
 from moeloop.train.head import LogprobHead
 from moeloop.train.lora import apply_lora, merged_weights
@@ -92,7 +93,9 @@ class PolicyForward:
         return over_positions(head, hidden_TD, batch.labels_T, outputs=(True, with_entropy))
 
     def micro_batches(self, samples: list[Sample], at_least: int = 0) -> list[list[int]]:
-        """Token-budget cut, padded with empty micro-batches to the max count over DP ranks (and to `at_least`)."""
+        """Token-budget cut, padded with empty micro-batches to the max count over DP ranks (and to `at_least`), and
+        under an interleaved pipeline to a multiple of pp (as verl rounds Megatron's: its schedule's groups of pp
+        micro-batches then all fill, `parallel.pipeline.schedule`)."""
         try:
             bins = split_micro_batches(samples, self.budget) if samples else []
         except ValueError as err:
@@ -101,6 +104,8 @@ class PolicyForward:
             raise ValueError(f"{err} (under parallel.cp={cp_size()} the budget is cp x the "
                              f"{self.budget // cp_size()} tokens a rank holds)") from None
         target = max(int(all_reduce_scalar(len(bins), dist.ReduceOp.MAX)), at_least)
+        if vpp_size() > 1:
+            target = -(-target // pp_size()) * pp_size()
         if target > len(bins) and len(samples) >= target:
             bins = split_micro_batches(samples, self.budget, min_num_micro_batches=target)
         return bins + [[] for _ in range(target - len(bins))]
@@ -127,7 +132,8 @@ class PolicyForward:
         tapes: dict[int, RouteTape | None] = {}
 
         def forward(item: tuple[list[Sample], PackedBatch]):
-            tapes[id(item[1])] = tape = route_tape(item[1], routes)
+            # (an interleaved pipeline runs this once for each of a stage's model chunks: one tape records them all)
+            tape = tapes.setdefault(id(item[1]), route_tape(item[1], routes))
             return self.forward_batch(item[1], with_entropy=entropy_field is not None, routes=tape)
 
         for (part, batch), (logprobs_T, entropy_T) in forward_passes(self.packed_micro_batches(samples), forward):
@@ -375,7 +381,7 @@ class Actor(PolicyForward):
             inputs = PolicyInputs(logprobs_T, old, batch.advantages_T, batch.loss_mask_T, batch.cu_seqlens,
                                   batch.ref_logprobs_T, entropy_T, batch.rollout_logprobs_T, keep)
             loss, m = actor_loss(inputs, self.cfg, denominator, host_metrics=False)
-            if part:
+            if part and holds_head():
                 per_micro.append(m)
             return loss * dp_size()  # FSDP averages gradients over DP; the loss is already global
 
@@ -402,7 +408,8 @@ class Actor(PolicyForward):
         def micro_loss(item: tuple[list[Sample], PackedBatch]) -> torch.Tensor:
             logprobs_T, _ = self.forward_batch(item[1], with_entropy=False)
             loss = -(logprobs_T * item[1].loss_mask_T).sum() / num_tokens  # the dummy's mask is all zero
-            losses.append(loss.detach())
+            if holds_head():
+                losses.append(loss.detach())
             return loss * dp_size()
 
         run_passes(self.packed_micro_batches(samples), micro_loss)

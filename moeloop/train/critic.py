@@ -15,7 +15,7 @@ from moeloop.algo.losses import reduce_metrics, value_loss
 from moeloop.config.schema import CriticSection
 from moeloop.train.actor import (PolicyForward, all_reduce_scalar, build_optimizer, clip_and_step, dp_size,
                                  global_metrics, num_mini_batches, over_positions, packed_hidden, split_groups)
-from moeloop.parallel.pipeline import forward_passes, last_stage_value, run_passes
+from moeloop.parallel.pipeline import forward_passes, holds_head, last_stage_value, run_passes
 from moeloop.train.packing import PackedBatch, global_loss_denominators
 from moeloop.types import Sample
 
@@ -73,7 +73,7 @@ class Critic(PolicyForward):
             values_T = self.values_of(batch)
             loss, m = value_loss(values_T, batch.values_T, batch.returns_T, batch.loss_mask_T, batch.cu_seqlens,
                                  self.cfg, denominator)
-            if part:
+            if part and holds_head():
                 per_micro.append(m)
             return loss * dp_size()
 
