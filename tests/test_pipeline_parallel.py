@@ -243,17 +243,18 @@ def test_the_planner_counts_the_weights_a_pipeline_stage_keeps(world, pp, tp, ar
         assert sum(mine) / len(mine) == pytest.approx(ledger.entries["weights"], rel=1e-9), stage
 
 
-def _schedule_rank(rank, world, passes):
-    from moeloop.parallel.pipeline import run_passes
-    init_parallel_groups(1, 1, world)
+def _schedule_rank(rank, world, passes, vpp=1):
+    from moeloop.parallel import pipeline
+    init_parallel_groups(1, 1, world, vpp=vpp)
     events = []
 
     def forward(i):
-        events.append(f"F{i}")
+        name = f"{i}" if vpp == 1 else f"{i}.{pipeline._SCHEDULE.chunk}"  # micro-batch.chunk
+        events.append(f"F{name}")
         x = torch.ones((), requires_grad=True)
-        x.register_hook(lambda grad, i=i: events.append(f"B{i}"))
+        x.register_hook(lambda grad, name=name: events.append(f"B{name}"))
         return x * 2
-    run_passes(range(passes), forward)
+    pipeline.run_passes(range(passes), forward)
     return events
 
 
@@ -265,6 +266,57 @@ def test_the_stages_run_their_passes_in_1f1b_order():
         ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"],
         ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"]]
     assert run_ranks(_schedule_rank, 3, 1) == [["F0", "B0"]] * 3
+
+
+def test_the_stages_run_their_chunks_passes_in_megatrons_interleaved_order():
+    """pp 2 x vpp 2, 4 micro-batches: groups of pp micro-batches through chunk 0 then chunk 1 (backward: chunk 1 then
+    0); stage s runs 2 (pp - 1 - s) + (vpp - 1) pp forwards ahead (Megatron's interleaved warmup), then a forward and a
+    backward in turn."""
+    assert run_ranks(_schedule_rank, 2, 4, 2) == [
+        ["F0.0", "F1.0", "F0.1", "F1.1", "F2.0", "B0.1", "F3.0", "B1.1", "F2.1", "B0.0", "F3.1", "B1.0",
+         "B2.1", "B3.1", "B2.0", "B3.0"],
+        ["F0.0", "F1.0", "F0.1", "B0.1", "F1.1", "B1.1", "F2.0", "B0.0", "F3.0", "B1.0", "F2.1", "B2.1",
+         "F3.1", "B3.1", "B2.0", "B3.0"]]
+
+
+def _messages(units, pp: int, vpp: int, stage: int) -> dict:
+    """What `stage` sends and receives, in its order, by (sender, receiver, kind): a chunk's forward receives the
+    previous chunk's output and sends its own on, its backward receives its output's gradient and sends its input's."""
+    out, last = {}, pp * vpp - 1
+    for forward, mb, c in units:
+        k = c * pp + stage
+        prev, nxt = (k - 1, (stage - 1) % pp), (k + 1, (stage + 1) % pp)
+        if forward:
+            moves = [(prev[1], stage, "act", k - 1)] * (k > 0) + [(stage, nxt[1], "act", k)] * (k < last)
+        else:
+            moves = [(nxt[1], stage, "grad", k + 1)] * (k < last) + [(stage, prev[1], "grad", k)] * (k > 0)
+        for src, dst, kind, chunk in moves:
+            out.setdefault(("send" if src == stage else "recv", src, dst, kind), []).append((mb, chunk))
+    return out
+
+
+def test_every_schedule_runs_each_pass_once_matches_its_sends_and_cannot_deadlock():
+    """For pp 2-5, vpp 1-3 and 1 to 3 pp + 1 micro-batches: each stage runs each (micro-batch, chunk) forward once and
+    its backward once after it; the stages get through their passes (so no wait can deadlock); on each channel and
+    kind the receiver takes the messages in the order the sender sends them (point-to-point messages match in order);
+    with whole groups of pp micro-batches the bubble is Megatron's, (pp - 1) / vpp passes (m + (pp - 1) / vpp) / m."""
+    from moeloop.parallel.pipeline import _finish_time, schedule, schedule_stretch
+    for pp in (2, 3, 4, 5):
+        for vpp in (1, 2, 3):
+            for m in range(1, 3 * pp + 2):
+                stages = schedule(m, pp, vpp)
+                every = sorted((mb, c) for mb in range(m) for c in range(vpp))
+                sent, received = {}, {}
+                for stage, units in enumerate(stages):
+                    forwards = [(mb, c) for f, mb, c in units if f]
+                    assert sorted(forwards) == every and sorted((mb, c) for f, mb, c in units if not f) == every
+                    assert all(units.index((True, mb, c)) < units.index((False, mb, c)) for mb, c in every)
+                    for (way, *channel), msgs in _messages(units, pp, vpp, stage).items():
+                        (sent if way == "send" else received)[tuple(channel)] = msgs
+                assert sent == received, (pp, vpp, m)
+                assert _finish_time(stages, pp, vpp) is not None
+                if m % pp == 0:
+                    assert schedule_stretch(m, pp, vpp) == pytest.approx((m + (pp - 1) / vpp) / m), (pp, vpp, m)
 
 
 def _tied_checkpoint_rank(rank, world, pp, directory, save):

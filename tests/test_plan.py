@@ -11,6 +11,7 @@ from moeloop.plan import (build_plan, decode_tokens_per_s, memory_ledger, model_
                           predict_peak_bytes, save_every_steps, stats_from_counts, transfer_s, young_daly_interval_s)
 from moeloop.plan.command import main as plan_main
 from moeloop.plan.memory import GB
+from moeloop.plan.activations import in_flight_micro_batches
 from moeloop.plan.memory import num_micro_batches
 from moeloop.plan.step_time import step_phases, step_seconds
 
@@ -302,3 +303,21 @@ def test_the_trainer_phases_count_the_pipeline_bubble():
     assert m > 1 and fills > 1
     assert four["update_actor"] == pytest.approx(one["update_actor"] / 4 * (m + 3) / m, rel=1e-12)
     assert four["ref"] == pytest.approx(one["ref"] / 4 * (m * fills + 3) / (m * fills), rel=1e-12)
+
+
+def test_an_interleaved_pipeline_plans_the_runtimes_bubble_and_activations():
+    """With vpp chunks a stage the update's bubble shrinks to Megatron's (pp - 1) / vpp passes, and each stage holds
+    the activations of the passes the runtime's interleaved order keeps in flight (`parallel.pipeline.schedule`): at
+    pp 4 x vpp 2, 10 + 1 chunk passes on the first stage, 5.5 micro-batches of its layers (pp + (pp - 1) / vpp, as
+    Megatron's), against 4 without chunks; 4 + 1 on the last, 2.5 against 1."""
+    cfg4 = load_config(DSV3, ["parallel.pp=4", "parallel.dp=4", "actor.use_kl_loss=true"])
+    cfg8 = load_config(DSV3, ["parallel.pp=4", "parallel.vpp=2", "parallel.dp=4", "actor.use_kl_loss=true"])
+    stats = model_stats(ModelConfig.from_hf_dict(dict(cfg4.plan.hf_config)))
+    plain, chunked = (step_phases(c, stats, Layout.from_section(c.parallel), 0.0, 0.0, 0.0) for c in (cfg4, cfg8))
+    m = num_micro_batches(cfg8, Layout.from_section(cfg8.parallel))
+    assert m % 4 == 0  # (rounded up to whole groups of pp, as the trainer does)
+    assert num_micro_batches(cfg4, Layout.from_section(cfg4.parallel)) == m
+    assert chunked["update_actor"] == pytest.approx(plain["update_actor"] * (m + 1.5) / (m + 3), rel=1e-12)
+    assert [in_flight_micro_batches(Layout(pp=4, vpp=2), s, m) for s in range(4)] == [5.5, 4.5, 3.5, 2.5]
+    assert [in_flight_micro_batches(Layout(pp=4), s, m) for s in range(4)] == [4, 3, 2, 1]
+    assert in_flight_micro_batches(Layout(pp=4), 0, 2) == 2  # fewer micro-batches than stages
