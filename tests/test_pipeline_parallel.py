@@ -124,6 +124,21 @@ def test_interleaved_pipeline_matches_one_process(world, pp, vpp, tp, kind, arch
     assert_ranks_match([r[:3] for r in results], want_first, want_metrics, want)
 
 
+def _cut_rank(rank, world, vpp, budget):
+    init_parallel_groups(1, 1, 2, vpp=vpp)
+    actor = Actor(_model_of("qwen3_moe_4"), actor_cfg(max_tokens_per_micro_batch=budget), torch.device("cpu"), 8)
+    samples = rl_batch(num_groups=1, n=3)
+    return [len(actor.micro_batches(samples)), len(actor.micro_batches(samples[:1])), len(actor.micro_batches([]))]
+
+
+def test_an_interleaved_pipeline_cuts_whole_groups_of_pp_micro_batches():
+    """As verl rounds Megatron's: under vpp the micro-batch count is a multiple of pp (the last group of the
+    interleaved order full), padded with empty micro-batches where there are fewer samples; without vpp the budget's."""
+    budget = max(len(s.prompt_ids) + len(s.response_ids) for s in rl_batch(num_groups=1, n=3))
+    assert run_ranks(_cut_rank, 2, 1, budget) == [[3, 1, 0]] * 2
+    assert run_ranks(_cut_rank, 2, 2, budget) == [[4, 2, 0]] * 2
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return init_model("qwen3_moe", "tiny", tmp_path_factory.mktemp("model") / "m", seed=3)

@@ -12,7 +12,7 @@ from moeloop.plan import (build_plan, decode_tokens_per_s, memory_ledger, model_
 from moeloop.plan.command import main as plan_main
 from moeloop.plan.memory import GB
 from moeloop.plan.activations import in_flight_micro_batches
-from moeloop.plan.memory import num_micro_batches
+from moeloop.plan.memory import avg_seq_tokens, num_micro_batches
 from moeloop.plan.step_time import step_phases, step_seconds
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -320,4 +320,9 @@ def test_an_interleaved_pipeline_plans_the_runtimes_bubble_and_activations():
     assert chunked["update_actor"] == pytest.approx(plain["update_actor"] * (m + 1.5) / (m + 3), rel=1e-12)
     assert [in_flight_micro_batches(Layout(pp=4, vpp=2), s, m) for s in range(4)] == [5.5, 4.5, 3.5, 2.5]
     assert [in_flight_micro_batches(Layout(pp=4), s, m) for s in range(4)] == [4, 3, 2, 1]
+    tokens = cfg4.actor.ppo_mini_batch_size * cfg4.rollout.n * avg_seq_tokens(cfg4)
+    five = [f"actor.max_tokens_per_micro_batch={-(-tokens // 20)}"]  # 5 micro-batches on each of the 4 dp ranks
+    assert num_micro_batches(load_config(DSV3, ["parallel.pp=4", "parallel.dp=4", *five]), Layout(dp=4, pp=4)) == 5
+    assert num_micro_batches(load_config(DSV3, ["parallel.pp=4", "parallel.vpp=2", "parallel.dp=4", *five]),
+                             Layout(dp=4, pp=4, vpp=2)) == 8
     assert in_flight_micro_batches(Layout(pp=4), 0, 2) == 2  # fewer micro-batches than stages
