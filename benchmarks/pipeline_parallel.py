@@ -5,11 +5,13 @@ to the neighbouring stages (activations forward, gradients backward); FSDP's all
 step's median seconds (the slowest rank's), and a forward-only logprob pass's.
 
     python benchmarks/pipeline_parallel.py --world 4 --pp 1,2,4 --prompt 256 --response 768
+    python benchmarks/pipeline_parallel.py --world 2 --pp 1,2 --vpp 1,2 --groups 2   # interleaved against not
 
 Every layout trains the same global batch: `--groups` GRPO groups a rank at pp 1, so at pp p each of the N / p dp
 groups holds p x as many (its stages train them together). A micro-batch is one sequence. bf16 weights and
 activations (the planner's units), one thread a rank. The update runs in 1F1B order, so stage s holds up to pp - s
-micro-batches' activations, as the planner counts. Timings on a 2-core VM with 4 ranks are indicative only: the ranks
+micro-batches' activations, as the planner counts; with `--vpp` v > 1 (each pp > 1 layout at each v) in the
+interleaved order, each stage holding v chunks of layers. Timings on a 2-core VM with 4 ranks are indicative only: the ranks
 share the cores, so a stage that waits gives its core to another.
 """
 from __future__ import annotations
@@ -87,9 +89,9 @@ def count_p2p(moved: dict[str, int]) -> None:
     dist.isend = sent
 
 
-def rank_main(rank: int, world: int, init_file: str, args, pp: int, queue) -> None:
+def rank_main(rank: int, world: int, init_file: str, args, pp: int, vpp: int, queue) -> None:
     from moeloop.parallel.groups import pp_rank
-    actor, samples, weights = layout_actor(rank, world, init_file, args, pp=pp)
+    actor, samples, weights = layout_actor(rank, world, init_file, args, pp=pp, vpp=vpp)
     saved = peak_in_flight(actor, samples)
     p2p: dict[str, int] = {}
     count_p2p(p2p)
@@ -106,31 +108,34 @@ def rank_main(rank: int, world: int, init_file: str, args, pp: int, queue) -> No
     dist.destroy_process_group()
 
 
-def planned_mb(args, pp: int) -> list[tuple[float, float]]:
+def planned_mb(args, pp: int, vpp: int) -> list[tuple[float, float]]:
     """`moeloop plan`'s (weights, activations) a rank of each stage (MB) for the layout (the mini-batch's micro-batch
     count bounds 1F1B's in-flight ones)."""
     from moeloop.plan.memory import stage_ledgers
     ledgers = stage_ledgers(*plan_inputs(args, f"parallel.dp={args.world // pp}", f"parallel.pp={pp}",
+                                         f"parallel.vpp={vpp}",
                                          f"actor.ppo_mini_batch_size={args.groups * args.world}", f"rollout.n={args.n}"))
     return [(led.entries["weights"] / 1e6, led.entries["activations"] / 1e6) for led in ledgers]
 
 
 def main() -> None:
-    args = layout_args(__doc__.split("\n")[0], "pp", "1,2,4")
+    args = layout_args(__doc__.split("\n")[0], "pp", "1,2,4", vpp="1")
     print(f"{args.size} qwen3_moe, {args.world} gloo ranks, {args.groups * args.world} groups x {args.n} samples x "
           f"({args.prompt} + {args.response}) tokens a step, bf16; a micro-batch is one sequence; per rank per update "
           "step (the stage's first rank; max over all ranks for seconds); MB moved a step: p2p_sent to the neighbouring "
           "stages, FSDP's all_gather and reduce_scatter")
-    print("| pp | dp | stage | micro-batches | weights MB measured | planned | activations MB measured | planned | "
+    print("| pp | vpp | dp | stage | micro-batches | weights MB measured | planned | activations MB measured | planned | "
           + " | ".join(COLUMNS) + " | step s | logprob pass s |")
-    print("|---|---|---|---|---|---|---|---|" + "---|" * len(COLUMNS) + "---|---|")
-    for pp in (int(p) for p in args.pp.split(",")):
-        rows = launch(rank_main, args.world, args, pp)
+    print("|---|---|---|---|---|---|---|---|---|" + "---|" * len(COLUMNS) + "---|---|")
+    layouts = [(pp, vpp) for pp in (int(p) for p in args.pp.split(","))
+               for vpp in ([1] if pp == 1 else [int(v) for v in args.vpp.split(",")])]
+    for pp, vpp in layouts:
+        rows = launch(rank_main, args.world, args, pp, vpp)
         step, forward = max(r[5] for r in rows), max(r[7] for r in rows)
-        plan = planned_mb(args, pp)
+        plan = planned_mb(args, pp, vpp)
         for stage in range(pp):
             _, _, weights, saved, moved, _, micro, _ = next(r for r in rows if r[1] == stage)
-            print(f"| {pp} | {args.world // pp} | {stage} | {micro} | {weights / 1e6:.2f} | {plan[stage][0]:.2f} | "
+            print(f"| {pp} | {vpp} | {args.world // pp} | {stage} | {micro} | {weights / 1e6:.2f} | {plan[stage][0]:.2f} | "
                   f"{saved / 1e6:.1f} | {plan[stage][1]:.1f} | "
                   + " | ".join(f"{moved.get(k, 0) / 1e6:.1f}" for k in COLUMNS) + f" | {step:.2f} | {forward:.2f} |", flush=True)
 

@@ -49,7 +49,7 @@ def count_tp(moved: dict[str, int]) -> None:
     dist.all_gather = rows
 
 
-def layout_actor(rank: int, world: int, init_file: str, args, tp: int = 1, pp: int = 1):
+def layout_actor(rank: int, world: int, init_file: str, args, tp: int = 1, pp: int = 1, vpp: int = 1):
     """On a forked rank, one thread: the gloo group, the tp and pp groups, the bf16 actor of the `args.size` model
     (one sequence a micro-batch) and its dp group's samples (tp * pp x a single rank's), after a warm-up update (lazy
     init, optimizer state). Returns (actor, samples, the weight bytes this rank keeps)."""
@@ -59,7 +59,7 @@ def layout_actor(rank: int, world: int, init_file: str, args, tp: int = 1, pp: i
                             timeout=timedelta(seconds=1800))
     from moeloop.parallel.groups import dp_rank, init_parallel_groups
     from moeloop.train.actor import Actor  # (after the group: the meshes are built from it)
-    init_parallel_groups(1, tp, pp)
+    init_parallel_groups(1, tp, pp, vpp=vpp)
     model = build_model("qwen3_moe", args.size, seed=0).to(torch.bfloat16)
     actor_cfg = ActorSection()
     actor_cfg.ppo_mini_batch_size = args.groups * world
@@ -105,12 +105,15 @@ def planned_mb(args, tp: int) -> tuple[float, float]:
     return led.entries["weights"] / 1e6, led.entries["activations"] / 1e6
 
 
-def layout_args(description: str, layout: str, sizes: str) -> argparse.Namespace:
-    """The layout benchmarks' arguments; `--<layout>`: the sizes to compare (`sizes` by default)."""
+def layout_args(description: str, layout: str, sizes: str, **more: str) -> argparse.Namespace:
+    """The layout benchmarks' arguments; `--<layout>`: the sizes to compare (`sizes` by default); `more`: further
+    comma-separated size lists (name: default)."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--size", default="small", choices=("tiny", "small"))
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument(f"--{layout}", default=sizes, help="comma-separated; 1 = data parallel alone")
+    for name, default in more.items():
+        ap.add_argument(f"--{name}", default=default, help="comma-separated")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--groups", type=int, default=1, help=f"GRPO groups a rank at {layout} 1")
     ap.add_argument("--n", type=int, default=2, help="samples a group")

@@ -1,8 +1,9 @@
-"""Pipeline parallelism (`parallel.pp`): each of pp stages holds a contiguous run of the decoder layers, applied to a
-plain model from outside, before tensor, expert and data parallelism (which then run within a stage's ranks):
+"""Pipeline parallelism (`parallel.pp`, `parallel.vpp`): each of pp stages holds a contiguous run of the decoder layers
+(or vpp runs of them, interleaved), applied to a plain model from outside, before tensor, expert and data parallelism
+(which then run within a stage's ranks):
 
-    init_parallel_groups(cp, tp, pp)          # collective: ranks ordered (dp, pp, cp, tp); pp groups across stages
-    split_stages(model)                       # this stage's layers; the first keeps the embedding, the last the norm
+    init_parallel_groups(cp, tp, pp, vpp=v)   # collective: ranks ordered (dp, pp, cp, tp); pp groups across stages
+    split_stages(model)                       # this stage's layers (v chunks of them); the first keeps the embedding
     hidden = model(ids, positions, attn)      # stage s receives stage s - 1's activations and sends its own on
     run_passes(micro_batches, micro_loss)     # training: forwards and backwards in 1F1B order across the stages
     for item, out in forward_passes(micro_batches, forward):  # forward-only: all forwards, then the head outputs
@@ -13,12 +14,19 @@ The stages' ranks hold the same samples (a replica group of pp * cp * tp ranks p
 same micro-batches and run the same passes. Activations go forward stage by stage by point-to-point sends inside
 autograd (a header with the shape and dtype first, so packed micro-batches of any length pass; sends asynchronous,
 receives blocking); the backward runs the other way, each stage receiving the gradient of its output and sending that
-of its input. Training passes run in 1F1B order (`run_passes`: Megatron's non-interleaved schedule): stage s runs
+of its input (on a second group of the same ranks, so gradients and activations never queue on one channel).
+Training passes run in 1F1B order (`run_passes`, `schedule`: Megatron's non-interleaved schedule): stage s runs
 pp - 1 - s forwards ahead, then a forward and a backward in turn, so the stages compute at once and stage s holds at
-most pp - s micro-batches' activations. The last stage alone runs the final norm, the head and the loss; the other
-stages' backward takes the next stage's gradient, and their metrics are the last stage's, sent after the passes. A
-forward-only pass (old and reference logprobs, values; `forward_passes`) runs every forward first on each stage, so
-the stages compute at once, then the last stage broadcasts the head's per-position outputs over the pp group.
+most pp - s micro-batches' activations. Interleaved (`parallel.vpp` = v > 1, Megatron's virtual pipeline): the layers
+split into pp * v chunks, chunk k on stage k % pp, and a micro-batch's forward passes the stages v times (the last
+stage's chunk c sends to the first stage's chunk c + 1); each stage runs Megatron's interleaved order of chunk passes,
+which shrinks the bubble v times. The trainer's pass function runs once for each chunk then (`_in_chunk` makes the
+stage's layers iterate as that chunk's, and swaps a receive in for the first stage's embedding and a send for the last
+stage's norm where the chunk needs them); `holds_head` says which pass's outputs are real. The last stage alone runs
+the final norm, the head and the loss; the other stages' backward takes the next stage's gradient, and their metrics
+are the last stage's, sent after the passes. A forward-only pass (old and reference logprobs, values; `forward_passes`) runs every forward first on each stage (in
+the interleaved order's forwards under vpp), so the stages compute at once, then the last stage broadcasts the head's
+per-position outputs over the pp group.
 (torch.distributed.pipelining's stages and schedules take micro-batches of one fixed shape cut from one batch tensor;
 the trainer's micro-batches are packed token streams of varying length with per-token loss inputs.)
 

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Session 36's device calls. Run from the repository root with the project importable.
+#   vpp:  (nvidia-h200, about 4 minutes) torch 2.11's run of the interleaved-pipeline tests (parallel.vpp: the chunk
+#         passes, the second pp group for gradients, the schedules, the refusals) and the planner's; gloo CPU ranks,
+#         spawned on a CUDA machine (one GPU is lent, so no NCCL run)
+#   pp:   (about 7 minutes) the rest of the pipeline tests, whose 1F1B now comes from the same schedule function
+set -u
+python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
+VPP="interleaved or whole_groups or every_schedule or megatrons or 1f1b or refuses"
+case "${1:-}" in
+vpp)
+    timeout 570 python3 -m pytest -q -p no:cacheprovider -p no:logging tests/test_pipeline_parallel.py -k "$VPP" \
+        tests/test_plan.py tests/test_layout.py 2>&1 | grep -v W1202 | tail -6
+    ;;
+pp)
+    timeout 570 python3 -m pytest -q -p no:cacheprovider -p no:logging tests/test_pipeline_parallel.py \
+        -k "not ($VPP)" 2>&1 | grep -v W1202 | tail -6
+    ;;
+*)
+    echo "usage: $0 vpp|pp" >&2; exit 2
+    ;;
+esac
