@@ -32,7 +32,7 @@ def test_ep_must_divide_data_context_tensor_ranks():
 def test_every_violated_rule_is_reported_at_once():
     lay = Layout(dp=3, tp=8, pp=5, vpp=3, ep=6, etp=1)
     problems = lay.validate(model(num_attention_heads=12, num_key_value_heads=6), world_size=100,
-                            batch=BatchInfo(num_micro_batches=6, mini_batch_samples=2))
+                            batch=BatchInfo(mini_batch_samples=2))
     text = "\n".join(problems)
     assert "world size 100 != dp*tp*pp*cp" in text
     assert "num_attention_heads=12 % tp=8 != 0" in text

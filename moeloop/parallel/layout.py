@@ -18,9 +18,7 @@ from moeloop.model.config import ModelConfig
 class BatchInfo:
     """What the layout rules need to know about batching; None = unknown, rule skipped."""
 
-    num_micro_batches: Optional[int] = None  # per mini-batch on one DP rank
     mini_batch_samples: Optional[int] = None  # samples per optimizer step (ppo_mini_batch_size * rollout.n)
-    max_tokens_per_micro_batch: Optional[int] = None  # token budget of one micro-batch on one rank
 
 
 @dataclass(frozen=True)

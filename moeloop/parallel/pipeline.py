@@ -456,8 +456,8 @@ def gather_recorded_routes(tape) -> None:
 
 def gather_stage_weights(local: Iterator[tuple[str, torch.Tensor]],
                          device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) of the whole model on every rank, stage by stage (the whole model's order), from each
-    stage's `local` ones: the stage's ranks iterate theirs (FSDP's gathers within the stage) and broadcast each over
+    """(name, full tensor) of the whole model on every rank, stage by stage (the whole model's order; under an
+    interleaved pipeline a stage's chunks come together, so layers leave that order), from each stage's `local` ones: the stage's ranks iterate theirs (FSDP's gathers within the stage) and broadcast each over
     their pp groups. Collective: every rank iterates to the end."""
     if pp_size() == 1:
         yield from local

@@ -18,7 +18,7 @@ from moeloop.plan.accounting import ModelStats, model_stats, stats_from_counts
 from moeloop.plan.decode import DecodeEstimate, decode_roofline
 from moeloop.plan.interval import expected_overhead, young_daly_interval_s
 from moeloop.plan.memory import (ADAPTER_BYTES, DTYPE_BYTES, GB, Ledger, avg_seq_tokens, lora_params,
-                                 memory_ledger, num_micro_batches, on_training_gpus, state_bytes)
+                                 memory_ledger, on_training_gpus, state_bytes)
 from moeloop.plan.split import SplitRow, split_rows, verdict
 from moeloop.plan.step_time import phase_shares, step_phases, step_seconds, tool_turns
 from moeloop.plan.sync_cost import offload_round_trip_s, sync_costs
@@ -102,8 +102,7 @@ def build_plan(cfg: RunConfig, stats: Optional[ModelStats] = None) -> Plan:
 
 
 def _problems(cfg: RunConfig, stats: ModelStats, layout: Layout, pool: int, colocated: bool) -> list[str]:
-    batch = BatchInfo(num_micro_batches(cfg, layout), cfg.actor.ppo_mini_batch_size * cfg.rollout.n,
-                      cfg.actor.max_tokens_per_micro_batch)
+    batch = BatchInfo(mini_batch_samples=cfg.actor.ppo_mini_batch_size * cfg.rollout.n)
     problems = layout.validate(stats.model, None, batch)
     if pool < layout.world_size:
         problems.append(f"plan.total_gpus={pool} < training world dp*tp*pp*cp = {layout.world_size}")

@@ -16,7 +16,7 @@ from moeloop.config.schema import RunConfig
 from moeloop.parallel.layout import BatchInfo, Layout
 from moeloop.plan.accounting import ModelStats
 from moeloop.plan.decode import DecodeEstimate, decode_roofline
-from moeloop.plan.memory import GB, Ledger, memory_ledger, num_micro_batches
+from moeloop.plan.memory import GB, Ledger, memory_ledger
 
 TRAIN_PHASES = ("train", "optimizer_step", "sync")
 DEDICATED_FRACTION = 0.9  # vLLM's default gpu_memory_utilization on GPUs of its own
@@ -74,8 +74,7 @@ def _row(cfg: RunConfig, stats: ModelStats, base: Layout, train: int, rollout: i
     if row.layout is None:
         row.problems = [f"{train} GPUs is not a multiple of tp*pp*cp = {base.tp * base.pp * base.cp}"]
         return row
-    batch = BatchInfo(num_micro_batches(cfg, row.layout), cfg.actor.ppo_mini_batch_size * cfg.rollout.n,
-                      cfg.actor.max_tokens_per_micro_batch)
+    batch = BatchInfo(mini_batch_samples=cfg.actor.ppo_mini_batch_size * cfg.rollout.n)
     row.problems = row.layout.validate(stats.model, train, batch)
     if row.problems:
         return row
