@@ -101,20 +101,22 @@ def test_pipeline_parallel_matches_one_process(world, pp, tp, cp, ep, kind, arch
     assert_ranks_match([r[:3] for r in results], want_first, want_metrics, want)
 
 
-@pytest.mark.parametrize("world,pp,vpp,tp,kind,arch", [
-    (2, 2, 2, 1, "rl", "qwen3_moe_4"),  # two chunks a stage: layers 0 and 2 on stage 0, 1 and 3 on stage 1
-    (2, 2, 2, 1, "sft", "qwen3_moe_4"),
-    (2, 2, 2, 1, "critic", "qwen3_moe_4"),
-    (2, 2, 2, 1, "r2", "qwen3_moe_4"),  # routes recorded by every chunk of a stage into one tape
-    (4, 2, 2, 1, "rl", "qwen3_moe_4"),  # dp 2 x pp 2 x vpp 2
-    (4, 2, 2, 2, "sft", "qwen3_moe_4"),  # pp 2 x vpp 2 x tp 2
+@pytest.mark.parametrize("world,pp,vpp,tp,cp,ep,kind,arch", [
+    (2, 2, 2, 1, 1, 1, "rl", "qwen3_moe_4"),  # two chunks a stage: layers 0 and 2 on stage 0, 1 and 3 on stage 1
+    (2, 2, 2, 1, 1, 1, "sft", "qwen3_moe_4"),
+    (2, 2, 2, 1, 1, 1, "critic", "qwen3_moe_4"),
+    (2, 2, 2, 1, 1, 1, "r2", "qwen3_moe_4"),  # routes recorded by every chunk of a stage into one tape
+    (4, 2, 2, 1, 1, 1, "rl", "qwen3_moe_4"),  # dp 2 x pp 2 x vpp 2
+    (4, 2, 2, 2, 1, 1, "sft", "qwen3_moe_4"),  # pp 2 x vpp 2 x tp 2
+    (4, 2, 2, 1, 2, 1, "rl", "qwen3_moe_4"),  # pp 2 x vpp 2 x cp 2
+    (4, 2, 2, 1, 1, 2, "rl", "qwen3_moe_4"),  # dp 2 x pp 2 x vpp 2, the experts over ep 2 within a stage
 ])
-def test_interleaved_pipeline_matches_one_process(world, pp, vpp, tp, kind, arch):
+def test_interleaved_pipeline_matches_one_process(world, pp, vpp, tp, cp, ep, kind, arch):
     """`parallel.vpp`: each stage holds vpp chunks of layers (chunk k of pp * vpp on stage k % pp), its first chunk's
     embedding on the first stage and its last chunk's head on the last, and the passes run in the interleaved order;
     the numbers are one process's."""
     want_first, want_metrics, want, _ = _run(kind=kind, arch=arch)
-    results = run_ranks(_rank, world, pp, tp, 1, 1, kind, arch, 0, vpp)
+    results = run_ranks(_rank, world, pp, tp, cp, ep, kind, arch, 0, vpp)
     counts = Layout(pp=pp, vpp=vpp).chunk_layers(_model_of(arch).cfg.num_layers)
     for *_, (stage, layers, embedding, head) in results:
         kept = [k for k in range(pp * vpp) if k % pp == stage]
