@@ -73,7 +73,8 @@ def test_interleaved_chunks_take_runs_of_layers_round_robin_over_the_stages():
     lay = Layout(pp=2, vpp=2)
     assert lay.chunk_layers(8) == [2, 2, 2, 2] and lay.stage_layers(8) == [4, 4]
     assert lay.chunk_layers(6) == [2, 2, 1, 1] and lay.stage_layers(6) == [3, 3]
-    assert Layout(pp=3, vpp=2).chunk_layers(7) == [2, 1, 1, 1, 1, 1] and Layout(pp=3, vpp=2).stage_layers(7) == [3, 2, 2]
+    assert Layout(pp=3, vpp=2).chunk_layers(7) == [2, 1, 1, 1, 1, 1]
+    assert Layout(pp=3, vpp=2).stage_layers(7) == [3, 2, 2]
     assert Layout(pp=2, vpp=2, last_stage_layers=1).validate()[0].startswith("first_stage_layers/last_stage_layers "
                                                                              "with vpp > 1")
 

@@ -24,9 +24,9 @@ which shrinks the bubble v times. The trainer's pass function runs once for each
 stage's layers iterate as that chunk's, and swaps a receive in for the first stage's embedding and a send for the last
 stage's norm where the chunk needs them); `holds_head` says which pass's outputs are real. The last stage alone runs
 the final norm, the head and the loss; the other stages' backward takes the next stage's gradient, and their metrics
-are the last stage's, sent after the passes. A forward-only pass (old and reference logprobs, values; `forward_passes`) runs every forward first on each stage (in
-the interleaved order's forwards under vpp), so the stages compute at once, then the last stage broadcasts the head's
-per-position outputs over the pp group.
+are the last stage's, sent after the passes. A forward-only pass (old and reference logprobs, values;
+`forward_passes`) runs every forward first on each stage (in the interleaved order's forwards under vpp), so the
+stages compute at once, then the last stage broadcasts the head's per-position outputs over the pp group.
 (torch.distributed.pipelining's stages and schedules take micro-batches of one fixed shape cut from one batch tensor;
 the trainer's micro-batches are packed token streams of varying length with per-token loss inputs.)
 
@@ -457,8 +457,9 @@ def gather_recorded_routes(tape) -> None:
 def gather_stage_weights(local: Iterator[tuple[str, torch.Tensor]],
                          device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) of the whole model on every rank, stage by stage (the whole model's order; under an
-    interleaved pipeline a stage's chunks come together, so layers leave that order), from each stage's `local` ones: the stage's ranks iterate theirs (FSDP's gathers within the stage) and broadcast each over
-    their pp groups. Collective: every rank iterates to the end."""
+    interleaved pipeline a stage's chunks come together, so layers leave that order), from each stage's `local` ones:
+    the stage's ranks iterate theirs (FSDP's gathers within the stage) and broadcast each over their pp groups.
+    Collective: every rank iterates to the end."""
     if pp_size() == 1:
         yield from local
         return

@@ -151,8 +151,8 @@ class PolicyForward:
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full tensor) in state_dict order; collective under FSDP (all ranks iterate); every stage's under
-        pipeline parallelism, stage by stage (`gather_stage_weights`). fp32 master weights come rounded to the dtype the forward computes in (the engine's and
-        the export's)."""
+        pipeline parallelism, stage by stage (`gather_stage_weights`). fp32 master weights come rounded to the dtype
+        the forward computes in (the engine's and the export's)."""
         return gather_stage_weights(self._stage_weights(), self.device)
 
     def _stage_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
