@@ -75,14 +75,16 @@ def first_pass_then_steps(model, samples: list[Sample], kind: str, metrics: tupl
 
 def assert_ranks_match(ranks, want_first: dict, want_metrics: list, want_weights: dict) -> None:
     """Each rank's (first-pass values by sample, step metrics, weights) against one process's: the ranks' samples
-    together are its samples, with its values; every rank's metrics and weights are its (fp32 summation order)."""
-    got_first = {}
+    together are its samples, and each rank's values of its samples are its (the ranks that share samples, tensor,
+    context or pipeline parallel ones, each checked); every rank's metrics and weights are its (fp32 summation
+    order)."""
+    seen = set()
     for first, metrics, weights in ranks:
-        got_first.update(first)
+        seen |= first.keys()
+        for key, got_values in first.items():
+            for got, value in zip(got_values, want_first[key], strict=True):
+                torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(value), rtol=1e-5, atol=1e-5)
         assert metrics == pytest.approx(want_metrics, rel=1e-5)
         for name, w in want_weights.items():
             torch.testing.assert_close(weights[name], w, rtol=1e-5, atol=1e-6)
-    assert got_first.keys() == want_first.keys()
-    for key, values in want_first.items():
-        for got, value in zip(got_first[key], values, strict=True):
-            torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(value), rtol=1e-5, atol=1e-5)
+    assert seen == want_first.keys()
