@@ -21,6 +21,10 @@ from moeloop.config.schema import RunConfig
 from moeloop.errors import InputError
 from moeloop.parallel.groups import dp_rank, dp_size, init_parallel_groups
 
+# how long a collective waits for the other ranks before the run fails (the default group's, and the parallel
+# layouts' groups and meshes: torch's own default for those would be 30 minutes)
+DIST_TIMEOUT = timedelta(minutes=10)
+
 
 @dataclass
 class RunEnv:
@@ -51,11 +55,11 @@ class RunEnv:
             # on GPUs, NCCL for CUDA tensors (FSDP, weight broadcast) and gloo for the loop's host-side sums and
             # object gathers (metrics, loss denominators, DAPO groups): NCCL alone rejects CPU tensors
             backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, timeout=timedelta(minutes=10))
+            dist.init_process_group(backend, timeout=DIST_TIMEOUT)
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
         p = cfg.parallel
-        init_parallel_groups(p.cp, p.tp, p.pp, p.first_stage_layers, p.last_stage_layers, p.vpp)
+        init_parallel_groups(p.cp, p.tp, p.pp, p.first_stage_layers, p.last_stage_layers, p.vpp, DIST_TIMEOUT)
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(device)

@@ -15,22 +15,27 @@ import math
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 
 from moeloop.model.experts import Experts
-from moeloop.parallel.groups import pp_size, stage_ranks, tp_size
+from moeloop.parallel.groups import group_timeout, pp_rank, pp_size, stage_ranks, tp_size
 
 
 def stage_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
     """A mesh of `shape` (dims `names`) over the ranks of this rank's pipeline stage, in their (d, c, t) order: every
-    rank without pipeline parallelism. (Collective: DeviceMesh makes the groups of every stage, so it is built over
-    all ranks with a leading pp dim and sliced.)"""
-    if pp_size() == 1:
-        return init_device_mesh(device_type, shape, mesh_dim_names=names)
+    rank without pipeline parallelism. Its groups are made here with the run's timeout (`groups.group_timeout`;
+    DeviceMesh's own would take torch's 30-minute default): collective, every rank makes every stage's, dim by dim."""
     ranks = torch.tensor(stage_ranks()).reshape(pp_size(), *shape)
-    return DeviceMesh(device_type, ranks, mesh_dim_names=("pp", *names))[names if len(names) > 1 else names[0]]
+    mine = []
+    for dim in range(len(shape)):
+        for line in ranks.movedim(dim + 1, -1).reshape(-1, shape[dim]).tolist():  # a group a line along the dim
+            group = dist.new_group(line, timeout=group_timeout())
+            if dist.get_rank() in line:
+                mine.append(group)
+    return DeviceMesh.from_group(mine if len(mine) > 1 else mine[0], device_type, mesh=ranks[pp_rank()],
+                                 mesh_dim_names=names)
 
 
 def stage_world() -> int:

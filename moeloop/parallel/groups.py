@@ -15,7 +15,8 @@ Without pipeline, context or tensor parallelism (pp = cp = tp = 1) the data-para
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from datetime import timedelta
+from typing import Any, Optional
 
 import torch.distributed as dist
 
@@ -38,17 +39,19 @@ class _Groups:
     tp_group: Any = None  # this rank's tp group (None: tp 1)
     replica_group: Any = None  # the pp * cp * tp ranks holding this rank's samples (None: pp * cp * tp = 1)
     dp_group: Any = None  # the ranks with this rank's (p, c, t) (None: every rank, pp * cp * tp = 1)
+    timeout: Optional[timedelta] = None  # of every group made here and of the meshes' (None: torch's default)
 
 
 _GROUPS = _Groups()
 
 
 def init_parallel_groups(cp: int = 1, tp: int = 1, pp: int = 1, first_stage_layers: int = 0,
-                         last_stage_layers: int = 0, vpp: int = 1) -> None:
+                         last_stage_layers: int = 0, vpp: int = 1, timeout: Optional[timedelta] = None) -> None:
     """Make the cp, tp, pp, replica and dp groups of the current process group (collective: every rank calls it, with
     the same sizes, once a run: groups made for an earlier process group would be stale); cp = tp = pp = 1 resets
     them. `first_stage_layers` / `last_stage_layers`: an uneven pipeline split (`chunk_layer_counts`). `vpp`: model
-    chunks a stage holds (the interleaved schedule, `parallel.pipeline`)."""
+    chunks a stage holds (the interleaved schedule, `parallel.pipeline`). `timeout`: the groups' and the meshes'
+    (`group_timeout`), the run's (torch's own default for a subgroup is 30 minutes, whatever the default group's)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     for name, size in (("cp", cp), ("tp", tp), ("pp", pp)):
         if size < 1 or world % size:
@@ -61,7 +64,7 @@ def init_parallel_groups(cp: int = 1, tp: int = 1, pp: int = 1, first_stage_laye
     if vpp > 1 and (first_stage_layers or last_stage_layers):
         raise InputError(f"parallel.vpp={vpp} with parallel.first_stage_layers / last_stage_layers: an interleaved "
                          "pipeline splits the layers evenly over its pp * vpp chunks (set both to 0)")
-    _GROUPS.cp, _GROUPS.tp, _GROUPS.pp, _GROUPS.vpp = 1, 1, 1, vpp
+    _GROUPS.cp, _GROUPS.tp, _GROUPS.pp, _GROUPS.vpp, _GROUPS.timeout = 1, 1, 1, vpp, timeout
     _GROUPS.cp_group = _GROUPS.tp_group = _GROUPS.pp_group = _GROUPS.replica_group = _GROUPS.dp_group = None
     _GROUPS.pp_grad_group = None
     _GROUPS.ends_group = None
@@ -75,27 +78,27 @@ def init_parallel_groups(cp: int = 1, tp: int = 1, pp: int = 1, first_stage_laye
     for start in range(0, world, block):  # one (d, p): its cp * tp ranks
         for t in range(tp):
             ranks = list(range(start + t, start + block, tp))
-            group = dist.new_group(ranks) if cp > 1 else None
+            group = dist.new_group(ranks, timeout=_GROUPS.timeout) if cp > 1 else None
             if rank in ranks:
                 mine["cp"] = group
     for start in range(0, world, tp):
-        group = dist.new_group(list(range(start, start + tp))) if tp > 1 else None
+        group = dist.new_group(list(range(start, start + tp)), timeout=_GROUPS.timeout) if tp > 1 else None
         if start <= rank < start + tp:
             mine["tp"] = group
     for start in range(0, world, replica):
         for offset in range(block):  # one (d, c, t): a rank of each stage
             ranks = [start + p * block + offset for p in range(pp)]
-            group = dist.new_group(ranks) if pp > 1 else None
-            grads = dist.new_group(ranks) if pp > 1 else None
-            ends = dist.new_group([ranks[0], ranks[-1]]) if pp > 1 else None
+            group = dist.new_group(ranks, timeout=_GROUPS.timeout) if pp > 1 else None
+            grads = dist.new_group(ranks, timeout=_GROUPS.timeout) if pp > 1 else None
+            ends = dist.new_group([ranks[0], ranks[-1]], timeout=_GROUPS.timeout) if pp > 1 else None
             if rank in ranks:
                 mine["pp"], mine["pp_grad"], mine["pp_ranks"], mine["ends"] = group, grads, tuple(ranks), ends
     for start in range(0, world, replica):
-        group = dist.new_group(list(range(start, start + replica)))
+        group = dist.new_group(list(range(start, start + replica)), timeout=_GROUPS.timeout)
         if start <= rank < start + replica:
             mine["replica"] = group
     for offset in range(replica):
-        group = dist.new_group(list(range(offset, world, replica)))
+        group = dist.new_group(list(range(offset, world, replica)), timeout=_GROUPS.timeout)
         if rank % replica == offset:
             mine["dp"] = group
     _GROUPS.cp, _GROUPS.tp, _GROUPS.pp = cp, tp, pp
@@ -146,6 +149,11 @@ def pipeline_ends_group():
 def pp_peer(stage: int) -> int:
     """The global rank of `stage` in this rank's pp group (same d, c, t)."""
     return _GROUPS.pp_ranks[stage] if _GROUPS.pp > 1 else dist.get_rank()
+
+
+def group_timeout() -> Optional[timedelta]:
+    """The timeout of the groups made here and of the meshes (`parallel.fsdp.stage_mesh`); None: torch's default."""
+    return _GROUPS.timeout
 
 
 def vpp_size() -> int:
