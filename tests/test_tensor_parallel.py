@@ -105,6 +105,9 @@ def _rank(rank, world, tp, cp, ep, kind, arch):
     (4, 2, 2, 1, "rl", "qwen3_moe"),  # cp 2 x tp 2: Ulysses over each tp rank's heads
     (4, 2, 1, 2, "rl", "qwen3_moe"),  # dp 2 x tp 2 with the experts split over ep 2
     (2, 2, 1, 1, "r2", "qwen3_moe"),  # routes recorded (gathered from the tp ranks' rows) and replayed (sliced)
+    (4, 4, 1, 1, "rl", "qwen3_moe"),  # tp above the 2 kv heads: 1 query head a rank, each kv head on 2 ranks
+    (4, 4, 1, 1, "sft", "qwen3_moe"),
+    (4, 4, 1, 1, "critic", "qwen3_moe"),
 ])
 def test_tensor_parallel_matches_one_process(world, tp, cp, ep, kind, arch):
     """Besides the numbers: the query projection is `Shard(0)` on the mesh's tp dim, and the routed experts of the tp

@@ -35,12 +35,14 @@ layouts) and `full_tensor` (weight sync, HF export) see whole tensors under thei
 # H query heads, G key/value heads
 from __future__ import annotations
 
+import types
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                parallelize_module)
 
@@ -57,13 +59,15 @@ def check_tp(cfg, tp: int) -> None:
     problems = []
     if cfg.num_heads % tp:
         problems.append(f"num_attention_heads={cfg.num_heads}")
-    if not cfg.is_mla and cfg.num_kv_heads % tp:
-        problems.append(f"num_key_value_heads={cfg.num_kv_heads}")
     if cfg.intermediate_size and any(not cfg.is_moe_layer(i) for i in range(cfg.num_layers)) \
             and cfg.intermediate_size % tp:
         problems.append(f"intermediate_size={cfg.intermediate_size}")
-    if problems:
-        raise InputError(f"parallel.tp={tp} must divide the model's {', '.join(problems)}")
+    messages = [f"parallel.tp={tp} must divide the model's {', '.join(problems)}"] if problems else []
+    if not cfg.is_mla and cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:  # above the kv heads: each on tp / G ranks
+        messages.append(f"parallel.tp={tp} must divide the model's num_key_value_heads={cfg.num_kv_heads} or be a "
+                        "multiple of it")
+    if messages:
+        raise InputError("; ".join(messages))
 
 
 def apply_tp(model: nn.Module, mesh: DeviceMesh) -> None:
@@ -87,7 +91,12 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh) -> None:
         elif isinstance(attn, Attention):
             # x enters as one replicated DTensor: the three column splits' input gradients sum into one all-reduce
             heads = {"": replicated_input(3), "q_proj": col, "k_proj": col, "v_proj": col, "o_proj": row}
-            attn.num_kv_heads //= tp
+            if tp > attn.num_kv_heads:  # GQA with fewer kv heads than tp ranks: k_proj and v_proj whole on each
+                del heads["k_proj"], heads["v_proj"]
+                keep_kv_head(attn, mesh)
+                partial += [attn.k_proj, attn.v_proj]
+            else:
+                attn.num_kv_heads //= tp
         else:
             raise InputError(f"parallel.tp={tp}: no tensor-parallel plan for {type(attn).__name__}")
         parallelize_module(attn, mesh, heads)
@@ -133,6 +142,28 @@ def reduce_tp_grads(model: nn.Module) -> None:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def keep_kv_head(attn: Attention, mesh: DeviceMesh) -> None:
+    """tp above the attention's G kv heads (tp a multiple of G; Megatron replicates the kv heads): k_proj and v_proj
+    stay whole on each tp rank, which projects only the kv head its H / tp query heads attend to (head t // (tp / G)
+    on tp rank t, the rows of that head in both weights), so the attention sees one kv head. Each rank's gradient of
+    the two weights covers that head's rows and its query heads' part of it (`reduce_tp_grads` sums it over tp), and
+    its gradient of x is a part too, summed with q_proj's in the replicated input's one all-reduce."""
+    tp, G, Dh = mesh.size(), attn.num_kv_heads, attn.head_dim
+    head = mesh.get_local_rank() // (tp // G)
+    for proj in (attn.k_proj, attn.v_proj):
+        proj.tp_head_rows = (head * Dh, (head + 1) * Dh)
+        proj.forward = types.MethodType(_project_head_rows, proj)
+    attn.num_kv_heads = 1
+
+
+def _project_head_rows(self: nn.Linear, x_TD: torch.Tensor) -> torch.Tensor:
+    """`keep_kv_head`'s forward of a k or v projection: its rows `tp_head_rows` only."""
+    if isinstance(x_TD, DTensor):  # replicated; the gradient this rank gives it is a part (summed over tp)
+        x_TD = x_TD.to_local(grad_placements=[Partial()])
+    lo, hi = self.tp_head_rows
+    return F.linear(x_TD, self.weight[lo:hi], None if self.bias is None else self.bias[lo:hi])
 
 
 class _Rows:
