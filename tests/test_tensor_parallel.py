@@ -225,6 +225,11 @@ def test_tensor_parallel_refuses_what_it_cannot_split(model_dir, tmp_path):
     with pytest.raises(InputError, match=r"parallel.tp=3 must divide the model's num_attention_heads=4, "
                                          r"intermediate_size=128$"):
         check_tp(cfg, 3)
+    check_tp(ModelConfig.from_hf_dict(dict(TINY_HF_CONFIGS["qwen3_moe"])), 4)  # above the 2 kv heads, a multiple
+    cfg = ModelConfig.from_hf_dict({**TINY_HF_CONFIGS["qwen3_moe"], "num_attention_heads": 6, "num_key_value_heads": 2})
+    with pytest.raises(InputError, match=r"^parallel.tp=3 must divide the model's num_key_value_heads=2 or be a "
+                                         r"multiple of it$"):
+        check_tp(cfg, 3)
 
 
 def _weights_rank(rank, world, tp, arch):
@@ -236,11 +241,11 @@ def _weights_rank(rank, world, tp, arch):
 
 
 @pytest.mark.parametrize("world,tp,arch", [(2, 2, "qwen3_moe"), (4, 2, "qwen3_moe"), (2, 1, "qwen3_moe"),
-                                           (2, 2, "deepseek_v3")])
+                                           (2, 2, "deepseek_v3"), (4, 4, "qwen3_moe")])
 def test_the_planner_counts_the_weights_a_tensor_parallel_rank_keeps(world, tp, arch):
     """`moeloop plan`'s weights entry for dp x tp is the mean bytes a rank of the trainer keeps: the heads and dense
-    widths split by tp, the embedding, head, norms, router and shared experts whole on each tp rank, all sharded by
-    FSDP over dp, and the routed experts over every rank."""
+    widths split by tp, the embedding, head, norms, router and shared experts whole on each tp rank (and the k and v
+    projections, at tp above the kv heads), all sharded by FSDP over dp, and the routed experts over every rank."""
     kept = run_ranks(_weights_rank, world, tp, arch)
     cfg = load_config(None, ["model.path=unused", f"parallel.dp={world // tp}", f"parallel.tp={tp}",
                              "model.dtype=bfloat16", "model.fp32_master_weights=false"])
