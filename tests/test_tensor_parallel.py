@@ -180,6 +180,22 @@ def test_the_rl_loop_at_tensor_parallel_matches_one_process(model_dir, tmp_path,
                     ("reward/mean", "reward/samples", "pg_loss", "grad_norm", "response/len_mean"))
 
 
+def test_the_rl_loop_above_the_kv_heads_matches_one_process(model_dir, tmp_path):
+    """`moeloop rl` with parallel.tp=4, above the tiny model's 2 kv heads (each on 2 ranks), gives one process's
+    metrics and weights: the trainer's steps and the whole k and v projections it syncs to the engine."""
+    extra = ("actor.ppo_mini_batch_size=4",)  # (each of the 4 ranks generates its share of a mini-batch's prompts)
+    assert run_ranks(_loop_rank, 4, "rl", model_dir, tmp_path / "tp", *extra, "parallel.tp=4") == [[4]] * 4
+    assert _loop_rank(0, 1, "rl", model_dir, tmp_path / "one", *extra) == []
+    assert_same_run(tmp_path / "one", tmp_path / "tp",
+                    ("reward/mean", "reward/samples", "pg_loss", "grad_norm", "response/len_mean"))
+
+
+def test_sft_above_the_kv_heads_resumes_in_one_process_and_at_dp_2(model_dir, tmp_path):
+    """`moeloop sft` at tp 4 on 4 ranks, above the tiny model's 2 kv heads (k_proj and v_proj whole on each rank in
+    its DCP checkpoint): see `assert_sft_resumes_in_one_process_and_at_dp_2`."""
+    assert_sft_resumes_in_one_process_and_at_dp_2(model_dir, tmp_path, _loop_rank, "parallel.tp=4", [[4]] * 4)
+
+
 def test_sft_at_tensor_parallel_resumes_in_one_process_and_at_dp_2(model_dir, tmp_path):
     """`moeloop sft` at tp 2 (the heads split over the tp pair in its DCP checkpoint): see
     `assert_sft_resumes_in_one_process_and_at_dp_2`."""
@@ -187,14 +203,14 @@ def test_sft_at_tensor_parallel_resumes_in_one_process_and_at_dp_2(model_dir, tm
 
 
 def assert_sft_resumes_in_one_process_and_at_dp_2(model_dir, tmp_path, loop_rank, layout: str, splits: list) -> None:
-    """`moeloop sft` at `layout` (overrides, space-separated) on 2 ranks for 2 steps gives one process's losses (`loop_rank` returns
-    how the trainer split its model on each rank: `splits`); its checkpoint resumes in one process, and at dp 2 in
+    """`moeloop sft` at `layout` (overrides, space-separated) on len(splits) ranks for 2 steps gives one process's losses
+    (`loop_rank` returns how the trainer split its model on each rank: `splits`); its checkpoint resumes in one process, and at dp 2 in
     another directory's copy, for the 3rd and 4th steps, which end at the straight 4-step run's weights."""
     train = _conversations(tmp_path / "train.jsonl")
     extra = ("data.prompt_key=messages", "data.max_response_length=16", f"data.train_files=[{train}]",
              "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "data.val_files=[]")
     run_sft(sft_cfg(model_dir, tmp_path / "one", "trainer.steps=4", *extra))
-    assert run_ranks(loop_rank, 2, "sft", model_dir, tmp_path / "split", "trainer.steps=2", *layout.split(),
+    assert run_ranks(loop_rank, len(splits), "sft", model_dir, tmp_path / "split", "trainer.steps=2", *layout.split(),
                      *extra) == splits
     shutil.copytree(tmp_path / "split", tmp_path / "dp")
     run_sft(sft_cfg(model_dir, tmp_path / "split", "trainer.steps=4", *extra), resume=True)
