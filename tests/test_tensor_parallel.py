@@ -1,6 +1,7 @@
 """Tensor parallelism (`parallel.tp`, `moeloop.parallel.tensor`): attention heads and dense MLPs split over the tp
 ranks give the one-process logprobs, RL update (gradient clipping on) and SFT step, alone and beside data, context
-and expert parallelism, for Qwen3-MoE and for DeepSeek-V3 (MLA, a dense layer, shared experts). Tolerance as the
+and expert parallelism, for Qwen3-MoE and for DeepSeek-V3 (MLA, a dense layer, shared experts), and with tp above the
+kv heads (each kv head on tp / G ranks). Tolerance as the
 DP tests': fp32 summation order of the all-reduced activations and gradients."""
 import shutil
 
@@ -30,14 +31,19 @@ from tests.trainer_fixtures import (actor_cfg, assert_ranks_match, first_pass_th
                                     use_sgd)
 
 
+# one kv head (multi-query: tp 2 is above it); biases on q, k, v and o (random: each kv head's differ)
+ARCHS = {**TINY_HF_CONFIGS, "qwen3_moe_mqa": {**TINY_HF_CONFIGS["qwen3_moe"], "num_key_value_heads": 1},
+         "qwen3_moe_bias": {**TINY_HF_CONFIGS["qwen3_moe"], "attention_bias": True}}
+
+
 def _model(arch: str):
     if arch == "qwen3_moe":
         return tiny_model()
     torch.manual_seed(0)
-    model = MoEForCausalLM(ModelConfig.from_hf_dict(dict(TINY_HF_CONFIGS[arch])))
+    model = MoEForCausalLM(ModelConfig.from_hf_dict(dict(ARCHS[arch])))
     with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.1) if p.dim() > 1 else p.fill_(1.0)
+        for name, p in model.named_parameters():
+            p.normal_(0, 0.1) if p.dim() > 1 or name.endswith("proj.bias") else p.fill_(1.0)
     return model
 
 
@@ -108,6 +114,8 @@ def _rank(rank, world, tp, cp, ep, kind, arch):
     (4, 4, 1, 1, "rl", "qwen3_moe"),  # tp above the 2 kv heads: 1 query head a rank, each kv head on 2 ranks
     (4, 4, 1, 1, "sft", "qwen3_moe"),
     (4, 4, 1, 1, "critic", "qwen3_moe"),
+    (4, 2, 2, 1, "rl", "qwen3_moe_mqa"),  # cp 2 x tp 2 above the 1 kv head: Ulysses repeats it to the rank's heads
+    (4, 4, 1, 1, "rl", "qwen3_moe_bias"),  # tp 4 above the 2 kv heads: the k and v biases' rows of the rank's head
 ])
 def test_tensor_parallel_matches_one_process(world, tp, cp, ep, kind, arch):
     """Besides the numbers: the query projection is `Shard(0)` on the mesh's tp dim, and the routed experts of the tp
