@@ -8,12 +8,13 @@ torch's DTensor plans, before FSDP (torchtitan's 2-D layout):
 
 What is split: each attention's q, k and v projections by output (its heads: H / tp query heads and G / tp key/value
 heads a rank, so the attention context sees only local heads) and o_proj by input, with one all-reduce of its output;
-MLA's head projections (q_proj or q_b_proj, kv_b_proj) the same way, its low-rank latents kept whole; every dense
-MLP as gate and up by output, down by input. The tp ranks hold the same tokens (no sequence parallelism), so the
-norms and the residual stream are whole on each, and the loss is the same on each rank; a column split's backward
-all-reduces its input's gradient (once for q, k and v: they take one replicated DTensor input). The logprob (or
-value) head takes a tp rank's share of the positions, and the ranks all-gather the per-token values (`over_tp_rows`,
-called by the trainer's `over_positions`).
+with tp above G (a multiple of it: Megatron's replicated kv heads) k and v stay whole on each rank, which projects
+only the kv head its query heads attend to (`keep_kv_head`); MLA's head projections (q_proj or q_b_proj, kv_b_proj)
+the same way as q, its low-rank latents kept whole; every dense MLP as gate and up by output, down by input. The tp
+ranks hold the same tokens (no sequence parallelism), so the norms and the residual stream are whole on each, and the
+loss is the same on each rank; a column split's backward all-reduces its input's gradient (once for q, k and v: they
+take one replicated DTensor input). The logprob (or value) head takes a tp rank's share of the positions, and the
+ranks all-gather the per-token values (`over_tp_rows`, called by the trainer's `over_positions`).
 
 An MoE block (router, routed and shared experts) works token by token, so each tp rank runs it on its 1/tp of the
 block's input rows and the ranks all-gather the outputs (`split_moe_tokens`; Megatron runs MoE on sequence-parallel
@@ -25,12 +26,13 @@ router over dp, whole on each tp rank. With `parallel.ep` the routed experts spl
 
 Gradients: the trainer scales each rank's loss by dp (the data-parallel size); FSDP averages the dense gradients
 over its dp * cp ranks, and the split weights' gradients are exact slices. What each tp rank holds a part of is
-completed before the optimizer step (`reduce_tp_grads`): a per-head q/k norm's (its heads) and the router's, shared
-experts' and head's (its tokens) are summed over the tp ranks, and the routed experts', averaged over every rank by
-FSDP, are scaled by tp; MLA's rope key, which every head shares, has its gradient summed by a hook on its
-projection's output. The gradient norm weights each rank's squares by how many ranks hold the same shard
-(`parallel.fsdp.grad_norm`). The weights are DTensors, so the state dict, DCP checkpoints (which reshard across
-layouts) and `full_tensor` (weight sync, HF export) see whole tensors under their usual names.
+completed before the optimizer step (`reduce_tp_grads`): a per-head q/k norm's and whole k and v projections' (its
+heads) and the router's, shared experts' and head's (its tokens) are summed over the tp ranks, and the routed
+experts', averaged over every rank by FSDP, are scaled by tp; MLA's rope key, which every head shares, has its
+gradient summed by a hook on its projection's output. The gradient norm weights each rank's squares by how many
+ranks hold the same shard (`parallel.fsdp.grad_norm`). The weights are DTensors (whole k and v on FSDP's dp mesh
+alone, as the norms), so the state dict, DCP checkpoints (which reshard across layouts) and `full_tensor` (weight
+sync, HF export) see whole tensors under their usual names.
 """
 # H query heads, G key/value heads
 from __future__ import annotations
