@@ -44,6 +44,14 @@ def test_every_violated_rule_is_reported_at_once():
     assert len(problems) == 6
 
 
+def test_tp_above_the_kv_heads_is_a_multiple_of_them():
+    """Each kv head then on tp / G ranks (`parallel.tensor.keep_kv_head`): Qwen3-30B-A3B's 4 at tp 8."""
+    assert Layout(tp=8).validate(model(num_attention_heads=32, num_key_value_heads=4), world_size=8) == []
+    assert Layout(tp=8).validate(model(num_attention_heads=24, num_key_value_heads=6), world_size=8) == [
+        "num_key_value_heads=6 % tp=8 != 0 and tp % num_key_value_heads = 2 != 0 (tp must divide the kv heads or be "
+        "a multiple of them)"]
+
+
 def test_sizes_and_dense_model_rules():
     assert Layout(dp=0).validate() == ["dp=0 must be >= 1"]
     dense = ModelConfig.from_hf_dict({"model_type": "qwen3", "vocab_size": 100, "hidden_size": 64, "num_hidden_layers": 4,

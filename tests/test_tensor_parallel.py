@@ -1,6 +1,7 @@
 """Tensor parallelism (`parallel.tp`, `moeloop.parallel.tensor`): attention heads and dense MLPs split over the tp
 ranks give the one-process logprobs, RL update (gradient clipping on) and SFT step, alone and beside data, context
-and expert parallelism, for Qwen3-MoE and for DeepSeek-V3 (MLA, a dense layer, shared experts). Tolerance as the
+and expert parallelism, for Qwen3-MoE and for DeepSeek-V3 (MLA, a dense layer, shared experts), and with tp above the
+kv heads (each kv head on tp / G ranks). Tolerance as the
 DP tests': fp32 summation order of the all-reduced activations and gradients."""
 import shutil
 
@@ -30,14 +31,19 @@ from tests.trainer_fixtures import (actor_cfg, assert_ranks_match, first_pass_th
                                     use_sgd)
 
 
+# one kv head (multi-query: tp 2 is above it); biases on q, k, v and o (random: each kv head's differ)
+ARCHS = {**TINY_HF_CONFIGS, "qwen3_moe_mqa": {**TINY_HF_CONFIGS["qwen3_moe"], "num_key_value_heads": 1},
+         "qwen3_moe_bias": {**TINY_HF_CONFIGS["qwen3_moe"], "attention_bias": True}}
+
+
 def _model(arch: str):
     if arch == "qwen3_moe":
         return tiny_model()
     torch.manual_seed(0)
-    model = MoEForCausalLM(ModelConfig.from_hf_dict(dict(TINY_HF_CONFIGS[arch])))
+    model = MoEForCausalLM(ModelConfig.from_hf_dict(dict(ARCHS[arch])))
     with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.1) if p.dim() > 1 else p.fill_(1.0)
+        for name, p in model.named_parameters():
+            p.normal_(0, 0.1) if p.dim() > 1 or name.endswith("proj.bias") else p.fill_(1.0)
     return model
 
 
@@ -105,6 +111,11 @@ def _rank(rank, world, tp, cp, ep, kind, arch):
     (4, 2, 2, 1, "rl", "qwen3_moe"),  # cp 2 x tp 2: Ulysses over each tp rank's heads
     (4, 2, 1, 2, "rl", "qwen3_moe"),  # dp 2 x tp 2 with the experts split over ep 2
     (2, 2, 1, 1, "r2", "qwen3_moe"),  # routes recorded (gathered from the tp ranks' rows) and replayed (sliced)
+    (4, 4, 1, 1, "rl", "qwen3_moe"),  # tp above the 2 kv heads: 1 query head a rank, each kv head on 2 ranks
+    (4, 4, 1, 1, "sft", "qwen3_moe"),
+    (4, 4, 1, 1, "critic", "qwen3_moe"),
+    (4, 2, 2, 1, "rl", "qwen3_moe_mqa"),  # cp 2 x tp 2 above the 1 kv head: Ulysses repeats it to the rank's heads
+    (4, 4, 1, 1, "rl", "qwen3_moe_bias"),  # tp 4 above the 2 kv heads: the k and v biases' rows of the rank's head
 ])
 def test_tensor_parallel_matches_one_process(world, tp, cp, ep, kind, arch):
     """Besides the numbers: the query projection is `Shard(0)` on the mesh's tp dim, and the routed experts of the tp
@@ -177,6 +188,22 @@ def test_the_rl_loop_at_tensor_parallel_matches_one_process(model_dir, tmp_path,
                     ("reward/mean", "reward/samples", "pg_loss", "grad_norm", "response/len_mean"))
 
 
+def test_the_rl_loop_above_the_kv_heads_matches_one_process(model_dir, tmp_path):
+    """`moeloop rl` with parallel.tp=4, above the tiny model's 2 kv heads (each on 2 ranks), gives one process's
+    metrics and weights: the trainer's steps and the whole k and v projections it syncs to the engine."""
+    extra = ("actor.ppo_mini_batch_size=4",)  # (each of the 4 ranks generates its share of a mini-batch's prompts)
+    assert run_ranks(_loop_rank, 4, "rl", model_dir, tmp_path / "tp", *extra, "parallel.tp=4") == [[4]] * 4
+    assert _loop_rank(0, 1, "rl", model_dir, tmp_path / "one", *extra) == []
+    assert_same_run(tmp_path / "one", tmp_path / "tp",
+                    ("reward/mean", "reward/samples", "pg_loss", "grad_norm", "response/len_mean"))
+
+
+def test_sft_above_the_kv_heads_resumes_in_one_process_and_at_dp_2(model_dir, tmp_path):
+    """`moeloop sft` at tp 4 on 4 ranks, above the tiny model's 2 kv heads (k_proj and v_proj whole on each rank in
+    its DCP checkpoint): see `assert_sft_resumes_in_one_process_and_at_dp_2`."""
+    assert_sft_resumes_in_one_process_and_at_dp_2(model_dir, tmp_path, _loop_rank, "parallel.tp=4", [[4]] * 4)
+
+
 def test_sft_at_tensor_parallel_resumes_in_one_process_and_at_dp_2(model_dir, tmp_path):
     """`moeloop sft` at tp 2 (the heads split over the tp pair in its DCP checkpoint): see
     `assert_sft_resumes_in_one_process_and_at_dp_2`."""
@@ -184,14 +211,14 @@ def test_sft_at_tensor_parallel_resumes_in_one_process_and_at_dp_2(model_dir, tm
 
 
 def assert_sft_resumes_in_one_process_and_at_dp_2(model_dir, tmp_path, loop_rank, layout: str, splits: list) -> None:
-    """`moeloop sft` at `layout` (overrides, space-separated) on 2 ranks for 2 steps gives one process's losses (`loop_rank` returns
-    how the trainer split its model on each rank: `splits`); its checkpoint resumes in one process, and at dp 2 in
+    """`moeloop sft` at `layout` (overrides, space-separated) on len(splits) ranks for 2 steps gives one process's losses
+    (`loop_rank` returns how the trainer split its model on each rank: `splits`); its checkpoint resumes in one process, and at dp 2 in
     another directory's copy, for the 3rd and 4th steps, which end at the straight 4-step run's weights."""
     train = _conversations(tmp_path / "train.jsonl")
     extra = ("data.prompt_key=messages", "data.max_response_length=16", f"data.train_files=[{train}]",
              "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "data.val_files=[]")
     run_sft(sft_cfg(model_dir, tmp_path / "one", "trainer.steps=4", *extra))
-    assert run_ranks(loop_rank, 2, "sft", model_dir, tmp_path / "split", "trainer.steps=2", *layout.split(),
+    assert run_ranks(loop_rank, len(splits), "sft", model_dir, tmp_path / "split", "trainer.steps=2", *layout.split(),
                      *extra) == splits
     shutil.copytree(tmp_path / "split", tmp_path / "dp")
     run_sft(sft_cfg(model_dir, tmp_path / "split", "trainer.steps=4", *extra), resume=True)
@@ -222,6 +249,11 @@ def test_tensor_parallel_refuses_what_it_cannot_split(model_dir, tmp_path):
     with pytest.raises(InputError, match=r"parallel.tp=3 must divide the model's num_attention_heads=4, "
                                          r"intermediate_size=128$"):
         check_tp(cfg, 3)
+    check_tp(ModelConfig.from_hf_dict(dict(TINY_HF_CONFIGS["qwen3_moe"])), 4)  # above the 2 kv heads, a multiple
+    cfg = ModelConfig.from_hf_dict({**TINY_HF_CONFIGS["qwen3_moe"], "num_attention_heads": 6, "num_key_value_heads": 2})
+    with pytest.raises(InputError, match=r"^parallel.tp=3 must divide the model's num_key_value_heads=2 or be a "
+                                         r"multiple of it$"):
+        check_tp(cfg, 3)
 
 
 def _weights_rank(rank, world, tp, arch):
@@ -233,11 +265,11 @@ def _weights_rank(rank, world, tp, arch):
 
 
 @pytest.mark.parametrize("world,tp,arch", [(2, 2, "qwen3_moe"), (4, 2, "qwen3_moe"), (2, 1, "qwen3_moe"),
-                                           (2, 2, "deepseek_v3")])
+                                           (2, 2, "deepseek_v3"), (4, 4, "qwen3_moe")])
 def test_the_planner_counts_the_weights_a_tensor_parallel_rank_keeps(world, tp, arch):
     """`moeloop plan`'s weights entry for dp x tp is the mean bytes a rank of the trainer keeps: the heads and dense
-    widths split by tp, the embedding, head, norms, router and shared experts whole on each tp rank, all sharded by
-    FSDP over dp, and the routed experts over every rank."""
+    widths split by tp, the embedding, head, norms, router and shared experts whole on each tp rank (and the k and v
+    projections, at tp above the kv heads), all sharded by FSDP over dp, and the routed experts over every rank."""
     kept = run_ranks(_weights_rank, world, tp, arch)
     cfg = load_config(None, ["model.path=unused", f"parallel.dp={world // tp}", f"parallel.tp={tp}",
                              "model.dtype=bfloat16", "model.fp32_master_weights=false"])

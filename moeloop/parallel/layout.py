@@ -125,8 +125,9 @@ class Layout:
         elif m.num_heads % (self.tp * self.cp):  # Ulysses: each cp rank attends with 1/cp of a tp shard's heads
             errors.append(f"num_attention_heads={m.num_heads} % (tp*cp) = {m.num_heads} % {self.tp * self.cp} != 0 "
                           f"(context parallelism splits the heads over cp)")
-        if not m.is_mla and m.num_kv_heads % self.tp:
-            errors.append(f"num_key_value_heads={m.num_kv_heads} % tp={self.tp} != 0")
+        if not m.is_mla and m.num_kv_heads % self.tp and self.tp % m.num_kv_heads:  # (above: each kv head on tp/G ranks)
+            errors.append(f"num_key_value_heads={m.num_kv_heads} % tp={self.tp} != 0 and tp % num_key_value_heads = "
+                          f"{self.tp % m.num_kv_heads} != 0 (tp must divide the kv heads or be a multiple of them)")
         if m.intermediate_size and (m.num_experts == 0 or len(m.moe_layers) < m.num_layers) and m.intermediate_size % self.tp:
             errors.append(f"intermediate_size={m.intermediate_size} % tp={self.tp} != 0")
         if m.num_experts:

@@ -8,12 +8,13 @@ torch's DTensor plans, before FSDP (torchtitan's 2-D layout):
 
 What is split: each attention's q, k and v projections by output (its heads: H / tp query heads and G / tp key/value
 heads a rank, so the attention context sees only local heads) and o_proj by input, with one all-reduce of its output;
-MLA's head projections (q_proj or q_b_proj, kv_b_proj) the same way, its low-rank latents kept whole; every dense
-MLP as gate and up by output, down by input. The tp ranks hold the same tokens (no sequence parallelism), so the
-norms and the residual stream are whole on each, and the loss is the same on each rank; a column split's backward
-all-reduces its input's gradient (once for q, k and v: they take one replicated DTensor input). The logprob (or
-value) head takes a tp rank's share of the positions, and the ranks all-gather the per-token values (`over_tp_rows`,
-called by the trainer's `over_positions`).
+with tp above G (a multiple of it: Megatron's replicated kv heads) k and v stay whole on each rank, which projects
+only the kv head its query heads attend to (`keep_kv_head`); MLA's head projections (q_proj or q_b_proj, kv_b_proj)
+the same way as q, its low-rank latents kept whole; every dense MLP as gate and up by output, down by input. The tp
+ranks hold the same tokens (no sequence parallelism), so the norms and the residual stream are whole on each, and the
+loss is the same on each rank; a column split's backward all-reduces its input's gradient (once for q, k and v: they
+take one replicated DTensor input). The logprob (or value) head takes a tp rank's share of the positions, and the
+ranks all-gather the per-token values (`over_tp_rows`, called by the trainer's `over_positions`).
 
 An MoE block (router, routed and shared experts) works token by token, so each tp rank runs it on its 1/tp of the
 block's input rows and the ranks all-gather the outputs (`split_moe_tokens`; Megatron runs MoE on sequence-parallel
@@ -25,22 +26,25 @@ router over dp, whole on each tp rank. With `parallel.ep` the routed experts spl
 
 Gradients: the trainer scales each rank's loss by dp (the data-parallel size); FSDP averages the dense gradients
 over its dp * cp ranks, and the split weights' gradients are exact slices. What each tp rank holds a part of is
-completed before the optimizer step (`reduce_tp_grads`): a per-head q/k norm's (its heads) and the router's, shared
-experts' and head's (its tokens) are summed over the tp ranks, and the routed experts', averaged over every rank by
-FSDP, are scaled by tp; MLA's rope key, which every head shares, has its gradient summed by a hook on its
-projection's output. The gradient norm weights each rank's squares by how many ranks hold the same shard
-(`parallel.fsdp.grad_norm`). The weights are DTensors, so the state dict, DCP checkpoints (which reshard across
-layouts) and `full_tensor` (weight sync, HF export) see whole tensors under their usual names.
+completed before the optimizer step (`reduce_tp_grads`): a per-head q/k norm's and whole k and v projections' (its
+heads) and the router's, shared experts' and head's (its tokens) are summed over the tp ranks, and the routed
+experts', averaged over every rank by FSDP, are scaled by tp; MLA's rope key, which every head shares, has its
+gradient summed by a hook on its projection's output. The gradient norm weights each rank's squares by how many
+ranks hold the same shard (`parallel.fsdp.grad_norm`). The weights are DTensors (whole k and v on FSDP's dp mesh
+alone, as the norms), so the state dict, DCP checkpoints (which reshard across layouts) and `full_tensor` (weight
+sync, HF export) see whole tensors under their usual names.
 """
 # H query heads, G key/value heads
 from __future__ import annotations
+
+import types
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                parallelize_module)
 
@@ -57,13 +61,15 @@ def check_tp(cfg, tp: int) -> None:
     problems = []
     if cfg.num_heads % tp:
         problems.append(f"num_attention_heads={cfg.num_heads}")
-    if not cfg.is_mla and cfg.num_kv_heads % tp:
-        problems.append(f"num_key_value_heads={cfg.num_kv_heads}")
     if cfg.intermediate_size and any(not cfg.is_moe_layer(i) for i in range(cfg.num_layers)) \
             and cfg.intermediate_size % tp:
         problems.append(f"intermediate_size={cfg.intermediate_size}")
-    if problems:
-        raise InputError(f"parallel.tp={tp} must divide the model's {', '.join(problems)}")
+    messages = [f"parallel.tp={tp} must divide the model's {', '.join(problems)}"] if problems else []
+    if not cfg.is_mla and cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:  # above the kv heads: each on tp / G ranks
+        messages.append(f"parallel.tp={tp} must divide the model's num_key_value_heads={cfg.num_kv_heads} or be a "
+                        "multiple of it")
+    if messages:
+        raise InputError("; ".join(messages))
 
 
 def apply_tp(model: nn.Module, mesh: DeviceMesh) -> None:
@@ -87,7 +93,12 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh) -> None:
         elif isinstance(attn, Attention):
             # x enters as one replicated DTensor: the three column splits' input gradients sum into one all-reduce
             heads = {"": replicated_input(3), "q_proj": col, "k_proj": col, "v_proj": col, "o_proj": row}
-            attn.num_kv_heads //= tp
+            if tp > attn.num_kv_heads:  # GQA with fewer kv heads than tp ranks: k_proj and v_proj whole on each
+                del heads["k_proj"], heads["v_proj"]
+                keep_kv_head(attn, mesh)
+                partial += [attn.k_proj, attn.v_proj]
+            else:
+                attn.num_kv_heads //= tp
         else:
             raise InputError(f"parallel.tp={tp}: no tensor-parallel plan for {type(attn).__name__}")
         parallelize_module(attn, mesh, heads)
@@ -133,6 +144,28 @@ def reduce_tp_grads(model: nn.Module) -> None:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def keep_kv_head(attn: Attention, mesh: DeviceMesh) -> None:
+    """tp above the attention's G kv heads (tp a multiple of G; Megatron replicates the kv heads): k_proj and v_proj
+    stay whole on each tp rank, which projects only the kv head its H / tp query heads attend to (head t // (tp / G)
+    on tp rank t, the rows of that head in both weights), so the attention sees one kv head. Each rank's gradient of
+    the two weights covers that head's rows and its query heads' part of it (`reduce_tp_grads` sums it over tp), and
+    its gradient of x is a part too, summed with q_proj's in the replicated input's one all-reduce."""
+    tp, G, Dh = mesh.size(), attn.num_kv_heads, attn.head_dim
+    head = mesh.get_local_rank() // (tp // G)
+    for proj in (attn.k_proj, attn.v_proj):
+        proj.tp_head_rows = (head * Dh, (head + 1) * Dh)
+        proj.forward = types.MethodType(_project_head_rows, proj)
+    attn.num_kv_heads = 1
+
+
+def _project_head_rows(self: nn.Linear, x_TD: torch.Tensor) -> torch.Tensor:
+    """`keep_kv_head`'s forward of a k or v projection: its rows `tp_head_rows` only."""
+    if isinstance(x_TD, DTensor):  # replicated; the gradient this rank gives it is a part (summed over tp)
+        x_TD = x_TD.to_local(grad_placements=[Partial()])
+    lo, hi = self.tp_head_rows
+    return F.linear(x_TD, self.weight[lo:hi], None if self.bias is None else self.bias[lo:hi])
 
 
 class _Rows:

@@ -24,10 +24,18 @@ class LayerParams:
     active_experts: int  # routed-expert parameters one token touches (top-k)
     whole: int = 0  # matmuls whole on each tp rank: the shared experts (a tp rank runs them on 1/tp of the MoE
     # block's tokens) and MLA's latent projections
+    kv_proj: int = 0  # of `dense`: the k and v projections (biases included), whole on each tp rank above kv_heads
+    kv_heads: int = 0  # GQA key/value heads (0: MLA, or unknown)
 
     @property
     def replicated(self) -> int:
         return self.router + self.norms + self.whole
+
+    def tp_split(self, tp: int) -> float:
+        """The `dense` parameters one of `tp` ranks keeps: 1/tp of them, but the k and v projections whole when tp is
+        above the kv heads (`parallel.tensor.keep_kv_head`)."""
+        kept_whole = self.kv_proj if self.kv_heads and tp > self.kv_heads else 0
+        return (self.dense - kept_whole) / tp + kept_whole
 
 
 @dataclass(frozen=True)
@@ -123,14 +131,16 @@ def stats_from_counts(dense: float, expert: float, active: float = 0.0, num_laye
 def _layer(m: ModelConfig, i: int) -> LayerParams:
     attn, latents, attn_norms = _attention(m)
     norms = 2 * m.hidden_size + attn_norms
+    kv = {} if m.is_mla else dict(kv_proj=2 * m.num_kv_heads * m.head_dim * (m.hidden_size + int(m.attention_bias)),
+                                  kv_heads=m.num_kv_heads)
     if not m.num_experts or not m.is_moe_layer(i):
         return LayerParams(dense=attn + 3 * m.hidden_size * m.intermediate_size, router=0, norms=norms, experts=0,
-                           active_experts=0, whole=latents)
+                           active_experts=0, whole=latents, **kv)
     per_expert = 3 * m.hidden_size * m.moe_intermediate_size
     shared = m.n_shared_experts * per_expert
     router = m.hidden_size * m.num_experts + (m.num_experts if m.scoring_func == "sigmoid" else 0)
     return LayerParams(dense=attn, router=router, norms=norms, experts=m.num_experts * per_expert,
-                       active_experts=m.num_experts_per_tok * per_expert, whole=shared + latents)
+                       active_experts=m.num_experts_per_tok * per_expert, whole=shared + latents, **kv)
 
 
 def _attention(m: ModelConfig) -> tuple[int, int]:

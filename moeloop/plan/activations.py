@@ -38,9 +38,10 @@ def _attention_bytes(m: ModelConfig, tp: int) -> float:
         q_kv = m.num_heads * (2 * m.qk_head_dim + m.v_head_dim)
         latents = 2 * ((m.q_lora_rank or 0) + m.kv_lora_rank + m.qk_rope_head_dim)  # before and after their norms
         return BF16 * (q_kv + m.num_heads * m.v_head_dim) / tp + FP32 * m.num_heads / tp + BF16 * latents
-    q_kv = m.num_heads * m.head_dim + 2 * m.num_kv_heads * m.head_dim
+    kv_heads = max(m.num_kv_heads, tp)  # over tp: a tp rank above the kv heads keeps one (`keep_kv_head`)
+    q_kv = m.num_heads * m.head_dim + 2 * kv_heads * m.head_dim
     out = m.num_heads * m.head_dim  # attention output = o_proj input
-    qk_norm = NORM_BYTES * (m.num_heads + m.num_kv_heads) * m.head_dim if m.qk_norm else 0.0  # Qwen3 per-head norms
+    qk_norm = NORM_BYTES * (m.num_heads + kv_heads) * m.head_dim if m.qk_norm else 0.0  # Qwen3 per-head norms
     return (BF16 * (q_kv + out) + qk_norm) / tp + FP32 * m.num_heads / tp  # + flash-attention logsumexp
 
 

@@ -108,7 +108,7 @@ def avg_seq_tokens(cfg: RunConfig) -> int:
 def rank_params(stats: ModelStats, layout: Layout, stage: int) -> tuple[float, float]:
     """(dense, expert) parameters on one rank of `stage` before any data-parallel sharding."""
     layers = [stats.layers[i] for i in stage_layer_ids(layout, len(stats.layers))[stage]]
-    dense = sum(l.dense for l in layers) / layout.tp + sum(l.replicated for l in layers)
+    dense = sum(l.tp_split(layout.tp) + l.replicated for l in layers)
     last = stage == layout.pp - 1
     if stage == 0:  # the embedding and the head are whole on each tp rank (no vocabulary split)
         dense += stats.embedding
@@ -254,7 +254,7 @@ def _work_entries(cfg: RunConfig, stats: ModelStats, layout: Layout, stage: int)
     logits = logits_bytes(m, layout, tokens, cfg.model.logprob_chunk_tokens, cfg.plan.logits == "chunked") if last else 0.0
     comm += alltoall_bytes(m, layout, tokens)
     if cfg.plan.sharding == "fsdp":  # one layer unsharded for compute, one prefetched
-        comm += 2 * BF16 * max((l.dense / layout.tp + l.whole + l.experts / layout.expert_shards
+        comm += 2 * BF16 * max((l.tp_split(layout.tp) + l.whole + l.experts / layout.expert_shards
                                 for l in (stats.layers[i] for i in ids)), default=0)
     sync += BF16 * m.vocab_size * m.hidden_size  # the largest tensor gathered whole (embedding / lm_head)
     return {"activations": acts, "logits": logits, "comm_buffers": comm, "sync_buffers": sync}
