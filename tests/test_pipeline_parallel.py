@@ -363,3 +363,23 @@ def test_a_tied_heads_optimizer_state_is_refused_across_pipeline_layouts(tmp_pat
         assert weights.keys() == saved.keys()
         for name, w in saved.items():
             torch.testing.assert_close(weights[name], w, rtol=0, atol=0)
+
+
+def _timeouts_rank(rank, world, timeout):
+    from moeloop.parallel import groups
+    from moeloop.parallel.expert import build_expert_mesh
+    from moeloop.parallel.fsdp import build_dp_mesh
+    groups.init_parallel_groups(1, 2, 2, timeout=timeout)
+    of = lambda group: group._get_backend(torch.device("cpu")).options._timeout  # noqa: E731
+    made = [groups.tp_group(), groups.pp_group(), groups.pp_grad_group(), groups.pipeline_ends_group(),
+            groups.replica_group()]
+    meshes = [build_dp_mesh("cpu"), build_expert_mesh("cpu", 2)]
+    made += [mesh.get_group(dim) for mesh in meshes for dim in range(mesh.ndim)]
+    return [of(group).total_seconds() for group in made]
+
+
+def test_the_parallel_groups_and_meshes_take_the_runs_timeout():
+    """torch gives a subgroup (and DeviceMesh's groups) its own 30-minute default, not the default group's: the run's
+    (`init_parallel_groups(timeout=...)`, `loop.env.DIST_TIMEOUT`) reaches every group and mesh dim the layouts use."""
+    from datetime import timedelta
+    assert run_ranks(_timeouts_rank, 4, timedelta(seconds=42)) == [[42.0] * 9] * 4
