@@ -78,16 +78,19 @@ def _run(tp: int = 1, cp: int = 1, ep: int = 1, kind: str = "rl", arch: str = "q
 
 def critic_pass_then_steps(arch: str, samples, model=None):
     """A critic of `model` (default `_model(arch)`; SGD): its values of `samples` (returns: advantages + 0.5), then 2
-    updates; returns it, the values by sample and the value losses."""
+    updates, then its values again; returns it, the later values by sample (the first are all 0: the value head
+    starts at zero) and the value losses."""
     for s in samples:
         s.returns = [a + 0.5 for a in s.advantages]
     cfg = CriticSection()
     cfg.max_tokens_per_micro_batch, cfg.ppo_mini_batch_size = 24, 4
     model = Critic(_model(arch) if model is None else model, cfg, torch.device("cpu"), 8, master_weights=False)
     use_sgd(model, 0.05)
+    model.compute_values(samples)  # (the updates' old values, for the value clipping)
+    losses = [model.update(samples)["critic/vf_loss"] for _ in range(2)]
     model.compute_values(samples)
-    first = {(s.group_id, tuple(s.response_ids)): (s.values,) for s in samples}
-    return model, first, [model.update(samples)["critic/vf_loss"] for _ in range(2)]
+    assert any(v != 0 for s in samples for v in s.values)
+    return model, {(s.group_id, tuple(s.response_ids)): (s.values,) for s in samples}, losses
 
 
 def _local_shapes(model) -> tuple:
