@@ -326,3 +326,27 @@ def test_an_interleaved_pipeline_plans_the_runtimes_bubble_and_activations():
     assert num_micro_batches(load_config(DSV3, ["parallel.pp=4", "parallel.vpp=2", "parallel.dp=4", *five]),
                              Layout(dp=4, pp=4, vpp=2)) == 8
     assert in_flight_micro_batches(Layout(pp=4), 0, 2) == 2  # fewer micro-batches than stages
+
+
+def test_the_plan_shows_each_pipeline_stage_as_the_runtime_runs_it():
+    """`moeloop plan` under parallel.pp: each stage's layers (its chunks' runs under vpp, the runtime's split), the
+    micro-batches' activations it holds at once in the schedule's order, its peak, and the update's bubble; none
+    without pipeline parallelism."""
+    from moeloop.parallel.pipeline import schedule_stretch
+    from moeloop.plan.report import render
+    cfg = load_config(DSV3, ["parallel.vpp=2", "parallel.last_stage_layers=0", "parallel.pp=4", "parallel.dp=3"])
+    plan = build_plan(cfg)
+    layout, m = plan.layout, num_micro_batches(cfg, plan.layout)
+    # 61 layers over 8 chunks: 8 each on the first 5, 7 on the rest; chunk k on stage k % 4
+    assert [r["layers"] for r in plan.pipeline] == [[(0, 7), (32, 39)], [(8, 15), (40, 46)], [(16, 23), (47, 53)],
+                                                    [(24, 31), (54, 60)]]
+    assert [r["in_flight"] for r in plan.pipeline] == [in_flight_micro_batches(layout, s, m) for s in range(4)]
+    assert plan.pipeline[0]["bubble"] == pytest.approx(schedule_stretch(m, 4, 2) - 1)
+    assert max(r["peak_gb"] for r in plan.pipeline) == pytest.approx(plan.ledger.peak_bytes / GB)
+    text = render(plan)
+    assert f"## pipeline (pp 4 x vpp 2, {m} micro-batches a mini-batch per stage)" in text
+    assert "0-7, 32-39" in text and f"bubble: the stages wait {plan.pipeline[0]['bubble']:.1%}" in text
+    one = build_plan(load_config(DSV3, ["parallel.pp=1", "parallel.last_stage_layers=0", "parallel.dp=12"]))
+    assert one.pipeline == [] and "## pipeline" not in render(one)
+    counted = build_plan(load_config(SEED002, ["parallel.pp=2", "parallel.dp=16"]))  # parameter counts: no layers
+    assert [r["layers"] for r in counted.pipeline] == [[], []] and "    0               -" in render(counted)

@@ -17,8 +17,10 @@ from moeloop.parallel.layout import BatchInfo, Layout
 from moeloop.plan.accounting import ModelStats, model_stats, stats_from_counts
 from moeloop.plan.decode import DecodeEstimate, decode_roofline
 from moeloop.plan.interval import expected_overhead, young_daly_interval_s
+from moeloop.plan.activations import in_flight_micro_batches
 from moeloop.plan.memory import (ADAPTER_BYTES, DTYPE_BYTES, GB, Ledger, avg_seq_tokens, lora_params,
-                                 memory_ledger, on_training_gpus, state_bytes)
+                                 memory_ledger, num_micro_batches, on_training_gpus, stage_ledgers, state_bytes)
+from moeloop.parallel.pipeline import schedule_stretch
 from moeloop.plan.split import SplitRow, split_rows, verdict
 from moeloop.plan.step_time import phase_shares, step_phases, step_seconds, tool_turns
 from moeloop.plan.sync_cost import offload_round_trip_s, sync_costs
@@ -46,6 +48,7 @@ class Plan:
     checkpoint: dict[str, float]
     seq_tokens: int
     assumptions: list[str] = field(default_factory=list)
+    pipeline: list[dict[str, Any]] = field(default_factory=list)  # one row a stage under pipeline parallelism
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -56,7 +59,7 @@ class Plan:
             "sync_gb": self.sync_bytes / GB, "sync_s": self.sync_s, "offload_s": self.offload_s,
             "phases_s": self.phases_s, "step_s": self.step_s,
             "phase_shares": phase_shares(self.phases_s, self.step_s), "checkpoint": self.checkpoint,
-            "assumptions": self.assumptions,
+            "assumptions": self.assumptions, "pipeline": self.pipeline,
         }
 
 
@@ -95,10 +98,11 @@ def build_plan(cfg: RunConfig, stats: Optional[ModelStats] = None) -> Plan:
     phases = step_phases(cfg, stats, layout, decode.tokens_per_s if decode else 0.0,
                          sync_s[sync_transport(cfg)], offload_s, decode.gpus if decode else 0)
     step_s = step_seconds(phases, cfg.rollout.generates_ahead and not colocated)
+    pipeline = pipeline_rows(cfg, stats, layout) if ledger and layout.pp > 1 else []
     return Plan(stats, layout, pool, problems, ledger, gpu_v, cpu_v,
                 _alternatives(cfg, stats, layout) if ledger else {},
                 split_rows(cfg, stats, layout, pool, _decode_context(cfg)), decode, sync_bytes, sync_s, offload_s,
-                phases, step_s, _checkpoint(cfg, stats, layout, step_s), avg_seq_tokens(cfg), _assumptions(cfg, stats, colocated))
+                phases, step_s, _checkpoint(cfg, stats, layout, step_s), avg_seq_tokens(cfg), _assumptions(cfg, stats, colocated), pipeline)
 
 
 def _problems(cfg: RunConfig, stats: ModelStats, layout: Layout, pool: int, colocated: bool) -> list[str]:
@@ -193,3 +197,19 @@ def _assumptions(cfg: RunConfig, stats: ModelStats, colocated: bool) -> list[str
     if cfg.plan.given_gb:
         out.append("given, not computed: " + ", ".join(f"{k}={v:g} GB" for k, v in sorted(cfg.plan.given_gb.items())))
     return out
+
+
+def pipeline_rows(cfg: RunConfig, stats: ModelStats, layout: Layout) -> list[dict[str, Any]]:
+    """Each pipeline stage as the runtime runs it (`parallel.pipeline`): its decoder layers (runs of them, one a
+    chunk; none listed for a model given as parameter counts), the micro-batches' activations it holds at once in the
+    schedule's order, its peak GB, and the update's bubble (the share of its compute the stages wait,
+    `schedule_stretch` - 1; the same on every stage)."""
+    m = num_micro_batches(cfg, layout)
+    bubble = schedule_stretch(m, layout.pp, layout.vpp) - 1
+    counts = layout.chunk_layers(len(stats.layers)) if stats.model is not None else [0] * (layout.pp * layout.vpp)
+    starts = [sum(counts[:k]) for k in range(len(counts))]
+    return [dict(stage=stage, layers=[(starts[k], starts[k] + counts[k] - 1)
+                                      for k in range(stage, len(counts), layout.pp) if counts[k]],
+                 micro_batches=m, in_flight=in_flight_micro_batches(layout, stage, m),
+                 peak_gb=ledger.peak_bytes / GB, bubble=bubble)
+            for stage, ledger in enumerate(stage_ledgers(cfg, stats, layout))]

@@ -20,7 +20,7 @@ def _num(x: float) -> str:
 
 
 def render(plan: Plan) -> str:
-    parts = [_model(plan), _layout(plan), _memory(plan), _split(plan), _time(plan), _checkpoint(plan),
+    parts = [_model(plan), _layout(plan), _memory(plan), _pipeline(plan), _split(plan), _time(plan), _checkpoint(plan),
              "## assumptions\n" + "\n".join(f"- {a}" for a in plan.assumptions)]
     return "\n\n".join(p for p in parts if p) + "\n"
 
@@ -59,6 +59,20 @@ def _memory(plan: Plan) -> str:
             + f"\n\npeak {led.peak_bytes / GB:.2f} GB in phase '{led.peak_phase}': {plan.gpu_verdict}"
             + f"\nCPU for offload: {led.cpu_bytes_per_rank / GB:.1f} GB/rank, {led.cpu_bytes_per_node / GB:.1f} GB/node: "
             + plan.cpu_verdict + ("\n" + alts if alts else ""))
+
+
+def _pipeline(plan: Plan) -> str:
+    """Under parallel.pp: each stage's layers, the activations it holds at once and its peak, and the update's bubble."""
+    if not plan.pipeline:
+        return ""
+    rows = [[str(r["stage"]), ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in r["layers"]) or "-",
+             f"{r['in_flight']:.2f}", f"{r['peak_gb']:.2f}"] for r in plan.pipeline]
+    first = plan.pipeline[0]
+    return (f"## pipeline (pp {plan.layout.pp} x vpp {plan.layout.vpp}, {first['micro_batches']} micro-batches a "
+            f"mini-batch per stage)\n"
+            + table(["stage", "decoder layers", "micro-batches in flight", "peak GB"], rows)
+            + f"\nbubble: the stages wait {first['bubble']:.1%} of the update's compute (1F1B"
+            + (f", interleaved over {plan.layout.vpp} chunks a stage)" if plan.layout.vpp > 1 else ")"))
 
 
 def _split_cells(r: SplitRow) -> list[str]:
