@@ -53,19 +53,20 @@ def _shard(samples):
     return [s for s in samples if groups.index(s.group_id) % dp_size() == dp_rank()]
 
 
-def _run(tp: int = 1, cp: int = 1, ep: int = 1, kind: str = "rl", arch: str = "qwen3_moe"):
-    """On this rank's share of `rl_batch()`: the old logprobs and entropies (or the critic's values), then 2 SGD steps
+def _run(tp: int = 1, cp: int = 1, ep: int = 1, kind: str = "rl", arch: str = "qwen3_moe", sp: bool = False):
+    """`sp`: parallel.sequence_parallel. On this rank's share of `rl_batch()`: the old logprobs and entropies (or the critic's values), then 2 SGD steps
     (GRPO updates with the gradient clipped to 0.1, SFT steps, or critic updates); a GRPO actor's steps come after an
     update with every advantage 0. Returns the first pass's values by sample, the step metrics, the weights, and the
-    shapes of this rank's q_proj weights."""
-    init_parallel_groups(cp, tp)
+    shapes of this rank's q_proj weights and the rows the MoE blocks, their routed experts and the first layer took."""
+    init_parallel_groups(cp, tp, sequence_parallel=sp)
     samples = _shard(rl_batch())
     if kind == "critic":
         model, first, metrics = critic_pass_then_steps(arch, samples)
         weights = {n: full_tensor(t).clone() for n, t in model.model.state_dict().items()}
         return first, metrics, weights, _local_shapes(model.model) + (None,)
     policy = _model(arch)
-    rows = [0, 0]  # the rows the MoE blocks took here, and those their routed experts ran on
+    rows = [0, 0, 0]  # the rows the MoE blocks took here, those their routed experts ran on, the first layer's
+    policy.model.layers[0].register_forward_pre_hook(lambda module, args: rows.__setitem__(2, rows[2] + len(args[0])))
     for block in policy.moe_blocks():  # (registered before tp's own hooks, which split the block's rows)
         block.register_forward_pre_hook(lambda module, args: rows.__setitem__(0, rows[0] + args[0].shape[0]))
         block.experts.register_forward_pre_hook(lambda module, args: rows.__setitem__(1, rows[1] + args[0].shape[0]))
@@ -101,8 +102,8 @@ def _local_shapes(model) -> tuple:
     return (w.placements[names.index("tp")] if "tp" in names else None), tuple(w.shape)
 
 
-def _rank(rank, world, tp, cp, ep, kind, arch):
-    return _run(tp, cp, ep, kind, arch)
+def _rank(rank, world, tp, cp, ep, kind, arch, sp=False):
+    return _run(tp, cp, ep, kind, arch, sp)
 
 
 @pytest.mark.parametrize("world,tp,cp,ep,kind,arch", [
@@ -127,10 +128,41 @@ def test_tensor_parallel_matches_one_process(world, tp, cp, ep, kind, arch):
     results = run_ranks(_rank, world, tp, cp, ep, kind, arch)
     if kind != "critic":
         for first_rank in range(0, world, tp):
-            (blocks, _), *_ = tp_rows = [r[3][2] for r in results[first_rank:first_rank + tp]]
-            assert all(b == blocks and 0 < e < b for b, e in tp_rows) and sum(e for _, e in tp_rows) == blocks
+            (blocks, _, layer), *_ = tp_rows = [r[3][2] for r in results[first_rank:first_rank + tp]]
+            assert all(b == blocks and 0 < e < b and n == layer for b, e, n in tp_rows)
+            assert sum(e for _, e, _ in tp_rows) == blocks
     for *_, (local, whole, _) in results:
         assert whole == shape and local == Shard(0)  # the tp ranks split the heads (FSDP shards over dp besides)
+    assert_ranks_match([r[:3] for r in results], want_first, want_metrics, want)
+
+
+@pytest.mark.parametrize("world,tp,kind,arch", [
+    (2, 2, "rl", "qwen3_moe"),
+    (4, 2, "rl", "qwen3_moe"),  # dp 2 x tp 2
+    (2, 2, "sft", "qwen3_moe"),
+    (4, 2, "sft", "qwen3_moe"),
+    (2, 2, "critic", "qwen3_moe"),
+    (2, 2, "r2", "qwen3_moe"),  # routes recorded (gathered from the rows) and replayed (sliced)
+    (2, 2, "rl", "deepseek_v3"),  # MLA (its latents and their norms on the gathered rows), a dense MLP, shared experts
+    (2, 2, "sft", "deepseek_v3"),
+    (4, 4, "rl", "qwen3_moe"),  # above the 2 kv heads; the rows split 4 ways (unevenly)
+    (2, 2, "rl", "llama_tied"),  # dense MLPs; the head tied to the embedding, whose gradient is each rank's rows'
+    (4, 2, "sft", "llama_tied"),
+])
+def test_sequence_parallel_matches_one_process(world, tp, kind, arch):
+    """parallel.sequence_parallel: the residual stream between the layers holds a tp rank's rows (the first layer's
+    input rows over the tp ranks of a replica add up to the MoE blocks' of one process, and the routed experts run on
+    all of a rank's block rows: not split again), and the numbers are one process's."""
+    want_first, want_metrics, want, (_, shape, want_rows) = _run(kind=kind, arch=arch)
+    results = run_ranks(_rank, world, tp, 1, 1, kind, arch, True)
+    for first_rank in range(0, world, tp):
+        tp_rows = [r[3][2] for r in results[first_rank:first_rank + tp]]
+        if kind != "critic":
+            assert all(0 < n and b == e for b, e, n in tp_rows)
+        if kind != "critic" and world == tp:
+            assert [sum(counts) for counts in zip(*tp_rows)] == [want_rows[0], want_rows[0], want_rows[2]]
+    for *_, (local, whole, _) in results:
+        assert whole == shape and local == Shard(0)
     assert_ranks_match([r[:3] for r in results], want_first, want_metrics, want)
 
 

@@ -452,12 +452,17 @@ class ParallelSection:
     first_stage_layers: int = 0  # uneven pipeline: decoder layers on the first stage (0 = even split)
     last_stage_layers: int = 0  # ... and on the last stage (Megatron num_layers_in_last_pipeline_stage)
     rollout_tp: int = 0  # tensor-parallel size of one rollout engine; 0 = tp
+    sequence_parallel: bool = False  # under tp: the residual stream and norms split by rows (Megatron's)
 
     def check(self) -> None:
         for name in ("dp", "tp", "pp", "vpp", "ep", "etp", "cp"):
             _require(getattr(self, name) >= 1, f"parallel.{name}", "must be >= 1")
         for name in ("first_stage_layers", "last_stage_layers", "rollout_tp"):
             _require(getattr(self, name) >= 0, f"parallel.{name}", "must be >= 0")
+        for name in ("cp", "pp"):  # (as `parallel.groups.check_sequence_parallel` at run time)
+            _require(not self.sequence_parallel or getattr(self, name) == 1, "parallel.sequence_parallel",
+                     f"true with parallel.{name}={getattr(self, name)} is not supported (set parallel.{name}=1 or "
+                     "parallel.sequence_parallel=false)")
 
 
 @dataclass

@@ -59,7 +59,8 @@ class RunEnv:
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
         p = cfg.parallel
-        init_parallel_groups(p.cp, p.tp, p.pp, p.first_stage_layers, p.last_stage_layers, p.vpp, DIST_TIMEOUT)
+        init_parallel_groups(p.cp, p.tp, p.pp, p.first_stage_layers, p.last_stage_layers, p.vpp, DIST_TIMEOUT,
+                             p.sequence_parallel)
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(device)

@@ -40,18 +40,22 @@ class _Groups:
     replica_group: Any = None  # the pp * cp * tp ranks holding this rank's samples (None: pp * cp * tp = 1)
     dp_group: Any = None  # the ranks with this rank's (p, c, t) (None: every rank, pp * cp * tp = 1)
     timeout: Optional[timedelta] = None  # of every group made here and of the meshes' (None: torch's default)
+    sequence_parallel: bool = False  # the tp ranks split the residual stream by rows (`parallel.tensor.shard_sequence`)
 
 
 _GROUPS = _Groups()
 
 
 def init_parallel_groups(cp: int = 1, tp: int = 1, pp: int = 1, first_stage_layers: int = 0,
-                         last_stage_layers: int = 0, vpp: int = 1, timeout: Optional[timedelta] = None) -> None:
+                         last_stage_layers: int = 0, vpp: int = 1, timeout: Optional[timedelta] = None,
+                         sequence_parallel: bool = False) -> None:
     """Make the cp, tp, pp, replica and dp groups of the current process group (collective: every rank calls it, with
     the same sizes, once a run: groups made for an earlier process group would be stale); cp = tp = pp = 1 resets
     them. `first_stage_layers` / `last_stage_layers`: an uneven pipeline split (`chunk_layer_counts`). `vpp`: model
     chunks a stage holds (the interleaved schedule, `parallel.pipeline`). `timeout`: the groups' and the meshes'
-    (`group_timeout`), the run's (torch's own default for a subgroup is 30 minutes, whatever the default group's)."""
+    (`group_timeout`), the run's (torch's own default for a subgroup is 30 minutes, whatever the default group's).
+    `sequence_parallel`: `parallel.sequence_parallel` (a no-op at tp 1)."""
+    check_sequence_parallel(sequence_parallel, cp, pp)
     world = dist.get_world_size() if dist.is_initialized() else 1
     for name, size in (("cp", cp), ("tp", tp), ("pp", pp)):
         if size < 1 or world % size:
@@ -65,6 +69,7 @@ def init_parallel_groups(cp: int = 1, tp: int = 1, pp: int = 1, first_stage_laye
         raise InputError(f"parallel.vpp={vpp} with parallel.first_stage_layers / last_stage_layers: an interleaved "
                          "pipeline splits the layers evenly over its pp * vpp chunks (set both to 0)")
     _GROUPS.cp, _GROUPS.tp, _GROUPS.pp, _GROUPS.vpp, _GROUPS.timeout = 1, 1, 1, vpp, timeout
+    _GROUPS.sequence_parallel = sequence_parallel and tp > 1
     _GROUPS.cp_group = _GROUPS.tp_group = _GROUPS.pp_group = _GROUPS.replica_group = _GROUPS.dp_group = None
     _GROUPS.pp_grad_group = None
     _GROUPS.ends_group = None
@@ -106,6 +111,19 @@ def init_parallel_groups(cp: int = 1, tp: int = 1, pp: int = 1, first_stage_laye
     _GROUPS.pp_group, _GROUPS.pp_grad_group, _GROUPS.pp_ranks = mine["pp"], mine["pp_grad"], mine["pp_ranks"]
     _GROUPS.ends_group = mine["ends"]
     _GROUPS.replica_group, _GROUPS.dp_group = mine["replica"], mine["dp"]
+
+
+def check_sequence_parallel(sequence_parallel: bool, cp: int, pp: int) -> None:
+    """What sequence parallelism does not combine with (yet): the message names the fields."""
+    for name, size in (("cp", cp), ("pp", pp)):
+        if sequence_parallel and size > 1:
+            raise InputError(f"parallel.sequence_parallel=true with parallel.{name}={size} is not supported "
+                             f"(set parallel.{name}=1 or parallel.sequence_parallel=false)")
+
+
+def sequence_parallel() -> bool:
+    """Whether the tp ranks split the residual stream by rows (`parallel.sequence_parallel` at tp > 1)."""
+    return _GROUPS.sequence_parallel
 
 
 def cp_size() -> int:

@@ -72,8 +72,9 @@ def check_tp(cfg, tp: int) -> None:
         raise InputError("; ".join(messages))
 
 
-def apply_tp(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Split `model`'s attention and dense MLPs over the 1-D tp `mesh` (see the module docstring), in place."""
+def apply_tp(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
+    """Split `model`'s attention and dense MLPs over the 1-D tp `mesh` (see the module docstring), in place;
+    `sequence_parallel`: the residual stream and the norms by rows too (`shard_sequence`)."""
     tp = mesh.size()
     check_tp(model.cfg, tp)
     col, row = ColwiseParallel(), RowwiseParallel()
@@ -106,7 +107,8 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh) -> None:
         # a per-head q/k norm (Qwen3) normalises only this rank's heads: its weight's gradient is a part of the whole
         partial += [norm for norm in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if norm is not None]
         if isinstance(layer.mlp, MoE):
-            split_moe_tokens(layer.mlp, mesh)
+            if not sequence_parallel:  # (under sequence parallelism the block's input is already this rank's rows)
+                split_moe_tokens(layer.mlp, mesh)
             partial += [layer.mlp.gate] + ([layer.mlp.shared_experts] if hasattr(layer.mlp, "shared_experts") else [])
             split_experts.append(layer.mlp.experts)
         else:
@@ -114,11 +116,14 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh) -> None:
                                                  "down_proj": row})
     if model.lm_head is not None:  # (a pipeline stage before the last has none)
         partial.append(model.lm_head)  # the logprob (or value) head takes a tp rank's share of the positions
-        if getattr(model.lm_head, "weight", None) is getattr(model.model.embed_tokens, "weight", False):
-            # tied to the embedding, which every tp rank runs on every token: each rank's gradient of the weight holds
-            # the whole embedding part beside its share of the head's, and the sum over tp would count the former tp
-            # times, so the embedding's part is taken at 1/tp on each rank
-            model.model.embed_tokens.register_forward_hook(lambda module, args, out: _ScaleGrad.apply(out, 1 / tp))
+    tied = getattr(model.lm_head, "weight", None) is getattr(model.model.embed_tokens, "weight", False)
+    if sequence_parallel:  # the embedding's gradient a part too (its rows'): summed once, through the head's if tied
+        partial += shard_sequence(model, mesh) + ([] if tied else [model.model.embed_tokens])
+    elif tied:
+        # tied to the embedding, which every tp rank runs on every token: each rank's gradient of the weight holds
+        # the whole embedding part beside its share of the head's, and the sum over tp would count the former tp
+        # times, so the embedding's part is taken at 1/tp on each rank
+        model.model.embed_tokens.register_forward_hook(lambda module, args, out: _ScaleGrad.apply(out, 1 / tp))
     model.tp_mesh, model.tp_partial_grads, model.tp_split_experts = mesh, partial, split_experts
 
 
@@ -262,6 +267,46 @@ def split_moe_tokens(moe: nn.Module, mesh: DeviceMesh) -> None:
 
     moe.register_forward_pre_hook(take)
     moe.register_forward_hook(lambda module, args, y_nD: _GatherRows.apply(y_nD, module.tp_rows))
+
+
+def shard_sequence(model: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
+    """Megatron's sequence parallelism (after `apply_tp` split the heads and dense MLPs): the residual stream between
+    the layers holds this tp rank's rows (`_Rows` of the layer's T rows), so do the norms that run on it. The
+    embedding's output is cut to the rank's rows; each attention and dense MLP gathers the rows of its (normed) input
+    and takes the rank's rows of its output; an MoE block runs on the rank's rows as they come (its route tape seen
+    through them); the final norm's rows are gathered whole for the head. Returns the modules whose weights'
+    gradients are each rank's part (its rows'): the layer norms and the final norm."""
+    group = mesh.get_group()
+    stack = model.model
+
+    def cut(module, args, x_TD):  # (a slice: the embedding's gradient is this rank's rows' part)
+        model.tp_rows = rows = _Rows(x_TD.shape[0], group)
+        return x_TD[rows.lo:rows.hi]
+
+    def rows_of(layer, args):  # the layer's T, from its rope tables (checkpointing re-runs this with the layer)
+        layer.self_attn.tp_rows = layer.mlp.tp_rows = rows = _Rows(args[1].cos_TR.shape[0], group)
+        assert args[0].shape[0] == rows.hi - rows.lo, (args[0].shape, rows.sizes)
+
+    def gather(module, args):  # before the tp plan's own input hook (prepend): it takes the whole rows
+        return (_GatherRows.apply(args[0], module.tp_rows), *args[1:])
+
+    def tape(module, args):
+        x_nD, *rest = args
+        if rest and rest[0] is not None:
+            rest[0] = _RowsTape(rest[0], module.tp_rows)
+        return (x_nD, *rest)
+
+    stack.embed_tokens.register_forward_hook(cut)
+    stack.norm.register_forward_hook(lambda module, args, h_nD: _GatherRows.apply(h_nD, model.tp_rows))
+    for layer in stack.layers:
+        layer.register_forward_pre_hook(rows_of)
+        for mixer in [layer.self_attn] + ([] if isinstance(layer.mlp, MoE) else [layer.mlp]):
+            mixer.register_forward_pre_hook(gather, prepend=True)
+            mixer.register_forward_hook(lambda module, args, y_TD: _TakeRows.apply(y_TD, module.tp_rows))
+        if isinstance(layer.mlp, MoE):
+            layer.mlp.register_forward_pre_hook(tape)
+    return [stack.norm] + [norm for layer in stack.layers
+                           for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
 
 
 class _ScaleGrad(torch.autograd.Function):

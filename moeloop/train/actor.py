@@ -33,8 +33,8 @@ from moeloop.parallel.collectives import all_gather_rows, global_values
 from moeloop.parallel.context import UlyssesAttention, check_heads
 from moeloop.parallel.expert import apply_ep, build_expert_mesh, expert_params, reduce_expert_grads
 from moeloop.parallel.fsdp import apply_fsdp, build_dp_mesh, full_tensor, grad_norm, reshard, scale_grads
-from moeloop.parallel.groups import (cp_group, cp_rank, cp_size, dp_group, dp_size, pp_size, tp_group, tp_size,
-                                     vpp_size)
+from moeloop.parallel.groups import (cp_group, cp_rank, cp_size, dp_group, dp_size, pp_size, sequence_parallel,
+                                     tp_group, tp_size, vpp_size)
 from moeloop.parallel.pipeline import (forward_passes, gather_recorded_routes, gather_stage_weights, holds_head,
                                       is_last_stage, last_stage_value, reduce_tied_grads, run_passes, split_stages,
                                       stage_outputs, tied_copy)
@@ -80,7 +80,7 @@ class PolicyForward:
         self.compute_dtype, self.master_names = upcast_trainable(model) if master_weights else (None, set())
         mesh = build_dp_mesh(device.type)
         if tp_size() > 1:  # tensor parallel (`parallel.tensor`): before EP and FSDP, on the mesh's tp dim
-            apply_tp(model, mesh["tp"])
+            apply_tp(model, mesh["tp"], sequence_parallel=sequence_parallel())
         experts = apply_ep(model, build_expert_mesh(device.type, ep)) if ep > 1 else set()
         self.casts_params = self.compute_dtype is not None and mesh is None  # else FSDP casts them
         if mesh is not None:
