@@ -196,10 +196,15 @@ def run_command(command: str, model_dir, run_dir, *extra: str) -> None:
 
 
 def _loop_rank(rank, world, command, model_dir, run_dir, *extra):
-    """Runs the command; returns the tp sizes the trainer split a model over (one a model: the actor's)."""
+    """Runs the command; returns the tp sizes the trainer split a model over (one a model: the actor's; "sp2": tp 2 with
+    sequence parallelism)."""
     import moeloop.train.actor as actor
     splits, apply_tp = [], actor.apply_tp
-    actor.apply_tp = lambda model, mesh: (splits.append(mesh.size()), apply_tp(model, mesh))
+
+    def split(model, mesh, sequence_parallel=False):
+        splits.append(f"sp{mesh.size()}" if sequence_parallel else mesh.size())
+        apply_tp(model, mesh, sequence_parallel)
+    actor.apply_tp = split
     try:
         run_command(command, model_dir, run_dir, *extra)
     finally:
@@ -220,6 +225,15 @@ def test_the_rl_loop_at_tensor_parallel_matches_one_process(model_dir, tmp_path,
     assert _loop_rank(0, 1, "rl", model_dir, tmp_path / "one", *extra) == []
     assert run_ranks(_loop_rank, world, "rl", model_dir, tmp_path / "tp", *extra, "parallel.tp=2") == [[2]] * world
     assert_same_run(tmp_path / "one", tmp_path / "tp",
+                    ("reward/mean", "reward/samples", "pg_loss", "grad_norm", "response/len_mean"))
+
+
+def test_the_rl_loop_at_sequence_parallel_matches_one_process(model_dir, tmp_path):
+    """`moeloop rl` with parallel.tp=2 parallel.sequence_parallel=true gives one process's metrics and weights."""
+    assert run_ranks(_loop_rank, 2, "rl", model_dir, tmp_path / "sp", "parallel.tp=2",
+                     "parallel.sequence_parallel=true") == [["sp2"]] * 2
+    assert _loop_rank(0, 1, "rl", model_dir, tmp_path / "one") == []
+    assert_same_run(tmp_path / "one", tmp_path / "sp",
                     ("reward/mean", "reward/samples", "pg_loss", "grad_norm", "response/len_mean"))
 
 
@@ -276,6 +290,11 @@ def test_tensor_parallel_refuses_what_it_cannot_split(model_dir, tmp_path):
         run_ranks(_loop_rank, 2, "rl", model_dir, tmp_path / "a", "parallel.tp=3")
     with pytest.raises(InputError, match=r"actor.lora_rank=4 with parallel.tp=2"):
         run_rl(rl_cfg(model_dir, tmp_path / "b", "parallel.tp=2", "actor.lora_rank=4"))
+    for layout in ("parallel.cp=2", "parallel.pp=2"):
+        with pytest.raises(InputError, match=rf"^parallel.sequence_parallel: true with {layout} is not supported"):
+            load_config(None, ["model.path=unused", "parallel.tp=2", layout, "parallel.sequence_parallel=true"])
+    with pytest.raises(InputError, match=r"^parallel.sequence_parallel=true with parallel.pp=2 is not supported"):
+        init_parallel_groups(1, 2, 2, sequence_parallel=True)  # (run time: before any group is made)
     from moeloop.parallel.context import check_heads
     from moeloop.parallel.tensor import check_tp
     with pytest.raises(InputError, match=r"parallel.cp=2 x parallel.tp=4 must divide the model's 4 attention heads"):
