@@ -54,10 +54,11 @@ def _shard(samples):
 
 
 def _run(tp: int = 1, cp: int = 1, ep: int = 1, kind: str = "rl", arch: str = "qwen3_moe", sp: bool = False):
-    """`sp`: parallel.sequence_parallel. On this rank's share of `rl_batch()`: the old logprobs and entropies (or the critic's values), then 2 SGD steps
-    (GRPO updates with the gradient clipped to 0.1, SFT steps, or critic updates); a GRPO actor's steps come after an
-    update with every advantage 0. Returns the first pass's values by sample, the step metrics, the weights, and the
-    shapes of this rank's q_proj weights and the rows the MoE blocks, their routed experts and the first layer took."""
+    """`sp`: parallel.sequence_parallel. On this rank's share of `rl_batch()`: the old logprobs and entropies (or the
+    critic's values), then 2 SGD steps (GRPO updates with the gradient clipped to 0.1, SFT steps, or critic updates);
+    a GRPO actor's steps come after an update with every advantage 0. Returns the first pass's values by sample, the
+    step metrics, the weights, and the shapes of this rank's q_proj weights and the rows the MoE blocks, their routed
+    experts and the first layer took."""
     init_parallel_groups(cp, tp, sequence_parallel=sp)
     samples = _shard(rl_batch())
     if kind == "critic":

@@ -8,13 +8,13 @@ torch's DTensor plans, before FSDP (torchtitan's 2-D layout):
 
 What is split: each attention's q, k and v projections by output (its heads: H / tp query heads and G / tp key/value
 heads a rank, so the attention context sees only local heads) and o_proj by input, with one all-reduce of its output;
-with tp above G (a multiple of it: Megatron's replicated kv heads) k and v stay whole on each rank, which projects
-only the kv head its query heads attend to (`keep_kv_head`); MLA's head projections (q_proj or q_b_proj, kv_b_proj)
-the same way as q, its low-rank latents kept whole; every dense MLP as gate and up by output, down by input. The tp
-ranks hold the same tokens (no sequence parallelism), so the norms and the residual stream are whole on each, and the
-loss is the same on each rank; a column split's backward all-reduces its input's gradient (once for q, k and v: they
-take one replicated DTensor input). The logprob (or value) head takes a tp rank's share of the positions, and the
-ranks all-gather the per-token values (`over_tp_rows`, called by the trainer's `over_positions`).
+with tp above G (a multiple of it: Megatron's replicated kv heads) k and v stay whole on each rank, which projects only
+the kv head its query heads attend to (`keep_kv_head`); MLA's head projections (q_proj or q_b_proj, kv_b_proj) the same
+way as q, its low-rank latents kept whole; every dense MLP as gate and up by output, down by input. The tp ranks hold
+the same tokens, so (without sequence parallelism, below) the norms and the residual stream are whole on each; the loss
+is the same on each rank; a column split's backward all-reduces its input's gradient (once for q, k and v: they take one
+replicated DTensor input). The logprob (or value) head takes a tp rank's share of the positions, and the ranks
+all-gather the per-token values (`over_tp_rows`, called by the trainer's `over_positions`).
 
 An MoE block (router, routed and shared experts) works token by token, so each tp rank runs it on its 1/tp of the
 block's input rows and the ranks all-gather the outputs (`split_moe_tokens`; Megatron runs MoE on sequence-parallel
@@ -33,6 +33,20 @@ gradient summed by a hook on its projection's output. The gradient norm weights 
 ranks hold the same shard (`parallel.fsdp.grad_norm`). The weights are DTensors (whole k and v on FSDP's dp mesh
 alone, as the norms), so the state dict, DCP checkpoints (which reshard across layouts) and `full_tensor` (weight
 sync, HF export) see whole tensors under their usual names.
+
+Sequence parallelism (`parallel.sequence_parallel`, Megatron's; `shard_sequence`): the residual stream between the
+layers and the norms on it hold a tp rank's rows (`_Rows`: the first T % tp ranks one more; the all-gathers pad to equal
+blocks). The embedding's output is cut to the rank's rows; each attention and dense MLP all-gathers its normed input's
+rows (its backward: the tp plan's all-reduce of the input gradient, then the rank's rows) and takes the rank's rows of
+its all-reduced output (Megatron's reduce-scatter done as the all-reduce and a slice, both ways: an all-reduce moves
+about twice a reduce-scatter's bytes, being one and an all-gather); an MoE block gets the rows as they come (no take and
+gather inside it; its route tape seen through them); the final norm's rows are all-gathered whole for the head (which
+takes a rank's share again: one all-gather of [T, D] each way that the head could do without). The layer norms', final
+norm's and embedding's gradients are each rank's rows' and `reduce_tp_grads` sums them (a tied head's sum covers the
+embedding's, so no 1/tp scale then). Attention is unchanged (it runs on the gathered rows, with the whole stream's
+positions and cu_seqlens). What it saves is the residual stream's and the norms' activations, 1/tp; the gathered input
+each column split keeps for its backward is still whole (Megatron re-gathers it in the backward instead). Not combined
+with context or pipeline parallelism (refused by name: `parallel.groups.check_sequence_parallel`).
 """
 # H query heads, G key/value heads
 from __future__ import annotations
