@@ -58,7 +58,8 @@ def _run(tp: int = 1, cp: int = 1, ep: int = 1, kind: str = "rl", arch: str = "q
     critic's values), then 2 SGD steps (GRPO updates with the gradient clipped to 0.1, SFT steps, or critic updates);
     a GRPO actor's steps come after an update with every advantage 0. Returns the first pass's values by sample, the
     step metrics, the weights, and the shapes of this rank's q_proj weights and the rows the MoE blocks, their routed
-    experts and the first layer took."""
+    experts and the first layer took. A `kind` ending "+ckpt": with activation checkpointing."""
+    ckpt, kind = kind.endswith("+ckpt"), kind.removesuffix("+ckpt")
     init_parallel_groups(cp, tp, sequence_parallel=sp)
     samples = _shard(rl_batch())
     if kind == "critic":
@@ -66,6 +67,7 @@ def _run(tp: int = 1, cp: int = 1, ep: int = 1, kind: str = "rl", arch: str = "q
         weights = {n: full_tensor(t).clone() for n, t in model.model.state_dict().items()}
         return first, metrics, weights, _local_shapes(model.model) + (None,)
     policy = _model(arch)
+    policy.gradient_checkpointing = ckpt  # (the recompute runs the layer's row hooks again)
     rows = [0, 0, 0]  # the rows the MoE blocks took here, those their routed experts ran on, the first layer's
     policy.model.layers[0].register_forward_pre_hook(lambda module, args: rows.__setitem__(2, rows[2] + len(args[0])))
     for block in policy.moe_blocks():  # (registered before tp's own hooks, which split the block's rows)
@@ -148,6 +150,8 @@ def test_tensor_parallel_matches_one_process(world, tp, cp, ep, kind, arch):
     (2, 2, "sft", "deepseek_v3"),
     (4, 4, "rl", "qwen3_moe"),  # above the 2 kv heads; the rows split 4 ways (unevenly)
     (2, 2, "rl", "llama_tied"),  # dense MLPs; the head tied to the embedding, whose gradient is each rank's rows'
+    (2, 2, "rl+ckpt", "qwen3_moe"),  # activation checkpointing: the recomputed layers take the same rows
+    (2, 2, "sft+ckpt", "deepseek_v3"),
     (4, 2, "sft", "llama_tied"),
 ])
 def test_sequence_parallel_matches_one_process(world, tp, kind, arch):
