@@ -153,13 +153,15 @@ def test_tensor_parallel_matches_one_process(world, tp, cp, ep, kind, arch):
     (2, 2, "rl+ckpt", "qwen3_moe"),  # activation checkpointing: the recomputed layers take the same rows
     (2, 2, "sft+ckpt", "deepseek_v3"),
     (4, 2, "sft", "llama_tied"),
+    (4, 2, "rl@ep2", "qwen3_moe"),  # dp 2 x tp 2 with the experts split over ep 2: each rank sends its own rows
 ])
 def test_sequence_parallel_matches_one_process(world, tp, kind, arch):
     """parallel.sequence_parallel: the residual stream between the layers holds a tp rank's rows (the first layer's
     input rows over the tp ranks of a replica add up to the MoE blocks' of one process, and the routed experts run on
     all of a rank's block rows: not split again), and the numbers are one process's."""
+    kind, ep = kind.split("@ep")[0], int(kind.split("@ep")[1]) if "@ep" in kind else 1
     want_first, want_metrics, want, (_, shape, want_rows) = _run(kind=kind, arch=arch)
-    results = run_ranks(_rank, world, tp, 1, 1, kind, arch, True)
+    results = run_ranks(_rank, world, tp, 1, ep, kind, arch, True)
     for first_rank in range(0, world, tp):
         tp_rows = [r[3][2] for r in results[first_rank:first_rank + tp]]
         if kind != "critic":
@@ -233,11 +235,16 @@ def test_the_rl_loop_at_tensor_parallel_matches_one_process(model_dir, tmp_path,
                     ("reward/mean", "reward/samples", "pg_loss", "grad_norm", "response/len_mean"))
 
 
-def test_the_rl_loop_at_sequence_parallel_matches_one_process(model_dir, tmp_path):
+@pytest.mark.parametrize("world,extra", [
+    (2, ()),
+    (4, ("actor.ppo_mini_batch_size=4",)),  # dp 2 x tp 2
+    (2, ("actor.router_replay=R3",)),  # the engine's routes replayed on each rank's rows
+])
+def test_the_rl_loop_at_sequence_parallel_matches_one_process(model_dir, tmp_path, world, extra):
     """`moeloop rl` with parallel.tp=2 parallel.sequence_parallel=true gives one process's metrics and weights."""
-    assert run_ranks(_loop_rank, 2, "rl", model_dir, tmp_path / "sp", "parallel.tp=2",
-                     "parallel.sequence_parallel=true") == [["sp2"]] * 2
-    assert _loop_rank(0, 1, "rl", model_dir, tmp_path / "one") == []
+    assert run_ranks(_loop_rank, world, "rl", model_dir, tmp_path / "sp", *extra, "parallel.tp=2",
+                     "parallel.sequence_parallel=true") == [["sp2"]] * world
+    assert _loop_rank(0, 1, "rl", model_dir, tmp_path / "one", *extra) == []
     assert_same_run(tmp_path / "one", tmp_path / "sp",
                     ("reward/mean", "reward/samples", "pg_loss", "grad_norm", "response/len_mean"))
 
