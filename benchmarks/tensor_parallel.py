@@ -4,6 +4,9 @@ micro-batch's), each beside `moeloop plan`'s entry for the same layout; the byte
 all-gathers and reduce-scatters, tensor parallelism's all-reduces); and the step's median seconds.
 
     python benchmarks/tensor_parallel.py --world 4 --tp 1,2 --prompt 256 --response 768
+    python benchmarks/tensor_parallel.py --world 4 --tp 2,4 --sequence-parallel   # the residual stream by rows too
+
+(`moeloop plan` counts the residual stream whole on each tp rank, with or without sequence parallelism.)
 
 Every layout trains the same global batch: `--groups` GRPO groups a rank at tp 1, so at tp t each of the N / t dp
 groups holds t x as many. A micro-batch is one sequence. bf16 weights and activations (the planner's units), one
@@ -59,7 +62,7 @@ def layout_actor(rank: int, world: int, init_file: str, args, tp: int = 1, pp: i
                             timeout=timedelta(seconds=1800))
     from moeloop.parallel.groups import dp_rank, init_parallel_groups
     from moeloop.train.actor import Actor  # (after the group: the meshes are built from it)
-    init_parallel_groups(1, tp, pp, vpp=vpp)
+    init_parallel_groups(1, tp, pp, vpp=vpp, sequence_parallel=getattr(args, "sequence_parallel", False))
     model = build_model("qwen3_moe", args.size, seed=0).to(torch.bfloat16)
     actor_cfg = ActorSection()
     actor_cfg.ppo_mini_batch_size = args.groups * world
@@ -112,8 +115,11 @@ def layout_args(description: str, layout: str, sizes: str, **more: str) -> argpa
     ap.add_argument("--size", default="small", choices=("tiny", "small"))
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument(f"--{layout}", default=sizes, help="comma-separated; 1 = data parallel alone")
-    for name, default in more.items():
-        ap.add_argument(f"--{name}", default=default, help="comma-separated")
+    for name, default in more.items():  # (a None default: an on/off flag)
+        if default is None:
+            ap.add_argument(f"--{name.replace('_', '-')}", dest=name, action="store_true")
+        else:
+            ap.add_argument(f"--{name}", default=default, help="comma-separated")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--groups", type=int, default=1, help=f"GRPO groups a rank at {layout} 1")
     ap.add_argument("--n", type=int, default=2, help="samples a group")
@@ -123,7 +129,7 @@ def layout_args(description: str, layout: str, sizes: str, **more: str) -> argpa
 
 
 def main() -> None:
-    args = layout_args(__doc__.split("\n")[0], "tp", "1,2")
+    args = layout_args(__doc__.split("\n")[0], "tp", "1,2", sequence_parallel=None)
     print(f"{args.size} qwen3_moe, {args.world} gloo ranks, {args.groups * args.world} groups x {args.n} samples x "
           f"({args.prompt} + {args.response}) tokens a step, bf16; a micro-batch is one sequence; per rank per update "
           "step (rank 0; max over ranks for seconds); MB moved a step by collective (moe_rows: the MoE blocks' rows gathered "
