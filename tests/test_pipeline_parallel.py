@@ -24,19 +24,13 @@ from tests.test_rl_loop import _cfg as rl_cfg, assert_same_run
 from tests.test_tensor_parallel import (_model, _shard, assert_sft_resumes_in_one_process_and_at_dp_2,
                                        critic_pass_then_steps, run_command)
 from moeloop.model.transformer import MoEForCausalLM
-from tests.trainer_fixtures import TINY_QWEN3_MOE, actor_cfg, assert_ranks_match, first_pass_then_steps, rl_batch, use_sgd
+from tests.trainer_fixtures import (actor_cfg, assert_ranks_match, first_pass_then_steps, rl_batch, tiny_model,
+                                    use_sgd)
 
 
 def _model_of(arch: str):
     """test_tensor_parallel's models, and "qwen3_moe_4": its tiny qwen3_moe with 4 decoder layers (for pp 2 x vpp 2)."""
-    if arch != "qwen3_moe_4":
-        return _model(arch)
-    torch.manual_seed(0)
-    model = MoEForCausalLM(ModelConfig.from_hf_dict({**TINY_QWEN3_MOE, "num_hidden_layers": 4}))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.1) if p.dim() > 1 else p.fill_(1.0)
-    return model
+    return tiny_model(num_hidden_layers=4) if arch == "qwen3_moe_4" else _model(arch)
 
 
 def _run(pp: int = 1, tp: int = 1, cp: int = 1, ep: int = 1, kind: str = "rl", arch: str = "qwen3_moe",

@@ -20,9 +20,10 @@ TINY_QWEN3_MOE = {
 }
 
 
-def tiny_model(seed: int = 0) -> MoEForCausalLM:
+def tiny_model(seed: int = 0, **overrides) -> MoEForCausalLM:
+    """`TINY_QWEN3_MOE` (with `overrides` of its config fields), seeded: N(0, 0.1) matrices, unit vectors."""
     torch.manual_seed(seed)
-    model = MoEForCausalLM(ModelConfig.from_hf_dict(dict(TINY_QWEN3_MOE)))
+    model = MoEForCausalLM(ModelConfig.from_hf_dict({**TINY_QWEN3_MOE, **overrides}))
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.1) if p.dim() > 1 else p.fill_(1.0)

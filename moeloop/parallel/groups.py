@@ -51,7 +51,7 @@ def init_parallel_groups(cp: int = 1, tp: int = 1, pp: int = 1, first_stage_laye
                          sequence_parallel: bool = False) -> None:
     """Make the cp, tp, pp, replica and dp groups of the current process group (collective: every rank calls it, with
     the same sizes, once a run: groups made for an earlier process group would be stale); cp = tp = pp = 1 resets
-    them. `first_stage_layers` / `last_stage_layers`: an uneven pipeline split (`chunk_layer_counts`). `vpp`: model
+    them. `first_stage_layers` / `last_stage_layers`: an uneven pipeline split (`pipeline_layout`). `vpp`: model
     chunks a stage holds (the interleaved schedule, `parallel.pipeline`). `timeout`: the groups' and the meshes'
     (`group_timeout`), the run's (torch's own default for a subgroup is 30 minutes, whatever the default group's).
     `sequence_parallel`: `parallel.sequence_parallel` (a no-op at tp 1)."""
@@ -184,14 +184,13 @@ def pp_grad_group():
     return _GROUPS.pp_grad_group
 
 
-def chunk_layer_counts(num_layers: int) -> list[int]:
-    """Decoder layers of each of the pp * vpp model chunks, in the pipeline's order (chunk k on stage k % pp):
-    `moeloop plan`'s split (`parallel.layout.Layout.chunk_layers`), an even one unless the first or last stage's count
-    is set."""
+def pipeline_layout():
+    """The pipeline's shape as a `parallel.layout.Layout` (pp, vpp, first/last stage layers): `moeloop plan`'s, whose
+    `chunk_layers` / `stage_chunks` split the layers (an even split unless the first or last stage's count is set)."""
     from moeloop.parallel.layout import Layout  # (layout imports the model config)
 
     return Layout(pp=_GROUPS.pp, vpp=_GROUPS.vpp, first_stage_layers=_GROUPS.first_stage_layers,
-                  last_stage_layers=_GROUPS.last_stage_layers).chunk_layers(num_layers)
+                  last_stage_layers=_GROUPS.last_stage_layers)
 
 
 def stage_ranks() -> list[list[int]]:

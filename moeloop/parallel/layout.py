@@ -86,6 +86,13 @@ class Layout:
         middle = [each + (1 if i < extra else 0) for i in range(middle_chunks)]
         return ([first] if first else []) + middle + ([last] if last else [])
 
+    def stage_chunks(self, num_layers: int, stage: int) -> list[range]:
+        """The decoder layers of `stage`'s chunks, chunk by chunk (one run without interleaving): what the runtime
+        keeps there (`parallel.pipeline.split_stages`) and the planner counts."""
+        counts = self.chunk_layers(num_layers)
+        starts = [sum(counts[:k]) for k in range(len(counts))]
+        return [range(starts[k], starts[k] + counts[k]) for k in range(stage, len(counts), self.pp)]
+
     def validate(self, model_cfg: Optional[ModelConfig] = None, world_size: Optional[int] = None,
                  batch: Optional[BatchInfo] = None) -> list[str]:
         """Every violated rule, in plain words; [] means the layout is usable."""

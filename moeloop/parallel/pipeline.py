@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moeloop.errors import InputError
-from moeloop.parallel.groups import (chunk_layer_counts, pipeline_ends_group, pp_grad_group, pp_group, pp_peer, pp_rank,
+from moeloop.parallel.groups import (pipeline_ends_group, pipeline_layout, pp_grad_group, pp_group, pp_peer, pp_rank,
                                      pp_size, vpp_size)
 
 WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # an activation's dtype goes as its index here
@@ -157,18 +157,18 @@ class _Send(torch.autograd.Function):
 
 def split_stages(model: nn.Module) -> None:
     """Keep this rank's stage of `model` (in place, before anything shards it): its decoder layers
-    (`parallel.groups.chunk_layer_counts`: under an interleaved pipeline, vpp runs of them, chunk c the one of the
+    (`Layout.stage_chunks` of `parallel.groups.pipeline_layout`: under an interleaved pipeline, vpp runs of them, chunk c the one of the
     model's chunk c * pp + stage); the embedding on the first stage, the final norm and lm_head on the last. The other
     stages' places take a receive and a send, and so do the first stage's chunks after its first (they receive from
     the last stage's chunk before) and the last stage's chunks before its last (they send to the first stage's next)."""
     pp, stage, vpp = pp_size(), pp_rank(), vpp_size()
-    counts = chunk_layer_counts(model.cfg.num_layers)
+    layout = pipeline_layout()
+    counts = layout.chunk_layers(model.cfg.num_layers)
     if min(counts) < 1:
         raise InputError(f"parallel.pp={pp}, parallel.vpp={vpp}: the model chunks would hold {counts} of the "
                          f"{model.cfg.num_layers} decoder layers; every chunk needs one at least "
                          "(parallel.first_stage_layers / last_stage_layers, parallel.vpp)")
-    starts = [sum(counts[:k]) for k in range(len(counts))]
-    chunks = [list(range(starts[k], starts[k] + counts[k])) for k in range(stage, pp * vpp, pp)]
+    chunks = [list(run) for run in layout.stage_chunks(model.cfg.num_layers, stage)]
     model.model.layers = StageLayers(chunks, model.model.layers)
     if stage > 0:
         model.model.embed_tokens = StageInput(pp_peer(stage - 1))

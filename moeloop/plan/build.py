@@ -206,10 +206,9 @@ def pipeline_rows(cfg: RunConfig, stats: ModelStats, layout: Layout) -> list[dic
     `schedule_stretch` - 1; the same on every stage)."""
     m = num_micro_batches(cfg, layout)
     bubble = schedule_stretch(m, layout.pp, layout.vpp) - 1
-    counts = layout.chunk_layers(len(stats.layers)) if stats.model is not None else [0] * (layout.pp * layout.vpp)
-    starts = [sum(counts[:k]) for k in range(len(counts))]
-    return [dict(stage=stage, layers=[(starts[k], starts[k] + counts[k] - 1)
-                                      for k in range(stage, len(counts), layout.pp) if counts[k]],
+    known = stats.model is not None
+    return [dict(stage=stage, layers=[(run[0], run[-1]) for run in layout.stage_chunks(len(stats.layers), stage)
+                                      if known and run],
                  micro_batches=m, in_flight=in_flight_micro_batches(layout, stage, m),
                  peak_gb=ledger.peak_bytes / GB, bubble=bubble)
             for stage, ledger in enumerate(stage_ledgers(cfg, stats, layout))]

@@ -119,14 +119,11 @@ def rank_params(stats: ModelStats, layout: Layout, stage: int) -> tuple[float, f
 
 
 def stage_layer_ids(layout: Layout, num_layers: int) -> list[list[int]]:
-    """The decoder layers of each pipeline stage: its chunks' runs (`Layout.chunk_layers`; one run without
-    interleaving), as the runtime splits them (`parallel.pipeline.split_stages`)."""
-    chunks = layout.chunk_layers(num_layers)
+    """The decoder layers of each pipeline stage: its chunks' runs (`Layout.stage_chunks`), as the runtime splits
+    them (`parallel.pipeline.split_stages`)."""
     if num_layers <= 1 and layout.pp > 1:
-        chunks = [num_layers] + [0] * (len(chunks) - 1)
-    starts = [sum(chunks[:k]) for k in range(len(chunks))]
-    return [[i for k in range(stage, len(chunks), layout.pp) for i in range(starts[k], starts[k] + chunks[k])]
-            for stage in range(layout.pp)]
+        return [list(range(num_layers))] + [[] for _ in range(layout.pp - 1)]
+    return [[i for run in layout.stage_chunks(num_layers, stage) for i in run] for stage in range(layout.pp)]
 
 
 def memory_ledger(cfg: RunConfig, stats: ModelStats, layout: Layout, colocated: bool | None = None) -> Ledger:
