@@ -6,7 +6,7 @@ all-gathers and reduce-scatters, tensor parallelism's all-reduces); and the step
     python benchmarks/tensor_parallel.py --world 4 --tp 1,2 --prompt 256 --response 768
     python benchmarks/tensor_parallel.py --world 4 --tp 2,4 --sequence-parallel   # the residual stream by rows too
 
-(`moeloop plan` counts the residual stream whole on each tp rank, with or without sequence parallelism.)
+(`moeloop plan` counts the residual stream by rows under sequence parallelism, whole on each tp rank without it.)
 
 Every layout trains the same global batch: `--groups` GRPO groups a rank at tp 1, so at tp t each of the N / t dp
 groups holds t x as many. A micro-batch is one sequence. bf16 weights and activations (the planner's units), one
@@ -104,7 +104,8 @@ def plan_inputs(args, *overrides: str):
 def planned_mb(args, tp: int) -> tuple[float, float]:
     """`moeloop plan`'s weights and activations a rank (MB) for the layout."""
     from moeloop.plan import memory_ledger
-    led = memory_ledger(*plan_inputs(args, f"parallel.dp={args.world // tp}", f"parallel.tp={tp}"))
+    sp = f"parallel.sequence_parallel={str(bool(getattr(args, 'sequence_parallel', False))).lower()}"
+    led = memory_ledger(*plan_inputs(args, f"parallel.dp={args.world // tp}", f"parallel.tp={tp}", sp))
     return led.entries["weights"] / 1e6, led.entries["activations"] / 1e6
 
 

@@ -350,3 +350,30 @@ def test_the_plan_shows_each_pipeline_stage_as_the_runtime_runs_it():
     assert one.pipeline == [] and "## pipeline" not in render(one)
     counted = build_plan(load_config(SEED002, ["parallel.pp=2", "parallel.dp=16"]))  # parameter counts: no layers
     assert [r["layers"] for r in counted.pipeline] == [[], []] and "    0               -" in render(counted)
+
+
+def test_sequence_parallelism_plans_the_residual_stream_by_rows():
+    """Under parallel.sequence_parallel a tp rank keeps its 1/tp of the rows of the residual stream (the layer input and
+    the residual after attention, bf16) and of its two norms (fp32 input and bf16 output each), plus the whole rows it
+    all-gathers for the attention's q/k/v (and a dense MLP's gate/up) input: per token and layer, at hidden size h and
+    tp 2, (4h + 12h) / 2 + 2h against 16h in an MoE layer, + 2h more in a dense one."""
+    from moeloop.model.factory import hf_config_dict
+    from moeloop.plan.activations import layer_activation_bytes_per_token as per_token
+    m = ModelConfig.from_hf_dict({**hf_config_dict("qwen3_moe", "small"), "mlp_only_layers": [1],
+                                  "intermediate_size": 256})
+    h = m.hidden_size
+    assert m.is_moe_layer(0) and not m.is_moe_layer(1)
+    for layer, gathered in ((0, 2 * h), (1, 4 * h)):
+        whole, rows = per_token(m, layer, Layout(tp=2)), per_token(m, layer, Layout(tp=2, sequence_parallel=True))
+        assert whole - rows == pytest.approx(16 * h - (8 * h + gathered), rel=1e-12)
+        assert per_token(m, layer, Layout(sequence_parallel=True)) == per_token(m, layer, Layout())  # (tp 1: no-op)
+    cfg = load_config(None, ["model.path=unused", "parallel.dp=2", "parallel.tp=2"])
+    cfg.plan.hf_config = hf_config_dict("qwen3_moe", "small")
+    stats = model_stats(ModelConfig.from_hf_dict(cfg.plan.hf_config))
+    cfg_sp = load_config(None, ["model.path=unused", "parallel.dp=2", "parallel.tp=2", "parallel.sequence_parallel=true"])
+    cfg_sp.plan.hf_config = cfg.plan.hf_config
+    plain, split = (memory_ledger(c, stats, Layout.from_section(c.parallel)).entries["activations"] for c in (cfg, cfg_sp))
+    assert split < plain
+    assert Layout(tp=2, pp=2, sequence_parallel=True).validate() == [
+        "sequence_parallel with cp=1, pp=2: the trainer splits the residual stream by rows only under tp alone "
+        "(cp and pp 1)"]

@@ -32,11 +32,13 @@ class Layout:
     cp: int = 1
     first_stage_layers: int = 0  # uneven pipeline (Megatron num_layers_in_first_pipeline_stage); 0 = even split
     last_stage_layers: int = 0   # Megatron num_layers_in_last_pipeline_stage; 0 = even split
+    sequence_parallel: bool = False  # under tp: the residual stream and its norms split by rows (Megatron's)
 
     @classmethod
     def from_section(cls, section: Any, dp: Optional[int] = None) -> "Layout":
         """From a `ParallelSection` (or anything with the same fields); `dp` overrides its dp."""
-        names = ("dp", "tp", "pp", "vpp", "ep", "etp", "cp", "first_stage_layers", "last_stage_layers")
+        names = ("dp", "tp", "pp", "vpp", "ep", "etp", "cp", "first_stage_layers", "last_stage_layers",
+                 "sequence_parallel")
         kw = {n: getattr(section, n) for n in names if hasattr(section, n)}
         if dp is not None:
             kw["dp"] = dp
@@ -112,6 +114,9 @@ class Layout:
         if (self.first_stage_layers or self.last_stage_layers) and self.vpp > 1:
             errors.append("first_stage_layers/last_stage_layers with vpp > 1: an interleaved pipeline splits the "
                           "layers evenly over its pp*vpp chunks")
+        if self.sequence_parallel and (self.cp > 1 or self.pp > 1):
+            errors.append(f"sequence_parallel with cp={self.cp}, pp={self.pp}: the trainer splits the residual stream "
+                          "by rows only under tp alone (cp and pp 1)")
         if model_cfg is not None:
             errors += self._model_rules(model_cfg)
         if batch is not None:
@@ -173,6 +178,8 @@ class Layout:
         s = f"dp{self.dp} tp{self.tp} pp{self.pp} vpp{self.vpp} ep{self.ep} etp{self.etp} cp{self.cp}"
         if self.first_stage_layers or self.last_stage_layers:
             s += f" (first/last stage layers {self.first_stage_layers}/{self.last_stage_layers})"
+        if self.sequence_parallel and self.tp > 1:
+            s += " sequence-parallel"
         return s
 
     def to_dict(self) -> dict[str, int]:

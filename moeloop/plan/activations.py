@@ -5,7 +5,8 @@ fp32: softmax statistics, router logits). As the trainer's tensor parallelism ru
 head-wise tensors (attention, dense MLP widths) are split by tp, expert intermediates by etp; the MoE block's (router,
 routed and shared experts) by tp too, each tp rank running it on 1/tp of the tokens; the logits too, the head taking
 1/tp of the positions (over the whole vocabulary); the other token-wise ones (the residual stream, norms) are whole on
-each tp rank (no sequence parallelism outside the MoE block). Full checkpointing keeps each layer's input and, during
+each tp rank, unless sequence parallelism splits them by rows too (`parallel.tensor.shard_sequence`), which then keeps
+the whole rows it all-gathers for each attention's (and dense MLP's) input projections. Full checkpointing keeps each layer's input and, during
 backward, one layer's full set at a time. Formulas in the spirit of Korthikanti et al. 2022 with flash attention.
 """
 from __future__ import annotations
@@ -25,7 +26,11 @@ def layer_activation_bytes_per_token(m: ModelConfig, layer_idx: int, layout: Lay
     tp, h = layout.tp, m.hidden_size
     x = 2 * BF16 * h  # layer input and the residual after attention
     norms = 2 * NORM_BYTES * h  # the two RMSNorms
-    return x + norms + _attention_bytes(m, tp) + _mlp_bytes(m, layer_idx, layout)
+    stream = x + norms
+    if layout.sequence_parallel and tp > 1:  # a tp rank's rows of the stream and its norms, and the whole rows gathered
+        dense_mlp = not m.num_experts or not m.is_moe_layer(layer_idx)  # for q/k/v (and a dense MLP's gate/up)
+        stream = stream / tp + BF16 * h * (2 if dense_mlp else 1)
+    return stream + _attention_bytes(m, tp) + _mlp_bytes(m, layer_idx, layout)
 
 
 def checkpoint_bytes_per_token(m: ModelConfig, layout: Layout) -> float:
