@@ -83,8 +83,17 @@ def test_interleaved_chunks_take_runs_of_layers_round_robin_over_the_stages():
     assert lay.chunk_layers(6) == [2, 2, 1, 1] and lay.stage_layers(6) == [3, 3]
     assert Layout(pp=3, vpp=2).chunk_layers(7) == [2, 1, 1, 1, 1, 1]
     assert Layout(pp=3, vpp=2).stage_layers(7) == [3, 2, 2]
-    assert Layout(pp=2, vpp=2, last_stage_layers=1).validate()[0].startswith("first_stage_layers/last_stage_layers "
-                                                                             "with vpp > 1")
+    # a first or last stage's count splits over that stage's vpp chunks (earlier ones more), the rest over the others'
+    uneven = Layout(pp=3, vpp=2, first_stage_layers=5, last_stage_layers=2)
+    assert uneven.chunk_layers(13) == [3, 3, 1, 2, 3, 1] and uneven.stage_layers(13) == [5, 6, 2]
+    assert [list(map(list, uneven.stage_chunks(13, s))) for s in range(3)] == [
+        [[0, 1, 2], [7, 8]], [[3, 4, 5], [9, 10, 11]], [[6], [12]]]
+    assert uneven._pipeline_rules(13) == []
+    assert Layout(pp=2, vpp=2, last_stage_layers=1)._pipeline_rules(6) == [
+        "last_stage_layers=1 < vpp=2: each of the stage's vpp chunks needs one layer at least"]
+    assert Layout(pp=3, vpp=2, first_stage_layers=2, last_stage_layers=2)._pipeline_rules(5) == [
+        "num_layers=5: 1 layers for 2 pipeline chunks (pp*vpp = 3*2 less the first/last stage): every chunk needs one "
+        "layer at least"]
 
 
 def test_with_world_keeps_model_parallel_shape():

@@ -29,18 +29,19 @@ from tests.trainer_fixtures import (actor_cfg, assert_ranks_match, first_pass_th
 
 
 def _model_of(arch: str):
-    """test_tensor_parallel's models, and "qwen3_moe_4": its tiny qwen3_moe with 4 decoder layers (for pp 2 x vpp 2)."""
-    return tiny_model(num_hidden_layers=4) if arch == "qwen3_moe_4" else _model(arch)
+    """test_tensor_parallel's models, and "qwen3_moe_4" / "qwen3_moe_5": its tiny qwen3_moe with 4 or 5 decoder layers
+    (for pp 2 x vpp 2)."""
+    return tiny_model(num_hidden_layers=int(arch[-1])) if arch in ("qwen3_moe_4", "qwen3_moe_5") else _model(arch)
 
 
 def _run(pp: int = 1, tp: int = 1, cp: int = 1, ep: int = 1, kind: str = "rl", arch: str = "qwen3_moe",
-         first_stage_layers: int = 0, vpp: int = 1):
+         first_stage_layers: int = 0, vpp: int = 1, last_stage_layers: int = 0):
     """On this rank's share of `rl_batch()`: the old logprobs and entropies (or the critic's values), then 2 SGD steps
     (GRPO updates with the gradient clipped to 0.1, SFT steps, or critic updates); a GRPO actor's steps come after an
     update with every advantage 0. Returns the first pass's values by sample, the step metrics, the whole model's
     weights (`named_weights`: gathered from every stage), and (this rank's stage, the decoder layers it holds, whether
     it holds the embedding and the head)."""
-    init_parallel_groups(cp, tp, pp, first_stage_layers, vpp=vpp)
+    init_parallel_groups(cp, tp, pp, first_stage_layers, last_stage_layers, vpp=vpp)
     samples = _shard(rl_batch())
     if kind == "critic":
         model, first, metrics = critic_pass_then_steps(arch, samples, _model_of(arch))
@@ -59,8 +60,8 @@ def _run(pp: int = 1, tp: int = 1, cp: int = 1, ep: int = 1, kind: str = "rl", a
     return first, metrics, weights, held
 
 
-def _rank(rank, world, pp, tp, cp, ep, kind, arch, first_stage_layers, vpp=1):
-    return _run(pp, tp, cp, ep, kind, arch, first_stage_layers, vpp)
+def _rank(rank, world, pp, tp, cp, ep, kind, arch, first_stage_layers, vpp=1, last_stage_layers=0):
+    return _run(pp, tp, cp, ep, kind, arch, first_stage_layers, vpp, last_stage_layers)
 
 
 @pytest.mark.parametrize("world,pp,tp,cp,ep,kind,arch,first", [
@@ -104,14 +105,21 @@ def test_pipeline_parallel_matches_one_process(world, pp, tp, cp, ep, kind, arch
     (4, 2, 2, 2, 1, 1, "sft", "qwen3_moe_4"),  # pp 2 x vpp 2 x tp 2
     (4, 2, 2, 1, 2, 1, "rl", "qwen3_moe_4"),  # pp 2 x vpp 2 x cp 2
     (4, 2, 2, 1, 1, 2, "rl", "qwen3_moe_4"),  # dp 2 x pp 2 x vpp 2, the experts over ep 2 within a stage
+    (2, 2, 2, 1, 1, 1, "rl", "qwen3_moe_5-last3"),  # uneven: the last stage's 3 layers as 2 + 1, the first's 2 as 1 + 1
+    (2, 2, 2, 1, 1, 1, "sft", "qwen3_moe_5-first3"),  # the first stage's 3 as 2 + 1, the last's as 1 + 1
 ])
 def test_interleaved_pipeline_matches_one_process(world, pp, vpp, tp, cp, ep, kind, arch):
     """`parallel.vpp`: each stage holds vpp chunks of layers (chunk k of pp * vpp on stage k % pp), its first chunk's
     embedding on the first stage and its last chunk's head on the last, and the passes run in the interleaved order;
-    the numbers are one process's."""
+    the numbers are one process's. With `parallel.first_stage_layers` / `last_stage_layers` (an arch's "-first3" /
+    "-last3"), that stage's layers split over its chunks and the rest over the other stage's."""
+    arch, _, uneven = arch.partition("-")
+    first, last = (int(uneven[-1]) if uneven.startswith(end) else 0 for end in ("first", "last"))
     want_first, want_metrics, want, _ = _run(kind=kind, arch=arch)
-    results = run_ranks(_rank, world, pp, tp, cp, ep, kind, arch, 0, vpp)
-    counts = Layout(pp=pp, vpp=vpp).chunk_layers(_model_of(arch).cfg.num_layers)
+    results = run_ranks(_rank, world, pp, tp, cp, ep, kind, arch, first, vpp, last)
+    counts = Layout(pp=pp, vpp=vpp, first_stage_layers=first, last_stage_layers=last).chunk_layers(
+        _model_of(arch).cfg.num_layers)
+    assert not uneven or counts == ([1, 2, 1, 1] if last else [2, 1, 1, 1])
     for *_, (stage, layers, embedding, head) in results:
         kept = [k for k in range(pp * vpp) if k % pp == stage]
         assert layers == [i for k in kept for i in range(sum(counts[:k]), sum(counts[:k + 1]))]
@@ -221,9 +229,9 @@ def test_pipeline_parallel_refuses_what_it_cannot_split(model_dir, tmp_path):
         run_ranks(_loop_rank, 2, "rl", model_dir, tmp_path / "d", "parallel.pp=2", "parallel.first_stage_layers=2")
     with pytest.raises(AssertionError, match=r"parallel.pp=2, parallel.vpp=2: the model chunks would hold \[1, 1, 0, 0\]"):
         run_ranks(_loop_rank, 2, "rl", model_dir, tmp_path / "e", "parallel.pp=2", "parallel.vpp=2")
-    with pytest.raises(AssertionError, match=r"parallel.vpp=2 with parallel.first_stage_layers / last_stage_layers"):
+    with pytest.raises(AssertionError, match=r"parallel.vpp=2: the model chunks would hold \[1, 1, 0, 0\]"):
         run_ranks(_loop_rank, 2, "rl", model_dir, tmp_path / "f", "parallel.pp=2", "parallel.vpp=2",
-                  "parallel.last_stage_layers=1")
+                  "parallel.last_stage_layers=1")  # (the last stage's one layer cannot fill its 2 chunks)
     with pytest.raises(InputError, match=r"parallel.vpp=2: .* pp > 1 for vpp > 1"):
         run_rl(rl_cfg(model_dir, tmp_path / "g", "parallel.vpp=2"))
 

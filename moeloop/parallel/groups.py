@@ -65,9 +65,6 @@ def init_parallel_groups(cp: int = 1, tp: int = 1, pp: int = 1, first_stage_laye
     if vpp < 1 or (vpp > 1 and pp == 1):
         raise InputError(f"parallel.vpp={vpp}: the model chunks of a pipeline stage need vpp >= 1, and pp > 1 for "
                          f"vpp > 1 (parallel.pp={pp})")
-    if vpp > 1 and (first_stage_layers or last_stage_layers):
-        raise InputError(f"parallel.vpp={vpp} with parallel.first_stage_layers / last_stage_layers: an interleaved "
-                         "pipeline splits the layers evenly over its pp * vpp chunks (set both to 0)")
     _GROUPS.cp, _GROUPS.tp, _GROUPS.pp, _GROUPS.vpp, _GROUPS.timeout = 1, 1, 1, vpp, timeout
     _GROUPS.sequence_parallel = sequence_parallel and tp > 1
     _GROUPS.cp_group = _GROUPS.tp_group = _GROUPS.pp_group = _GROUPS.replica_group = _GROUPS.dp_group = None

@@ -78,15 +78,17 @@ class Layout:
     def chunk_layers(self, num_layers: int) -> list[int]:
         """Decoder layers of each model chunk in the pipeline's order: chunk k (of pp * vpp) is the (k // pp)-th chunk
         of stage k % pp (Megatron's interleaving), and holds the k-th run of layers. Even, the earlier chunks one more
-        where they do not divide, unless the first or last stage's count is set (vpp 1 only)."""
+        where they do not divide; where the first or last stage's count is set, that stage's layers split so over its
+        vpp chunks and the rest over the other stages' chunks."""
         if self.pp == 1:
             return [num_layers]
         first, last = self.first_stage_layers, self.last_stage_layers
-        middle_chunks = self.pp * self.vpp - (1 if first else 0) - (1 if last else 0)
-        rest = num_layers - first - last
-        each, extra = divmod(rest, middle_chunks) if middle_chunks else (0, 0)
-        middle = [each + (1 if i < extra else 0) for i in range(middle_chunks)]
-        return ([first] if first else []) + middle + ([last] if last else [])
+        ends = {0: first, self.pp - 1: last}
+        ends = {stage: n for stage, n in ends.items() if n}
+        middle_chunks = (self.pp - len(ends)) * self.vpp
+        shares = {stage: _even(n, self.vpp) for stage, n in ends.items()}
+        shares[None] = _even(num_layers - first - last, middle_chunks)
+        return [shares[k % self.pp if k % self.pp in ends else None].pop(0) for k in range(self.pp * self.vpp)]
 
     def stage_chunks(self, num_layers: int, stage: int) -> list[range]:
         """The decoder layers of `stage`'s chunks, chunk by chunk (one run without interleaving): what the runtime
@@ -111,9 +113,6 @@ class Layout:
             errors.append(f"vpp={self.vpp} needs pp > 1")
         if (self.first_stage_layers or self.last_stage_layers) and self.pp == 1:
             errors.append("first_stage_layers/last_stage_layers need pp > 1")
-        if (self.first_stage_layers or self.last_stage_layers) and self.vpp > 1:
-            errors.append("first_stage_layers/last_stage_layers with vpp > 1: an interleaved pipeline splits the "
-                          "layers evenly over its pp*vpp chunks")
         if self.sequence_parallel and (self.cp > 1 or self.pp > 1):
             errors.append(f"sequence_parallel with cp={self.cp}, pp={self.pp}: the trainer splits the residual stream "
                           "by rows only under tp alone (cp and pp 1)")
@@ -158,15 +157,17 @@ class Layout:
         if self.pp == 1:
             return []
         first, last = self.first_stage_layers, self.last_stage_layers
-        middle_chunks = self.pp * self.vpp - (1 if first else 0) - (1 if last else 0)
+        middle_chunks = (self.pp - (1 if first else 0) - (1 if last else 0)) * self.vpp
         rest = num_layers - first - last
         if rest < 0 or (middle_chunks == 0 and rest):
             return [f"first_stage_layers={first} + last_stage_layers={last} do not fit num_layers={num_layers} with pp={self.pp}"]
+        errors = [f"{name}={n} < vpp={self.vpp}: each of the stage's vpp chunks needs one layer at least"
+                  for name, n in (("first_stage_layers", first), ("last_stage_layers", last)) if 0 < n < self.vpp]
         if rest < middle_chunks:
-            return [f"num_layers={num_layers}: {rest} layers for {middle_chunks} pipeline chunks (pp*vpp = "
-                    f"{self.pp}*{self.vpp}{' less the first/last stage' if first or last else ''}): every chunk needs "
-                    "one layer at least"]
-        return []
+            errors.append(f"num_layers={num_layers}: {rest} layers for {middle_chunks} pipeline chunks (pp*vpp = "
+                          f"{self.pp}*{self.vpp}{' less the first/last stage' if first or last else ''}): every chunk "
+                          "needs one layer at least")
+        return errors
 
     def _batch_rules(self, b: BatchInfo) -> list[str]:
         errors = []
@@ -184,3 +185,9 @@ class Layout:
 
     def to_dict(self) -> dict[str, int]:
         return {**asdict(self), "world_size": self.world_size, "expert_dp": self.expert_dp}
+
+
+def _even(n: int, parts: int) -> list[int]:
+    """`n` split over `parts`, the earlier parts one more where they do not divide."""
+    each, extra = divmod(n, parts) if parts else (0, 0)
+    return [each + (1 if i < extra else 0) for i in range(parts)]
