@@ -124,15 +124,37 @@ def test_ctrl_c_during_a_checkpoint_save(close_fails: bool, tmp_path: Path, monk
 def test_sigint_to_a_real_sft_run(tmp_path: Path) -> None:
     """`python -m moeloop sft` on a tiny model, SIGINT after its first checkpoint (a save each step, so the signal
     often lands in one): exit code 130 and one line on stderr naming the newest checkpoint. About 10 s."""
+    sigint_after_first_checkpoint(tmp_path, "sft", ["data.train_batch_size=8", "actor.ppo_mini_batch_size=8"])
+
+
+def test_ctrl_c_to_a_run_with_worker_processes(tmp_path: Path) -> None:
+    """`moeloop rl` with its engine in a process of its own (`rollout.mode=disaggregated`) and the rewards in process
+    workers (`reward.executor=process`); SIGINT to the whole process group after the first checkpoint, as a terminal's
+    Ctrl-C: the workers end quietly (no traceback of theirs), the run prints its one line, and no process of the
+    group is left. About 15 s."""
+    sigint_after_first_checkpoint(tmp_path, "rl", [
+        "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "rollout.n=4", "trainer.val_every=0",
+        "data.val_files=[]", "rollout.mode=disaggregated", "reward.executor=process", "reward.concurrency=4"],
+        group=True)
+
+
+def sigint_after_first_checkpoint(tmp_path: Path, command: str, overrides: list[str], group: bool = False) -> None:
+    """Run `python -m moeloop COMMAND` on a tiny model with a checkpoint every step; after the first, SIGINT to it
+    (`group`: to its whole process group, in a session of its own); then check exit code 130, one line on stderr
+    naming the newest checkpoint, no traceback, and (`group`) no process of the group left."""
     init_model("qwen3_moe", "tiny", tmp_path / "model", seed=1)
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "moeloop", "sft", RUNS["sft"][0], f"model.path={tmp_path / 'model'}",
+    cmd = [sys.executable, "-m", "moeloop", command, RUNS[command][0], f"model.path={tmp_path / 'model'}",
            f"trainer.run_dir={run_dir}", "trainer.device=cpu", "trainer.steps=1000", "trainer.log=[jsonl]",
-           "checkpoint.save_every=1", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8"]
+           "checkpoint.save_every=1", *overrides]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    # (SIGINT as Python installs it: a shell's background job would otherwise pass it on ignored)
+
+    def start() -> None:  # SIGINT as Python installs it: a shell's background job would otherwise pass it on ignored
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        if group:
+            os.setsid()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            preexec_fn=start)
     latest = run_dir / "checkpoints" / "latest"
     try:
         deadline = time.monotonic() + 120
@@ -141,13 +163,29 @@ def test_sigint_to_a_real_sft_run(tmp_path: Path) -> None:
         if proc.poll() is not None:
             pytest.fail(f"the run ended before its first checkpoint:\n{proc.stderr.read()[-3000:]}")
         assert latest.is_file(), "no checkpoint within 120 s"
-        proc.send_signal(signal.SIGINT)
+        if group:
+            assert len(_group(proc.pid)) > 2, "the run started no worker processes"  # (the engine, reward workers)
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
-            proc.kill()
+            (os.killpg if group else os.kill)(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode == 130, err[-3000:]
     newest = latest.parent / latest.read_text().strip()
-    assert err.splitlines()[-1] == f"moeloop sft: interrupted; the newest checkpoint is {newest} (resume with --resume)"
-    assert "Traceback" not in err
+    assert err.splitlines()[-1] == (f"moeloop {command}: interrupted; the newest checkpoint is {newest} "
+                                    "(resume with --resume)")
+    assert "Traceback" not in err, err[-3000:]
+    if group:
+        deadline = time.monotonic() + 10
+        while _group(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _group(proc.pid), f"left running: {_group(proc.pid)}"
+
+
+def _group(pgid: int) -> list[str]:
+    """The command lines of the processes in process group `pgid`."""
+    ps = subprocess.run(["ps", "-eo", "pgid=,args="], capture_output=True, text=True, check=True).stdout
+    return [line.split(None, 1)[1] for line in ps.splitlines() if line.split(None, 1)[0] == str(pgid)]

@@ -28,7 +28,7 @@ import torch
 import torch.multiprocessing as mp
 
 from moeloop.config import RunConfig
-from moeloop.errors import InputError
+from moeloop.errors import InputError, leave_interrupts_to_the_parent
 from moeloop.sync import Bucket, verified_tensors
 from moeloop.sync.transport import LENT_BUFFERS
 
@@ -195,6 +195,7 @@ def serve(cfg: RunConfig, device: str, threads: int, conn) -> None:
     from moeloop.loop.env import dtype_of, load_tokenizer
     from moeloop.model.hf_io import load_pretrained
 
+    leave_interrupts_to_the_parent()
     torch.set_num_threads(threads)
     dev = torch.device(device)
     if dev.type == "cuda":

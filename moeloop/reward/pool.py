@@ -24,7 +24,7 @@ import time
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
 
-from moeloop.errors import UnscorableSample
+from moeloop.errors import UnscorableSample, leave_interrupts_to_the_parent
 from moeloop.reward.breaker import CircuitBreaker
 from moeloop.reward.registry import RewardFn, as_result, is_async_fn
 from moeloop.reward.stats import RewardStats
@@ -186,6 +186,7 @@ def _make_executor(kind: str, workers: int) -> Executor:
     if kind == "thread":
         return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reward")
     if kind == "process":  # CPU-bound rules; the function and samples must pickle
-        return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+        return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=leave_interrupts_to_the_parent)
     raise ValueError(f"reward.executor={kind!r} must be thread|process")
 
