@@ -193,15 +193,20 @@ def test_sequence_parallel_matches_one_process(world, tp, kind, arch):
     assert_ranks_match([r[:3] for r in results], want_first, want_metrics, want)
 
 
-@pytest.mark.parametrize("world,tp,kind,arch,lora,sp", [
-    (2, 2, "rl", "qwen3_moe", ["all-linear"], False),  # q, k, v split by output, o by input
-    (4, 2, "rl", "qwen3_moe", ["all-linear", "experts"], False),  # dp 2 x tp 2; the routed experts' adapters too
-    (2, 2, "rl", "deepseek_v3", ["all-linear", "experts"], False),  # MLA: heads split, latents whole; dense MLP; shared
-    (4, 4, "rl", "qwen3_moe_bias", ["all-linear"], False),  # above the kv heads: k and v whole, the head's rows of B
-    (2, 2, "sft", "qwen3_moe", ["all-linear"], True),  # sequence parallelism
-    (2, 2, "rl", "deepseek_v3", ["all-linear"], True),
+ATTENTION_AND_EXPERTS = ["all-linear", "experts"]
+
+
+@pytest.mark.parametrize("world,tp,cp,ep,sp,kind,arch,lora", [
+    (2, 2, 1, 1, False, "rl", "qwen3_moe", ["all-linear"]),  # q, k, v split by output, o by input
+    (4, 2, 1, 1, False, "rl", "qwen3_moe", ATTENTION_AND_EXPERTS),  # dp 2 x tp 2; the routed experts' adapters too
+    (2, 2, 1, 1, False, "rl", "deepseek_v3", ATTENTION_AND_EXPERTS),  # MLA: heads split, latents whole; dense MLP
+    (4, 4, 1, 1, False, "rl", "qwen3_moe_bias", ["all-linear"]),  # above the kv heads: k, v whole, the head's rows of B
+    (2, 2, 1, 1, True, "sft", "qwen3_moe", ["all-linear"]),  # sequence parallelism
+    (2, 2, 1, 1, True, "rl", "deepseek_v3", ["all-linear"]),
+    (4, 2, 2, 1, False, "rl", "qwen3_moe", ["all-linear"]),  # cp 2 x tp 2
+    (4, 2, 1, 2, False, "rl", "qwen3_moe", ATTENTION_AND_EXPERTS),  # dp 2 x tp 2, the experts (and adapters) over ep 2
 ])
-def test_lora_at_tensor_parallel_matches_one_process(world, tp, kind, arch, lora, sp):
+def test_lora_at_tensor_parallel_matches_one_process(world, tp, cp, ep, sp, kind, arch, lora):
     """LoRA under tp: a column split's adapter keeps A whole and splits B by output with the weight, a row split's
     splits A by input and keeps B whole (its rank-r intermediate a part on each rank, summed with the output's
     all-reduce); the adapters of projections tp leaves whole (MLA's latents, k and v above the kv heads, shared and
@@ -212,7 +217,7 @@ def test_lora_at_tensor_parallel_matches_one_process(world, tp, kind, arch, lora
     want_first, want_metrics, want, *_ = _run(kind=kind, arch=arch, lora=lora)
     o_proj = "model.layers.1.self_attn.o_proj.weight"
     assert not torch.equal(want[o_proj], _model(arch).state_dict()[o_proj])  # the adapters moved the merged weights
-    results = run_ranks(_rank, world, tp, 1, 1, kind, arch, sp, lora)
+    results = run_ranks(_rank, world, tp, cp, ep, kind, arch, sp, lora)
     column = "q_b_proj" if arch == "deepseek_v3" else "q_proj"
     for *_, (_, _, _, splits) in results:
         assert splits[f"self_attn.{column}.lora_A"] == Replicate() and splits[f"self_attn.{column}.lora_B"] == Shard(0)
@@ -311,7 +316,8 @@ KL = ("actor.use_kl_loss=true", "actor.kl_loss_coef=0.5")  # (the reference: the
 ])
 def test_the_lora_rl_loop_at_tensor_parallel_matches_one_process(model_dir, tmp_path, world, extra, layout, splits):
     """`moeloop rl` with actor.lora_rank=4 at parallel.tp=2 gives one process's metrics and weights: the merged ones
-    it syncs to the engine and exports (the adapted weights moved). Tolerance as the loop tests' (Adam over
+    it syncs to the engine and exports (the adapted weights moved), and the adapters it writes in peft's format.
+    Tolerance as the loop tests' (Adam over
     all-reduced fp32 gradients; lr 1e-3: at 1e-2 Adam's first steps magnify fp32 order to 4e-4 in grad_norm).
     With the KL loss its kl_loss is not compared: the base model's (adapters-off) logprobs of one step's prompt group
     differed by up to 9e-3 at tp 2 (a full fine-tune's kl_loss differs at that step too; not at dp 2: an MoE routing
@@ -326,6 +332,11 @@ def test_the_lora_rl_loop_at_tensor_parallel_matches_one_process(model_dir, tmp_
     w0, w1 = load_pretrained(model_dir).state_dict(), _weights(tmp_path / "one")
     assert {n for n in w0 if not torch.equal(w0[n], w1[n])} >= {f"model.layers.{i}.self_attn.{p}.weight"
                                                                  for i in range(2) for p in ("q_proj", "o_proj")}
+    from safetensors.torch import load_file
+    one, split = (load_file(tmp_path / run / "lora_adapter" / "adapter_model.safetensors") for run in ("one", "tp"))
+    assert one.keys() == split.keys()  # the adapters alone in peft's format, gathered whole
+    for name in one:  # (rtol: with the KL loss, the near-tie's step moved one element of an A by 7e-4 relative)
+        torch.testing.assert_close(split[name], one[name], rtol=1e-3, atol=5e-5)
 
 
 def test_the_rl_loop_above_the_kv_heads_matches_one_process(model_dir, tmp_path):
