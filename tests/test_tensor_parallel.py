@@ -229,6 +229,21 @@ def test_lora_at_tensor_parallel_matches_one_process(world, tp, cp, ep, sp, kind
     assert_ranks_match([r[:3] for r in results], want_first, want_metrics, want)
 
 
+def _lora_stages_rank(rank, world, pp, tp):
+    init_parallel_groups(1, tp, pp)
+    cfg = actor_cfg(max_tokens_per_micro_batch=24, grad_clip=0.1, lora_rank=4, lora_alpha=8)
+    model = Actor(tiny_model(), cfg, torch.device("cpu"), 8)
+    use_sgd(model, 0.05)
+    first, metrics = first_pass_then_steps(model, _shard(rl_batch()), "rl", ("pg_loss", "grad_norm"))
+    return first, metrics, {n: t.clone() for n, t in model.named_weights()}
+
+
+def test_lora_at_pipeline_and_tensor_parallel_matches_one_process():
+    """pp 2 x tp 2 with LoRA on the attention: each stage's adapters split over its tp pair, the merged weights
+    gathered from both stages; the numbers are one process's (tolerance as above)."""
+    assert_ranks_match(run_ranks(_lora_stages_rank, 4, 2, 2), *_lora_stages_rank(0, 1, 1, 1))
+
+
 @pytest.mark.parametrize("world,tp,kind", [(2, 1, "rl"), (2, 1, "sft"), (2, 2, "rl"), (4, 2, "rl")])
 def test_tied_embeddings_at_data_and_tensor_parallel_match_one_process(world, tp, kind):
     """A dense model whose head is its embedding (tie_word_embeddings, as Qwen3's and Llama's small models): FSDP shards
