@@ -332,8 +332,8 @@ KL = ("actor.use_kl_loss=true", "actor.kl_loss_coef=0.5")  # (the reference: the
 def test_the_lora_rl_loop_at_tensor_parallel_matches_one_process(model_dir, tmp_path, world, extra, layout, splits):
     """`moeloop rl` with actor.lora_rank=4 at parallel.tp=2 gives one process's metrics and weights: the merged ones
     it syncs to the engine and exports (the adapted weights moved), and the adapters it writes in peft's format.
-    Tolerance as the loop tests' (Adam over
-    all-reduced fp32 gradients; lr 1e-3: at 1e-2 Adam's first steps magnify fp32 order to 4e-4 in grad_norm).
+    Tolerance as the loop tests' (Adam over all-reduced fp32 gradients; lr 1e-3: at 1e-2 Adam's first steps magnify
+    fp32 order to 4e-4 in grad_norm).
     With the KL loss its kl_loss is not compared: the base model's (adapters-off) logprobs of one step's prompt group
     differed by up to 9e-3 at tp 2 (a full fine-tune's kl_loss differs at that step too; not at dp 2: an MoE routing
     near-tie that fp32 order tips, it seems), and at dp 2 x tp 2 that moved the step's grad_norm by 3e-4, so KL is on

@@ -64,7 +64,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                parallelize_module)
 
@@ -196,7 +196,8 @@ def _project_head_rows(self: nn.Linear, x_TD: torch.Tensor) -> torch.Tensor:
     return F.linear(x_TD, self.weight[lo:hi], None if self.bias is None else self.bias[lo:hi])
 
 
-def _distribute(module: nn.Module, leaf: str, mesh: DeviceMesh, placement, src_data_rank: int | None) -> None:
+def _distribute(module: nn.Module, leaf: str, mesh: DeviceMesh, placement: Placement,
+                src_data_rank: int | None) -> None:
     """`module`'s parameter `leaf` a DTensor on the 1-D `mesh` at `placement` (as torch's styles distribute theirs)."""
     param = getattr(module, leaf)
     dist_param = distribute_tensor(param, mesh, [placement], src_data_rank=src_data_rank)
