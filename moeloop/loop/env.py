@@ -89,9 +89,6 @@ def check_parallel_support(cfg: RunConfig) -> None:
                          f"splits the attention heads and dense MLPs over tp of them, parallel.pp the layers over pp "
                          f"stages, parallel.vpp each stage's into vpp chunks, parallel.ep the experts over ep of them, "
                          f"parallel.cp each sequence over cp of them); etp is used by `moeloop plan`")
-    if p.tp > 1 and cfg.actor.lora_rank:
-        raise InputError(f"actor.lora_rank={cfg.actor.lora_rank} with parallel.tp={p.tp}: LoRA adapters are not split "
-                         "by tensor parallelism yet; use parallel.tp=1")
 
 
 def seed_everything(seed: int) -> None:

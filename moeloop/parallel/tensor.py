@@ -34,6 +34,12 @@ ranks hold the same shard (`parallel.fsdp.grad_norm`). The weights are DTensors 
 alone, as the norms), so the state dict, DCP checkpoints (which reshard across layouts) and `full_tensor` (weight
 sync, HF export) see whole tensors under their usual names.
 
+LoRA adapters (`train.lora`, applied before this) split with the linear they adapt (`ColumnSplit`, `RowSplit`): a
+column split's A [R, I] whole and B [O, R] by output, a row split's A by input and B whole, its rank-R intermediate a
+Partial DTensor that rides the output's one all-reduce. The whole pieces' gradients come out as each rank's part and
+FSDP sums them over tp (a Replicate DTensor's); adapters of what tp leaves whole (MLA's latents, k and v above the
+kv heads: `forward_rows` of the head's rows, shared and routed experts) are completed as their weights' would be.
+
 Sequence parallelism (`parallel.sequence_parallel`, Megatron's; `shard_sequence`): the residual stream between the
 layers and the norms on it hold a tp rank's rows (`_Rows`: the first T % tp ranks one more; the all-gathers pad to equal
 blocks). The embedding's output is cut to the rank's rows; each attention and dense MLP all-gathers its normed input's
@@ -58,7 +64,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                parallelize_module)
 
@@ -91,7 +97,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = False
     `sequence_parallel`: the residual stream and the norms by rows too (`shard_sequence`)."""
     tp = mesh.size()
     check_tp(model.cfg, tp)
-    col, row = ColwiseParallel(), RowwiseParallel()
+    col, row = ColumnSplit(), RowSplit()
 
     def replicated_input(num_args: int) -> PrepareModuleInput:  # the first of num_args positional inputs a DTensor
         layouts = (Replicate(),) + (None,) * (num_args - 1)
@@ -180,11 +186,48 @@ def keep_kv_head(attn: Attention, mesh: DeviceMesh) -> None:
 
 
 def _project_head_rows(self: nn.Linear, x_TD: torch.Tensor) -> torch.Tensor:
-    """`keep_kv_head`'s forward of a k or v projection: its rows `tp_head_rows` only."""
+    """`keep_kv_head`'s forward of a k or v projection: its rows `tp_head_rows` only (a module with low-rank adapters
+    computes them itself, `forward_rows`: its B's rows, A whole)."""
     if isinstance(x_TD, DTensor):  # replicated; the gradient this rank gives it is a part (summed over tp)
         x_TD = x_TD.to_local(grad_placements=[Partial()])
     lo, hi = self.tp_head_rows
+    if hasattr(self, "forward_rows"):
+        return self.forward_rows(x_TD, lo, hi)
     return F.linear(x_TD, self.weight[lo:hi], None if self.bias is None else self.bias[lo:hi])
+
+
+def _distribute(module: nn.Module, leaf: str, mesh: DeviceMesh, placement: Placement,
+                src_data_rank: int | None) -> None:
+    """`module`'s parameter `leaf` a DTensor on the 1-D `mesh` at `placement` (as torch's styles distribute theirs)."""
+    param = getattr(module, leaf)
+    dist_param = distribute_tensor(param, mesh, [placement], src_data_rank=src_data_rank)
+    module.register_parameter(leaf, nn.Parameter(dist_param, requires_grad=param.requires_grad))
+
+
+class ColumnSplit(ColwiseParallel):
+    """torch's column split (weight and bias by output, dim 0) of a linear module that may carry low-rank adapters
+    (`ADAPTED`: base weight [O, I] -> its A [R, I] and B [O, R], LoRA's W + s B A): B splits by output with the weight,
+    A stays whole (its rows are the rank). The rank-R intermediate x A^T is then whole on each tp rank, B's rows make
+    this rank's output columns, and A's gradient, each rank's part (through its B rows), is summed over tp where
+    FSDP reduces it (a Replicate DTensor's gradient)."""
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        whole = {a for a, _ in getattr(module, "ADAPTED", {}).values()}
+        for leaf, _ in list(module.named_parameters()):
+            _distribute(module, leaf, device_mesh, Replicate() if leaf in whole else Shard(0), self.src_data_rank)
+
+
+class RowSplit(RowwiseParallel):
+    """torch's row split (weight by input, dim 1; bias whole) of a linear module that may carry low-rank adapters
+    (`ADAPTED`, as `ColumnSplit`): A splits by input with the weight, B stays whole. Each rank's x A^T is then a part
+    of the rank-R intermediate (a Partial DTensor): through the whole B it stays one, and is summed over tp with the
+    base output in the split's one all-reduce (the sum is linear: (sum_t h_t) B^T = sum_t h_t B^T)."""
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        super()._partition_linear_fn(name, module, device_mesh)
+        for a, b in getattr(module, "ADAPTED", {}).values():
+            _distribute(module, a, device_mesh, Shard(1), self.src_data_rank)
+            _distribute(module, b, device_mesh, Replicate(), self.src_data_rank)
 
 
 class _Rows:

@@ -26,7 +26,6 @@ from torch.distributed.tensor import DTensor
 from moeloop.algo.token_rewards import response_mask_values
 from moeloop.algo.losses import SHARE_KEYS, PolicyInputs, actor_loss, metrics_to_floats, reduce_metrics
 from moeloop.config.schema import ActorSection
-from moeloop.errors import InputError
 from moeloop.model.attention import GatheredAttention, PackedAttention, RowMap, gather_rows
 from moeloop.model.routes import RouteTape
 from moeloop.parallel.collectives import all_gather_rows, global_values
@@ -309,9 +308,6 @@ class Actor(PolicyForward):
                  seed: int = 0, master_weights: bool = True):
         """With `cfg.lora_rank` > 0 the model gets LoRA adapters first (`train.lora`): they alone train, drawn from
         `seed` (the run's trainer.seed: the same adapters on every rank)."""
-        if cfg.lora_rank and tp_size() > 1:
-            raise InputError(f"actor.lora_rank={cfg.lora_rank} with parallel.tp={tp_size()}: LoRA adapters are not "
-                             "split by tensor parallelism yet; use parallel.tp=1 (data, context or expert parallel)")
         self.lora_modules = apply_lora(model, cfg, seed) if cfg.lora_rank else []  # (before FSDP shards the model)
         super().__init__(model, device, cfg.max_tokens_per_micro_batch, chunk_tokens, param_dtype, ep=ep,
                          master_weights=master_weights)

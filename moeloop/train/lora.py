@@ -8,7 +8,8 @@ get.
     with adapters_off(model): ...               # the base model (the KL reference under LoRA)
     save_adapter(model, cfg.actor, out_dir, base)  # the adapters alone, in peft's format
 Adapters are held and computed in fp32 for a bf16 or fp32 model (peft's autocast_adapter_dtype): the adapter's output
-is added to the base output in fp32 and the sum cast back to the base dtype.
+is added to the base output in fp32 and the sum cast back to the base dtype. Tensor parallelism (`parallel.tensor`)
+splits them with the weights they adapt (`ADAPTED` names them): the forward here runs on the DTensors as it comes.
 """
 # I in features, O out features, R rank, E experts, S rows sorted by expert
 from __future__ import annotations
@@ -82,6 +83,13 @@ class LoRALinear(nn.Linear):
         if not self.adapter_on:
             return F.linear(x, self.weight, self.bias)
         return lora_linear(x, self.weight, self.bias, self.lora_A, self.lora_B, self.scale)
+
+    def forward_rows(self, x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Output features lo:hi only: the base's rows and B's, A whole (tensor parallelism's `keep_kv_head`)."""
+        bias = None if self.bias is None else self.bias[lo:hi]
+        if not self.adapter_on:
+            return F.linear(x, self.weight[lo:hi], bias)
+        return lora_linear(x, self.weight[lo:hi], bias, self.lora_A, self.lora_B[lo:hi], self.scale)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.lora_A.shape[0]}, scale={self.scale:g}"
