@@ -442,23 +442,34 @@ def test_tensor_parallel_refuses_what_it_cannot_split(model_dir, tmp_path):
         check_tp(cfg, 3)
 
 
-def _weights_rank(rank, world, tp, arch):
+LORA_EVERYWHERE = ["all-linear", "experts"]
+
+
+def _weights_rank(rank, world, tp, arch, lora_rank=0):
     init_parallel_groups(1, tp)
     model = build_model(arch, "tiny", seed=0).to(torch.bfloat16)
-    Actor(model, actor_cfg(), torch.device("cpu"), 8, master_weights=False)
+    lora = {"lora_rank": lora_rank, "lora_target_modules": LORA_EVERYWHERE} if lora_rank else {}
+    Actor(model, actor_cfg(**lora), torch.device("cpu"), 8, master_weights=False)
     persistent = [b for name, b in model.named_buffers() if name in model.state_dict()]  # (DeepSeek's router bias)
-    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() * 2 for p in [*model.parameters(), *persistent])
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
+               for p in [*model.parameters(), *persistent])
 
 
-@pytest.mark.parametrize("world,tp,arch", [(2, 2, "qwen3_moe"), (4, 2, "qwen3_moe"), (2, 1, "qwen3_moe"),
-                                           (2, 2, "deepseek_v3"), (4, 4, "qwen3_moe")])
-def test_the_planner_counts_the_weights_a_tensor_parallel_rank_keeps(world, tp, arch):
+@pytest.mark.parametrize("world,tp,arch,lora_rank", [
+    (2, 2, "qwen3_moe", 0), (4, 2, "qwen3_moe", 0), (2, 1, "qwen3_moe", 0), (2, 2, "deepseek_v3", 0),
+    (4, 4, "qwen3_moe", 0),
+    (4, 2, "qwen3_moe", 4), (2, 2, "deepseek_v3", 4), (4, 4, "qwen3_moe", 4),  # + fp32 LoRA adapters everywhere
+])
+def test_the_planner_counts_the_weights_a_tensor_parallel_rank_keeps(world, tp, arch, lora_rank):
     """`moeloop plan`'s weights entry for dp x tp is the mean bytes a rank of the trainer keeps: the heads and dense
     widths split by tp, the embedding, head, norms, router and shared experts whole on each tp rank (and the k and v
-    projections, at tp above the kv heads), all sharded by FSDP over dp, and the routed experts over every rank."""
-    kept = run_ranks(_weights_rank, world, tp, arch)
+    projections, at tp above the kv heads), all sharded by FSDP over dp, and the routed experts over every rank. LoRA's
+    adapters as tp splits them: a column split's A whole and B by output, a row split's A by input and B whole, whole
+    where the linear is (MLA's latents, shared experts, k and v above the kv heads)."""
+    kept = run_ranks(_weights_rank, world, tp, arch, lora_rank)
+    lora = [f"actor.lora_rank={lora_rank}", f"actor.lora_target_modules=[{','.join(LORA_EVERYWHERE)}]"]
     cfg = load_config(None, ["model.path=unused", f"parallel.dp={world // tp}", f"parallel.tp={tp}",
-                             "model.dtype=bfloat16", "model.fp32_master_weights=false"])
+                             "model.dtype=bfloat16", "model.fp32_master_weights=false", *(lora if lora_rank else [])])
     cfg.plan.hf_config = hf_config_dict(arch, "tiny")
     stats = model_stats(ModelConfig.from_hf_dict(cfg.plan.hf_config))
     planned = memory_ledger(cfg, stats, Layout.from_section(cfg.parallel)).entries["weights"]

@@ -191,6 +191,19 @@ def _attention_linears(m: ModelConfig) -> list[tuple[str, int, int]]:
                 ("o_proj", m.num_heads * m.v_head_dim, h)]
 
 
+def _tp_split(m: ModelConfig, name: str, tp: int) -> str | None:
+    """How `parallel.tensor.apply_tp` splits the decoder linear `name` over tp ranks: "column" (by output), "row" (by
+    input) or None (whole on each: MLA's latents, shared experts, k/v above the kv heads)."""
+    if tp == 1 or ".shared_experts." in name:
+        return None
+    leaf = name.rsplit(".", 1)[1]
+    if leaf in ("k_proj", "v_proj") and not m.is_mla and tp > m.num_kv_heads:
+        return None
+    if leaf in ("q_proj", "q_b_proj", "kv_b_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+        return "column"
+    return "row" if leaf in ("o_proj", "down_proj") else None
+
+
 def decoder_experts(m: ModelConfig) -> list[tuple[str, int, int, int]]:
     """(module name, experts E, model dim D, expert ffn dim F) of the routed experts of each MoE layer: the stacked
     experts LoRA can target (`train.lora.expert_module_names`)."""
@@ -198,15 +211,21 @@ def decoder_experts(m: ModelConfig) -> list[tuple[str, int, int, int]]:
             for i in range(m.num_layers) if m.num_experts and m.is_moe_layer(i)]
 
 
-def lora_layer_params(m: ModelConfig, actor: ActorSection) -> tuple[list[int], list[int]]:
+def lora_layer_params(m: ModelConfig, actor: ActorSection, tp: int = 1) -> tuple[list[float], list[int]]:
     """(dense, expert) adapter parameters of each decoder layer under `actor.lora_rank`: A [r, in] + B [out, r] per
     targeted linear module; per expert A [r, D] + B [2F, r] on gate_up and A [r, F] + B [D, r] on down for targeted
-    routed experts. Zeros without LoRA."""
-    dense, expert = [0] * m.num_layers, [0] * m.num_layers
+    routed experts. Zeros without LoRA. `tp`: the dense ones a tp rank holds, split as `parallel.tensor` splits them
+    with the linear they adapt (a column split's B by output, A whole; a row split's A by input, B whole; adapters of
+    the linears tp leaves whole, whole); the experts' are whole here (the caller divides them by ep * etp)."""
+    dense, expert = [0.0] * m.num_layers, [0] * m.num_layers
     if not actor.lora_rank:
         return dense, expert
     r = actor.lora_rank
-    sizes = {name: r * (d_in + d_out) for name, d_in, d_out in decoder_linears(m)}
+
+    def per_rank(name: str, d_in: int, d_out: int) -> float:
+        split = _tp_split(m, name, tp)
+        return r * (d_in + d_out / tp if split == "column" else d_in / tp + d_out if split == "row" else d_in + d_out)
+    sizes = {name: per_rank(name, d_in, d_out) for name, d_in, d_out in decoder_linears(m)}
     experts = {name: num * r * ((d + 2 * f) + (f + d)) for name, num, d, f in decoder_experts(m)}
     candidates = sorted([*sizes, *experts], key=lambda name: int(name.split(".")[2]))
     for name in actor.lora_targets(candidates, set(experts)):

@@ -200,20 +200,22 @@ def full_training(cfg: RunConfig) -> RunConfig:
 
 def rank_lora_params(cfg: RunConfig, stats: ModelStats, layout: Layout, stage: int) -> tuple[float, float]:
     """(dense, expert) LoRA adapter parameters on one rank of `stage` before data-parallel sharding: split over tp
-    (ep * etp for the routed experts') as the weights they adapt; zeros without LoRA."""
+    as `parallel.tensor` splits them (`lora_layer_params`), the routed experts' over ep * etp as the weights they
+    adapt; zeros without LoRA."""
     ids = stage_layer_ids(layout, len(stats.layers))[stage]
-    dense, expert = lora_params(cfg, stats)
-    return sum(dense[i] for i in ids) / layout.tp, sum(expert[i] for i in ids) / layout.expert_shards
+    dense, expert = lora_params(cfg, stats, layout.tp)
+    return sum(dense[i] for i in ids), sum(expert[i] for i in ids) / layout.expert_shards
 
 
-def lora_params(cfg: RunConfig, stats: ModelStats) -> tuple[list[int], list[int]]:
-    """(dense, expert) LoRA adapter parameters of each decoder layer (zeros without LoRA)."""
+def lora_params(cfg: RunConfig, stats: ModelStats, tp: int = 1) -> tuple[list[float], list[int]]:
+    """(dense, expert) LoRA adapter parameters of each decoder layer (zeros without LoRA); `tp`: a tp rank's dense
+    ones."""
     if not cfg.actor.lora_rank:
         return [0] * len(stats.layers), [0] * len(stats.layers)
     if stats.model is None:
         raise InputError("actor.lora_rank: the planner counts adapters from the model's config (plan.hf_config or "
                          "model.path), not from bare parameter counts (plan.dense_params ...)")
-    return lora_layer_params(stats.model, cfg.actor)
+    return lora_layer_params(stats.model, cfg.actor, tp)
 
 
 def _state_entries(cfg: RunConfig, stats: ModelStats, layout: Layout, stage: int) -> dict[str, float]:
