@@ -4,6 +4,7 @@ context and expert parallelism, with a middle stage (DeepSeek-V3, pp 3) and an u
 tests': fp32 summation order of the reduced gradients."""
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from moeloop.checkpoint import CheckpointManager
@@ -330,33 +331,63 @@ def test_every_schedule_runs_each_pass_once_matches_its_sends_and_cannot_deadloc
                     assert schedule_stretch(m, pp, vpp) == pytest.approx((m + (pp - 1) / vpp) / m), (pp, vpp, m)
 
 
+def _tied_adam_state(actor: Actor) -> dict[str, dict[str, torch.Tensor]]:
+    """This rank's Adam state of its copies of the tied weight (one process: the one parameter; pp 2: the embedding on
+    the first stage, the head on the last), whole: {name: {"step", "exp_avg", "exp_avg_sq"}}. Collective under FSDP."""
+    copies = [(n, p) for n, p in actor.model.named_parameters() if n in ("model.embed_tokens.weight", "lm_head.weight")]
+    return {n: {k: (v.full_tensor() if isinstance(v, DTensor) else v).clone()
+                for k, v in actor.optimizer.state[p].items()} for n, p in copies}
+
+
 def _tied_checkpoint_rank(rank, world, pp, directory, save):
-    """A tied-head actor at `pp` stages: one update and a save, or a load (then the loaded weights)."""
+    """A tied-head actor (AdamW at a constant lr) at `pp` stages, dp the rest: an update and a save, or a load; then
+    one more update. Returns the tied weight's Adam state after the save or the load (`_tied_adam_state`), and the
+    whole model's weights after that update."""
     init_parallel_groups(1, 1, pp)
-    actor = Actor(_model("llama_tied"), actor_cfg(max_tokens_per_micro_batch=24), torch.device("cpu"), 8)
+    cfg = actor_cfg(max_tokens_per_micro_batch=24)
+    cfg.optim.min_lr_ratio = 1.0
+    actor = Actor(_model("llama_tied"), cfg, torch.device("cpu"), 8)
     manager = CheckpointManager(directory)
     if save:
-        actor.update(rl_batch())
+        actor.update(_shard(rl_batch()))
         manager.save(1, actor.model, actor.optimizer, {})
     else:
         manager.load(manager.latest(), actor.model, actor.optimizer)
-    return {n: t.clone() for n, t in actor.named_weights()}
+    state = _tied_adam_state(actor)
+    actor.update(_shard(rl_batch()))
+    return state, {n: t.clone() for n, t in actor.named_weights()}
 
 
-def test_a_tied_heads_optimizer_state_is_refused_across_pipeline_layouts(tmp_path):
-    """The shared weight's optimizer state is saved twice at pp > 1 (both ends of the pipeline) and once without:
-    loading it at another pipeline layout is an InputError naming the checkpoint, on every rank (no rank is left in a
-    collective); at the layout it was saved at it resumes."""
-    _tied_checkpoint_rank(0, 1, 1, tmp_path / "one", True)
-    with pytest.raises(AssertionError, match=r"saved at parallel.pp=1, resumed at parallel.pp=2: the optimizer state"):
-        run_ranks(_tied_checkpoint_rank, 2, 2, tmp_path / "one", False)
-    saved = run_ranks(_tied_checkpoint_rank, 2, 2, tmp_path / "two", True)[0]
-    with pytest.raises(InputError, match=r"saved at parallel.pp=2, resumed at parallel.pp=1"):
-        _tied_checkpoint_rank(0, 1, 1, tmp_path / "two", False)
-    for weights in run_ranks(_tied_checkpoint_rank, 2, 2, tmp_path / "two", False):
-        assert weights.keys() == saved.keys()
-        for name, w in saved.items():
-            torch.testing.assert_close(weights[name], w, rtol=0, atol=0)
+@pytest.mark.parametrize("saved,resumed", [  # (world, pp)
+    ((1, 1), [(2, 2), (4, 2)]),  # one process -> pp 2 and dp 2 x pp 2: both copies' state from the one saved
+    ((2, 2), [(1, 1), (2, 1)]),  # pp 2 -> one process, and -> dp 2 (FSDP: each rank a shard of the one parameter)
+    ((4, 2), [(1, 1), (2, 2)]),  # dp 2 x pp 2 (each copy's state in two shards, on its stage's ranks) -> 1, pp 2
+])
+def test_a_tied_heads_optimizer_state_moves_between_pipeline_layouts(tmp_path, saved, resumed):
+    """A head tied to the embedding is one parameter in one process and two copies at pp 2 (first and last stage),
+    whose Adam states are equal (same summed gradient, same steps); a checkpoint holds that state once, under the
+    embedding's name, and every copy at every layout loads it: bit-exact (DCP copies it), and the next update then
+    gives the saving run's weights, the head's copy included (tolerance as `assert_ranks_match`'s, Adam steps over
+    another fp32 summation order)."""
+    saver = run_ranks(_tied_checkpoint_rank, *saved, tmp_path, True)
+    saved_names = dcp.FileSystemReader(str(CheckpointManager(tmp_path).latest())).read_metadata().state_dict_metadata
+    assert "optim.state.model.embed_tokens.weight.exp_avg" in saved_names
+    assert not [name for name in saved_names if name.startswith("optim.state.lm_head.")]
+    state = saver[0][0]["model.embed_tokens.weight"]
+    for copy in (c for rank_state, _ in saver for c in rank_state.values()):  # (pp 2: the head's copy too, equal)
+        for key, value in state.items():
+            torch.testing.assert_close(copy[key], value, rtol=0, atol=0)
+    for world, pp in resumed:
+        ranks = run_ranks(_tied_checkpoint_rank, world, pp, tmp_path, False)
+        for copies in (copies for copies, _ in ranks):
+            assert copies and all(copy.keys() == state.keys() for copy in copies.values())
+            for name, copy in copies.items():
+                for key, value in state.items():
+                    torch.testing.assert_close(copy[key], value, rtol=0, atol=0, msg=lambda m: f"{name} {key}: {m}")
+        for weights in (weights for _, weights in ranks):
+            assert weights.keys() == saver[0][1].keys() and "lm_head.weight" in weights
+            for name, w in saver[0][1].items():
+                torch.testing.assert_close(weights[name], w, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
 def _timeouts_rank(rank, world, timeout):
