@@ -2,6 +2,8 @@
 one-process logprobs, RL update (gradient clipping on), SFT step and critic update, alone and beside data, tensor,
 context and expert parallelism, with a middle stage (DeepSeek-V3, pp 3) and an uneven split. Tolerance as the DP
 tests': fp32 summation order of the reduced gradients."""
+import shutil
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -11,6 +13,7 @@ from moeloop.checkpoint import CheckpointManager
 from moeloop.config import load_config
 from moeloop.errors import InputError
 from moeloop.loop.rl import run_rl
+from moeloop.loop.sft import run_sft
 from moeloop.model.config import ModelConfig
 from moeloop.model.factory import build_model, hf_config_dict, init_model
 from moeloop.model.hf_io import save_pretrained
@@ -21,7 +24,8 @@ from moeloop.plan import model_stats
 from moeloop.plan.memory import stage_ledgers
 from moeloop.train.actor import Actor
 from tests.dist import run_ranks
-from tests.test_rl_loop import _cfg as rl_cfg, assert_same_run
+from tests.test_rl_loop import _cfg as rl_cfg, _rows, _weights, assert_same_run
+from tests.test_sft import _cfg as sft_cfg, _conversations
 from tests.test_tensor_parallel import (_model, _shard, assert_sft_resumes_in_one_process_and_at_dp_2,
                                        critic_pass_then_steps, run_command)
 from moeloop.model.transformer import MoEForCausalLM
@@ -388,6 +392,58 @@ def test_a_tied_heads_optimizer_state_moves_between_pipeline_layouts(tmp_path, s
             assert weights.keys() == saver[0][1].keys() and "lm_head.weight" in weights
             for name, w in saver[0][1].items():
                 torch.testing.assert_close(weights[name], w, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.fixture(scope="module")
+def tied_model_dir(tmp_path_factory):
+    """The tiny qwen3_moe with its head tied to the embedding (tie_word_embeddings), and the tokenizer."""
+    out = tmp_path_factory.mktemp("tied") / "m"
+    torch.manual_seed(3)
+    model = MoEForCausalLM(ModelConfig.from_hf_dict({**hf_config_dict("qwen3_moe", "tiny"), "tie_word_embeddings": True}))
+    build_tokenizer(out)
+    save_pretrained(model, out)
+    return out
+
+
+def _sft_rank(rank, world, model_dir, run_dir, resume, *extra):
+    """`moeloop sft` (`resume`: from run_dir's latest checkpoint) with the SFT tests' config and `extra` overrides."""
+    run_sft(sft_cfg(model_dir, run_dir, *extra), resume=resume)
+    return True
+
+
+def test_a_tied_models_sft_resumes_across_pipeline_layouts(tied_model_dir, tmp_path):
+    """`moeloop sft` of a model whose head is tied to the embedding, 4 steps: straight at pp 2 as in one process; 2
+    steps in one process resumed at pp 2 for the 3rd and 4th; 2 at pp 2 resumed in one process and at dp 2 (model,
+    AdamW state, scheduler, data cursor, RNG). Each logs one process's loss, gradient norm and lr at every step and ends
+    at its weights (tolerance as `assert_sft_resumes_in_one_process_and_at_dp_2`'s: AdamW over another fp32 summation
+    order). A resumed head copy without its AdamW state would step otherwise than the embedding from the 3rd step, and
+    the 4th step's loss (computed with the head) would show it."""
+    train = _conversations(tmp_path / "train.jsonl")
+    extra = ("data.prompt_key=messages", "data.max_response_length=16", f"data.train_files=[{train}]",
+             "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "data.val_files=[]")
+    at = lambda world, run, resume, steps, *layout: (_sft_rank(0, 1, tied_model_dir, tmp_path / run, resume,  # noqa: E731
+                                                                f"trainer.steps={steps}", *extra, *layout)
+                                                     if world == 1 else
+                                                     run_ranks(_sft_rank, world, tied_model_dir, tmp_path / run, resume,
+                                                               f"trainer.steps={steps}", *extra, *layout))
+    at(1, "one", False, 4)
+    at(2, "pp", False, 4, "parallel.pp=2")
+    at(1, "one_to_pp", False, 2)
+    at(2, "one_to_pp", True, 4, "parallel.pp=2")
+    at(2, "pp_to_one", False, 2, "parallel.pp=2")
+    shutil.copytree(tmp_path / "pp_to_one", tmp_path / "pp_to_dp")
+    at(1, "pp_to_one", True, 4)
+    at(2, "pp_to_dp", True, 4)
+    want = [(r["sft_loss"], r["grad_norm"], r["lr"]) for r in _rows(tmp_path / "one")]
+    assert len(want) == 4
+    for run in ("pp", "one_to_pp", "pp_to_one", "pp_to_dp"):
+        got = [(r["sft_loss"], r["grad_norm"], r["lr"]) for r in _rows(tmp_path / run)]
+        assert len(got) == 4, run
+        for step, (g, w) in enumerate(zip(got, want), 1):
+            assert g == pytest.approx(w, rel=1e-5), (run, step)
+        w1, w2 = _weights(tmp_path / "one"), _weights(tmp_path / run)
+        for name in w1:
+            torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=5e-5, msg=lambda m: f"{run} {name}: {m}")
 
 
 def _timeouts_rank(rank, world, timeout):
