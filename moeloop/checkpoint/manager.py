@@ -186,6 +186,9 @@ class CheckpointManager:
         _check_fits(path, state["model"])  # (every tensor of `state` is in the checkpoint: strict where it matters)
         with _one_process_quiet():
             dcp.load(state, checkpoint_id=str(path))
+        if optimizer is not None and getattr(model, "ties_head", False):
+            # (the param groups saved before the state had one name may be a pipeline's last stage's, which named it so)
+            _rename_optim_state(state["optim"], "lm_head.weight", TIED_NAME)
         head = _head_copy_name(model)
         if head is not None and optimizer is not None:  # (the state `_state` named as the embedding's: its own again)
             _rename_optim_state(state["optim"], TIED_NAME, head)
