@@ -343,15 +343,15 @@ def _tied_adam_state(actor: Actor) -> dict[str, dict[str, torch.Tensor]]:
                 for k, v in actor.optimizer.state[p].items()} for n, p in copies}
 
 
-def _tied_checkpoint_rank(rank, world, pp, directory, save, legacy=False):
+def _tied_checkpoint_rank(rank, world, pp, directory, save, legacy=False, tp=1):
     """A tied-head actor (AdamW at a constant lr) at `pp` stages, dp the rest: an update and a save, or a load; then
     one more update. Returns the tied weight's Adam state after the save or the load (`_tied_adam_state`), and the
     whole model's weights after that update. `legacy`: saved as before the state had one name (the last stage's copy
-    under its own)."""
+    under its own). `tp`: tensor parallel within a stage."""
     import moeloop.checkpoint.manager as manager_module
     if legacy:
         manager_module._head_copy_name = lambda model: None
-    init_parallel_groups(1, 1, pp)
+    init_parallel_groups(1, tp, pp)
     cfg = actor_cfg(max_tokens_per_micro_batch=24)
     cfg.optim.min_lr_ratio = 1.0
     actor = Actor(_model("llama_tied"), cfg, torch.device("cpu"), 8)
@@ -366,8 +366,8 @@ def _tied_checkpoint_rank(rank, world, pp, directory, save, legacy=False):
     return state, {n: t.clone() for n, t in actor.named_weights()}
 
 
-@pytest.mark.parametrize("saved,resumed,legacy", [  # (world, pp)
-    ((1, 1), [(2, 2), (4, 2)], False),  # one process -> pp 2 and dp 2 x pp 2: both copies' state from the one saved
+@pytest.mark.parametrize("saved,resumed,legacy", [  # (world, pp[, tp])
+    ((1, 1), [(2, 2), (4, 2), (4, 2, 2)], False),  # one process -> pp 2, dp 2 x pp 2, pp 2 x tp 2: both copies' state
     ((2, 2), [(1, 1), (2, 1)], False),  # pp 2 -> one process, and -> dp 2 (FSDP: each rank a shard of the parameter)
     ((4, 2), [(1, 1), (2, 2)], False),  # dp 2 x pp 2 (each copy's state in two shards, on its stage's ranks) -> 1, pp 2
     ((2, 2), [(1, 1), (2, 1), (2, 2)], True),  # a pp 2 checkpoint of before: its param groups may be the last stage's
@@ -386,8 +386,8 @@ def test_a_tied_heads_optimizer_state_moves_between_pipeline_layouts(tmp_path, s
     for copy in (c for rank_state, _ in saver for c in rank_state.values()):  # (pp 2: the head's copy too, equal)
         for key, value in state.items():
             torch.testing.assert_close(copy[key], value, rtol=0, atol=0)
-    for world, pp in resumed:
-        ranks = run_ranks(_tied_checkpoint_rank, world, pp, tmp_path, False)
+    for world, pp, *tp in resumed:
+        ranks = run_ranks(_tied_checkpoint_rank, world, pp, tmp_path, False, False, *tp)
         for copies in (copies for copies, _ in ranks):
             assert copies and all(copy.keys() == state.keys() for copy in copies.values())
             for name, copy in copies.items():
@@ -449,6 +449,28 @@ def test_a_tied_models_sft_resumes_across_pipeline_layouts(tied_model_dir, tmp_p
         w1, w2 = _weights(tmp_path / "one"), _weights(tmp_path / run)
         for name in w1:
             torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=5e-5, msg=lambda m: f"{run} {name}: {m}")
+
+
+def _rl_rank(rank, world, model_dir, run_dir, resume, *extra):
+    """`moeloop rl` (`resume`: from run_dir's latest checkpoint) as `run_command`'s, with `extra` overrides."""
+    run_rl(rl_cfg(model_dir, run_dir, "actor.optim.lr=1e-4", *extra), resume=resume)
+    return True
+
+
+def test_a_tied_models_rl_loop_resumes_across_pipeline_layouts(tied_model_dir, tmp_path):
+    """`moeloop rl` of a model whose head is tied to the embedding, 4 steps: 2 in one process resumed at pp 2, and 2
+    at pp 2 resumed in one process, log the straight one-process run's rewards, lengths, losses and gradient norms at
+    every step and end at its weights (`assert_same_run`: Adam over all-reduced fp32 gradients)."""
+    for run, first, then in (("one_to_pp", (), ("parallel.pp=2",)), ("pp_to_one", ("parallel.pp=2",), ())):
+        for resume, layout, steps in ((False, first, 2), (True, then, 4)):
+            world = 2 if layout else 1
+            args = (tied_model_dir, tmp_path / run, resume, f"trainer.steps={steps}", *layout)
+            _rl_rank(0, 1, *args) if world == 1 else run_ranks(_rl_rank, world, *args)
+    _rl_rank(0, 1, tied_model_dir, tmp_path / "one", False, "trainer.steps=4")
+    for run in ("one_to_pp", "pp_to_one"):
+        assert len(_rows(tmp_path / run)) == 4
+        assert_same_run(tmp_path / "one", tmp_path / run,
+                        ("reward/mean", "reward/samples", "pg_loss", "grad_norm", "response/len_mean"))
 
 
 def _timeouts_rank(rank, world, timeout):
