@@ -404,10 +404,16 @@ def tied_model_dir(tmp_path_factory):
     """The tiny qwen3_moe with its head tied to the embedding (tie_word_embeddings), and the tokenizer."""
     out = tmp_path_factory.mktemp("tied") / "m"
     torch.manual_seed(3)
-    model = MoEForCausalLM(ModelConfig.from_hf_dict({**hf_config_dict("qwen3_moe", "tiny"), "tie_word_embeddings": True}))
+    cfg = ModelConfig.from_hf_dict({**hf_config_dict("qwen3_moe", "tiny"), "tie_word_embeddings": True})
+    model = MoEForCausalLM(cfg)
     build_tokenizer(out)
     save_pretrained(model, out)
     return out
+
+
+def _on_ranks(fn, world: int, *args):
+    """`fn` on `world` gloo ranks, or in this process for 1."""
+    return fn(0, 1, *args) if world == 1 else run_ranks(fn, world, *args)
 
 
 def _sft_rank(rank, world, model_dir, run_dir, resume, *extra):
@@ -426,11 +432,9 @@ def test_a_tied_models_sft_resumes_across_pipeline_layouts(tied_model_dir, tmp_p
     train = _conversations(tmp_path / "train.jsonl")
     extra = ("data.prompt_key=messages", "data.max_response_length=16", f"data.train_files=[{train}]",
              "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "data.val_files=[]")
-    at = lambda world, run, resume, steps, *layout: (_sft_rank(0, 1, tied_model_dir, tmp_path / run, resume,  # noqa: E731
-                                                                f"trainer.steps={steps}", *extra, *layout)
-                                                     if world == 1 else
-                                                     run_ranks(_sft_rank, world, tied_model_dir, tmp_path / run, resume,
-                                                               f"trainer.steps={steps}", *extra, *layout))
+
+    def at(world, run, resume, steps, *layout):
+        _on_ranks(_sft_rank, world, tied_model_dir, tmp_path / run, resume, f"trainer.steps={steps}", *extra, *layout)
     at(1, "one", False, 4)
     at(2, "pp", False, 4, "parallel.pp=2")
     at(1, "one_to_pp", False, 2)
@@ -460,12 +464,12 @@ def _rl_rank(rank, world, model_dir, run_dir, resume, *extra):
 def test_a_tied_models_rl_loop_resumes_across_pipeline_layouts(tied_model_dir, tmp_path):
     """`moeloop rl` of a model whose head is tied to the embedding, 4 steps: 2 in one process resumed at pp 2, and 2
     at pp 2 resumed in one process, log the straight one-process run's rewards, lengths, losses and gradient norms at
-    every step and end at its weights (`assert_same_run`: Adam over all-reduced fp32 gradients)."""
+    every step and end at its weights (`assert_same_run`: Adam over all-reduced fp32 gradients). (The engine takes the
+    weight stream's head under its own name too: `RolloutEngine.update_weights`.)"""
     for run, first, then in (("one_to_pp", (), ("parallel.pp=2",)), ("pp_to_one", ("parallel.pp=2",), ())):
         for resume, layout, steps in ((False, first, 2), (True, then, 4)):
-            world = 2 if layout else 1
-            args = (tied_model_dir, tmp_path / run, resume, f"trainer.steps={steps}", *layout)
-            _rl_rank(0, 1, *args) if world == 1 else run_ranks(_rl_rank, world, *args)
+            _on_ranks(_rl_rank, 2 if layout else 1, tied_model_dir, tmp_path / run, resume, f"trainer.steps={steps}",
+                      *layout)
     _rl_rank(0, 1, tied_model_dir, tmp_path / "one", False, "trainer.steps=4")
     for run in ("one_to_pp", "pp_to_one"):
         assert len(_rows(tmp_path / run)) == 4
