@@ -343,18 +343,26 @@ def _tied_adam_state(actor: Actor) -> dict[str, dict[str, torch.Tensor]]:
                 for k, v in actor.optimizer.state[p].items()} for n, p in copies}
 
 
-def _tied_checkpoint_rank(rank, world, pp, directory, save, legacy=False, tp=1):
-    """A tied-head actor (AdamW at a constant lr) at `pp` stages, dp the rest: an update and a save, or a load; then
-    one more update. Returns the tied weight's Adam state after the save or the load (`_tied_adam_state`), and the
-    whole model's weights after that update. `legacy`: saved as before the state had one name (the last stage's copy
-    under its own). `tp`: tensor parallel within a stage."""
+def _sizes(layout: str) -> dict[str, int]:
+    """"dp2-pp2-tp2" -> {"dp": 2, "pp": 2, "tp": 2, "vpp": 1, "world": 8}; "one": one process."""
+    sizes = {"dp": 1, "pp": 1, "tp": 1, "vpp": 1}
+    sizes.update({part[:-1]: int(part[-1]) for part in layout.split("-") if part != "one"})
+    return {**sizes, "world": sizes["dp"] * sizes["pp"] * sizes["tp"]}
+
+
+def _tied_checkpoint_rank(rank, world, layout, directory, save, legacy=False):
+    """A tied-head actor (the tiny qwen3_moe with 4 decoder layers and tie_word_embeddings; AdamW at a constant lr) at
+    `layout` (`_sizes`): an update and a save, or a load; then one more update. Returns the tied weight's Adam state
+    after the save or the load (`_tied_adam_state`), and the whole model's weights after that update. `legacy`: saved
+    as before the state had one name (the last stage's copy under its own)."""
     import moeloop.checkpoint.manager as manager_module
     if legacy:
         manager_module._head_copy_name = lambda model: None
-    init_parallel_groups(1, tp, pp)
+    sizes = _sizes(layout)
+    init_parallel_groups(1, sizes["tp"], sizes["pp"], vpp=sizes["vpp"])
     cfg = actor_cfg(max_tokens_per_micro_batch=24)
     cfg.optim.min_lr_ratio = 1.0
-    actor = Actor(_model("llama_tied"), cfg, torch.device("cpu"), 8)
+    actor = Actor(tiny_model(num_hidden_layers=4, tie_word_embeddings=True), cfg, torch.device("cpu"), 8)
     manager = CheckpointManager(directory)
     if save:
         actor.update(_shard(rl_batch()))
@@ -366,11 +374,12 @@ def _tied_checkpoint_rank(rank, world, pp, directory, save, legacy=False, tp=1):
     return state, {n: t.clone() for n, t in actor.named_weights()}
 
 
-@pytest.mark.parametrize("saved,resumed,legacy", [  # (world, pp[, tp])
-    ((1, 1), [(2, 2), (4, 2), (4, 2, 2)], False),  # one process -> pp 2, dp 2 x pp 2, pp 2 x tp 2: both copies' state
-    ((2, 2), [(1, 1), (2, 1)], False),  # pp 2 -> one process, and -> dp 2 (FSDP: each rank a shard of the parameter)
-    ((4, 2), [(1, 1), (2, 2)], False),  # dp 2 x pp 2 (each copy's state in two shards, on its stage's ranks) -> 1, pp 2
-    ((2, 2), [(1, 1), (2, 1), (2, 2)], True),  # a pp 2 checkpoint of before: its param groups may be the last stage's
+@pytest.mark.parametrize("saved,resumed,legacy", [
+    ("one", ["pp2", "dp2-pp2", "pp2-tp2", "pp2-vpp2"], False),  # both copies' state from the one saved
+    ("pp2", ["one", "dp2"], False),  # dp 2: FSDP, each rank a shard of the one parameter
+    ("dp2-pp2", ["one", "pp2"], False),  # each copy's state saved in two shards, by its stage's ranks
+    ("pp2-vpp2", ["one", "pp2"], False),
+    ("pp2", ["one", "dp2", "pp2"], True),  # a pp 2 checkpoint of before: its param groups may be the last stage's
 ])
 def test_a_tied_heads_optimizer_state_moves_between_pipeline_layouts(tmp_path, saved, resumed, legacy):
     """A head tied to the embedding is one parameter in one process and two copies at pp 2 (first and last stage),
@@ -378,7 +387,7 @@ def test_a_tied_heads_optimizer_state_moves_between_pipeline_layouts(tmp_path, s
     embedding's name, and every copy at every layout loads it: bit-exact (DCP copies it), and the next update then
     gives the saving run's weights, the head's copy included (tolerance as `assert_ranks_match`'s, Adam steps over
     another fp32 summation order)."""
-    saver = run_ranks(_tied_checkpoint_rank, *saved, tmp_path, True, legacy)
+    saver = run_ranks(_tied_checkpoint_rank, _sizes(saved)["world"], saved, tmp_path, True, legacy)
     saved_names = dcp.FileSystemReader(str(CheckpointManager(tmp_path).latest())).read_metadata().state_dict_metadata
     assert "optim.state.model.embed_tokens.weight.exp_avg" in saved_names
     assert bool([name for name in saved_names if name.startswith("optim.state.lm_head.")]) == legacy
@@ -386,17 +395,19 @@ def test_a_tied_heads_optimizer_state_moves_between_pipeline_layouts(tmp_path, s
     for copy in (c for rank_state, _ in saver for c in rank_state.values()):  # (pp 2: the head's copy too, equal)
         for key, value in state.items():
             torch.testing.assert_close(copy[key], value, rtol=0, atol=0)
-    for world, pp, *tp in resumed:
-        ranks = run_ranks(_tied_checkpoint_rank, world, pp, tmp_path, False, False, *tp)
+    for layout in resumed:
+        ranks = run_ranks(_tied_checkpoint_rank, _sizes(layout)["world"], layout, tmp_path, False)
         for copies in (copies for copies, _ in ranks):
             assert copies and all(copy.keys() == state.keys() for copy in copies.values())
             for name, copy in copies.items():
                 for key, value in state.items():
-                    torch.testing.assert_close(copy[key], value, rtol=0, atol=0, msg=lambda m: f"{name} {key}: {m}")
+                    torch.testing.assert_close(copy[key], value, rtol=0, atol=0,
+                                               msg=lambda m: f"{layout} {name} {key}: {m}")
         for weights in (weights for _, weights in ranks):
             assert weights.keys() == saver[0][1].keys() and "lm_head.weight" in weights
             for name, w in saver[0][1].items():
-                torch.testing.assert_close(weights[name], w, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+                torch.testing.assert_close(weights[name], w, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"{layout} {name}: {m}")
 
 
 @pytest.fixture(scope="module")
