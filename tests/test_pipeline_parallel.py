@@ -2,14 +2,18 @@
 one-process logprobs, RL update (gradient clipping on), SFT step and critic update, alone and beside data, tensor,
 context and expert parallelism, with a middle stage (DeepSeek-V3, pp 3) and an uneven split. Tolerance as the DP
 tests': fp32 summation order of the reduced gradients."""
+import shutil
+
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from moeloop.checkpoint import CheckpointManager
 from moeloop.config import load_config
 from moeloop.errors import InputError
 from moeloop.loop.rl import run_rl
+from moeloop.loop.sft import run_sft
 from moeloop.model.config import ModelConfig
 from moeloop.model.factory import build_model, hf_config_dict, init_model
 from moeloop.model.hf_io import save_pretrained
@@ -20,7 +24,8 @@ from moeloop.plan import model_stats
 from moeloop.plan.memory import stage_ledgers
 from moeloop.train.actor import Actor
 from tests.dist import run_ranks
-from tests.test_rl_loop import _cfg as rl_cfg, assert_same_run
+from tests.test_rl_loop import _cfg as rl_cfg, _rows, _weights, assert_same_run
+from tests.test_sft import _cfg as sft_cfg, _conversations
 from tests.test_tensor_parallel import (_model, _shard, assert_sft_resumes_in_one_process_and_at_dp_2,
                                        critic_pass_then_steps, run_command)
 from moeloop.model.transformer import MoEForCausalLM
@@ -338,33 +343,157 @@ def test_every_schedule_runs_each_pass_once_matches_its_sends_and_cannot_deadloc
                     assert schedule_stretch(m, pp, vpp) == pytest.approx((m + (pp - 1) / vpp) / m), (pp, vpp, m)
 
 
-def _tied_checkpoint_rank(rank, world, pp, directory, save):
-    """A tied-head actor at `pp` stages: one update and a save, or a load (then the loaded weights)."""
-    init_parallel_groups(1, 1, pp)
-    actor = Actor(_model("llama_tied"), actor_cfg(max_tokens_per_micro_batch=24), torch.device("cpu"), 8)
+def _tied_adam_state(actor: Actor) -> dict[str, dict[str, torch.Tensor]]:
+    """This rank's Adam state of its copies of the tied weight (one process: the one parameter; pp 2: the embedding on
+    the first stage, the head on the last), whole: {name: {"step", "exp_avg", "exp_avg_sq"}}. Collective under FSDP."""
+    copies = [(n, p) for n, p in actor.model.named_parameters() if n in ("model.embed_tokens.weight", "lm_head.weight")]
+    return {n: {k: (v.full_tensor() if isinstance(v, DTensor) else v).clone()
+                for k, v in actor.optimizer.state[p].items()} for n, p in copies}
+
+
+def _sizes(layout: str) -> dict[str, int]:
+    """"dp2-pp2-tp2" -> {"dp": 2, "pp": 2, "tp": 2, "vpp": 1, "world": 8}; "one": one process."""
+    sizes = {"dp": 1, "pp": 1, "tp": 1, "vpp": 1}
+    sizes.update({part[:-1]: int(part[-1]) for part in layout.split("-") if part != "one"})
+    return {**sizes, "world": sizes["dp"] * sizes["pp"] * sizes["tp"]}
+
+
+def _tied_checkpoint_rank(rank, world, layout, directory, save, legacy=False):
+    """A tied-head actor (the tiny qwen3_moe with 4 decoder layers and tie_word_embeddings; AdamW at a constant lr) at
+    `layout` (`_sizes`): an update and a save, or a load; then one more update. Returns the tied weight's Adam state
+    after the save or the load (`_tied_adam_state`), and the whole model's weights after that update. `legacy`: saved
+    as before the state had one name (the last stage's copy under its own)."""
+    import moeloop.checkpoint.manager as manager_module
+    if legacy:
+        manager_module._head_copy_name = lambda model: None
+    sizes = _sizes(layout)
+    init_parallel_groups(1, sizes["tp"], sizes["pp"], vpp=sizes["vpp"])
+    cfg = actor_cfg(max_tokens_per_micro_batch=24)
+    cfg.optim.min_lr_ratio = 1.0
+    actor = Actor(tiny_model(num_hidden_layers=4, tie_word_embeddings=True), cfg, torch.device("cpu"), 8)
     manager = CheckpointManager(directory)
     if save:
-        actor.update(rl_batch())
+        actor.update(_shard(rl_batch()))
         manager.save(1, actor.model, actor.optimizer, {})
     else:
         manager.load(manager.latest(), actor.model, actor.optimizer)
-    return {n: t.clone() for n, t in actor.named_weights()}
+    state = _tied_adam_state(actor)
+    actor.update(_shard(rl_batch()))
+    return state, {n: t.clone() for n, t in actor.named_weights()}
 
 
-def test_a_tied_heads_optimizer_state_is_refused_across_pipeline_layouts(tmp_path):
-    """The shared weight's optimizer state is saved twice at pp > 1 (both ends of the pipeline) and once without:
-    loading it at another pipeline layout is an InputError naming the checkpoint, on every rank (no rank is left in a
-    collective); at the layout it was saved at it resumes."""
-    _tied_checkpoint_rank(0, 1, 1, tmp_path / "one", True)
-    with pytest.raises(AssertionError, match=r"saved at parallel.pp=1, resumed at parallel.pp=2: the optimizer state"):
-        run_ranks(_tied_checkpoint_rank, 2, 2, tmp_path / "one", False)
-    saved = run_ranks(_tied_checkpoint_rank, 2, 2, tmp_path / "two", True)[0]
-    with pytest.raises(InputError, match=r"saved at parallel.pp=2, resumed at parallel.pp=1"):
-        _tied_checkpoint_rank(0, 1, 1, tmp_path / "two", False)
-    for weights in run_ranks(_tied_checkpoint_rank, 2, 2, tmp_path / "two", False):
-        assert weights.keys() == saved.keys()
-        for name, w in saved.items():
-            torch.testing.assert_close(weights[name], w, rtol=0, atol=0)
+@pytest.mark.parametrize("saved,resumed,legacy", [
+    ("one", ["pp2", "dp2-pp2", "pp2-tp2", "pp2-vpp2"], False),  # both copies' state from the one saved
+    ("pp2", ["one", "dp2"], False),  # dp 2: FSDP, each rank a shard of the one parameter
+    ("dp2-pp2", ["one", "pp2"], False),  # each copy's state saved in two shards, by its stage's ranks
+    ("pp2-vpp2", ["one", "pp2"], False),
+    ("pp2", ["one", "dp2", "pp2"], True),  # a pp 2 checkpoint of before: its param groups may be the last stage's
+])
+def test_a_tied_heads_optimizer_state_moves_between_pipeline_layouts(tmp_path, saved, resumed, legacy):
+    """A head tied to the embedding is one parameter in one process and two copies at pp 2 (first and last stage),
+    whose Adam states are equal (same summed gradient, same steps); a checkpoint holds that state once, under the
+    embedding's name, and every copy at every layout loads it: bit-exact (DCP copies it), and the next update then
+    gives the saving run's weights, the head's copy included (tolerance as `assert_ranks_match`'s, Adam steps over
+    another fp32 summation order)."""
+    saver = run_ranks(_tied_checkpoint_rank, _sizes(saved)["world"], saved, tmp_path, True, legacy)
+    saved_names = dcp.FileSystemReader(str(CheckpointManager(tmp_path).latest())).read_metadata().state_dict_metadata
+    assert "optim.state.model.embed_tokens.weight.exp_avg" in saved_names
+    assert bool([name for name in saved_names if name.startswith("optim.state.lm_head.")]) == legacy
+    state = saver[0][0]["model.embed_tokens.weight"]
+    for copy in (c for rank_state, _ in saver for c in rank_state.values()):  # (pp 2: the head's copy too, equal)
+        for key, value in state.items():
+            torch.testing.assert_close(copy[key], value, rtol=0, atol=0)
+    for layout in resumed:
+        ranks = run_ranks(_tied_checkpoint_rank, _sizes(layout)["world"], layout, tmp_path, False)
+        for copies in (copies for copies, _ in ranks):
+            assert copies and all(copy.keys() == state.keys() for copy in copies.values())
+            for name, copy in copies.items():
+                for key, value in state.items():
+                    torch.testing.assert_close(copy[key], value, rtol=0, atol=0,
+                                               msg=lambda m: f"{layout} {name} {key}: {m}")
+        for weights in (weights for _, weights in ranks):
+            assert weights.keys() == saver[0][1].keys() and "lm_head.weight" in weights
+            for name, w in saver[0][1].items():
+                torch.testing.assert_close(weights[name], w, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"{layout} {name}: {m}")
+
+
+@pytest.fixture(scope="module")
+def tied_model_dir(tmp_path_factory):
+    """The tiny qwen3_moe with its head tied to the embedding (tie_word_embeddings), and the tokenizer."""
+    out = tmp_path_factory.mktemp("tied") / "m"
+    torch.manual_seed(3)
+    cfg = ModelConfig.from_hf_dict({**hf_config_dict("qwen3_moe", "tiny"), "tie_word_embeddings": True})
+    model = MoEForCausalLM(cfg)
+    build_tokenizer(out)
+    save_pretrained(model, out)
+    return out
+
+
+def _on_ranks(fn, world: int, *args):
+    """`fn` on `world` gloo ranks, or in this process for 1."""
+    return fn(0, 1, *args) if world == 1 else run_ranks(fn, world, *args)
+
+
+def _sft_rank(rank, world, model_dir, run_dir, resume, *extra):
+    """`moeloop sft` (`resume`: from run_dir's latest checkpoint) with the SFT tests' config and `extra` overrides."""
+    run_sft(sft_cfg(model_dir, run_dir, *extra), resume=resume)
+    return True
+
+
+def test_a_tied_models_sft_resumes_across_pipeline_layouts(tied_model_dir, tmp_path):
+    """`moeloop sft` of a model whose head is tied to the embedding, 4 steps: straight at pp 2 as in one process; 2
+    steps in one process resumed at pp 2 for the 3rd and 4th; 2 at pp 2 resumed in one process and at dp 2 (model,
+    AdamW state, scheduler, data cursor, RNG). Each logs one process's loss, gradient norm and lr at every step and ends
+    at its weights (tolerance as `assert_sft_resumes_in_one_process_and_at_dp_2`'s: AdamW over another fp32 summation
+    order). A resumed head copy without its AdamW state would step otherwise than the embedding from the 3rd step, and
+    the 4th step's loss (computed with the head) would show it."""
+    train = _conversations(tmp_path / "train.jsonl")
+    extra = ("data.prompt_key=messages", "data.max_response_length=16", f"data.train_files=[{train}]",
+             "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "data.val_files=[]")
+
+    def at(world, run, resume, steps, *layout):
+        _on_ranks(_sft_rank, world, tied_model_dir, tmp_path / run, resume, f"trainer.steps={steps}", *extra, *layout)
+    at(1, "one", False, 4)
+    at(2, "pp", False, 4, "parallel.pp=2")
+    at(1, "one_to_pp", False, 2)
+    at(2, "one_to_pp", True, 4, "parallel.pp=2")
+    at(2, "pp_to_one", False, 2, "parallel.pp=2")
+    shutil.copytree(tmp_path / "pp_to_one", tmp_path / "pp_to_dp")
+    at(1, "pp_to_one", True, 4)
+    at(2, "pp_to_dp", True, 4)
+    want = [(r["sft_loss"], r["grad_norm"], r["lr"]) for r in _rows(tmp_path / "one")]
+    assert len(want) == 4
+    for run in ("pp", "one_to_pp", "pp_to_one", "pp_to_dp"):
+        got = [(r["sft_loss"], r["grad_norm"], r["lr"]) for r in _rows(tmp_path / run)]
+        assert len(got) == 4, run
+        for step, (g, w) in enumerate(zip(got, want), 1):
+            assert g == pytest.approx(w, rel=1e-5), (run, step)
+        w1, w2 = _weights(tmp_path / "one"), _weights(tmp_path / run)
+        for name in w1:
+            torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=5e-5, msg=lambda m: f"{run} {name}: {m}")
+
+
+def _rl_rank(rank, world, model_dir, run_dir, resume, *extra):
+    """`moeloop rl` (`resume`: from run_dir's latest checkpoint) as `run_command`'s, with `extra` overrides."""
+    run_rl(rl_cfg(model_dir, run_dir, "actor.optim.lr=1e-4", *extra), resume=resume)
+    return True
+
+
+def test_a_tied_models_rl_loop_resumes_across_pipeline_layouts(tied_model_dir, tmp_path):
+    """`moeloop rl` of a model whose head is tied to the embedding, 4 steps: 2 in one process resumed at pp 2, and 2
+    at pp 2 resumed in one process, log the straight one-process run's rewards, lengths, losses and gradient norms at
+    every step and end at its weights (`assert_same_run`: Adam over all-reduced fp32 gradients). (The engine takes the
+    weight stream's head under its own name too: `RolloutEngine.update_weights`.)"""
+    for run, first, then in (("one_to_pp", (), ("parallel.pp=2",)), ("pp_to_one", ("parallel.pp=2",), ())):
+        for resume, layout, steps in ((False, first, 2), (True, then, 4)):
+            _on_ranks(_rl_rank, 2 if layout else 1, tied_model_dir, tmp_path / run, resume, f"trainer.steps={steps}",
+                      *layout)
+    _rl_rank(0, 1, tied_model_dir, tmp_path / "one", False, "trainer.steps=4")
+    for run in ("one_to_pp", "pp_to_one"):
+        assert len(_rows(tmp_path / run)) == 4
+        assert_same_run(tmp_path / "one", tmp_path / run,
+                        ("reward/mean", "reward/samples", "pg_loss", "grad_norm", "response/len_mean"))
 
 
 def _timeouts_rank(rank, world, timeout):

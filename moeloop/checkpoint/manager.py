@@ -30,7 +30,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from moeloop.errors import InputError
-from moeloop.parallel.groups import pp_size
+from moeloop.parallel.groups import pp_rank, pp_size
+from moeloop.parallel.pipeline import tied_copy
 
 
 def _check_fits(path: Path, model_sd: dict[str, Any]) -> None:
@@ -47,16 +48,22 @@ def _check_fits(path: Path, model_sd: dict[str, Any]) -> None:
                          f"another model or config?")
 
 
-def _check_tied_layout(path: Path, saved: int, model: torch.nn.Module) -> None:
-    """An InputError when a model whose head is tied to its embedding (`train.actor.PolicyForward` marks it
-    `ties_head` on every rank) would load optimizer state saved at another pipeline layout: with pp > 1 the shared
-    weight's state is saved twice (the first stage's embedding, the last stage's head), without it once, and DCP cannot
-    map one onto the other. `saved`: the pipeline size the checkpoint was saved at."""
-    if getattr(model, "ties_head", False) and saved != pp_size():
-        raise InputError(f"{path}: saved at parallel.pp={saved}, resumed at parallel.pp={pp_size()}: the optimizer "
-                         "state of a head tied to the embedding (tie_word_embeddings) does not move between pipeline "
-                         f"layouts yet; resume at parallel.pp={saved} (the weights alone load at any layout: "
-                         "model.path from its HF export)")
+TIED_NAME = "model.embed_tokens.weight"  # a head tied to the embedding: its one name in a checkpoint (one process's)
+
+
+def _head_copy_name(model: torch.nn.Module) -> str | None:
+    """The name of this rank's copy of a head weight tied to the embedding when the pipeline splits the two (the last
+    stage's `lm_head.weight`, `parallel.pipeline.tied_copy`), else None."""
+    copy = tied_copy(model) if pp_rank() == pp_size() - 1 else None
+    return None if copy is None else next(name for name, p in model.named_parameters() if p is copy)
+
+
+def _rename_optim_state(optim_sd: dict[str, Any], old: str, new: str) -> None:
+    """In place: parameter `old`'s optimizer state (and its entry in the param groups) named `new`."""
+    if old in optim_sd["state"]:
+        optim_sd["state"][new] = optim_sd["state"].pop(old)
+    for group in optim_sd["param_groups"]:
+        group["params"] = [new if name == old else name for name in group["params"]]
 
 
 def _dtype_changes(path: Path, model: torch.nn.Module) -> dict[tuple[torch.dtype, torch.dtype], int]:
@@ -175,12 +182,16 @@ class CheckpointManager:
              trainable_only: bool = False) -> dict[str, Any]:
         """Load into the current layout (DCP reshards); restore this rank's RNG; return meta."""
         meta = json.loads((Path(path) / "meta.json").read_text())
-        if optimizer is not None:
-            _check_tied_layout(path, meta.get("pp", 1), model)
         state = self._state(model, optimizer, trainable_only)
         _check_fits(path, state["model"])  # (every tensor of `state` is in the checkpoint: strict where it matters)
         with _one_process_quiet():
             dcp.load(state, checkpoint_id=str(path))
+        if optimizer is not None and getattr(model, "ties_head", False):
+            # (the param groups saved before the state had one name may be a pipeline's last stage's, which named it so)
+            _rename_optim_state(state["optim"], "lm_head.weight", TIED_NAME)
+        head = _head_copy_name(model)
+        if head is not None and optimizer is not None:  # (the state `_state` named as the embedding's: its own again)
+            _rename_optim_state(state["optim"], TIED_NAME, head)
         options = StateDictOptions(strict=not trainable_only, ignore_frozen_params=trainable_only)
         if optimizer is None:
             set_state_dict(model, optimizers=(), model_state_dict=state["model"], optim_state_dict={}, options=options)
@@ -196,11 +207,21 @@ class CheckpointManager:
     @staticmethod
     def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                trainable_only: bool = False) -> dict[str, Any]:
+        """What DCP saves and loads: `get_state_dict`'s model and optimizer entries, under one name at every layout.
+        A head tied to the embedding is one parameter in one process, whose optimizer state is the embedding's
+        (`TIED_NAME`); a pipeline keeps a copy of it on its first and on its last stage (`parallel.pipeline.tied_copy`),
+        which take the same summed gradient and the same steps, so the last stage's copy has the same state and names it
+        so too: DCP writes that state once (its two writers' equal tensors, as replicas) and reads it into both copies.
+        The weights keep `get_state_dict`'s names (one process's lists the tied weight as the embedding and as
+        lm_head: every layout saves both)."""
         options = StateDictOptions(ignore_frozen_params=trainable_only)
         if optimizer is None:
             model_sd, _ = get_state_dict(model, optimizers=(), options=options)
             return {"model": model_sd}
         model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+        head = _head_copy_name(model)
+        if head is not None:
+            _rename_optim_state(optim_sd, head, TIED_NAME)
         return {"model": model_sd, "optim": optim_sd}
 
     def _prune(self, saved: Path) -> None:

@@ -292,11 +292,12 @@ class Engine:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Iterator[tuple[str, torch.Tensor]],
                        version: int | None = None) -> None:
         """Copy (name, tensor) pairs (our state_dict names; every parameter once) into the live parameters in
-        place, then bump the policy version. Only while drained; stale prefix-cache entries are dropped."""
+        place, then bump the policy version. Only while drained; stale prefix-cache entries are dropped. A head tied
+        to the embedding is one parameter under both state_dict names (the trainer's stream has both)."""
         if not self.is_drained:
             raise RuntimeError(f"update_weights while {len(self.scheduler.running)} sequences are in flight: "
                                "call pause() and drain() first")
-        targets = dict(self.model.named_parameters())
+        targets = dict(self.model.named_parameters(remove_duplicate=False))
         targets.update(dict(self.model.named_buffers()))
         seen: set[str] = set()
         self._weights_consistent = False
