@@ -147,7 +147,7 @@ def sigint_after_first_checkpoint(tmp_path: Path, command: str, overrides: list[
     cmd = [sys.executable, "-m", "moeloop", command, RUNS[command][0], f"model.path={tmp_path / 'model'}",
            f"trainer.run_dir={run_dir}", "trainer.device=cpu", "trainer.steps=1000", "trainer.log=[jsonl]",
            "checkpoint.save_every=1", *overrides]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
 
     def start() -> None:  # SIGINT as Python installs it: a shell's background job would otherwise pass it on ignored
         signal.signal(signal.SIGINT, signal.SIG_DFL)
