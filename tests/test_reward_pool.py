@@ -266,3 +266,14 @@ def test_process_executor_for_cpu_bound_rules() -> None:
                    Sample(prompt_ids=[], response_text="#### 7", ground_truth="8")]
         stats = pool.score(samples)
     assert stats.scored == 2 and [s.reward for s in samples] == [1.0, 0.0]
+
+
+def test_close_ends_the_scoring_an_interrupted_caller_left() -> None:
+    """A Ctrl-C in `score` leaves its scoring running on the pool's loop; `close` cancels it (and the loop stops), so
+    nothing is left pending for asyncio to report as "Task was destroyed but it is pending!" at exit."""
+    pool = RewardPool(SyncPeak(sleep_s=0.5), concurrency=2, timeout_s=30)
+    scoring = asyncio.run_coroutine_threadsafe(pool._score(batch(4)), pool._loop)  # (what `score` waits on)
+    time.sleep(0.1)
+    pool.close()
+    assert scoring.cancelled()
+    assert not pool._thread.is_alive()

@@ -84,6 +84,12 @@ class RewardPool:
         for thing in reversed(self.owned):
             thing.close()
         if self._loop.is_running():
+            # scoring an interrupted caller left (a Ctrl-C in `score`) ends here, not as "Task was destroyed but it
+            # is pending!" on stderr at exit
+            try:
+                asyncio.run_coroutine_threadsafe(_cancel_pending(), self._loop).result(timeout=10)
+            except TimeoutError:
+                pass  # (a task deaf to its cancellation: the loop stops below all the same)
             closer = getattr(self.fn, "aclose", None)
             if closer is not None:
                 asyncio.run_coroutine_threadsafe(closer(), self._loop).result(timeout=10)
@@ -180,6 +186,14 @@ class RewardPool:
 
 class _CircuitOpen(Exception):
     """The breaker refused the call; the sample falls back without further retries."""
+
+
+async def _cancel_pending() -> None:
+    """Cancel every task of the running loop but this one, and wait until they have ended."""
+    tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _make_executor(kind: str, workers: int) -> Executor:
