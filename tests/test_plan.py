@@ -377,3 +377,20 @@ def test_sequence_parallelism_plans_the_residual_stream_by_rows():
     assert Layout(tp=2, pp=2, sequence_parallel=True).validate() == [
         "sequence_parallel with cp=1, pp=2: the trainer splits the residual stream by rows only under tp alone "
         "(cp and pp 1)"]
+
+
+def test_moeloops_own_engine_is_planned_whole_on_each_rank():
+    """moeloop's rollout engine holds the whole model on each rank whatever the trainer's tp (no engine tensor
+    parallelism), so a run's plan counts it whole; `parallel.rollout_tp` plans another engine's layout (the seed and
+    DeepSeek-V3 examples: verl's vLLM engines), and a run refuses it (tests/test_rl_loop.py)."""
+    from moeloop.model.factory import hf_config_dict
+    from moeloop.plan.memory import BF16, decode_pack_bytes
+    base = ["model.path=unused", "parallel.dp=2", "parallel.tp=2", "rollout.mode=colocated"]
+    cfg, split = load_config(None, base), load_config(None, [*base, "parallel.rollout_tp=2"])
+    for c in (cfg, split):
+        c.plan.hf_config = hf_config_dict("qwen3_moe", "small")
+    stats = model_stats(ModelConfig.from_hf_dict(cfg.plan.hf_config))
+    whole, halved = (memory_ledger(c, stats, Layout.from_section(c.parallel)).entries["rollout_weights"]
+                     for c in (cfg, split))
+    assert whole == pytest.approx(BF16 * stats.total_params + decode_pack_bytes(stats.model, 1), rel=1e-12)
+    assert halved == pytest.approx(BF16 * stats.total_params / 2 + decode_pack_bytes(stats.model, 2), rel=1e-12)

@@ -713,3 +713,12 @@ def test_reward_fns_sum_their_weighted_scores(model_dir, tmp_path):
             run_rl(_cfg(model_dir, tmp_path / "bad", f"reward.fns={fns}", "trainer.steps=1"))
     with pytest.raises(InputError, match="reward.executor=process: reward.fns runs its sync components in threads"):
         run_rl(_cfg(model_dir, tmp_path / "bad", "reward.fns=[{fn: arith}]", "reward.executor=process"))
+
+
+def test_a_run_refuses_an_engine_layout_it_cannot_run(model_dir, tmp_path):
+    """`parallel.rollout_tp` plans another engine's layout (`moeloop plan`); moeloop's engine holds the whole model on
+    each rank, so a run with it set would not be the run planned."""
+    with pytest.raises(InputError, match=r"parallel.rollout_tp=2: moeloop's rollout engine holds the whole model on "
+                                         r"each rank"):
+        run_rl(_cfg(model_dir, tmp_path / "bad", "parallel.rollout_tp=2"))
+    assert not (tmp_path / "bad" / "checkpoints").exists()

@@ -451,7 +451,7 @@ class ParallelSection:
     cp: int = 1
     first_stage_layers: int = 0  # uneven pipeline: decoder layers on the first stage (0 = even split)
     last_stage_layers: int = 0  # ... and on the last stage (Megatron num_layers_in_last_pipeline_stage)
-    rollout_tp: int = 0  # tensor-parallel size of one rollout engine; 0 = tp
+    rollout_tp: int = 0  # `moeloop plan`: GPUs one rollout engine spans (another engine's layout); 0 = 1, moeloop's
     sequence_parallel: bool = False  # under tp: the residual stream and norms split by rows (Megatron's)
 
     def check(self) -> None:

@@ -255,6 +255,10 @@ def check_runtime_support(cfg: RunConfig) -> None:
         raise InputError(f"algorithm.dynamic_sampling is not supported with rollout.mode={cfg.rollout.mode} and "
                          f"rollout.max_staleness >= 1 (its refill rounds gather across ranks, which the rollout thread "
                          f"must not do)")
+    if cfg.parallel.rollout_tp > 1:
+        raise InputError(f"parallel.rollout_tp={cfg.parallel.rollout_tp}: moeloop's rollout engine holds the whole "
+                         "model on each rank (no engine tensor parallelism yet); rollout_tp plans another engine's "
+                         "layout in `moeloop plan` only (leave it at 0 for a run)")
     check_parallel_support(cfg)
 
 

@@ -18,7 +18,7 @@ from moeloop.plan.accounting import ModelStats, model_stats, stats_from_counts
 from moeloop.plan.decode import DecodeEstimate, decode_roofline
 from moeloop.plan.interval import expected_overhead, young_daly_interval_s
 from moeloop.plan.activations import in_flight_micro_batches
-from moeloop.plan.memory import (ADAPTER_BYTES, DTYPE_BYTES, GB, Ledger, avg_seq_tokens, lora_params,
+from moeloop.plan.memory import (ADAPTER_BYTES, DTYPE_BYTES, GB, Ledger, avg_seq_tokens, engine_tp, lora_params,
                                  memory_ledger, num_micro_batches, on_training_gpus, stage_ledgers, state_bytes)
 from moeloop.parallel.pipeline import schedule_stretch
 from moeloop.plan.split import SplitRow, split_rows, verdict
@@ -110,9 +110,9 @@ def _problems(cfg: RunConfig, stats: ModelStats, layout: Layout, pool: int, colo
     problems = layout.validate(stats.model, None, batch)
     if pool < layout.world_size:
         problems.append(f"plan.total_gpus={pool} < training world dp*tp*pp*cp = {layout.world_size}")
-    if not colocated and pool - layout.world_size < (cfg.parallel.rollout_tp or layout.tp):
+    if not colocated and pool - layout.world_size < engine_tp(cfg):
         problems.append(f"rollout.mode={cfg.rollout.mode} leaves {pool - layout.world_size} GPUs for rollout, "
-                        f"fewer than one engine of rollout_tp={cfg.parallel.rollout_tp or layout.tp}")
+                        f"fewer than one engine of rollout_tp={engine_tp(cfg)}")
     if stats.model is None and "activations" not in cfg.plan.given_gb:
         problems.append("model given as parameter counts: plan.given_gb.activations is required")
     return problems
@@ -125,14 +125,14 @@ def _decode_context(cfg: RunConfig) -> int:
 
 def _decode(cfg: RunConfig, stats: ModelStats, layout: Layout, pool: int, colocated: bool) -> Optional[DecodeEstimate]:
     gpus = pool if colocated else pool - layout.world_size
-    engine_tp = cfg.parallel.rollout_tp or layout.tp
-    if gpus < engine_tp:
+    tp = engine_tp(cfg)
+    if gpus < tp:
         return None
     hw = cfg.hardware
     # (the run's own engine takes rollout.gpu_memory_utilization on GPUs of its own too, as the disaggregated engine
     # process does; `split_rows` keeps DEDICATED_FRACTION for the layouts it only weighs)
     fraction = cfg.rollout.gpu_memory_utilization
-    return decode_roofline(stats, gpus, engine_tp, hw.hbm_gbps, hw.gpu_memory_gb, fraction, _decode_context(cfg),
+    return decode_roofline(stats, gpus, tp, hw.hbm_gbps, hw.gpu_memory_gb, fraction, _decode_context(cfg),
                            cfg.rollout.max_num_seqs, cfg.plan.decode_efficiency)
 
 

@@ -279,10 +279,16 @@ def decode_pack_bytes(m: ModelConfig | None, rollout_tp: int = 1) -> float:
     return qkv + routers
 
 
+def engine_tp(cfg: RunConfig) -> int:
+    """GPUs one rollout engine spans (`parallel.rollout_tp`, another engine's layout planned); 0 means 1: moeloop's
+    engine, which holds the whole model on each rank whatever the trainer's layout (no engine tensor parallelism)."""
+    return cfg.parallel.rollout_tp or 1
+
+
 def _rollout_entries(cfg: RunConfig, stats: ModelStats, layout: Layout, colocated: bool) -> dict[str, float]:
     if not colocated:
         return {"rollout_weights": 0.0, "rollout_kv": 0.0}
-    rollout_tp = cfg.parallel.rollout_tp or layout.tp
+    rollout_tp = engine_tp(cfg)
     weights = BF16 * stats.total_params / rollout_tp + decode_pack_bytes(stats.model, rollout_tp)
     budget = cfg.rollout.gpu_memory_utilization * cfg.hardware.gpu_memory_gb * GB
     kv = float(cfg.rollout.kv_cache_bytes) if cfg.rollout.kv_cache_bytes else max(0.0, budget - weights)

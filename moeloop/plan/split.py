@@ -16,7 +16,7 @@ from moeloop.config.schema import RunConfig
 from moeloop.parallel.layout import BatchInfo, Layout
 from moeloop.plan.accounting import ModelStats
 from moeloop.plan.decode import DecodeEstimate, decode_roofline
-from moeloop.plan.memory import GB, Ledger, memory_ledger
+from moeloop.plan.memory import GB, Ledger, engine_tp, memory_ledger
 
 TRAIN_PHASES = ("train", "optimizer_step", "sync")
 DEDICATED_FRACTION = 0.9  # vLLM's default gpu_memory_utilization on GPUs of its own
@@ -59,12 +59,12 @@ def verdict(peak_bytes: float, capacity_gb: float, tight_fraction: float) -> str
 
 def split_rows(cfg: RunConfig, stats: ModelStats, base: Layout, pool: int, context_tokens: int) -> list[SplitRow]:
     rows, step = [], math.lcm(cfg.hardware.gpus_per_node, base.tp * base.pp * base.cp)
-    engine_tp = cfg.parallel.rollout_tp or base.tp
+    tp = engine_tp(cfg)
     for k in range(0, pool // step + 1):
         train = pool - k * step
         if train <= 0:
             break
-        rows.append(_row(cfg, stats, base, train, pool - train if k else pool, k == 0, engine_tp, context_tokens))
+        rows.append(_row(cfg, stats, base, train, pool - train if k else pool, k == 0, tp, context_tokens))
     return rows
 
 
