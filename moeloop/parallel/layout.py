@@ -82,13 +82,18 @@ class Layout:
         vpp chunks and the rest over the other stages' chunks."""
         if self.pp == 1:
             return [num_layers]
-        first, last = self.first_stage_layers, self.last_stage_layers
-        ends = {0: first, self.pp - 1: last}
-        ends = {stage: n for stage, n in ends.items() if n}
-        middle_chunks = (self.pp - len(ends)) * self.vpp
+        ends = self._set_ends()
         shares = {stage: _even(n, self.vpp) for stage, n in ends.items()}
-        shares[None] = _even(num_layers - first - last, middle_chunks)
+        shares[None] = _even(num_layers - sum(ends.values()), self._middle_chunks())
         return [shares[k % self.pp if k % self.pp in ends else None].pop(0) for k in range(self.pp * self.vpp)]
+
+    def _set_ends(self) -> dict[int, int]:
+        """{stage: its layer count} for the first and last stage where `first_stage_layers` / `last_stage_layers` set it."""
+        return {stage: n for stage, n in ((0, self.first_stage_layers), (self.pp - 1, self.last_stage_layers)) if n}
+
+    def _middle_chunks(self) -> int:
+        """The model chunks the layers the set ends leave split over: the other stages' vpp each."""
+        return (self.pp - len(self._set_ends())) * self.vpp
 
     def stage_chunks(self, num_layers: int, stage: int) -> list[range]:
         """The decoder layers of `stage`'s chunks, chunk by chunk (one run without interleaving): what the runtime
@@ -157,7 +162,7 @@ class Layout:
         if self.pp == 1:
             return []
         first, last = self.first_stage_layers, self.last_stage_layers
-        middle_chunks = (self.pp - (1 if first else 0) - (1 if last else 0)) * self.vpp
+        middle_chunks = self._middle_chunks()
         rest = num_layers - first - last
         if rest < 0 or (middle_chunks == 0 and rest):
             return [f"first_stage_layers={first} + last_stage_layers={last} do not fit num_layers={num_layers} with pp={self.pp}"]
